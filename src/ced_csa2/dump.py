@@ -1,0 +1,179 @@
+"""``dump`` stage: hidden states and true K/V of the training corpus, to chunked HDF5.
+
+    python -m ced_csa2.dump          # what `dvc repro dump` runs
+
+Reads ``params.yaml`` and ``data/corpus/train.jsonl``; runs the base model over the
+records in batches (right padding, ``model.dtype`` compute) with hooks that capture
+``H_split`` and the ``k_proj``/``v_proj`` outputs (pre-k_norm, pre-RoPE) of every
+layer the plan needs; stores only real tokens in ``data/dump/dump.h5`` (format in
+:mod:`ced_csa2.h5store`) and writes ``metrics/dump.json``.
+
+The file grows under ``data/dump.partial.h5`` and is renamed when complete.  If the
+process is killed, the next run resumes after the last complete batch of records
+(when model, tokenizer, corpus and params are unchanged) and ends with the same
+datasets as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from . import kv_hooks
+from .config import Params, load_params, params_hash, to_dict
+from .h5store import DumpLayout, DumpWriter
+from .io_utils import write_json
+from .model_utils import load_model_and_tokenizer, resolve_device, tokenizer_hash
+from .plan import LayerPlan, load_plan
+
+log = logging.getLogger(__name__)
+
+TRAIN_JSONL = Path("data/corpus/train.jsonl")
+DUMP_PATH = Path("data/dump/dump.h5")
+PARTIAL_PATH = Path("data/dump.partial.h5")
+METRICS_PATH = Path("metrics/dump.json")
+
+
+def read_records(path: Path) -> list[dict]:
+    """Corpus records (``id``, ``source``, ``text``, ``n_tokens``), validated."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: corpus not found (run `dvc repro prepare`)")
+    records = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{i}: not a JSON object") from None
+        missing = {"id", "text", "n_tokens"} - set(rec)
+        if missing:
+            raise ValueError(f"{path}:{i}: record lacks {sorted(missing)}")
+        records.append(rec)
+    if not records:
+        raise ValueError(f"{path}: corpus is empty")
+    return records
+
+
+def tokenize(tok, records: list[dict], max_tokens: int) -> list[list[int]]:
+    """Token ids per record (default special tokens, truncated to ``max_tokens``)."""
+    ids = tok([r["text"] for r in records], truncation=True, max_length=max_tokens)["input_ids"]
+    for rec, row in zip(records, ids):
+        if len(row) != rec["n_tokens"]:
+            raise ValueError(f"record {rec['id']!r}: tokenizes to {len(row)} tokens, the corpus says "
+                             f"{rec['n_tokens']} (corpus made with another tokenizer? rerun prepare)")
+    return ids
+
+
+def fingerprint(params: Params, corpus: Path, tok_hash: str) -> str:
+    """What must match for a partial dump to be resumed."""
+    h = hashlib.sha256(corpus.read_bytes())
+    h.update(json.dumps([to_dict(params.model), to_dict(params.plan), to_dict(params.dump),
+                         params.data.max_tokens, tok_hash], sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def pad_batch(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``(B, T_max)`` ids and attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
+def to_storage(t: torch.Tensor, storage_dtype: str) -> np.ndarray:
+    """A captured activation as the on-disk numpy array (bf16 kept as its uint16 bits)."""
+    if storage_dtype == "bfloat16":
+        return t.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
+    return t.to(getattr(torch, storage_dtype)).cpu().numpy()
+
+
+@torch.inference_mode()
+def forward_batch(model, plan: LayerPlan, ids: torch.Tensor, mask: torch.Tensor, storage_dtype: str) -> dict:
+    """Captured arrays of the real (non-pad) tokens of one batch, records concatenated.
+
+    Returns ``{"h_split": (n, hidden), "k_{l}": (n, kv_dim), "v_{l}": ...}`` with
+    ``n = mask.sum()``; rows in (record, position) order.
+    """
+    device = next(model.parameters()).device
+    with kv_hooks.capture(model, plan.kv_layers, [plan.split]) as store:
+        # The base model without the LM head: logits are not needed for the dump.
+        model.model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+    keep = mask.to(device).bool()
+    out = {"h_split": to_storage(store["h"][plan.split][keep], storage_dtype)}
+    for layer in plan.kv_layers:
+        out[f"k_{layer}"] = to_storage(store["k"][layer][keep], storage_dtype)
+        out[f"v_{layer}"] = to_storage(store["v"][layer][keep], storage_dtype)
+    return out
+
+
+def run(params: Params, workdir: Path = Path("."), *, max_batches: int | None = None) -> dict | None:
+    """Dump the training corpus; returns the metrics, or ``None`` when stopped by ``max_batches``.
+
+    ``max_batches`` stops after that many batches *without* finalising, exactly as if
+    the process had been killed there (used by the resume tests).
+    """
+    workdir = Path(workdir)
+    model_cfg, cfg = params.model, params.dump
+    plan, geo = load_plan(params.plan, model_cfg)
+    records = read_records(workdir / TRAIN_JSONL)
+    model, tok = load_model_and_tokenizer(model_cfg, device=resolve_device(cfg.device))
+    ids = tokenize(tok, records, params.data.max_tokens)
+    tok_hash = tokenizer_hash(tok)
+    layout = DumpLayout(geo.hidden_size, geo.kv_dim, plan.kv_layers, cfg.storage_dtype)
+    attrs = {
+        "fingerprint": fingerprint(params, workdir / TRAIN_JSONL, tok_hash),
+        "model": model_cfg.name, "model_id": model_cfg.hf_id or model_cfg.name,
+        "plan": json.dumps(to_dict(params.plan)), "split": plan.split,
+        "compute_dtype": str(model.dtype).removeprefix("torch."), "storage_dtype": cfg.storage_dtype,
+        "pre_norm": True, "pre_rope": True, "tokenizer_sha256": tok_hash,
+        "params_hash": params_hash(params.model, params.plan, params.dump),
+    }
+    writer = DumpWriter(workdir / DUMP_PATH, workdir / PARTIAL_PATH, layout, cfg.chunk_kib, attrs)
+    start = writer.n_records
+    batches = [list(range(i, min(i + cfg.batch_size, len(ids)))) for i in range(start, len(ids), cfg.batch_size)]
+    log.info("dumping %d records (%d already done) of %s: layers %s + H_%d, %s compute, %s storage",
+             len(ids) - start, start, model_cfg.name, list(plan.kv_layers), plan.split, attrs["compute_dtype"],
+             cfg.storage_dtype)
+    n_tokens, t0 = 0, time.perf_counter()
+    for b, batch in enumerate(tqdm(batches, desc="dump", unit="batch")):
+        if max_batches is not None and b >= max_batches:
+            writer.close()
+            return None
+        rows = [ids[i] for i in batch]
+        x, mask = pad_batch(rows, tok.pad_token_id)
+        arrays = forward_batch(model, plan, x, mask, cfg.storage_dtype)
+        flat = np.fromiter((t for r in rows for t in r), dtype=np.int32)
+        writer.append(arrays, flat, [len(r) for r in rows])
+        n_tokens += len(flat)
+    seconds = time.perf_counter() - t0
+    path = writer.finalize()
+    metrics = {
+        "records": len(ids), "tokens": int(sum(len(r) for r in ids)), "bytes": path.stat().st_size,
+        "tokens_this_run": n_tokens, "seconds_this_run": round(seconds, 3),
+        "tokens_per_s": round(n_tokens / seconds, 1) if seconds > 0 else None,
+        "resumed_from_record": start, "device": str(next(model.parameters()).device),
+        "threads": torch.get_num_threads(), "model": model_cfg.name, "compute_dtype": attrs["compute_dtype"],
+        "storage_dtype": cfg.storage_dtype, "kv_layers": list(plan.kv_layers), "split": plan.split,
+    }
+    write_json(workdir / METRICS_PATH, metrics)
+    log.info("wrote %s: %d records, %d tokens, %.1f MB", path, metrics["records"], metrics["tokens"],
+             metrics["bytes"] / 1e6)
+    return metrics
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    run(load_params())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Shared tiny, real objects: the tiny Qwen3.5 profile and a tiny Llama, built locally."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from ced_csa2.compose import compose
+from ced_csa2.config import Params, from_dict
+from ced_csa2.model_utils import load_model_and_tokenizer
+
+TINY_OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_asset_cache(tmp_path_factory, monkeypatch):
+    # Tests never touch the user's asset cache.
+    monkeypatch.setenv("CED_CSA2_CACHE", str(tmp_path_factory.getbasetemp() / "asset-cache"))
+
+
+def tiny_params(**sections) -> Params:
+    """The tiny profile's params, with whole sections replaced via ``dataclasses.replace`` kwargs."""
+    import yaml
+
+    params = from_dict(Params, yaml.safe_load(compose(TINY_OVERRIDES)))
+    for name, changes in sections.items():
+        params = dataclasses.replace(params, **{name: dataclasses.replace(getattr(params, name), **changes)})
+    return params
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The tiny Qwen3.5 (fp32, sdpa) and its byte-level tokenizer."""
+    model, tok = load_model_and_tokenizer(tiny_params().model, dtype=torch.float32)
+    return model, tok
+
+
+def tiny_llama(attn_implementation="sdpa"):
+    """A seeded random-init Llama with SmolLM2's structure at tiny width (all layers attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=6,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
+    cfg._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()

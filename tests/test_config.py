@@ -1,0 +1,61 @@
+"""Shipped configs compose and validate; bad params are clear errors naming the key."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ced_csa2.compose import CONF_DIR, compose
+from ced_csa2.config import Params, ParamsError, from_dict, load_params, to_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_committed_params_yaml_is_the_composition_of_conf():
+    assert (ROOT / "params.yaml").read_text() == compose()
+
+
+def _every_group_option():
+    for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir()):
+        for option in sorted(group.glob("*.yaml")):
+            yield f"{group.name}={option.stem}"
+
+
+@pytest.mark.parametrize("override", list(_every_group_option()))
+def test_every_shipped_group_option_validates(override):
+    params = from_dict(Params, yaml.safe_load(compose([override])))
+    assert to_dict(params) == yaml.safe_load(compose([override]))  # round trip, no key lost
+
+
+def _write(tmp_path, mutate):
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    mutate(raw)
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda r: r["ridge"].update({"lambda": -1}), "'ridge.lambda' must be >= 0"),
+    (lambda r: r["ridge"].update({"lamda": 1.0}), "'ridge.lamda' is not a known parameter"),
+    (lambda r: r["train_projector"].update({"epochs": "12"}), "'train_projector.epochs' must be of type int"),
+    (lambda r: r["plan"].pop("source"), "'plan.source' is missing"),
+    (lambda r: r["model"].update({"kind": "gguf"}), "'model.kind' must be one of"),
+    (lambda r: r["data"].update({"min_tokens": 1000}), "'data.min_tokens' must be in"),
+    (lambda r: r["model"]["wheel"].update({"sha256": "abc"}), "'sha256' must be 64 hex digits"),
+    (lambda r: r["plan"].update({"targets": [22, "x"]}), "'plan.targets.1' must be of type int"),
+])
+def test_invalid_params_name_file_and_key(tmp_path, mutate, message):
+    path = _write(tmp_path, mutate)
+    with pytest.raises(ParamsError, match=message) as err:
+        load_params(path)
+    assert str(path) in str(err.value)
+
+
+def test_unknown_profile_is_a_clear_error():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match="model/gpt5"):
+        compose(["model=gpt5"])
+    with pytest.raises(ParamsError, match="parameter file not found"):
+        load_params("/nonexistent/params.yaml")

@@ -1,0 +1,57 @@
+"""The layer plan is validated against the model before any heavy work."""
+
+import pytest
+
+from ced_csa2.config import PlanConfig
+from ced_csa2.model_utils import Geometry, geometry, load_config
+from ced_csa2.plan import LayerPlan, PlanError, load_plan
+
+from conftest import tiny_params
+
+QWEN = Geometry(n_layers=32, hidden_size=2560, n_kv_heads=4, head_dim=256,
+                attention_layers=tuple(range(4, 33, 4)))
+SMOL = Geometry(n_layers=30, hidden_size=576, n_kv_heads=3, head_dim=64, attention_layers=tuple(range(1, 31)))
+
+
+def plan(split=16, source=20, targets=(24, 28, 32), extra=()):
+    return LayerPlan(split, source, tuple(targets), tuple(extra))
+
+
+def test_seed_plan_is_valid_and_covering_on_qwen():
+    p = plan().validate(QWEN)
+    assert p.kv_layers == (20, 24, 28, 32)
+    assert p.uncovered(QWEN) == []
+
+
+@pytest.mark.parametrize("bad,message", [
+    (plan(source=18), "plan source layer 18 is not a softmax-attention layer"),
+    (plan(targets=(24, 33)), "plan target layer 33 does not exist: the model has layers 1..32"),
+    (plan(split=20), "plan source layer 20 must come after split layer 20"),
+    (plan(targets=(16, 24)), "plan target layer 16 must come after source layer 20"),
+    (plan(targets=(24, 24)), "names a layer twice"),
+    (plan(targets=()), "no target layers"),
+    (plan(split=0), "plan split layer 0 does not exist"),
+])
+def test_invalid_plans_name_the_layer(bad, message):
+    with pytest.raises(PlanError, match=message):
+        bad.validate(QWEN)
+
+
+def test_mode_a_needs_a_covering_plan():
+    default = LayerPlan(15, 18, (22, 26, 30)).validate(SMOL)
+    with pytest.raises(PlanError, match=r"does not cover attention layers \[16, 17, 19, 20, 21, 23, 24, 25, 27, 28, "
+                                        r"29\] above split layer 15"):
+        default.require_covering(SMOL)
+    covering = LayerPlan(15, 18, (22, 26, 30), (16, 17, 19, 20, 21, 23, 24, 25, 27, 28, 29)).validate(SMOL)
+    assert covering.require_covering(SMOL) is covering
+    with pytest.raises(PlanError, match="does not cover attention layers \\[28\\]"):
+        plan(targets=(24, 32)).validate(QWEN).require_covering(QWEN)
+
+
+def test_tiny_profile_has_qwen3_5_4b_layer_pattern():
+    geo = geometry(load_config(tiny_params().model))
+    assert geo.n_layers == 32 and geo.attention_layers == QWEN.attention_layers
+    p, _ = load_plan(tiny_params().plan, tiny_params().model)
+    assert p == plan()
+    with pytest.raises(PlanError, match="layer 18 is not a softmax-attention layer"):
+        load_plan(PlanConfig("bad", 15, 18, [22, 26, 30]), tiny_params().model)
