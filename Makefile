@@ -1,0 +1,20 @@
+# Two commands set up everything on a fresh machine (Python 3.11 + PyPI only):
+#   make repro   -- create .venv, install, run the embedded default pipeline (dvc repro)
+#   make test    -- create .venv, install, run the test suite
+PYTHON ?= python3
+VENV := .venv
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export DVC_NO_ANALYTICS := 1
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e '.[test]'
+	touch $@
+
+.PHONY: repro test
+repro: $(VENV)/.installed
+	dvc repro
+
+test: $(VENV)/.installed
+	python -m pytest -q

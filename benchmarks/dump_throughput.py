@@ -1,0 +1,82 @@
+"""Dump throughput against a plain forward over the same batches and dtype, in one run.
+
+    python benchmarks/dump_throughput.py                  # params.yaml model, first 64 train records
+    python benchmarks/dump_throughput.py --records 128 --repeats 3
+
+Both paths see identical padded batches.  "plain" is ``model.model(...)`` (the base
+model without LM head, as the dump runs it) with no hooks; "dump" is the stage's own
+per-batch work: capture hooks, gathering real tokens, conversion to the storage dtype
+and the HDF5 append.  The two are interleaved batch by batch, so machine load hits
+both alike; the best of ``--repeats`` passes is reported.  Goal: ratio >= 0.85.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ced_csa2 import dump
+from ced_csa2.config import load_params
+from ced_csa2.h5store import DumpLayout, DumpWriter
+from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
+from ced_csa2.plan import load_plan
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--records", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    params = load_params(args.params)
+    plan, geo = load_plan(params.plan, params.model)
+    records = dump.read_records(dump.TRAIN_JSONL)[: args.records]
+    model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.dump.device))
+    ids = dump.tokenize(tok, records, params.data.max_tokens)
+    bs = params.dump.batch_size
+    batches = [dump.pad_batch(ids[i:i + bs], tok.pad_token_id) for i in range(0, len(ids), bs)]
+    n_tokens = sum(len(r) for r in ids)
+    layout = DumpLayout(geo.hidden_size, geo.kv_dim, plan.kv_layers, params.dump.storage_dtype)
+    device = next(model.parameters()).device
+
+    def plain(x, mask):
+        with torch.inference_mode():
+            model.model(input_ids=x.to(device), attention_mask=mask.to(device), use_cache=False)
+
+    best = {"plain": float("inf"), "dump": float("inf")}
+    plain(*batches[0])  # warm-up
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            writer = DumpWriter(Path(tmp) / "d.h5", Path(tmp) / "p.h5", layout, params.dump.chunk_kib,
+                                {"fingerprint": "bench"})
+            spent = {"plain": 0.0, "dump": 0.0}
+            for (x, mask), start in zip(batches, range(0, len(ids), bs)):
+                t = time.perf_counter()
+                plain(x, mask)
+                spent["plain"] += time.perf_counter() - t
+                t = time.perf_counter()
+                arrays = dump.forward_batch(model, plan, x, mask, params.dump.storage_dtype)
+                rows = ids[start:start + bs]
+                writer.append(arrays, np.fromiter((i for r in rows for i in r), np.int32), [len(r) for r in rows])
+                spent["dump"] += time.perf_counter() - t
+            writer.close()
+        best = {k: min(best[k], spent[k]) for k in best}
+    result = {
+        "model": params.model.name, "dtype": str(model.dtype), "device": str(device),
+        "threads": torch.get_num_threads(), "records": len(ids), "tokens": n_tokens, "batch_size": bs,
+        "plain_tokens_per_s": round(n_tokens / best["plain"], 1),
+        "dump_tokens_per_s": round(n_tokens / best["dump"], 1),
+        "ratio_dump_over_plain": round(best["plain"] / best["dump"], 3),
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
