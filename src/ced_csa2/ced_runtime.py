@@ -1,0 +1,254 @@
+"""Runtimes that put the trained maps into a plain HF model (the seed's public API).
+
+* :class:`CEDModeBRuntime` -- *substitution*.  Every token runs through all layers; the
+  K/V of planned layers are replaced at the injection point (``k_proj``/``v_proj``
+  output, pre-k_norm, pre-RoPE) by forward hooks, installed on ``__enter__`` and always
+  removed on ``__exit__``.  Inside the context the model is still a plain HF model,
+  so teacher-forced passes, cached ``generate()`` and lm-eval's ``HFLM`` all see the
+  substituted K/V.  This is how the ablation table's perplexities are measured.
+* :class:`CEDModeARuntime` -- *prefill skip* (true CED).  Prompt tokens run through
+  layers ``1..split`` only; every attention layer above the cut gets its prompt K/V
+  from the projector(s)/adapters, written into the KV cache after the layer's own
+  k_norm and RoPE; generated (or scored) tokens then run through all layers.
+  **Approximation:** non-attention layers above the cut (Qwen3.5's GatedDeltaNet
+  layers) get no prompt state -- they start from a zero state.
+
+Groups (Mode B): ``baseline`` (no change), ``ced`` (source K/V from ``projector(H_split)``),
+``csa2`` (targets from ``adapters(true KV_source)``), ``ced_csa2`` (targets from
+``adapters(projected KV_source)``, source projected too).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import kv_hooks
+from .model_utils import Geometry, attention, decoder_layer
+from .plan import LayerPlan
+
+GROUPS = ("baseline", "ced", "csa2", "ced_csa2")
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class CEDParts:
+    """The trained maps of one plan.
+
+    Attributes
+    ----------
+    projector
+        ``H_split (..., hidden) -> (K, V)`` of the source layer, each ``(..., kv_dim)``.
+    adapters
+        ``adapters(layer, k_src, v_src) -> (k, v)`` for every target layer.
+    extra
+        ``{layer: projector}`` for the extra sources of a covering plan (Mode A only).
+    """
+
+    projector: Callable[[torch.Tensor], KV] | None = None
+    adapters: Callable[[int, torch.Tensor, torch.Tensor], KV] | None = None
+    extra: dict[int, Callable[[torch.Tensor], KV]] = field(default_factory=dict)
+
+    def project(self, layer: int, plan: LayerPlan, h: torch.Tensor) -> KV:
+        fn = self.projector if layer == plan.source else self.extra[layer]
+        return _run(fn, h)
+
+    def adapt(self, layer: int, k_src: torch.Tensor, v_src: torch.Tensor) -> KV:
+        return _run(lambda k, v: self.adapters(layer, k, v), k_src, v_src)
+
+
+def _run(fn, *xs: torch.Tensor) -> KV:
+    """Apply a map in its own dtype and return results in the inputs' dtype."""
+    params = next(fn.parameters(), None) if isinstance(fn, nn.Module) else None
+    dtype = params.dtype if params is not None else xs[0].dtype
+    k, v = fn(*(x.to(dtype) for x in xs))
+    return k.to(xs[0].dtype), v.to(xs[0].dtype)
+
+
+def load_parts(models_dir: Path | str, plan: LayerPlan, *, device=None, dtype=None, expect=None) -> CEDParts:
+    """Load ``projector_k{s}v{s}.pt``, ``projectors_extra.pt`` and ``adapters.pt`` from ``models_dir``."""
+    from .csa2 import load_adapters
+    from .projector import load_projector, load_projectors
+
+    models_dir = Path(models_dir)
+    projector, _ = load_projector(models_dir / f"projector_k{plan.source}v{plan.source}.pt", expect=expect,
+                                  device=device, dtype=dtype)
+    adapters = load_adapters(models_dir / "adapters.pt", device=device, dtype=dtype, expect=expect)
+    extra = {}
+    if plan.extra_sources:
+        extra, _ = load_projectors(models_dir / "projectors_extra.pt", expect=expect, device=device, dtype=dtype)
+    return CEDParts(projector, adapters, extra)
+
+
+class CEDModeBRuntime:
+    """Substitution runtime; use as a context manager around any forward / generate / lm-eval.
+
+    Parameters
+    ----------
+    model
+        A HF causal LM (frozen); left unchanged after ``__exit__``.
+    plan
+        The validated layer plan.
+    group
+        One of :data:`GROUPS`.
+    parts
+        Trained maps (``projector`` needed by ``ced*``, ``adapters`` by ``*csa2``).
+    """
+
+    def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None = None):
+        if group not in GROUPS:
+            raise ValueError(f"unknown group {group!r}; expected one of {GROUPS}")
+        parts = parts or CEDParts()
+        if group.startswith("ced") and parts.projector is None:
+            raise ValueError(f"group {group!r} needs a projector")
+        if group.endswith("csa2") and parts.adapters is None:
+            raise ValueError(f"group {group!r} needs adapters")
+        self.model, self.plan, self.group, self.parts = model, plan, group, parts
+        self._stack: ExitStack | None = None
+
+    @property
+    def replaced_layers(self) -> tuple[int, ...]:
+        """Layers whose K/V this group replaces."""
+        return {"baseline": (), "ced": (self.plan.source,), "csa2": self.plan.targets,
+                "ced_csa2": (self.plan.source, *self.plan.targets)}[self.group]
+
+    def __enter__(self) -> "CEDModeBRuntime":
+        if self.group == "baseline":
+            return self
+        plan, parts = self.plan, self.parts
+        uses_ced = self.group.startswith("ced")
+        stack = ExitStack()
+        store = stack.enter_context(kv_hooks.capture(self.model, [plan.source], [plan.split]))
+
+        def projected() -> KV:
+            # Computed once per forward (every hook of this forward sees the same H_split).
+            h = store["h"][plan.split]
+            if store.get("proj_of") is not h:
+                store["proj_of"], store["proj"] = h, parts.project(plan.source, plan, h)
+            return store["proj"]
+
+        def source_kv() -> KV:
+            return projected() if uses_ced else (store["k"][plan.source], store["v"][plan.source])
+
+        def adapted(layer: int) -> KV:
+            src = source_kv()
+            key = ("adapted", layer)
+            if store.get(key, (None,))[0] is not src[0]:
+                store[key] = (src[0], parts.adapt(layer, *src))
+            return store[key][1]
+
+        repl: dict = {}
+        if uses_ced:
+            repl[(plan.source, "k")] = lambda out: projected()[0]
+            repl[(plan.source, "v")] = lambda out: projected()[1]
+        if self.group.endswith("csa2"):
+            for t in plan.targets:
+                repl[(t, "k")] = lambda out, t=t: adapted(t)[0]
+                repl[(t, "v")] = lambda out, t=t: adapted(t)[1]
+        stack.enter_context(kv_hooks.inject(self.model, repl))
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+
+class _StopForward(Exception):
+    """Raised by a hook to end a forward pass after the split layer."""
+
+
+def _rope_fn(attn: nn.Module):
+    # Each transformers model family defines its own apply_rotary_pos_emb (Qwen3.5's is
+    # partial-rotary); use the one the attention module itself calls.
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+
+class CEDModeARuntime:
+    """Prefill skip: prompt through layers ``1..split``, K/V above the cut from the maps.
+
+    The plan must cover every attention layer above the cut (refused otherwise, naming
+    the uncovered layers).  Non-attention layers above the cut start from a zero state.
+
+    Parameters
+    ----------
+    model, plan, parts
+        As for :class:`CEDModeBRuntime`; ``parts.extra`` holds the extra sources.
+    geo
+        The model's geometry (for the covering check).
+    """
+
+    def __init__(self, model: nn.Module, plan: LayerPlan, geo: Geometry, parts: CEDParts):
+        plan.require_covering(geo)
+        self.model, self.plan, self.geo, self.parts = model, plan, geo, parts
+
+    def predicted_kv(self, h: torch.Tensor) -> dict[int, KV]:
+        """``{layer: (K, V)}`` for every covered layer, from ``H_split`` ``(B, T, hidden)``."""
+        plan = self.plan
+        out = {layer: self.parts.project(layer, plan, h) for layer in plan.projected}
+        for t in plan.targets:
+            out[t] = self.parts.adapt(t, *out[plan.source])
+        return out
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor):
+        """Cache for ``input_ids`` ``(B, T)`` (no padding) built with the prefill skip."""
+        from transformers import DynamicCache
+
+        model, plan = self.model, self.plan
+        cache = DynamicCache(config=model.config)
+        h_split = {}
+
+        def stop(mod, inp, out):
+            h_split["h"] = out[0] if isinstance(out, tuple) else out
+            raise _StopForward
+
+        handle = decoder_layer(model, plan.split).register_forward_hook(stop)
+        try:
+            model.model(input_ids=input_ids, cache=cache, use_cache=True)
+        except _StopForward:
+            pass
+        finally:
+            handle.remove()
+        h = h_split["h"]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        cos, sin = model.model.rotary_emb(h, positions)
+        for layer, (k, v) in sorted(self.predicted_kv(h).items()):
+            attn = attention(model, layer)
+            shape = (*k.shape[:-1], -1, attn.head_dim)
+            k = k.view(shape)
+            if hasattr(attn, "k_norm"):
+                k = attn.k_norm(k)
+            k = k.transpose(1, 2)
+            _, k = _rope_fn(attn)(k, k, cos, sin)
+            cache.update(k, v.view(shape).transpose(1, 2), layer - 1)
+        return cache
+
+    @torch.inference_mode()
+    def continuation_logits(self, prompt_ids: torch.Tensor, continuation_ids: torch.Tensor) -> torch.Tensor:
+        """Logits predicting ``continuation_ids`` ``(B, C)`` given a skip-prefilled prompt.
+
+        The prompt's last token runs through all layers (it makes the first prediction),
+        so the skip covers ``prompt_ids[:, :-1]``.  Returns ``(B, C, vocab)``.
+        """
+        cache = self.prefill(prompt_ids[:, :-1])
+        x = torch.cat([prompt_ids[:, -1:], continuation_ids[:, :-1]], dim=1)
+        return self.model(input_ids=x, cache=cache, use_cache=True).logits
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding after a skip prefill; returns the new tokens ``(B, max_new_tokens)``."""
+        cache = self.prefill(prompt_ids[:, :-1])
+        x, out = prompt_ids[:, -1:], []
+        for _ in range(max_new_tokens):
+            logits = self.model(input_ids=x, cache=cache, use_cache=True).logits
+            x = logits[:, -1:].argmax(-1)
+            out.append(x)
+        return torch.cat(out, dim=1)

@@ -1,0 +1,160 @@
+"""Mode B substitutes exactly the planned layers; Mode A's prefill skip is exact with true K/V."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ced_csa2 import kv_hooks
+from ced_csa2.ced_runtime import GROUPS, CEDModeARuntime, CEDModeBRuntime, CEDParts
+from ced_csa2.csa2 import CSA2Adapters
+from ced_csa2.model_utils import attention, geometry
+from ced_csa2.plan import LayerPlan, PlanError
+from ced_csa2.projector import KVProjector
+
+from conftest import tiny_llama
+
+QWEN_PLAN = LayerPlan(16, 20, (24, 28, 32))
+
+
+class Replay(nn.Module):
+    """Stand-in for a trained map that returns given K/V: the identity substitution."""
+
+    def __init__(self, kv):
+        super().__init__()
+        self.kv = kv
+
+    def forward(self, *inputs):
+        layer = inputs[0] if isinstance(inputs[0], int) else None
+        return self.kv[layer] if layer is not None else self.kv[None]
+
+
+def true_kv(model, x, layers):
+    with torch.no_grad(), kv_hooks.capture(model, layers) as store:
+        model(x)
+    return {layer: (store["k"][layer].clone(), store["v"][layer].clone()) for layer in layers}
+
+
+def identity_parts(model, x, plan):
+    kv = true_kv(model, x, plan.kv_layers)
+    return CEDParts(projector=Replay({None: kv[plan.source]}),
+                    adapters=Replay({t: kv[t] for t in plan.targets}),
+                    extra={e: Replay({None: kv[e]}) for e in plan.extra_sources})
+
+
+def random_parts(geo, plan, seed=0):
+    torch.manual_seed(seed)
+    adapters = CSA2Adapters(plan.targets, geo.kv_dim)
+    for p in adapters.parameters():  # the MLP's last layer starts at zero; make it count here
+        nn.init.normal_(p, std=0.05)
+    return CEDParts(KVProjector(geo.hidden_size, geo.kv_dim), adapters,
+                    {e: KVProjector(geo.hidden_size, geo.kv_dim) for e in plan.extra_sources})
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_identity_substitution_gives_baseline_logits(tiny_model, group):
+    model, _ = tiny_model
+    x = torch.randint(0, 250, (2, 33))
+    with torch.no_grad():
+        ref = model(x).logits
+        with CEDModeBRuntime(model, QWEN_PLAN, group, identity_parts(model, x, QWEN_PLAN)):
+            out = model(x).logits
+    assert torch.equal(ref, out)
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_each_group_replaces_exactly_its_layers(tiny_model, group):
+    model, _ = tiny_model
+    geo = geometry(model.config)
+    runtime = CEDModeBRuntime(model, QWEN_PLAN, group, random_parts(geo, QWEN_PLAN))
+    replaced = set()
+
+    def probe(layer):
+        def hook(mod, inp, out):
+            if not torch.equal(out, F.linear(inp[0], mod.weight, mod.bias)):
+                replaced.add(layer)
+        return hook
+
+    with torch.no_grad(), runtime:
+        # registered after the runtime's hooks, so it sees the final output
+        handles = [attention(model, layer).k_proj.register_forward_hook(probe(layer))
+                   for layer in geo.attention_layers]
+        baseline_like = model(torch.randint(0, 250, (1, 20))).logits
+        for h in handles:
+            h.remove()
+    assert replaced == set(runtime.replaced_layers)
+    assert baseline_like.isfinite().all()
+
+
+def test_csa2_reads_true_source_and_ced_csa2_projected(tiny_model):
+    model, _ = tiny_model
+    geo = geometry(model.config)
+    parts = random_parts(geo, QWEN_PLAN)
+    x = torch.randint(0, 250, (1, 16))
+    seen = {}
+    adapters = parts.adapters
+    parts.adapters = lambda layer, k, v: seen.setdefault(layer, (k.clone(), v.clone())) and adapters(layer, k, v)
+    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "csa2", parts):
+        model(x)
+    true_src = true_kv(model, x, [20])[20]
+    assert torch.equal(seen[24][0], true_src[0])
+    seen.clear()
+    with torch.no_grad(), kv_hooks.capture(model, hidden_layers=[16]) as store:
+        model(x)
+        projected = parts.projector(store["h"][16])
+    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "ced_csa2", parts):
+        model(x)
+    assert torch.equal(seen[28][1], projected[1])
+
+
+@pytest.mark.parametrize("group", ["ced", "ced_csa2"])
+def test_cached_generation_equals_teacher_forced_logits(group):
+    model = tiny_llama()
+    geo = geometry(model.config)
+    plan = LayerPlan(2, 3, (5, 6))
+    x = torch.randint(0, 300, (1, 12))
+    with torch.no_grad(), CEDModeBRuntime(model, plan, group, random_parts(geo, plan)):
+        gen = model.generate(x, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+        full = model(gen.sequences).logits
+    steps = torch.stack(gen.logits, dim=1)
+    torch.testing.assert_close(steps, full[:, x.shape[1] - 1:-1], atol=1e-4, rtol=1e-4)
+
+
+def test_mode_a_with_true_kv_reproduces_baseline_on_all_attention_model():
+    model = tiny_llama()
+    geo = geometry(model.config)
+    plan = LayerPlan(2, 3, (5, 6), (4,)).validate(geo)
+    prompt, cont = torch.randint(0, 300, (2, 15)), torch.randint(0, 300, (2, 9))
+    # The true K/V the skipped layers would have computed for the prompt (minus its last token).
+    parts = identity_parts(model, prompt[:, :-1], plan)
+    with torch.no_grad():
+        ref = model(torch.cat([prompt, cont], 1)).logits[:, prompt.shape[1] - 1:-1]
+    got = CEDModeARuntime(model, plan, geo, parts).continuation_logits(prompt, cont)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    wrong = CEDModeARuntime(model, plan, geo, random_parts(geo, plan)).continuation_logits(prompt, cont)
+    assert not torch.allclose(wrong, ref, atol=1e-3)
+
+
+def test_mode_a_refuses_a_non_covering_plan(tiny_model):
+    model, _ = tiny_model
+    geo = geometry(model.config)
+    with pytest.raises(PlanError, match=r"does not cover attention layers \[28\]"):
+        CEDModeARuntime(model, LayerPlan(16, 20, (24, 32)), geo, CEDParts())
+
+
+def test_mode_a_runs_on_hybrid_qwen3_5_with_zero_deltanet_state(tiny_model):
+    model, _ = tiny_model
+    geo = geometry(model.config)
+    runtime = CEDModeARuntime(model, QWEN_PLAN, geo, random_parts(geo, QWEN_PLAN))
+    prompt = torch.randint(0, 250, (1, 10))
+    assert runtime.continuation_logits(prompt, torch.randint(0, 250, (1, 5))).shape == (1, 5, model.config.vocab_size)
+    assert runtime.generate(prompt, 4).shape == (1, 4)
+
+
+def test_unknown_group_and_missing_parts_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="unknown group 'cdd'"):
+        CEDModeBRuntime(tiny_model[0], QWEN_PLAN, "cdd")
+    with pytest.raises(ValueError, match="group 'csa2' needs adapters"):
+        CEDModeBRuntime(tiny_model[0], QWEN_PLAN, "csa2", CEDParts(projector=nn.Identity()))
