@@ -218,6 +218,38 @@ class AdaptersConfig:
         _check(self.amp_dtype in DTYPES, "train_adapters.amp_dtype", f"must be one of {DTYPES}")
 
 
+RUNTIME_GROUPS = ("baseline", "ced", "csa2", "ced_csa2")
+
+
+@dataclass(frozen=True)
+class EvalPPLConfig:
+    groups: list[str] = field(default_factory=lambda: list(RUNTIME_GROUPS))
+    batch_size: int = 8
+    prefix_fraction: float = 0.5  # Mode A: prompt = this fraction of each record, scored on the rest
+    device: str = "auto"
+
+    def __post_init__(self):
+        bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
+        _check(not bad, "eval_ppl.groups", f"has unknown group(s) {bad}; known: {list(RUNTIME_GROUPS)}")
+        _check(0.0 < self.prefix_fraction < 1.0, "eval_ppl.prefix_fraction", "must be in (0, 1)")
+        _check(self.batch_size > 0, "eval_ppl.batch_size", "must be positive")
+
+
+@dataclass(frozen=True)
+class EvalGSM8KConfig:
+    groups: list[str] = field(default_factory=lambda: list(RUNTIME_GROUPS))
+    num_fewshot: int = 0
+    max_gen_toks: int = 256
+    batch_size: int = 16
+    device: str = "auto"
+
+    def __post_init__(self):
+        bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
+        _check(not bad, "eval_gsm8k.groups", f"has unknown group(s) {bad}; known: {list(RUNTIME_GROUPS)}")
+        _check(0 <= self.num_fewshot <= 8, "eval_gsm8k.num_fewshot", "must be in [0, 8]")
+        _check(self.max_gen_toks > 0 and self.batch_size > 0, "eval_gsm8k.max_gen_toks", "and batch_size must be positive")
+
+
 @dataclass(frozen=True)
 class Params:
     seed: int
@@ -229,6 +261,8 @@ class Params:
     ridge: RidgeConfig
     train_projector: ProjectorConfig
     train_adapters: AdaptersConfig
+    eval_ppl: EvalPPLConfig
+    eval_gsm8k: EvalGSM8KConfig
 
 
 # ----------------------------------------------------------------------------- strict parsing

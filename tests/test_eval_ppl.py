@@ -1,0 +1,57 @@
+"""Perplexity per group matches an independent computation; Mode A reports coverage."""
+
+import dataclasses
+import json
+import math
+
+import torch
+
+from ced_csa2 import eval_ppl
+from ced_csa2.config import PlanConfig
+from ced_csa2.model_utils import geometry
+from ced_csa2.plan import LayerPlan
+
+from conftest import tiny_params
+from test_ced_runtime import random_parts
+from test_dump import TEXTS
+
+
+def write_eval(workdir, tok):
+    path = workdir / eval_ppl.EVAL_JSONL
+    path.parent.mkdir(parents=True)
+    rows = [{"id": f"e{i}", "source": "t", "text": t, "n_tokens": len(tok(t)["input_ids"])} for i, t in enumerate(TEXTS)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_ppl_groups_and_mode_a(tmp_path, tiny_model):
+    model, tok = tiny_model
+    write_eval(tmp_path, tok)
+    params = tiny_params(eval_ppl={"batch_size": 3})
+    parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 28, 32)))
+    m = eval_ppl.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
+
+    # independent: HF's own mean loss per record, token-weighted
+    total, n = 0.0, 0
+    for text in TEXTS:
+        ids = tok(text, truncation=True, max_length=params.data.max_tokens, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            total += model(ids, labels=ids).loss.item() * (ids.shape[1] - 1)
+        n += ids.shape[1] - 1
+    assert m["groups"]["baseline"]["tokens"] == n
+    assert math.isclose(m["groups"]["baseline"]["ppl"], math.exp(total / n), rel_tol=1e-5)
+    assert m["groups"]["baseline"]["delta_pct"] == 0.0
+    assert all(m["groups"][g]["ppl"] != m["groups"]["baseline"]["ppl"] for g in ("ced", "csa2", "ced_csa2"))
+    assert m["mode_a"]["covered"] and "zero state" in m["mode_a"]["note"]
+    assert m["protocol"]["records"] == len(TEXTS)
+    assert json.loads((tmp_path / eval_ppl.METRICS_PATH).read_text()) == json.loads(json.dumps(m))
+
+
+def test_mode_a_not_covered_is_explicit(tmp_path, tiny_model):
+    model, tok = tiny_model
+    write_eval(tmp_path, tok)
+    params = dataclasses.replace(tiny_params(eval_ppl={"groups": ["baseline"]}),
+                                 plan=PlanConfig("partial", 16, 20, [24, 32]))
+    parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 32)))
+    m = eval_ppl.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
+    assert m["mode_a"] == {"covered": False, "uncovered_attention_layers": [28],
+                           "note": m["mode_a"]["note"]} and "not cover" in m["mode_a"]["note"]

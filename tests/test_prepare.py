@@ -1,0 +1,142 @@
+"""prepare: record schema, exact token counts and limits, packing, determinism, disjoint splits."""
+
+import dataclasses
+import json
+
+import pytest
+
+from ced_csa2 import prepare as prep
+from ced_csa2 import sources
+from ced_csa2.config import HubSplit, WheelPin
+from ced_csa2.sources import Article
+
+from conftest import tiny_params
+
+OUTPUTS = (prep.TRAIN_JSONL, prep.EVAL_JSONL, prep.GSM8K_JSONL, prep.METRICS_PATH)
+
+
+def byte_tokenizer(bos: bool = False):
+    """A local byte-level tokenizer (one token per byte), optionally adding a BOS to every text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {sym: i for i, sym in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<s>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>"])
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>")
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def with_data(params, **changes):
+    return dataclasses.replace(params, data=dataclasses.replace(params.data, **changes))
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_tiny_outputs_schema_counts_and_limits(tmp_path, bos):
+    params, tok = tiny_params(), byte_tokenizer(bos)
+    data = params.data
+    metrics = prep.prepare(params, tok, tmp_path)
+
+    train, eval_ = read_jsonl(tmp_path / prep.TRAIN_JSONL), read_jsonl(tmp_path / prep.EVAL_JSONL)
+    assert (len(train), len(eval_)) == (data.n_train, data.n_eval)
+    for rec in train + eval_:
+        assert list(rec) == ["id", "source", "text", "n_tokens"]
+        assert rec["n_tokens"] == len(tok(rec["text"])["input_ids"])
+        assert data.min_tokens <= rec["n_tokens"] <= data.max_tokens
+    # tiny paragraphs are longer than max_tokens bytes, so every record is cut at the
+    # limit (one token less where the cut fell on a space, which is stripped).
+    assert all(r["n_tokens"] >= data.max_tokens - 1 for r in train)
+
+    assert not {r["id"] for r in train} & {r["id"] for r in eval_}
+    assert not {r["text"] for r in train} & {r["text"] for r in eval_}
+
+    problems = read_jsonl(tmp_path / prep.GSM8K_JSONL)
+    assert len(problems) == data.math.n and all(list(p) == ["id", "question", "answer", "target"] for p in problems)
+
+    assert json.loads((tmp_path / prep.METRICS_PATH).read_text()) == metrics
+    assert metrics["train"]["records"] == data.n_train
+    assert metrics["train"]["tokens"] == sum(r["n_tokens"] for r in train)
+    assert metrics["eval"]["sources"] == {"tiny-synthetic": data.n_eval}
+    assert metrics["math"] == {"label": data.math.label, "n": data.math.n}
+
+
+def test_outputs_are_byte_identical_across_runs(tmp_path):
+    params, tok = tiny_params(), byte_tokenizer()
+    prep.prepare(params, tok, tmp_path / "a")
+    prep.prepare(params, tok, tmp_path / "b")
+    for rel in OUTPUTS:
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
+    assert not list((tmp_path / "a").rglob(".*tmp*")), "temporary files left behind"
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_pack_joins_paragraphs_and_truncates(bos):
+    tok = byte_tokenizer(bos)
+    extra = int(bos)
+    budget = prep.TokenBudget(tok, min_tokens=10 + extra, max_tokens=50 + extra)
+    paragraphs = ["a" * 20, "b" * 20, "c" * 20, "d" * 100, "e" * 5]
+    assert budget.pack(paragraphs) == [
+        ("a" * 20 + "\n" + "b" * 20, 41 + extra),  # "c" would overflow
+        ("c" * 20, 20 + extra),                     # "d" would overflow
+        ("d" * 50, 50 + extra),                     # too long alone: truncated, closes the record
+    ]                                               # "e" alone is under min_tokens: dropped
+    text, n = budget.truncate("ab " * 40)
+    assert n == len(tok(text)["input_ids"]) <= 50 + extra and not text.endswith(" ")
+
+
+def test_wiki_embedded_holds_out_whole_articles(tmp_path, monkeypatch):
+    pin = WheelPin(package="gensim", version="0", member="x.bz2", sha256="0" * 64)
+    articles = [Article(f"A{a}", [f"Article {a} paragraph {p:02d}. word word word" for p in range(12)])
+                for a in range(8)]
+    monkeypatch.setattr(prep, "fetch_member", lambda p: tmp_path / "unused.bz2")
+    monkeypatch.setattr(sources, "wiki_articles", lambda path: articles)
+    params = with_data(tiny_params(), kind="wiki_embedded", corpus_wheel=pin, heldout_articles=2, n_eval=3,
+                       min_tokens=40, max_tokens=120)
+    tok = byte_tokenizer()
+    prep.prepare(params, tok, tmp_path)
+    train, eval_ = read_jsonl(tmp_path / prep.TRAIN_JSONL), read_jsonl(tmp_path / prep.EVAL_JSONL)
+
+    article_of = lambda rec: rec["id"].split("-")[1]  # noqa: E731
+    assert len({article_of(r) for r in eval_}) <= 2 and len({article_of(r) for r in train}) == 6
+    assert not {article_of(r) for r in train} & {article_of(r) for r in eval_}
+    assert len(eval_) == 3 and all(r["source"] == "enwiki@gensim==0" for r in train + eval_)
+    for rec in train + eval_:
+        assert 40 <= rec["n_tokens"] == len(tok(rec["text"])["input_ids"]) <= 120
+        assert "\n" in rec["text"]  # several paragraphs per record
+
+
+def test_wikitext_long_lines(tmp_path, monkeypatch):
+    lines = {split: [f"{split} line {i} " + "x" * (i * 7) for i in range(40)] for split in ("train", "test")}
+    monkeypatch.setattr(sources, "wikitext_lines", lambda hub_id, config, split: lines[split])
+    params = with_data(tiny_params(), kind="wikitext", hub_id="Salesforce/wikitext",
+                       train=[HubSplit("wikitext-2-raw-v1", "train", 10)],
+                       eval=HubSplit("wikitext-2-raw-v1", "test", 0), n_eval=5, min_tokens=100, max_tokens=200)
+    tok = byte_tokenizer()
+    prep.prepare(params, tok, tmp_path)
+    train, eval_ = read_jsonl(tmp_path / prep.TRAIN_JSONL), read_jsonl(tmp_path / prep.EVAL_JSONL)
+    assert (len(train), len(eval_)) == (10, 5)
+    for rec in train:
+        i = int(rec["id"].rsplit("/", 1)[1])
+        assert len(tok(lines["train"][i])["input_ids"]) >= 100  # only long lines are chosen
+        assert rec["n_tokens"] == len(tok(rec["text"])["input_ids"]) <= 200
+        assert lines["train"][i].startswith(rec["text"])
+    assert [r["id"] for r in train] == sorted((r["id"] for r in train), key=lambda s: int(s.rsplit("/", 1)[1]))
+
+
+def test_validation_errors_name_the_key(tmp_path):
+    params, tok = tiny_params(), byte_tokenizer(bos=True)
+    with pytest.raises(ValueError, match="data.min_tokens=1 is not above the 1 special tokens"):
+        prep.prepare(with_data(params, min_tokens=1), tok, tmp_path)
+    wikitext = with_data(params, kind="wikitext", hub_id="h", train=[HubSplit("c", "train", 1)],
+                         eval=HubSplit("c", "test", 7), n_eval=5)
+    with pytest.raises(ValueError, match=r"data.eval.n=7 disagrees with data.n_eval=5"):
+        prep.prepare(wikitext, tok, tmp_path)
+    assert not (tmp_path / prep.TRAIN_JSONL).exists()
