@@ -1,0 +1,309 @@
+"""Closed-form ridge maps between dumped activations, and the ``ridge`` stage.
+
+    python -m ced_csa2.ridge         # what `dvc repro ridge` runs
+
+Reads ``params.yaml`` and ``data/dump/dump.h5``; splits the records into train and
+validation (:func:`ced_csa2.loader.record_split`, the split both trainers use), streams
+the training rows once and fits, with ``λ = ridge.lambda`` and an unpenalised bias:
+
+* ``proj_{l}`` for each projected layer ``l``: ``h_split → [k_l ‖ v_l]``, the linear
+  baseline of the CED projector;
+* ``k_{t}``: ``k_{source} → k_t`` and ``v_{t}``: ``v_{source} → v_t`` for each target
+  ``t``, the base of the CSA2 adapters (separate K and V maps, as the adapters have).
+
+A second streaming pass over the validation records measures each map with
+:class:`~ced_csa2.fit_metrics.FitStats` (``proj_{l}`` also per K and V half, as
+``proj_{l}_k`` and ``proj_{l}_v``).  Outputs: ``models/ridge.pt``
+(``{"maps": {name: {"W": (d_in, d_out) float32, "b": (d_out,) float32}}, "meta": ...}``;
+a map is applied as ``y = x @ W + b``) and ``metrics/ridge.json``.
+
+Memory is O(d²) per input dataset whatever the number of rows: ``XᵀX``, ``XᵀY`` and
+the sums are accumulated in float64 (:class:`RidgeAccumulator`), and maps that share an
+input share one Gram matrix, since ridge with one ``X`` and one ``λ`` solves each
+output column independently.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .config import Params, load_params, params_hash, to_dict
+from .fit_metrics import FitStats
+from .h5store import DumpReader
+from .io_utils import atomic_write_bytes, write_json
+from .loader import aligned_block_rows, cat_features, iter_blocks, record_split, row_mask
+from .plan import LayerPlan
+
+log = logging.getLogger(__name__)
+
+DUMP_PATH = Path("data/dump/dump.h5")
+MODEL_PATH = Path("models/ridge.pt")
+METRICS_PATH = Path("metrics/ridge.json")
+
+# Above this condition number a float64 Cholesky solve loses more digits than float32
+# weights keep; treat the system as singular and take the pseudo-inverse instead.
+MAX_COND = 1e12
+DUMP_ATTRS = ("model", "model_id", "tokenizer_sha256", "params_hash", "fingerprint")
+
+
+# ----------------------------------------------------------------------------- streaming ridge
+
+class RidgeAccumulator:
+    """Sufficient statistics of a ridge regression, accumulated batch by batch.
+
+    Keeps ``Σ (x-s)(x-s)ᵀ (d_in, d_in)``, ``Σ (x-s)(y-t)ᵀ (d_in, d_out)``, ``Σ (x-s)``,
+    ``Σ (y-t)`` and ``n`` in float64, where ``s``, ``t`` are the means of the first
+    batch: the provisional shift keeps the later centring from cancelling a large
+    common offset (activations have channels with means far above their spread).
+
+    Parameters
+    ----------
+    d_in, d_out
+        Feature widths of ``X`` and ``Y``.
+    name
+        Names the regression in log messages.
+    """
+
+    def __init__(self, d_in: int, d_out: int, name: str = "ridge"):
+        self.d_in, self.d_out, self.name = d_in, d_out, name
+        self.n = 0
+        self._shift_x = self._shift_y = None
+        self._xtx = torch.zeros(d_in, d_in, dtype=torch.float64)
+        self._xty = torch.zeros(d_in, d_out, dtype=torch.float64)
+        self._sx = torch.zeros(d_in, dtype=torch.float64)
+        self._sy = torch.zeros(d_out, dtype=torch.float64)
+
+    def update(self, X: torch.Tensor, Y: torch.Tensor) -> None:
+        """Add rows ``X (n, d_in)`` with targets ``Y (n, d_out)`` (any float dtype)."""
+        if X.ndim != 2 or Y.ndim != 2 or X.shape[1] != self.d_in or Y.shape[1] != self.d_out \
+                or X.shape[0] != Y.shape[0]:
+            raise ValueError(f"ridge {self.name}: update needs X (n, {self.d_in}) and Y (n, {self.d_out}), got "
+                             f"{tuple(X.shape)} and {tuple(Y.shape)}")
+        if X.shape[0] == 0:
+            return
+        # Always a fresh float64 copy, so shifting it in place never touches the caller's tensor.
+        Xs = X.detach().to("cpu", torch.float64, copy=True)
+        Ys = Y.detach().to("cpu", torch.float64, copy=True)
+        if self._shift_x is None:
+            self._shift_x, self._shift_y = Xs.mean(0), Ys.mean(0)
+        Xs -= self._shift_x
+        Ys -= self._shift_y
+        self._xtx.addmm_(Xs.T, Xs)
+        self._xty.addmm_(Xs.T, Ys)
+        self._sx += Xs.sum(0)
+        self._sy += Ys.sum(0)
+        self.n += X.shape[0]
+
+    def solve(self, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ridge solution with an unpenalised bias, in float64.
+
+        ``W = (XcᵀXc + λI)⁻¹ XcᵀYc`` on the centred data, ``b = ȳ - x̄ W``, so that
+        ``x @ W + b`` predicts ``y`` -- what ``sklearn.linear_model.Ridge(alpha=λ,
+        fit_intercept=True)`` computes.  Cholesky solve; when ``XcᵀXc + λI`` is not
+        safely positive definite (a failed factorisation, or a condition number above
+        :data:`MAX_COND`) it logs a warning saying so and returns the minimum-norm
+        solution through an eigendecomposition pseudo-inverse.
+
+        Returns
+        -------
+        W : (d_in, d_out) float64
+        b : (d_out,) float64
+        """
+        if self.n == 0:
+            raise ValueError(f"ridge {self.name}: solve called before any rows were added")
+        mx, my = self._sx / self.n, self._sy / self.n
+        A = self._xtx - self.n * torch.outer(mx, mx)
+        A = (A + A.T) / 2  # gemm rounding leaves XᵀX a hair off symmetric
+        A.diagonal().add_(lam)
+        B = self._xty - self.n * torch.outer(mx, my)
+        W = _spd_solve(A, B, f"ridge {self.name} (lambda={lam:g}, n={self.n})")
+        b = (my + self._shift_y) - (mx + self._shift_x) @ W
+        return W, b
+
+
+def _spd_solve(A: torch.Tensor, B: torch.Tensor, what: str) -> torch.Tensor:
+    """Solve ``A W = B`` for symmetric ``A (d, d)``, ``B (d, k)``: Cholesky, else a pseudo-inverse."""
+    L, info = torch.linalg.cholesky_ex(A)
+    if int(info) == 0:
+        diag = L.diagonal()
+        # (max L_ii / min L_ii)² is a lower bound on cond(A) that comes free with L.
+        cond = float((diag.max() / diag.min()) ** 2)
+        if cond <= MAX_COND:
+            return torch.cholesky_solve(B, L)
+        reason = f"its condition number is at least {cond:.1e} (limit {MAX_COND:.0e})"
+    else:
+        reason = f"the Cholesky factorisation failed at leading minor {int(info)}"
+    evals, Q = torch.linalg.eigh(A)
+    tol = float(evals.abs().max()) * A.shape[0] * torch.finfo(A.dtype).eps
+    keep = evals > tol
+    log.warning("%s: XcᵀXc + λI is singular or too ill-conditioned for a Cholesky solve (%s; collinear inputs "
+                "with a small lambda?); falling back to the minimum-norm eigh pseudo-inverse, rank %d of %d",
+                what, reason, int(keep.sum()), A.shape[0])
+    inv = torch.where(keep, 1.0 / evals, torch.zeros_like(evals))
+    return Q @ (inv[:, None] * (Q.T @ B))
+
+
+# ----------------------------------------------------------------------------- the maps of a plan
+
+@dataclass(frozen=True)
+class MapGroup:
+    """Maps that share one input dataset (and so one Gram matrix).
+
+    ``maps[name]`` lists the datasets concatenated into that map's output.
+    """
+
+    x: str
+    maps: dict[str, tuple[str, ...]]
+
+    @property
+    def y(self) -> list[str]:
+        return [n for ys in self.maps.values() for n in ys]
+
+
+def map_groups(plan: LayerPlan) -> list[MapGroup]:
+    """The ridge maps of a plan, grouped by input: projector baselines, K adapters, V adapters."""
+    return [
+        MapGroup("h_split", {f"proj_{l}": (f"k_{l}", f"v_{l}") for l in plan.projected}),
+        MapGroup(f"k_{plan.source}", {f"k_{t}": (f"k_{t}",) for t in plan.targets}),
+        MapGroup(f"v_{plan.source}", {f"v_{t}": (f"v_{t}",) for t in plan.targets}),
+    ]
+
+
+def _datasets(groups: list[MapGroup]) -> list[str]:
+    return list(dict.fromkeys(n for g in groups for n in [g.x, *g.y]))
+
+
+def fit_maps(reader: DumpReader, groups: list[MapGroup], mask: np.ndarray, block_rows: int,
+             lam: float) -> dict[str, dict[str, torch.Tensor]]:
+    """Fit every map on the masked rows in one pass over the file.
+
+    Returns
+    -------
+    dict
+        ``{name: {"W": (d_in, d_out) float32, "b": (d_out,) float32}}``.
+    """
+    widths = reader.layout.widths()
+    accs = [RidgeAccumulator(widths[g.x], sum(widths[n] for n in g.y), name=f"{g.x} -> {', '.join(g.maps)}")
+            for g in groups]
+    with tqdm(total=int(mask.sum()), desc="ridge fit", unit="row", unit_scale=True) as bar:
+        for block in iter_blocks(reader, _datasets(groups), mask, block_rows):
+            for g, acc in zip(groups, accs):
+                acc.update(torch.from_numpy(block[g.x]), torch.from_numpy(cat_features(block, g.y)))
+            bar.update(len(block[groups[0].x]))
+    maps = {}
+    for g, acc in zip(groups, accs):
+        W, b = acc.solve(lam)
+        col = 0
+        for name, ys in g.maps.items():
+            width = sum(widths[n] for n in ys)
+            maps[name] = {"W": W[:, col:col + width].float().contiguous(), "b": b[col:col + width].float()}
+            col += width
+    return maps
+
+
+def evaluate_maps(reader: DumpReader, groups: list[MapGroup], maps: dict, mask: np.ndarray,
+                  block_rows: int) -> dict[str, dict]:
+    """Held-out fit of the stored (float32) maps on the masked rows, in one pass.
+
+    Returns
+    -------
+    dict
+        ``{name: {"r2", "cos", "rel_mse", "mse", "n_val"}}``; a map with several output
+        datasets also gets one entry per dataset, ``{name}_{k|v}``.
+    """
+    stats: dict[str, FitStats] = {}
+    with tqdm(total=int(mask.sum()), desc="ridge val", unit="row", unit_scale=True) as bar:
+        for block in iter_blocks(reader, _datasets(groups), mask, block_rows):
+            for g in groups:
+                X = torch.from_numpy(block[g.x])
+                for name, ys in g.maps.items():
+                    P = X @ maps[name]["W"] + maps[name]["b"]
+                    Y = torch.from_numpy(cat_features(block, ys))
+                    stats.setdefault(name, FitStats()).update(P, Y)
+                    if len(ys) > 1:
+                        col = 0
+                        for y in ys:
+                            width = block[y].shape[1]
+                            part = f"{name}_{y.split('_')[0]}"
+                            stats.setdefault(part, FitStats()).update(P[:, col:col + width], Y[:, col:col + width])
+                            col += width
+            bar.update(len(block[groups[0].x]))
+    out = {}
+    for name, s in stats.items():
+        r = s.result()
+        out[name] = {"r2": r["r2"], "cos": r["cos"], "rel_mse": r["rel_mse"], "mse": r["mse"], "n_val": r["n"]}
+    return out
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+def save_ridge(path: Path, maps: dict, meta: dict) -> None:
+    """Write ``{"maps": maps, "meta": meta}`` to ``path`` atomically."""
+    buf = io.BytesIO()
+    torch.save({"maps": maps, "meta": meta}, buf)
+    atomic_write_bytes(Path(path), buf.getvalue())
+
+
+def load_ridge(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """``(maps, meta)`` of a ridge checkpoint; ``maps[name] = {"W": (d_in, d_out), "b": (d_out,)}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: ridge checkpoint not found (run `dvc repro ridge`)")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(ckpt, dict) or "maps" not in ckpt or "meta" not in ckpt:
+        raise ValueError(f"{path}: not a ridge checkpoint (expected keys 'maps' and 'meta')")
+    return ckpt["maps"], ckpt["meta"]
+
+
+# ----------------------------------------------------------------------------- stage
+
+def run(params: Params, workdir: Path = Path(".")) -> dict:
+    """Fit, validate and write the ridge maps; returns the metrics written to ``metrics/ridge.json``."""
+    workdir, t0 = Path(workdir), time.perf_counter()
+    plan, lam = LayerPlan.from_config(params.plan), params.ridge.lam
+    groups = map_groups(plan)
+    with DumpReader(workdir / DUMP_PATH) as reader:
+        reader.check(kv_layers=plan.kv_layers)
+        train, val = record_split(reader.n_records, params.split.val_fraction, params.seed)
+        train_mask = row_mask(reader.record_offsets, train, 0, params.seed)
+        val_mask = row_mask(reader.record_offsets, val, 0, params.seed)
+        block_rows = aligned_block_rows(reader, params.ridge.block_rows)
+        log.info("ridge lambda=%g on %s: %d train records (%d rows), %d val records (%d rows), blocks of %d rows",
+                 lam, reader.path, len(train), train_mask.sum(), len(val), val_mask.sum(), block_rows)
+        maps = fit_maps(reader, groups, train_mask, block_rows, lam)
+        fits = evaluate_maps(reader, groups, maps, val_mask, block_rows)
+        dump_attrs = {k: str(reader.attrs[k]) for k in DUMP_ATTRS if k in reader.attrs}
+    for name, f in fits.items():
+        log.info("%-12s val R2 %.4f  cos %.4f  rel_mse %.4g", name, f["r2"], f["cos"], f["rel_mse"])
+    meta = {
+        "lambda": lam, "n_train_rows": int(train_mask.sum()), "n_train_records": len(train),
+        "plan": to_dict(params.plan), "seed": params.seed, "dump": dump_attrs,
+        "params_hash": params_hash(params.plan, params.split, params.ridge),
+    }
+    save_ridge(workdir / MODEL_PATH, maps, meta)
+    metrics = dict(fits)
+    metrics["run"] = {
+        "lambda": lam, "n_train_rows": int(train_mask.sum()), "n_val_rows": int(val_mask.sum()),
+        "n_train_records": len(train), "n_val_records": len(val),
+        "wall_s": round(time.perf_counter() - t0, 3),
+    }
+    write_json(workdir / METRICS_PATH, metrics)
+    log.info("wrote %s and %s", workdir / MODEL_PATH, workdir / METRICS_PATH)
+    return metrics
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    run(load_params())
+
+
+if __name__ == "__main__":
+    main()
