@@ -1,0 +1,133 @@
+"""The ``storage`` stage reproduces SPEC §6 and writes every figure with its basis."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ced_csa2.compose import compose
+from ced_csa2.model_utils import Geometry
+from ced_csa2.storage import METRICS_PATH, qwen3_5_4b_geometry, run
+
+from conftest import TINY_OVERRIDES, tiny_params
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUPS = {"baseline", "ced", "csa2", "ced_csa2", "share_plain"}
+BASES = {"decoder_attention", "all_attention", "all_attention_amortised_4k", "all_attention_amortised_32k",
+         "all_attention_amortised_128k"}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """``(returned dict, dict read back from disk)`` of one stage run on the tiny profile."""
+    workdir = tmp_path_factory.mktemp("storage")
+    returned = run(tiny_params(), workdir)
+    return returned, json.loads((workdir / METRICS_PATH).read_text())
+
+
+def test_qwen3_5_4b_geometry_is_built_locally():
+    assert qwen3_5_4b_geometry() == Geometry(n_layers=32, hidden_size=2560, n_kv_heads=4, head_dim=256,
+                                             attention_layers=(4, 8, 12, 16, 20, 24, 28, 32))
+
+
+def test_file_holds_what_run_returns(written):
+    returned, on_disk = written
+    assert on_disk == json.loads(json.dumps(returned))
+
+
+def test_qwen3_5_4b_section_reproduces_spec_section_6(written):
+    qwen = written[1]["qwen3_5_4b"]
+    bf16 = qwen["kv"]["bf16"]
+    decoder, everything = bf16["decoder_attention"], bf16["all_attention"]
+    # one full-attention layer: 2 (K, V) * 1024 channels * 2 bytes
+    assert decoder["baseline"]["bytes_per_token"] / len(qwen["stored_layers"]["decoder_attention"]["baseline"]) == 4096
+    assert decoder["baseline"]["bytes_per_token"] == 16384
+    assert decoder["csa2"]["bytes_per_token"] == 4096 and decoder["csa2"]["compression_vs_baseline"] == 4
+    assert everything["baseline"]["bytes_per_token"] == 32768
+    assert everything["csa2"]["bytes_per_token"] == 20480 and everything["csa2"]["compression_vs_baseline"] == 1.6
+    assert qwen["stored_layers"]["decoder_attention"]["csa2"] == [20]
+    assert qwen["weights"]["adapter_params_per_target"] == 8395776
+    assert qwen["weights"]["adapter_params"]["csa2"] == 25187328
+    assert qwen["weights"]["adapter_params"]["share_plain"] == 0
+    assert qwen["weights"]["projector_params_per_layer"] == 2560 * 2048 + 2048  # SPEC §2: 5.24M
+    # fp32 doubles every KV byte
+    assert qwen["kv"]["fp32"]["all_attention"]["csa2"]["bytes_per_token"] == 2 * 20480
+
+
+def test_every_figure_carries_its_basis_and_dtype(written):
+    metrics = written[1]
+    assert set(metrics["bases"]) == BASES and set(metrics["groups"]) == GROUPS
+    for section in ("active_model", "qwen3_5_4b"):
+        kv = metrics[section]["kv"]
+        assert set(kv) == {"bf16", "fp32"}
+        for table in kv.values():
+            assert set(table) == BASES
+            for rows in table.values():
+                assert set(rows) == GROUPS
+                assert rows["baseline"]["compression_vs_baseline"] == 1.0
+
+
+@pytest.mark.parametrize("context,tokens", [("4k", 4096), ("32k", 32768), ("128k", 131072)])
+def test_amortised_rows_add_the_adapter_weights(written, context, tokens):
+    qwen = written[1]["qwen3_5_4b"]
+    for dtype, nbytes in (("bf16", 2), ("fp32", 4)):
+        table = qwen["kv"][dtype]
+        for group in GROUPS:
+            adapters = qwen["weights"]["adapter_params"][group]
+            expected = table["all_attention"][group]["bytes_per_token"] + adapters * nbytes / tokens
+            row = table[f"all_attention_amortised_{context}"][group]
+            assert row["bytes_per_token"] == pytest.approx(expected, rel=1e-12)
+            assert row["compression_vs_baseline"] == pytest.approx(
+                table["all_attention"]["baseline"]["bytes_per_token"] / expected, rel=1e-12)
+
+
+def test_active_section_is_the_tiny_model(written):
+    active = written[1]["active_model"]
+    assert active["model"] == "tiny_qwen3_5"
+    assert active["geometry"]["kv_dim"] == 2 * 16
+    # decoder's four attention layers, K and V of 32 channels in bf16
+    assert active["kv"]["bf16"]["decoder_attention"]["baseline"]["bytes_per_token"] == 4 * 2 * 32 * 2
+    assert active["weights"]["adapter_width"] == 48  # 1.5 * 32
+    assert active["weights"]["adapter_params"]["csa2"] == 3 * 2 * (32 * 32 + 32 + 32 * 48 + 48 + 48 * 32 + 32)
+
+
+def test_deepseek_reference_and_note(written):
+    metrics = written[1]
+    deepseek = metrics["deepseek_v4_1"]
+    assert deepseek["entry_bytes"] == {"v41_main_kv": 288, "v41_indexer_k": 68, "v4_flash": 584}
+    assert deepseek["chain"]["bytes_per_token"] == {"v4_flash": 3514.25, "cross_layer_reuse": 652,
+                                                    "relaxed_compression": 1630, "fp4_main_kv": 890}
+    rounded = {k: round(v, 2) for k, v in deepseek["chain"]["factors"].items()}
+    assert rounded == {"cross_layer_reuse_divides_by": 5.39, "relaxed_compression_multiplies_by": 2.5,
+                       "fp4_main_kv_divides_by": 1.83, "net_divides_by": 3.95}
+    assert "basis" in deepseek
+    assert "3.44x" in metrics["note"] and "fits none" in metrics["note"]
+    assert "decoder_attention 4.0000x" in metrics["note"] and "all_attention 1.6000x" in metrics["note"]
+
+
+def test_width_mult_reaches_both_sections(tmp_path):
+    metrics = run(tiny_params(train_adapters={"width_mult": 1.0}), tmp_path)
+    d = 1024
+    assert metrics["qwen3_5_4b"]["weights"]["adapter_params_per_target"] == 2 * (3 * d * d + 3 * d)
+    assert metrics["active_model"]["weights"]["adapter_width"] == 32
+
+
+def test_dvc_stage_definition():
+    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["storage"]
+    assert stage["cmd"] == "python -m ced_csa2.storage"
+    assert {"src/ced_csa2/storage.py", "src/ced_csa2/kv_bytes.py"} <= set(stage["deps"])
+    assert stage["params"] == ["model", "plan", "train_adapters.width_mult"]
+    assert stage["metrics"] == [{"metrics/storage.json": {"cache": False}}]
+
+
+def test_command_line_entry_point(tmp_path):
+    (tmp_path / "params.yaml").write_text(compose(TINY_OVERRIDES))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    subprocess.run([sys.executable, "-m", "ced_csa2.storage"], cwd=tmp_path, env=env, check=True,
+                   capture_output=True, timeout=300)
+    written = json.loads((tmp_path / METRICS_PATH).read_text())
+    assert written["qwen3_5_4b"]["kv"]["bf16"]["decoder_attention"]["csa2"]["bytes_per_token"] == 4096
