@@ -1,0 +1,163 @@
+"""``report`` stage: the results table and plots from ``metrics/*.json``.
+
+    python -m ced_csa2.report            # what `dvc repro report` runs
+
+Writes ``reports/results.md`` (group x PPL, ΔPPL %, GSM8K exact match with Wilson 95%
+interval, gold-solution NLL, KV bytes/token and compression, each with its protocol
+line) and ``reports/{ppl_by_group,adapter_cosine,bytes_vs_ppl}.png``.  Every figure
+names its model and data: the embedded default's numbers are SmolLM2-135M on a
+Wikipedia sample, not Qwen3.5-4B results.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from .io_utils import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+METRICS = Path("metrics")
+OUT = Path("reports")
+BASES = ("decoder_attention", "all_attention", "all_attention_amortised_32k")
+
+
+def _load(workdir: Path, name: str) -> dict:
+    path = workdir / METRICS / f"{name}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: metrics file not found (run `dvc repro` for the stage that writes it)")
+    return json.loads(path.read_text())
+
+
+def _em(g: dict, key: str) -> str:
+    m = g[key]
+    lo, hi = m["ci95"]
+    return f"{100 * m['exact_match']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def results_table(ppl: dict, gsm: dict, storage: dict) -> list[str]:
+    """Markdown rows: one per runtime group."""
+    kv = storage["active_model"]["kv"]["bf16"]
+    head = ["group", "PPL", "ΔPPL %", "GSM8K strict EM % [95% CI]", "flexible EM % [95% CI]", "gold NLL/token"]
+    head += [f"B/token bf16 ({b})" for b in BASES] + [f"compression ({b})" for b in BASES]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for group, p in ppl["groups"].items():
+        g = gsm["groups"].get(group)
+        cells = [group, f"{p['ppl']:.3f}", f"{p.get('delta_pct', 0.0):+.2f}"]
+        cells += [_em(g, "strict-match"), _em(g, "flexible-extract"), f"{g['gold_nll']['nll_per_token']:.4f}"] \
+            if g else ["–"] * 3
+        cells += [f"{kv[b][group]['bytes_per_token']:,.1f}" for b in BASES]
+        cells += [f"{kv[b][group]['compression_vs_baseline']:.3f}×" for b in BASES]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def fit_table(ridge: dict, projector: dict, adapters: dict) -> list[str]:
+    """Per-layer held-out fit of the maps: ridge vs trained, K and V (cos, R²)."""
+    lines = ["| map | K cos ridge → trained | K R² ridge → trained | V cos ridge → trained | V R² ridge → trained |",
+             "|---|---|---|---|---|"]
+    for layer, m in projector["layers"].items():
+        r = {kind: ridge[f"proj_{layer}_{kind}"] for kind in "kv"}
+        lines.append(f"| projector H → KV_{layer} | " + " | ".join(
+            f"{r[kind][stat]:.4f} → {m[kind][stat]:.4f}" for kind in "kv" for stat in ("cos", "r2")) + " |")
+    for layer, m in adapters["layers"].items():
+        lines.append(f"| adapter KV_src → KV_{layer} | " + " | ".join(
+            f"{m[kind]['ridge'][stat]:.4f} → {m[kind]['trained'][stat]:.4f}" for kind in "kv"
+            for stat in ("cos", "r2")) + " |")
+    return lines
+
+
+def protocol_line(ppl: dict, gsm: dict) -> str:
+    p, g = ppl["protocol"], gsm["protocol"]
+    return (f"Model **{p['model']}**, {p['dtype']} on {p['device']} ({p['threads']} threads); "
+            f"PPL on {p['records']} held-out records of `{p['data']}` ({p['tokens_scored']:,} scored tokens, "
+            f"{p['basis']}); GSM8K on **{g.get('label', g.get('math_set'))}** (n = {g['n']}, "
+            f"{g['num_fewshot']}-shot, greedy, ≤ {g['max_gen_toks']} new tokens, lm-eval {g.get('lm_eval')}). "
+            "KV bytes: bf16, per token, on the stated basis (SPEC §6).")
+
+
+def plots(out: Path, ppl: dict, adapters: dict, storage: dict) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    groups = list(ppl["groups"])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(groups, [ppl["groups"][g]["ppl"] for g in groups], color="#4c72b0")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"PPL by group ({ppl['protocol']['model']})")
+    paths.append(_save(fig, out / "ppl_by_group.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    layers = list(adapters["layers"])
+    for kind, marker in (("k", "o"), ("v", "s")):
+        for stage, style in (("ridge", "--"), ("trained", "-")):
+            ax.plot(layers, [adapters["layers"][t][kind][stage]["cos"] for t in layers], style, marker=marker,
+                    label=f"{kind.upper()} {stage}")
+    ax.set_xlabel("target layer")
+    ax.set_ylabel("held-out mean cosine")
+    ax.legend()
+    ax.set_title("CSA2 adapter fit per target layer")
+    paths.append(_save(fig, out / "adapter_cosine.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    kv = storage["active_model"]["kv"]["bf16"]["decoder_attention"]
+    for g in groups:
+        ax.scatter(kv[g]["bytes_per_token"], ppl["groups"][g].get("delta_pct", 0.0))
+        ax.annotate(g, (kv[g]["bytes_per_token"], ppl["groups"][g].get("delta_pct", 0.0)))
+    ax.set_xlabel("KV bytes/token, bf16, decoder attention layers")
+    ax.set_ylabel("ΔPPL % vs baseline")
+    ax.set_title("Storage vs quality")
+    paths.append(_save(fig, out / "bytes_vs_ppl.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Fixed metadata keeps the PNG bytes identical across runs (DVC hashes them).
+    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def run(workdir: Path = Path(".")) -> str:
+    workdir = Path(workdir)
+    ppl, gsm, storage = (_load(workdir, n) for n in ("ppl", "gsm8k", "storage"))
+    ridge, projector, adapters = (_load(workdir, n) for n in ("ridge", "projector", "adapters"))
+    mode_a = ppl["mode_a"]
+    mode_a_line = (f"Mode A (prefill skip, prompt = first {100 * mode_a['prefix_fraction']:.0f}% of each record): "
+                   f"prefix PPL {mode_a['baseline']['ppl']:.3f} → {mode_a['mode_a']['ppl']:.3f} "
+                   f"({mode_a['delta_pct']:+.2f}%). {mode_a['note']}" if mode_a["covered"] else
+                   f"Mode A: not run — the plan does not cover attention layers "
+                   f"{mode_a['uncovered_attention_layers']} above the cut (use a covering plan).")
+    text = "\n".join([
+        "# Results", "", protocol_line(ppl, gsm), "",
+        *results_table(ppl, gsm, storage), "", mode_a_line, "",
+        "## Fit of the maps (held-out tokens)", "", *fit_table(ridge, projector, adapters), "",
+        f"Qwen3.5-4B geometry (computed from its config, no weights): "
+        + ", ".join(f"{b}: baseline {storage['qwen3_5_4b']['kv']['bf16'][b]['baseline']['bytes_per_token']:,.0f} → "
+                    f"csa2 {storage['qwen3_5_4b']['kv']['bf16'][b]['csa2']['bytes_per_token']:,.0f} B/token"
+                    for b in BASES) + ".", "",
+        f"_{storage['note']}_", "",
+        "![PPL by group](ppl_by_group.png) ![adapter cosine](adapter_cosine.png) ![bytes vs PPL](bytes_vs_ppl.png)", "",
+    ])
+    out = workdir / OUT
+    plots(out, ppl, adapters, storage)
+    atomic_write_text(out / "results.md", text)
+    log.info("wrote %s", out / "results.md")
+    return text
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    run()
+
+
+if __name__ == "__main__":
+    main()
