@@ -51,7 +51,7 @@ def random_parts(geo, plan, seed=0):
                     {e: KVProjector(geo.hidden_size, geo.kv_dim) for e in plan.extra_sources})
 
 
-@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("group", [g for g in GROUPS if g != "share_plain"])
 def test_identity_substitution_gives_baseline_logits(tiny_model, group):
     model, _ = tiny_model
     x = torch.randint(0, 250, (2, 33))
@@ -106,6 +106,23 @@ def test_csa2_reads_true_source_and_ced_csa2_projected(tiny_model):
     with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "ced_csa2", parts):
         model(x)
     assert torch.equal(seen[28][1], projected[1])
+
+
+def test_share_plain_targets_read_the_source_kv_verbatim(tiny_model):
+    model, _ = tiny_model
+    x = torch.randint(0, 250, (1, 18))
+    seen = {}
+
+    def probe(layer):
+        return lambda mod, inp, out: seen.__setitem__(layer, out.clone())
+
+    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "share_plain"):
+        handles = [attention(model, layer).v_proj.register_forward_hook(probe(layer)) for layer in (20, 24, 28, 32)]
+        model(x)
+        for h in handles:
+            h.remove()
+    assert torch.equal(seen[20], true_kv(model, x, [20])[20][1])
+    assert all(torch.equal(seen[t], seen[20]) for t in (24, 28, 32))
 
 
 @pytest.mark.parametrize("group", ["ced", "ced_csa2"])

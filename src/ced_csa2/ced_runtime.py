@@ -13,9 +13,12 @@
   **Approximation:** non-attention layers above the cut (Qwen3.5's GatedDeltaNet
   layers) get no prompt state -- they start from a zero state.
 
-Groups (Mode B): ``baseline`` (no change), ``ced`` (source K/V from ``projector(H_split)``),
-``csa2`` (targets from ``adapters(true KV_source)``), ``ced_csa2`` (targets from
-``adapters(projected KV_source)``, source projected too).
+Groups (Mode B): ``baseline`` (no change), ``share_plain`` (targets read the true
+KV_source verbatim, no adapter -- the baseline every adapter must beat; like vLLM's
+``kv_sharing_target_layer_name``, except that each target still applies its own
+k_norm), ``ced`` (source K/V from ``projector(H_split)``), ``csa2`` (targets from
+``adapters(true KV_source)``), ``ced_csa2`` (targets from ``adapters(projected
+KV_source)``, source projected too).
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ import torch
 from torch import nn
 
 from . import kv_hooks
+from .config import RUNTIME_GROUPS as GROUPS  # one list for params and runtime
 from .model_utils import Geometry, attention, decoder_layer
 from .plan import LayerPlan
 
-GROUPS = ("baseline", "ced", "csa2", "ced_csa2")
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -115,8 +118,8 @@ class CEDModeBRuntime:
     @property
     def replaced_layers(self) -> tuple[int, ...]:
         """Layers whose K/V this group replaces."""
-        return {"baseline": (), "ced": (self.plan.source,), "csa2": self.plan.targets,
-                "ced_csa2": (self.plan.source, *self.plan.targets)}[self.group]
+        return {"baseline": (), "share_plain": self.plan.targets, "ced": (self.plan.source,),
+                "csa2": self.plan.targets, "ced_csa2": (self.plan.source, *self.plan.targets)}[self.group]
 
     def __enter__(self) -> "CEDModeBRuntime":
         if self.group == "baseline":
@@ -151,6 +154,10 @@ class CEDModeBRuntime:
             for t in plan.targets:
                 repl[(t, "k")] = lambda out, t=t: adapted(t)[0]
                 repl[(t, "v")] = lambda out, t=t: adapted(t)[1]
+        if self.group == "share_plain":
+            for t in plan.targets:
+                repl[(t, "k")] = lambda out: source_kv()[0]
+                repl[(t, "v")] = lambda out: source_kv()[1]
         stack.enter_context(kv_hooks.inject(self.model, repl))
         self._stack = stack
         return self

@@ -218,7 +218,7 @@ class AdaptersConfig:
         _check(self.amp_dtype in DTYPES, "train_adapters.amp_dtype", f"must be one of {DTYPES}")
 
 
-RUNTIME_GROUPS = ("baseline", "ced", "csa2", "ced_csa2")
+RUNTIME_GROUPS = ("baseline", "share_plain", "ced", "csa2", "ced_csa2")
 
 
 @dataclass(frozen=True)
