@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: bf16 where native (CUDA, AMX/AVX512-BF16 CPUs), else fp32
 
 
 class ParamsError(ValueError):
@@ -68,7 +69,7 @@ class TinyModelConfig:
 class ModelConfig:
     name: str
     kind: Literal["gguf_wheel", "hub", "tiny"]
-    dtype: str = "bfloat16"  # compute dtype of the model's forward passes
+    dtype: str = "auto"  # compute dtype of the model's forward passes
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     hf_id: Optional[str] = None  # hub id (kind=hub) or the id the model stands in for
     revision: Optional[str] = None
@@ -76,7 +77,7 @@ class ModelConfig:
     tiny: Optional[TinyModelConfig] = None
 
     def __post_init__(self):
-        _check(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.dtype in COMPUTE_DTYPES, "model.dtype", f"must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
         _check(self.kind != "hub" or bool(self.hf_id), "model.hf_id", "is required when model.kind is 'hub'")
         _check(self.kind != "gguf_wheel" or self.wheel is not None, "model.wheel", "is required for kind 'gguf_wheel'")
         _check(self.kind != "tiny" or self.tiny is not None, "model.tiny", "is required for kind 'tiny'")
@@ -193,12 +194,11 @@ class ProjectorConfig:
     batch_size: int = 4096
     warmup_fraction: float = 0.02
     weight_decay: float = 0.01
-    amp_dtype: str = "bfloat16"
-    init: Literal["ridge", "default"] = "default"
+    amp_dtype: str = "auto"
 
     def __post_init__(self):
         _check(self.epochs > 0 and self.batch_size > 0, "train_projector.epochs", "and batch_size must be positive")
-        _check(self.amp_dtype in DTYPES, "train_projector.amp_dtype", f"must be one of {DTYPES}")
+        _check(self.amp_dtype in COMPUTE_DTYPES, "train_projector.amp_dtype", f"must be one of {COMPUTE_DTYPES}")
 
 
 @dataclass(frozen=True)
@@ -210,12 +210,12 @@ class AdaptersConfig:
     momentum: float = 0.9
     width_mult: float = 1.5  # ResidualMLP hidden width = width_mult * kv_dim
     activation: Literal["gelu", "silu", "relu"] = "gelu"
-    amp_dtype: str = "bfloat16"
+    amp_dtype: str = "auto"
 
     def __post_init__(self):
         _check(self.epochs > 0 and self.batch_size > 0, "train_adapters.epochs", "and batch_size must be positive")
         _check(self.width_mult > 0, "train_adapters.width_mult", "must be positive")
-        _check(self.amp_dtype in DTYPES, "train_adapters.amp_dtype", f"must be one of {DTYPES}")
+        _check(self.amp_dtype in COMPUTE_DTYPES, "train_adapters.amp_dtype", f"must be one of {COMPUTE_DTYPES}")
 
 
 RUNTIME_GROUPS = ("baseline", "share_plain", "ced", "csa2", "ced_csa2")

@@ -1,0 +1,157 @@
+"""The ``.pt`` files of the learned maps: one format, one set of checks.
+
+A checkpoint is ``torch.save`` of a plain dict (loadable with ``weights_only=True``)::
+
+    {"format": "ced_csa2.projector" | "ced_csa2.adapters",
+     "format_version": 1,
+     "state": {name: fp16 tensor},   # the module's state_dict, rounded to FP16
+     "meta": {...}}                  # dims, layers, plan, model, params hash, ...
+
+Loading checks the format, then every ``expect`` key against ``meta``, before any
+tensor is used; each failure raises :class:`CheckpointError` naming the file (and the
+key with both values).  :func:`init_linear_from_ridge` copies a closed-form map of
+the ridge stage into an ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from .io_utils import atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+SAVE_DTYPE = torch.float16
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, of another kind, or does not match what the caller expects."""
+
+
+def _plain(value):
+    """Tuples as lists, recursively, so a plan given as tuples compares equal to the stored lists."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def save_checkpoint(path: str | Path, kind: str, module: nn.Module, meta: Mapping, required: tuple[str, ...]) -> Path:
+    """Write ``module``'s state in FP16 with ``meta`` to ``path`` (temp name + rename).
+
+    Parameters
+    ----------
+    path
+        Destination file; its parent is created.
+    kind
+        Format tag, e.g. ``"projector"``; :func:`load_checkpoint` insists on the same.
+    module
+        The map; every floating-point tensor of its state dict is stored as FP16.
+    meta
+        JSON-like metadata (str/int/float/bool/None, lists and dicts of them).
+    required
+        Keys ``meta`` must hold: a checkpoint that cannot say what it belongs to is refused.
+    """
+    path = Path(path)
+    missing = [k for k in required if k not in meta]
+    if missing:
+        raise CheckpointError(f"{path}: refusing to save a {kind} checkpoint without metadata {missing}")
+    state = {}
+    for name, t in module.state_dict().items():
+        t = t.detach().cpu()
+        if t.is_floating_point():
+            t = t.to(SAVE_DTYPE).contiguous()
+            if not torch.isfinite(t).all():
+                raise CheckpointError(f"{path}: tensor '{name}' is not finite in {SAVE_DTYPE} (overflow or NaN)")
+        state[name] = t
+    blob = {"format": f"ced_csa2.{kind}", "format_version": FORMAT_VERSION, "state": state, "meta": _plain(meta)}
+    buf = io.BytesIO()
+    torch.save(blob, buf)
+    atomic_write_bytes(path, buf.getvalue())
+    log.info("wrote %s (%s, %.2f MB)", path, kind, path.stat().st_size / 1e6)
+    return path
+
+
+def load_checkpoint(path: str | Path, kind: str, expect: Mapping | None = None) -> tuple[dict, dict]:
+    """``(state, meta)`` of a checkpoint written by :func:`save_checkpoint`, after all checks.
+
+    Parameters
+    ----------
+    path
+        The file.
+    kind
+        The format tag it must carry.
+    expect
+        ``{meta key: value}`` the file must agree with (e.g. ``{"kv_dim": 1024, "layer": 20}``).
+
+    Raises
+    ------
+    CheckpointError
+        Missing or unreadable file, wrong format or version, or an ``expect`` mismatch
+        (the message names the file, the key and both values).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: {kind} checkpoint not found (run `dvc repro` for the stage that writes it)")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises many types (zip, pickle, EOF) for one cause: a bad file
+        raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupt?): "
+                              f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(blob, dict) or blob.get("format") != f"ced_csa2.{kind}":
+        found = blob.get("format") if isinstance(blob, dict) else type(blob).__name__
+        raise CheckpointError(f"{path}: not a ced_csa2.{kind} checkpoint (its format is {found!r})")
+    if blob.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format_version {blob.get('format_version')!r}, expected {FORMAT_VERSION}")
+    meta = blob["meta"]
+    for key, want in (expect or {}).items():
+        if key not in meta:
+            raise CheckpointError(f"{path}: metadata has no '{key}' (expected {want!r})")
+        if _plain(meta[key]) != _plain(want):
+            raise CheckpointError(f"{path}: '{key}' is {meta[key]!r} in the checkpoint, expected {want!r}")
+    return blob["state"], meta
+
+
+def load_state(path: Path, module: nn.Module, state: dict) -> None:
+    """``module.load_state_dict(state)``, with a shape/key mismatch reported against ``path``."""
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: weights do not fit the module its metadata describes: {exc}") from None
+
+
+@torch.no_grad()
+def init_linear_from_ridge(linear: nn.Linear, W: torch.Tensor, b: torch.Tensor) -> None:
+    """Copy a ridge map into ``linear`` so that ``linear(x)`` predicts ``x @ W + b``.
+
+    Parameters
+    ----------
+    linear
+        ``nn.Linear(d_in, d_out)``; weight and bias are overwritten (exact copies).
+    W, b
+        ``(d_in, d_out)`` and ``(d_out,)``.
+
+    Notes
+    -----
+    The weight keeps ``nn.Linear``'s contiguous ``(d_out, d_in)`` layout, so
+    ``linear(x)`` is bit-identical to ``F.linear(x, W.T.contiguous(), b)``.  An
+    expression such as ``x @ W + b`` is the same map but may differ in the last bits:
+    BLAS sums in another order for the other operand layout, and the bias is added
+    after rounding instead of inside the GEMM.  (Keeping ``W``'s own layout through a
+    transposed weight view would make it match ``torch.addmm(b, x, W)``, but costs
+    3x in CPU bf16 autocast, whose kernels want the standard layout.)
+    """
+    d_out, d_in = linear.weight.shape
+    if tuple(W.shape) != (d_in, d_out) or tuple(b.shape) != (d_out,):
+        raise ValueError(f"ridge map of shape W{tuple(W.shape)} b{tuple(b.shape)} does not fit "
+                         f"Linear({d_in} -> {d_out}), which needs W({d_in}, {d_out}) b({d_out},)")
+    linear.weight.copy_(W.T)
+    linear.bias.copy_(b)

@@ -1,0 +1,157 @@
+"""CSA2 cross-layer adapters: the source layer's K/V to each target layer's K/V.
+
+For every target layer ``t`` there is one adapter for K and one for V, each
+
+    y = base(x) + mlp(x),   base = Linear(d, d),   mlp = Linear(d, w) -> act -> Linear(w, d)
+
+with ``d = kv_dim`` and ``w = width_mult * kv_dim``.  The base starts at the
+closed-form ridge solution and the MLP's last layer at zero, so a fresh adapter *is*
+the ridge map (bit for bit: see :func:`ced_csa2.checkpoint.init_linear_from_ridge`).
+On Qwen3.5-4B (kv_dim 1024, w 1536) one target layer's K+V adapters hold 8,395,776
+parameters.  The file ``models/adapters.pt`` holds FP16 weights and metadata.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from .checkpoint import init_linear_from_ridge, load_checkpoint, load_state, save_checkpoint
+
+KIND = "adapters"
+ACTIVATIONS = {"gelu": nn.GELU, "silu": nn.SiLU, "relu": nn.ReLU}
+# What an adapters file must say about itself besides its architecture (added by save_adapters).
+REQUIRED_META = ("source", "plan", "model", "model_id", "params_hash")
+
+
+def mlp_width(kv_dim: int, width_mult: float) -> int:
+    """Hidden width of the residual MLP: ``round(width_mult * kv_dim)`` (1536 for 1.5 x 1024)."""
+    return int(round(width_mult * kv_dim))
+
+
+class ResidualMLP(nn.Module):
+    """``Linear(d -> w) -> act -> Linear(w -> d)``; the last layer starts at zero (output exactly 0)."""
+
+    def __init__(self, dim: int, width: int, activation: str = "gelu", *, device=None, dtype=None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose one of {sorted(ACTIVATIONS)}")
+        self.up = nn.Linear(dim, width, device=device, dtype=dtype)
+        self.act = ACTIVATIONS[activation]()
+        self.down = nn.Linear(width, dim, device=device, dtype=dtype)
+        nn.init.zeros_(self.down.weight)
+        nn.init.zeros_(self.down.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., d) -> (..., d)``."""
+        return self.down(self.act(self.up(x)))
+
+
+class KVAdapter(nn.Module):
+    """One K (or V) map of one target layer: ``y = base(x) + mlp(x)``, ``(..., d) -> (..., d)``."""
+
+    def __init__(self, dim: int, width: int, activation: str = "gelu", *, device=None, dtype=None):
+        super().__init__()
+        self.base = nn.Linear(dim, dim, device=device, dtype=dtype)
+        self.mlp = ResidualMLP(dim, width, activation, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.mlp(x)
+
+    def init_from_ridge(self, W: torch.Tensor, b: torch.Tensor) -> None:
+        """Copy the ridge solution (``W`` ``(d, d)`` in ``x @ W + b`` orientation, ``b`` ``(d,)``) into the base.
+
+        With the MLP still at its zero start, ``self(x)`` then equals the ridge
+        prediction ``F.linear(x, W.T.contiguous(), b)`` bit for bit (adding the MLP's
+        exact zeros changes nothing).
+        """
+        init_linear_from_ridge(self.base, W, b)
+
+    def param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """``(base parameters, MLP parameters)``: the two SGD learning-rate groups."""
+        return list(self.base.parameters()), list(self.mlp.parameters())
+
+
+class CSA2Adapters(nn.Module):
+    """K and V adapters of every target layer, keyed by ``str(layer)``.
+
+    Parameters
+    ----------
+    layers
+        Target layers (1-based).
+    kv_dim
+        K/V width (the source's and every target's).
+    width
+        MLP hidden width; default ``mlp_width(kv_dim, width_mult)``.
+    width_mult, activation
+        MLP shape when ``width`` is not given, and its nonlinearity.
+    """
+
+    def __init__(self, layers: Iterable[int], kv_dim: int, *, width: int | None = None, width_mult: float = 1.5,
+                 activation: str = "gelu", device=None, dtype=None):
+        super().__init__()
+        self.layers = tuple(int(t) for t in layers)
+        self.kv_dim, self.activation = kv_dim, activation
+        self.width = width or mlp_width(kv_dim, width_mult)
+
+        def make():
+            return KVAdapter(kv_dim, self.width, activation, device=device, dtype=dtype)
+
+        self.k = nn.ModuleDict({str(t): make() for t in self.layers})
+        self.v = nn.ModuleDict({str(t): make() for t in self.layers})
+
+    def adapter(self, kind: str, layer: int) -> KVAdapter:
+        """The ``"k"`` or ``"v"`` adapter of target ``layer``."""
+        return {"k": self.k, "v": self.v}[kind][str(layer)]
+
+    def forward(self, layer: int, k_src: torch.Tensor, v_src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` of target ``layer`` from the source's ``(..., kv_dim)`` K and V."""
+        key = str(layer)
+        if key not in self.k:
+            raise KeyError(f"no adapters for layer {layer}; this module adapts layers {list(self.layers)}")
+        return self.k[key](k_src), self.v[key](v_src)
+
+
+def save_adapters(path: str | Path, adapters: CSA2Adapters, meta: Mapping) -> Path:
+    """Write ``adapters`` (FP16 weights) and ``meta`` to ``path`` atomically.
+
+    ``meta`` must hold :data:`REQUIRED_META` (source, plan, model, model_id,
+    params_hash); ``layers``, ``kv_dim``, ``width`` and ``activation`` come from the module.
+    """
+    meta = {**meta, "layers": list(adapters.layers), "kv_dim": adapters.kv_dim, "width": adapters.width,
+            "activation": adapters.activation}
+    return save_checkpoint(path, KIND, adapters, meta, REQUIRED_META)
+
+
+def load_adapters(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
+                  expect: Mapping | None = None) -> CSA2Adapters:
+    """Load an adapters file (the seed's API).
+
+    Parameters
+    ----------
+    path
+        A file written by :func:`save_adapters`.
+    device, dtype
+        Where and in what dtype to build the module (default: CPU, float32 -- which
+        holds the stored FP16 values exactly).
+    expect
+        Metadata the file must match, e.g. ``{"kv_dim": 1024, "layers": [24, 28, 32],
+        "source": 20}``; a mismatch raises :class:`~ced_csa2.checkpoint.CheckpointError`
+        naming the file, key and both values.
+
+    Returns
+    -------
+    CSA2Adapters
+        In eval mode; the file's metadata is attached as ``.meta``.
+    """
+    state, meta = load_checkpoint(path, KIND, expect)
+    adapters = CSA2Adapters(meta["layers"], meta["kv_dim"], width=meta["width"], activation=meta["activation"],
+                            device="meta")
+    adapters.to_empty(device="cpu")
+    load_state(Path(path), adapters, state)
+    adapters = adapters.to(device=device, dtype=dtype or torch.float32).eval()
+    adapters.meta = meta
+    return adapters

@@ -1,0 +1,121 @@
+"""CED projector: the split layer's hidden state straight to the source layer's K/V.
+
+``KVProjector`` is one ``Linear(hidden -> 2 * kv_dim)`` whose output is ``K ‖ V`` of the
+projected layer (pre-k_norm, pre-RoPE, as ``k_proj``/``v_proj`` emit them).  On
+Qwen3.5-4B that is ``Linear(2560 -> 2048)``: 5,244,928 parameters, ~10 MB in FP16.
+
+Files hold FP16 weights and metadata (format and load-time checks in
+:mod:`ced_csa2.checkpoint`): ``models/projector_k{l}v{l}.pt`` for the source layer
+(:func:`save_projector` / :func:`load_projector`), and ``models/projectors_extra.pt``
+for a covering plan's extra sources, several projectors in one file
+(:func:`save_projectors` / :func:`load_projectors`; empty for an ordinary plan).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from .checkpoint import init_linear_from_ridge, load_checkpoint, load_state, save_checkpoint
+
+KIND = "projector"
+KIND_MANY = "projectors"  # one file of several single-layer projectors
+# What a projector file must say about itself besides its dims (added by save_projector).
+REQUIRED_META = ("layer", "split", "plan", "model", "model_id", "params_hash")
+
+
+class KVProjector(nn.Module):
+    """``H_split -> (K_l, V_l)`` with one linear map.
+
+    Parameters
+    ----------
+    hidden_size
+        Width of ``H_split``.
+    kv_dim
+        ``n_kv_heads * head_dim`` of the projected layer.
+    device, dtype
+        Passed to the ``nn.Linear`` (``device="meta"`` builds it without memory).
+    """
+
+    def __init__(self, hidden_size: int, kv_dim: int, *, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size, self.kv_dim = hidden_size, kv_dim
+        self.proj = nn.Linear(hidden_size, 2 * kv_dim, device=device, dtype=dtype)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h``: ``(..., hidden)`` -> ``(k, v)``, each ``(..., kv_dim)`` (views of one output)."""
+        k, v = self.proj(h).split(self.kv_dim, dim=-1)
+        return k, v
+
+    def init_from_ridge(self, W: torch.Tensor, b: torch.Tensor) -> None:
+        """Start from the closed-form solution: ``W`` ``(hidden, 2 kv_dim)``, ``b`` ``(2 kv_dim,)``."""
+        init_linear_from_ridge(self.proj, W, b)
+
+
+def save_projector(path: str | Path, projector: KVProjector, meta: Mapping) -> Path:
+    """Write ``projector`` (FP16 weights) and ``meta`` to ``path`` atomically.
+
+    ``meta`` must hold :data:`REQUIRED_META` (layer, split, plan, model, model_id,
+    params_hash); ``hidden_size`` and ``kv_dim`` are taken from the module.
+    """
+    meta = {**meta, "hidden_size": projector.hidden_size, "kv_dim": projector.kv_dim}
+    return save_checkpoint(path, KIND, projector, meta, REQUIRED_META)
+
+
+def load_projector(path: str | Path, *, expect: Mapping | None = None, device=None,
+                   dtype: torch.dtype | None = None) -> tuple[KVProjector, dict]:
+    """Load a projector file.
+
+    Parameters
+    ----------
+    path
+        A file written by :func:`save_projector`.
+    expect
+        Metadata the file must match, e.g. ``{"hidden_size": 2560, "kv_dim": 1024,
+        "layer": 20, "model": "qwen3_5_4b"}``; a mismatch raises
+        :class:`~ced_csa2.checkpoint.CheckpointError` naming the file, key and both values.
+    device, dtype
+        Where and in what dtype to build the module (default: CPU, float32 -- which
+        holds the stored FP16 values exactly).
+
+    Returns
+    -------
+    (projector, meta)
+        The module in eval mode and the file's metadata dict.
+    """
+    state, meta = load_checkpoint(path, KIND, expect)
+    projector = KVProjector(meta["hidden_size"], meta["kv_dim"], device="meta")
+    projector.to_empty(device="cpu")
+    load_state(Path(path), projector, state)
+    return projector.to(device=device, dtype=dtype or torch.float32).eval(), meta
+
+
+def save_projectors(path: str | Path, projectors: Mapping[int, KVProjector], meta: Mapping) -> Path:
+    """Write several single-layer projectors (the extra sources of a covering plan) to one file.
+
+    ``meta`` must hold :data:`REQUIRED_META` except ``layer``, plus ``hidden_size`` and
+    ``kv_dim`` (an empty file still says what it is for); ``layers`` comes from the keys.
+    Every projector must have those dims.
+    """
+    for layer, p in projectors.items():
+        if (p.hidden_size, p.kv_dim) != (meta.get("hidden_size"), meta.get("kv_dim")):
+            raise ValueError(f"{path}: projector of layer {layer} is {p.hidden_size} -> 2x{p.kv_dim}, meta says "
+                             f"{meta.get('hidden_size')} -> 2x{meta.get('kv_dim')}")
+    module = nn.ModuleDict({str(layer): p for layer, p in projectors.items()})
+    required = tuple(k for k in REQUIRED_META if k != "layer") + ("hidden_size", "kv_dim")
+    return save_checkpoint(path, KIND_MANY, module, {**meta, "layers": [int(k) for k in projectors]}, required)
+
+
+def load_projectors(path: str | Path, *, expect: Mapping | None = None, device=None,
+                    dtype: torch.dtype | None = None) -> tuple[dict[int, KVProjector], dict]:
+    """Load a file of :func:`save_projectors`: ``({layer: projector}, meta)``, as :func:`load_projector` does."""
+    state, meta = load_checkpoint(path, KIND_MANY, expect)
+    module = nn.ModuleDict({str(layer): KVProjector(meta["hidden_size"], meta["kv_dim"], device="meta")
+                            for layer in meta["layers"]})
+    module.to_empty(device="cpu")
+    load_state(Path(path), module, state)
+    module = module.to(device=device, dtype=dtype or torch.float32).eval()
+    return {int(layer): p for layer, p in module.items()}, meta

@@ -1,0 +1,152 @@
+"""``train_adapters`` stage: the CSA2 adapters ``KV_source -> KV_t`` of each target layer.
+
+    python -m ced_csa2.train_adapters      # what `dvc repro train_adapters` runs
+
+Reads ``params.yaml``, ``data/dump/dump.h5`` and ``models/ridge.pt``.  Validates the
+plan and the dump first; splits the records as the ridge stage does, samples
+``split.tokens_per_record`` token pairs per record on each side
+(:func:`ced_csa2.loader.row_mask`) and holds them in memory.  Each target layer gets a
+K and a V :class:`~ced_csa2.csa2.KVAdapter` whose base starts at the ridge maps
+``k_{t}`` / ``v_{t}`` (so training starts *at* the ridge solution); all of them train
+in one loop, on the same batches:
+
+* loss: MSE; SGD with ``momentum`` and two parameter groups, the Linear bases at
+  ``base_lr`` and the residual MLPs at ``refine_lr`` (constant: the seed names no
+  schedule); ``torch.autocast`` in ``amp_dtype`` (none for float32); ``epochs`` passes of
+  ``batch_size`` pairs; seeded (``params.seed``);
+* validation (float32) on the held-out pairs before training -- which is the ridge
+  solution's fit -- and after each epoch.
+
+Writes ``models/adapters.pt``, ``metrics/plots/adapters.csv`` (``layer, kind, epoch,
+train_loss, val_loss, val_cos``) and ``metrics/adapters.json``: per layer and K/V the
+r2, cos, rel_mse, mse of the trained adapter (``trained``), of the ridge-only start on
+the same pairs (``ridge``), and ``gain = trained - ridge`` (positive is better for r2
+and cos, negative for rel_mse and mse); plus run facts and wall time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .config import Params, load_params, params_hash, to_dict
+from .csa2 import CSA2Adapters, save_adapters
+from .io_utils import write_json
+from .loader import load_rows
+from .model_utils import resolve_device
+from .plan import LayerPlan, load_plan
+from .training import DUMP_PATH, RIDGE_PATH, Head, TensorBatches, fit, ridge_maps, split_masks, write_plot
+
+log = logging.getLogger(__name__)
+
+MODEL_PATH = Path("models/adapters.pt")
+PLOT_PATH = Path("metrics/plots/adapters.csv")
+METRICS_PATH = Path("metrics/adapters.json")
+KINDS = ("k", "v")
+GAIN_KEYS = ("r2", "cos", "rel_mse", "mse")
+
+
+def pair_names(plan: LayerPlan) -> tuple[list[str], list[str]]:
+    """Dataset names of the inputs ``[k_src, v_src]`` and the targets ``[k_t1, v_t1, k_t2, ...]``."""
+    return [f"{kind}_{plan.source}" for kind in KINDS], [f"{kind}_{t}" for t in plan.targets for kind in KINDS]
+
+
+def load_pairs(dump: Path, plan: LayerPlan, mask, kv_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masked rows as ``X (n, 2 kv_dim) = [K_src ‖ V_src]`` and ``Y (n, 2 kv_dim · targets)``."""
+    x_names, y_names = pair_names(plan)
+    data = load_rows(dump, x_names + y_names, mask)
+    return data[:, :2 * kv_dim], data[:, 2 * kv_dim:]
+
+
+def build_adapters(params: Params, plan: LayerPlan, kv_dim: int, ridge_path: Path) -> CSA2Adapters:
+    """Seeded adapters whose bases hold the ridge maps ``k_{t}``, ``v_{t}`` (MLPs at their zero start)."""
+    cfg = params.train_adapters
+    maps = ridge_maps(ridge_path, pair_names(plan)[1])
+    torch.manual_seed(params.seed)
+    adapters = CSA2Adapters(plan.targets, kv_dim, width_mult=cfg.width_mult, activation=cfg.activation)
+    for t in plan.targets:
+        for kind in KINDS:
+            m = maps[f"{kind}_{t}"]
+            adapters.adapter(kind, t).init_from_ridge(m["W"], m["b"])
+    return adapters
+
+
+def heads_for(adapters: CSA2Adapters, kv_dim: int) -> list[Head]:
+    """One head per (target, kind), reading its half of ``X`` and predicting its block of ``Y``."""
+    heads = []
+    for i, t in enumerate(adapters.layers):
+        for j, kind in enumerate(KINDS):
+            col = (2 * i + j) * kv_dim
+            heads.append(Head({"layer": t, "kind": kind}, adapters.adapter(kind, t),
+                              x=slice(j * kv_dim, (j + 1) * kv_dim), y=slice(col, col + kv_dim),
+                              parts={kind: slice(None)}))
+    return heads
+
+
+def optimizer_for(adapters: CSA2Adapters, params: Params) -> torch.optim.SGD:
+    """SGD with momentum: the bases at ``base_lr``, the residual MLPs at ``refine_lr``."""
+    cfg = params.train_adapters
+    base, mlp = [], []
+    for kind in KINDS:
+        for t in adapters.layers:
+            b, m = adapters.adapter(kind, t).param_groups()
+            base += b
+            mlp += m
+    return torch.optim.SGD([{"params": base, "lr": cfg.base_lr}, {"params": mlp, "lr": cfg.refine_lr}],
+                           lr=cfg.base_lr, momentum=cfg.momentum)
+
+
+def run(params: Params, workdir: Path = Path(".")) -> dict:
+    """Train, validate and save the adapters; returns the metrics written to ``metrics/adapters.json``."""
+    workdir, t0 = Path(workdir), time.perf_counter()
+    cfg = params.train_adapters
+    plan, geo = load_plan(params.plan, params.model)
+    dump, kv = workdir / DUMP_PATH, geo.kv_dim
+    train_mask, val_mask = split_masks(dump, params, plan, geo, (plan.source, *plan.targets),
+                                       params.split.tokens_per_record)
+    adapters = build_adapters(params, plan, kv, workdir / RIDGE_PATH)
+    device = resolve_device("auto")
+    adapters.to(device)
+
+    train = TensorBatches(*load_pairs(dump, plan, train_mask, kv), cfg.batch_size, shuffle=True, seed=params.seed)
+    val = TensorBatches(*load_pairs(dump, plan, val_mask, kv), cfg.batch_size, shuffle=False, seed=params.seed)
+    log.info("training adapters KV_%d -> KV_%s on %s: %d train pairs, %d val pairs, MLP width %d, %s autocast",
+             plan.source, list(plan.targets), device, train.n_rows, val.n_rows, adapters.width, cfg.amp_dtype)
+    heads = heads_for(adapters, kv)
+    rows, ridge, trained = fit(heads, optimizer_for(adapters, params), train, val, epochs=cfg.epochs,
+                               device=device, amp_dtype=cfg.amp_dtype, desc="train_adapters")
+
+    save_adapters(workdir / MODEL_PATH, adapters.cpu(), {
+        "source": plan.source, "split": plan.split, "plan": to_dict(params.plan), "model": params.model.name,
+        "model_id": params.model.hf_id or params.model.name, "seed": params.seed,
+        "params_hash": params_hash(params.model, params.plan, params.split, params.ridge, params.train_adapters)})
+
+    layers: dict[str, dict] = {}
+    for h, r, tr in zip(heads, ridge, trained):
+        kind = h.label["kind"]
+        layers.setdefault(str(h.label["layer"]), {})[kind] = {
+            "trained": tr[kind], "ridge": r[kind], "gain": {k: tr[kind][k] - r[kind][k] for k in GAIN_KEYS}}
+    metrics = {
+        "layers": layers,
+        "run": {"epochs": cfg.epochs, "steps": cfg.epochs * len(train), "train_pairs": train.n_rows,
+                "val_pairs": val.n_rows, "width": adapters.width, "device": device.type,
+                "amp_dtype": cfg.amp_dtype, "wall_s": round(time.perf_counter() - t0, 3)},
+    }
+    write_plot(workdir / PLOT_PATH, rows)
+    write_json(workdir / METRICS_PATH, metrics)
+    for t, m in layers.items():
+        log.info("adapters KV_%d -> KV_%s: val R2 K %.4f (ridge %.4f), V %.4f (ridge %.4f)", plan.source, t,
+                 m["k"]["trained"]["r2"], m["k"]["ridge"]["r2"], m["v"]["trained"]["r2"], m["v"]["ridge"]["r2"])
+    return metrics
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    run(load_params())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""What the two trainers (``train_projector``, ``train_adapters``) share.
+
+* :func:`split_masks` -- validate the dump against the plan, then the train/val row
+  masks (records split as the ridge stage splits them).
+* :func:`ridge_maps` -- the closed-form maps that initialise either kind of map.
+* :class:`TensorBatches` -- in-memory rows with :class:`~ced_csa2.loader.BlockLoader`'s
+  interface, so one loop serves data streamed from disk and data held in memory.
+* :class:`Head` and :func:`fit` -- one loop that trains several independent maps on the
+  same batches (one read of the data for all of them), with per-epoch validation.
+* :func:`evaluate`, :func:`write_plot` -- fp32 held-out metrics through
+  :class:`~ced_csa2.fit_metrics.FitStats`, and plot CSVs.
+
+The maps are independent (each loss touches only its own parameters), so summing their
+losses and stepping one optimizer is exactly per-map training: AdamW and SGD update
+each parameter from its own gradient alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from .config import Params
+from .fit_metrics import FitStats
+from .h5store import DumpError, DumpReader
+from .io_utils import atomic_write_text
+from .loader import record_split, row_mask
+from .model_utils import Geometry, resolve_dtype
+from .plan import LayerPlan
+from .ridge import load_ridge
+
+log = logging.getLogger(__name__)
+
+DUMP_PATH = Path("data/dump/dump.h5")
+RIDGE_PATH = Path("models/ridge.pt")
+_SHUFFLE_STREAM = 4  # numpy seed-sequence tag of TensorBatches (loader.py uses 0-3)
+
+
+# ----------------------------------------------------------------------------- data
+
+def split_masks(path: Path, params: Params, plan: LayerPlan, geo: Geometry, layers: Iterable[int],
+                tokens_per_record: int) -> tuple[np.ndarray, np.ndarray]:
+    """Check that the dump holds what the plan needs, then the train and val row masks.
+
+    Parameters
+    ----------
+    path
+        The dump file.
+    params, plan, geo
+        Validated parameters, layer plan and model geometry.
+    layers
+        Layers whose K/V the stage reads.
+    tokens_per_record
+        Rows drawn per record (0 = every token), as :func:`ced_csa2.loader.row_mask`.
+
+    Returns
+    -------
+    train_mask, val_mask
+        ``(N,)`` bool over the dump's rows; whole records on one side only.
+    """
+    with DumpReader(path) as reader:
+        reader.check(kv_layers=list(layers), hidden_size=geo.hidden_size, kv_dim=geo.kv_dim)
+        if int(reader.attrs.get("split", plan.split)) != plan.split:
+            raise DumpError(f"{path}: holds H_{reader.attrs['split']}, the plan splits at layer {plan.split}")
+        if reader.attrs.get("model", params.model.name) != params.model.name:
+            raise DumpError(f"{path}: made with model {reader.attrs['model']!r}, params.model.name is "
+                            f"{params.model.name!r}")
+        offsets = reader.record_offsets
+    train, val = record_split(len(offsets) - 1, params.split.val_fraction, params.seed)
+    return (row_mask(offsets, train, tokens_per_record, params.seed),
+            row_mask(offsets, val, tokens_per_record, params.seed))
+
+
+def ridge_maps(path: Path, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """The named maps of the ridge stage's file, ``{name: {"W": (d_in, d_out), "b": (d_out,)}}`` float32."""
+    maps, _ = load_ridge(path)
+    missing = [n for n in names if n not in maps]
+    if missing:
+        raise ValueError(f"{path}: has no ridge maps {missing} (it holds {sorted(maps)}); rerun `dvc repro ridge`")
+    return {n: {"W": maps[n]["W"].float(), "b": maps[n]["b"].float()} for n in names}
+
+
+class Batches(Protocol):
+    """What :func:`fit` iterates: ``(X, Y)`` float batches, re-shuffled per :meth:`set_epoch`."""
+
+    n_rows: int
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+class TensorBatches:
+    """``(X, Y)`` batches of rows held in memory (the in-memory twin of ``BlockLoader``).
+
+    Parameters
+    ----------
+    X, Y
+        ``(n, d_x)`` and ``(n, d_y)`` tensors (rows paired).
+    batch_size
+        Rows per batch; the last batch of an epoch may be smaller.
+    shuffle, seed
+        Permute rows each epoch, seeded by ``(seed, epoch)``.
+    """
+
+    def __init__(self, X: torch.Tensor, Y: torch.Tensor, batch_size: int, *, shuffle: bool, seed: int):
+        if X.shape[0] != Y.shape[0]:
+            raise ValueError(f"TensorBatches needs paired rows, got {X.shape[0]} and {Y.shape[0]}")
+        self.X, self.Y, self.batch_size, self.shuffle, self.seed = X, Y, batch_size, shuffle, seed
+        self.epoch = 0
+
+    @property
+    def n_rows(self) -> int:
+        return self.X.shape[0]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return math.ceil(self.n_rows / self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        bs = self.batch_size
+        if not self.shuffle:
+            for s in range(0, self.n_rows, bs):
+                yield self.X[s:s + bs], self.Y[s:s + bs]
+            return
+        rng = np.random.default_rng([self.seed, _SHUFFLE_STREAM, self.epoch])
+        perm = torch.from_numpy(rng.permutation(self.n_rows))
+        for s in range(0, self.n_rows, bs):
+            idx = perm[s:s + bs]
+            yield self.X[idx], self.Y[idx]
+
+
+# ----------------------------------------------------------------------------- training loop
+
+@dataclass
+class Head:
+    """One map trained by :func:`fit`: ``module(X[:, x]) ≈ Y[:, y]``.
+
+    Attributes
+    ----------
+    label
+        Leading plot columns of its rows, e.g. ``{"layer": 20}`` or ``{"layer": 24, "kind": "k"}``.
+    module
+        ``(b, d_in) -> (b, d_out)``.
+    x, y
+        Column slices of the batch's ``X`` and ``Y``.
+    parts
+        Named column slices of its output, each measured on its own (``{"k": ..., "v": ...}``
+        for a projector's ``K ‖ V``, ``{"k": slice(None)}`` for a K adapter).  The parts
+        have equal widths, so the mean of their MSEs is the MSE of the whole output.
+    """
+
+    label: dict
+    module: nn.Module
+    x: slice
+    y: slice
+    parts: dict[str, slice]
+
+
+def amp_context(device: torch.device, amp_dtype: str):
+    """``torch.autocast`` in ``amp_dtype`` on ``device`` (``auto``: see ``fast_dtype``); none for float32."""
+    dtype = resolve_dtype(amp_dtype, device)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def warn_if_amp_is_emulated(device: torch.device, amp_dtype: str) -> None:
+    """Warn when CPU autocast would run without native reduced-precision matmuls.
+
+    Without AMX or AVX512-BF16 (e.g. an AVX2-only CPU) bf16 GEMMs are emulated and run
+    4-8x *slower* than float32; the fix is ``amp_dtype: float32`` for that run.
+    """
+    if device.type != "cpu" or amp_dtype in ("float32", "auto"):
+        return
+    if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+        log.warning("%s autocast on a CPU without AMX/AVX512-BF16 (%s): reduced-precision matmuls are emulated "
+                    "and much slower than float32; consider amp_dtype: float32", amp_dtype,
+                    torch.backends.cpu.get_cpu_capability())
+
+
+def warmup_cosine(total_steps: int, warmup_fraction: float):
+    """LR multiplier: linear warm-up over ``warmup_fraction`` of the steps, then cosine decay to 0."""
+    warmup = max(1, round(warmup_fraction * total_steps)) if warmup_fraction > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+@torch.no_grad()
+def evaluate(heads: list[Head], batches: Batches, device: torch.device) -> list[dict[str, dict]]:
+    """Held-out metrics of every head, in float32 whatever the training autocast.
+
+    Returns
+    -------
+    list
+        Per head, ``{part: {"r2", "cos", "rel_mse", "mse", "n"}}``.
+    """
+    stats = [{part: FitStats() for part in h.parts} for h in heads]
+    for X, Y in batches:
+        X, Y = X.to(device, torch.float32), Y.to(device, torch.float32)
+        for h, st in zip(heads, stats):
+            pred, true = h.module(X[:, h.x]), Y[:, h.y]
+            for part, cols in h.parts.items():
+                st[part].update(pred[:, cols], true[:, cols])
+    return [{part: s.result() for part, s in st.items()} for st in stats]
+
+
+def val_summary(result: dict[str, dict]) -> tuple[float, float]:
+    """``(val_loss, val_cos)`` of one head: means over its equal-width parts."""
+    return (sum(r["mse"] for r in result.values()) / len(result),
+            sum(r["cos"] for r in result.values()) / len(result))
+
+
+def train_epoch(heads: list[Head], optimizer: torch.optim.Optimizer, batches: Batches, device: torch.device,
+                amp_dtype: str, scheduler=None, bar: tqdm | None = None) -> list[float]:
+    """One pass over ``batches`` (MSE per head, summed); returns each head's row-weighted mean loss."""
+    for h in heads:
+        h.module.train()
+    loss_sums, n = torch.zeros(len(heads), device=device), 0
+    for X, Y in batches:
+        X, Y = X.to(device, non_blocking=True), Y.to(device, non_blocking=True)
+        with amp_context(device, amp_dtype):
+            preds = [h.module(X[:, h.x]) for h in heads]
+        # The loss in float32: a bf16 MSE would round away the small errors being fitted.
+        losses = torch.stack([F.mse_loss(p.float(), Y[:, h.y]) for p, h in zip(preds, heads)])
+        optimizer.zero_grad(set_to_none=True)
+        losses.sum().backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        loss_sums += losses.detach() * X.shape[0]
+        n += X.shape[0]
+        if bar is not None:
+            bar.update()
+    for h in heads:
+        h.module.eval()
+    return (loss_sums / n).tolist()
+
+
+def fit(heads: list[Head], optimizer: torch.optim.Optimizer, train: Batches, val: Batches, *, epochs: int,
+        device: torch.device, amp_dtype: str, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        desc: str = "train") -> tuple[list[dict], list[dict], list[dict]]:
+    """Train all heads together with MSE, validating before the first and after every epoch.
+
+    Parameters
+    ----------
+    heads
+        The maps; their modules must already be on ``device``.
+    optimizer, scheduler
+        Over all heads' parameters; the scheduler (if any) steps once per batch.
+    train, val
+        Training batches (``set_epoch(e)`` before epoch ``e``) and validation batches.
+    epochs, device, amp_dtype
+        Passes over ``train``, where to compute, the autocast dtype of training steps.
+
+    Returns
+    -------
+    rows
+        Plot rows, one per head and epoch: ``label | epoch, train_loss, val_loss, val_cos``.
+    initial, final
+        Per head, the :func:`evaluate` results before training and after the last epoch.
+    """
+    warn_if_amp_is_emulated(device, amp_dtype)
+    initial = evaluate(heads, val, device)
+    rows, result = [], initial
+    with tqdm(total=epochs * len(train), desc=desc, unit="step") as bar:
+        for epoch in range(1, epochs + 1):
+            train.set_epoch(epoch)
+            train_loss = train_epoch(heads, optimizer, train, device, amp_dtype, scheduler, bar)
+            result = evaluate(heads, val, device)
+            epoch_rows = [{**h.label, "epoch": epoch, "train_loss": tl, "val_loss": val_summary(res)[0],
+                           "val_cos": val_summary(res)[1]} for h, tl, res in zip(heads, train_loss, result)]
+            rows += epoch_rows
+            mean_val = sum(r["val_loss"] for r in epoch_rows) / len(heads)
+            bar.set_postfix(val_loss=f"{mean_val:.4g}")
+            log.info("%s epoch %d/%d: train loss %.5g, val loss %.5g, val cos %.4f (means over %d maps)", desc,
+                     epoch, epochs, sum(train_loss) / len(heads), mean_val,
+                     sum(r["val_cos"] for r in epoch_rows) / len(heads), len(heads))
+    return rows, initial, result
+
+
+# ----------------------------------------------------------------------------- outputs
+
+def write_plot(path: Path, rows: list[dict]) -> None:
+    """Plot data as CSV (columns in the rows' key order; floats with 8 significant digits)."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: f"{v:.8g}" if isinstance(v, float) else v for k, v in r.items()})
+    atomic_write_text(path, buf.getvalue())
+

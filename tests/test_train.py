@@ -1,0 +1,152 @@
+"""Both trainers on a small synthetic dump: they learn, they are reproducible, they check inputs first."""
+
+import csv
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from ced_csa2 import ridge, train_adapters, train_projector
+from ced_csa2.csa2 import load_adapters
+from ced_csa2.h5store import DumpError, DumpLayout, DumpWriter
+from ced_csa2.projector import load_projector, load_projectors
+
+from conftest import tiny_params
+
+HIDDEN, KV = 64, 32  # the tiny Qwen3.5 profile (2 kv heads x 16)
+N_RECORDS = 60
+
+
+def params(**train):
+    """Tiny-profile params sized for seconds of CPU time."""
+    return tiny_params(
+        split={"val_fraction": 0.2, "tokens_per_record": 16},
+        train_projector={"epochs": 4, "batch_size": 256, "lr": 2e-2, **train.get("projector", {})},
+        train_adapters={"epochs": 12, "batch_size": 128, "base_lr": 1e-2, "refine_lr": 2.0,
+                        **train.get("adapters", {})})
+
+
+def synthetic_arrays(n_rows: int, layers, rng) -> dict[str, np.ndarray]:
+    """K/V that are noisy nonlinear functions of ``H_split`` (and target K/V of the source K/V)."""
+
+    def noisy_nonlinear(x):
+        # A linear part (what ridge finds) plus a quadratic residual through 8 directions,
+        # which a 48-wide MLP can learn from a few hundred pairs.
+        d = x.shape[1]
+        A = rng.standard_normal((d, KV)) / np.sqrt(d)
+        B = rng.standard_normal((d, 8)) / np.sqrt(d)
+        C = rng.standard_normal((8, KV)) / np.sqrt(8)
+        y = x @ A + 0.3 * np.square(x @ B) @ C + 0.05 * rng.standard_normal((len(x), KV))
+        return y.astype(np.float32)
+
+    out = {"h_split": rng.standard_normal((n_rows, HIDDEN)).astype(np.float32)}
+    source, *targets = layers
+    out[f"k_{source}"], out[f"v_{source}"] = noisy_nonlinear(out["h_split"]), noisy_nonlinear(out["h_split"])
+    for t in targets:
+        out[f"k_{t}"], out[f"v_{t}"] = noisy_nonlinear(out[f"k_{source}"]), noisy_nonlinear(out[f"v_{source}"])
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Thousands of tiny matmuls: one thread is faster, and two stall badly on OpenMP
+    # barriers whenever the two cores are shared with other work (30 s instead of 2 s).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prepared(one_thread, tmp_path_factory):
+    """A workdir with a synthetic ``data/dump/dump.h5`` (plan 16 / 20 / 24, 28, 32) and ``models/ridge.pt``."""
+    work = tmp_path_factory.mktemp("train")
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(24, 48, N_RECORDS).tolist()
+    layers = (20, 24, 28, 32)
+    p = params()
+    writer = DumpWriter(work / train_projector.DUMP_PATH, work / "data/dump.partial.h5",
+                        DumpLayout(HIDDEN, KV, layers), chunk_kib=64,
+                        attrs={"fingerprint": "synthetic", "model": p.model.name, "split": 16})
+    writer.append(synthetic_arrays(sum(lengths), layers, rng), np.zeros(sum(lengths), np.int32), lengths)
+    writer.finalize()
+    ridge.run(p, work)
+    return work
+
+
+@pytest.fixture
+def workdir(prepared, tmp_path):
+    shutil.copytree(prepared, tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+def without_wall_time(metrics):
+    return {**metrics, "run": {k: v for k, v in metrics["run"].items() if k != "wall_s"}}
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
+    p = params()
+    m = train_projector.run(p, workdir)
+    layer = m["layers"]["20"]
+    assert layer["val_loss"] < layer["val_loss_init"]
+    assert layer["k"]["r2"] > 0.5 and layer["v"]["r2"] > 0.5 and layer["k"]["n"] == m["run"]["val_rows"]
+    assert json.loads((workdir / train_projector.METRICS_PATH).read_text()) == m
+    rows = read_csv(workdir / train_projector.PLOT_PATH)
+    assert list(rows[0]) == ["layer", "epoch", "train_loss", "val_loss", "val_cos"] and len(rows) == 4
+    assert float(rows[-1]["val_loss"]) == pytest.approx(layer["val_loss"], rel=1e-6)
+
+    proj, meta = load_projector(workdir / "models/projector_k20v20.pt",
+                                expect={"hidden_size": HIDDEN, "kv_dim": KV, "layer": 20, "model": p.model.name})
+    assert meta["split"] == 16
+    assert load_projectors(workdir / train_projector.EXTRA_PATH)[0] == {}  # the plan has no extra sources
+
+    again = tmp_path_factory.mktemp("again")
+    shutil.copytree(workdir / "data", again / "data")
+    assert without_wall_time(train_projector.run(p, again)) == without_wall_time(m)
+    proj2, _ = load_projector(again / "models/projector_k20v20.pt")
+    assert torch.equal(proj.proj.weight, proj2.proj.weight)
+
+
+def test_adapters_improve_on_ridge_and_rerun_identically(workdir, tmp_path_factory):
+    p = params()
+    m = train_adapters.run(p, workdir)
+    assert sorted(m["layers"]) == ["24", "28", "32"]
+    for t, kinds in m["layers"].items():
+        for kind in ("k", "v"):
+            r = kinds[kind]
+            assert r["trained"]["mse"] < r["ridge"]["mse"], (t, kind)
+            assert r["gain"]["r2"] == pytest.approx(r["trained"]["r2"] - r["ridge"]["r2"])
+    assert m["run"]["val_pairs"] == 12 * 16 and m["layers"]["24"]["k"]["trained"]["n"] == 12 * 16
+    rows = read_csv(workdir / train_adapters.PLOT_PATH)
+    assert list(rows[0]) == ["layer", "kind", "epoch", "train_loss", "val_loss", "val_cos"]
+    assert len(rows) == 12 * 6
+
+    adapters = load_adapters(workdir / train_adapters.MODEL_PATH, expect={"layers": [24, 28, 32], "kv_dim": KV,
+                                                                         "source": 20})
+    assert adapters.width == 48
+
+    again = tmp_path_factory.mktemp("again")
+    shutil.copytree(workdir / "data", again / "data")
+    shutil.copytree(workdir / "models", again / "models")
+    assert without_wall_time(train_adapters.run(p, again)) == without_wall_time(m)
+
+
+def test_stages_check_their_inputs_before_training(workdir):
+    (workdir / ridge.MODEL_PATH).unlink()
+    with pytest.raises(FileNotFoundError, match="ridge.pt"):
+        train_adapters.run(params(), workdir)
+    p = params()
+    with pytest.raises(DumpError, match="holds H_16, the plan splits at layer 12"):
+        train_projector.run(dataclasses.replace(p, plan=dataclasses.replace(p.plan, split=12)), workdir)
+    other = dataclasses.replace(p.plan, split=8, source=12, targets=[24])
+    with pytest.raises(DumpError, match=r"holds K/V of layers \[20, 24, 28, 32\], the plan needs \[12, 24\]"):
+        train_adapters.run(dataclasses.replace(p, plan=other), workdir)
+    assert not (workdir / train_projector.METRICS_PATH).exists()
