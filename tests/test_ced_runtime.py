@@ -51,7 +51,7 @@ def random_parts(geo, plan, seed=0):
                     {e: KVProjector(geo.hidden_size, geo.kv_dim) for e in plan.extra_sources})
 
 
-@pytest.mark.parametrize("group", [g for g in GROUPS if g != "share_plain"])
+@pytest.mark.parametrize("group", ["baseline", "ced", "csa2", "ced_csa2"])
 def test_identity_substitution_gives_baseline_logits(tiny_model, group):
     model, _ = tiny_model
     x = torch.randint(0, 250, (2, 33))
@@ -123,6 +123,28 @@ def test_share_plain_targets_read_the_source_kv_verbatim(tiny_model):
             h.remove()
     assert torch.equal(seen[20], true_kv(model, x, [20])[20][1])
     assert all(torch.equal(seen[t], seen[20]) for t in (24, 28, 32))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_groups_store_the_fp4_rounded_source(tiny_model, fmt):
+    from ced_csa2.fp4 import FORMATS
+
+    model, _ = tiny_model
+    parts = random_parts(geometry(model.config), QWEN_PLAN)
+    x = torch.randint(0, 250, (1, 18))
+    seen = {}
+    adapters = parts.adapters
+    parts.adapters = lambda layer, k, v: seen.setdefault(layer, (k.clone(), v.clone())) and adapters(layer, k, v)
+    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "csa2_fp4", parts, kv_format=fmt):
+        model(x)
+    fmt_ = FORMATS[fmt]()
+    true_k = true_kv(model, x, [20])[20][0]
+    rounded = fmt_.dequantize(fmt_.quantize(true_k))
+    assert torch.equal(seen[24][0], rounded) and not torch.equal(rounded, true_k)
+    with torch.no_grad():
+        ref = model(x).logits
+        with CEDModeBRuntime(model, QWEN_PLAN, "baseline_fp4", kv_format=fmt):
+            assert not torch.allclose(model(x).logits, ref, atol=1e-4)
 
 
 @pytest.mark.parametrize("group", ["ced", "ced_csa2"])

@@ -11,6 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
+# The tiny profile, shortened where it only costs time: the plumbing is what is tested here.
+OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5", "train_adapters.epochs=3",
+             "train_projector.epochs=2", "eval_gsm8k.max_gen_toks=12", "eval_gsm8k.groups=[baseline,csa2]"]
 
 
 def sh(cwd, *cmd):
@@ -21,6 +24,10 @@ def sh(cwd, *cmd):
     return proc.stdout + proc.stderr
 
 
+def stages_run(output: str) -> set[str]:
+    return {line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage")}
+
+
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     """The project's files (tracked and untracked-not-ignored) in a fresh git repo, tiny profile."""
@@ -28,11 +35,13 @@ def repo(tmp_path_factory):
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()
     for rel in files:
-        if (ROOT / rel).is_file() and not rel.startswith(("metrics/", "dvc.lock")):
+        if (ROOT / rel).is_file() and not rel.startswith(("metrics/", "reports/", "dvc.lock")):
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, dst / rel)
     sh(dst, "git", "init", "-q")
-    sh(dst, sys.executable, "-m", "ced_csa2.compose", "model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5")
+    sh(dst, "git", "config", "user.email", "ci@example.com")
+    sh(dst, "git", "config", "user.name", "ci")
+    sh(dst, sys.executable, "-m", "ced_csa2.compose", *OVERRIDES)
     return dst
 
 
@@ -41,17 +50,30 @@ def test_repro_prepare_dump_then_nothing_to_do(repo):
     metrics = json.loads((repo / "metrics/dump.json").read_text())
     assert metrics["records"] == 48 and metrics["tokens"] > 0
     assert (repo / "data/dump/dump.h5").is_file() and not list((repo / "data").glob("*.partial.*"))
-    again = sh(repo, "dvc", "repro", "prepare", "dump")
-    assert "Running stage" not in again
+    assert stages_run(sh(repo, "dvc", "repro", "prepare", "dump")) == set()
 
 
-def test_repro_through_train_adapters_and_lambda_ablation(repo):
-    sh(repo, "dvc", "repro", "train_adapters", "train_projector")
-    for name in ("ridge", "projector", "adapters"):
-        assert (repo / f"metrics/{name}.json").is_file()
+def test_full_pipeline_writes_every_metric_and_the_report(repo):
+    sh(repo, "dvc", "repro")
+    for name in ("prepare", "dump", "ridge", "projector", "adapters", "ppl", "gsm8k", "storage"):
+        assert (repo / f"metrics/{name}.json").is_file(), name
+    report = (repo / "reports/results.md").read_text()
+    assert "tiny_qwen3_5" in report and "tiny-math" in report
+    rows = [line.split("|")[1].strip() for line in report.splitlines() if line.startswith("| ")]
+    assert {"baseline", "share_plain", "ced", "csa2", "ced_csa2"} <= set(rows)
+    for png in ("ppl_by_group", "adapter_cosine", "bytes_vs_ppl"):
+        assert (repo / f"reports/{png}.png").stat().st_size > 1000
+    assert stages_run(sh(repo, "dvc", "repro")) == set()
+
+
+def test_lambda_ablation_reruns_only_what_depends_on_it(repo):
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "tiny run")
     params = repo / "params.yaml"
-    params.write_text(params.read_text().replace("lambda: 1.0", "lambda: 10.0"))
-    out = sh(repo, "dvc", "repro", "train_adapters", "train_projector")
-    ran = {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
-    assert ran == {"ridge", "train_adapters"}
-    assert "lambda" in sh(repo, "dvc", "params", "diff")
+    params.write_text(params.read_text().replace("lambda: 1.0", "lambda: 100.0"))
+    ran = stages_run(sh(repo, "dvc", "repro"))
+    assert {"ridge", "train_adapters"} <= ran
+    assert not ran & {"prepare", "dump", "train_projector", "storage"}
+    diff = json.loads(sh(repo, "dvc", "metrics", "diff", "--json"))
+    assert diff["metrics/ridge.json"]["k_24.r2"]["diff"] != 0
+    assert "ridge.lambda" in sh(repo, "dvc", "params", "diff")

@@ -18,7 +18,9 @@ KV_source verbatim, no adapter -- the baseline every adapter must beat; like vLL
 ``kv_sharing_target_layer_name``, except that each target still applies its own
 k_norm), ``ced`` (source K/V from ``projector(H_split)``), ``csa2`` (targets from
 ``adapters(true KV_source)``), ``ced_csa2`` (targets from ``adapters(projected
-KV_source)``, source projected too).
+KV_source)``, source projected too).  FP4 groups store K/V in FP4 (``kv_format``):
+``baseline_fp4`` (every attention layer's own K/V), ``csa2_fp4`` and ``ced_csa2_fp4``
+(the one shared source entry) -- so the cost of FP4 and of sharing can be told apart.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from torch import nn
 
 from . import kv_hooks
 from .config import RUNTIME_GROUPS as GROUPS  # one list for params and runtime
-from .model_utils import Geometry, attention, decoder_layer
+from .fp4 import FORMATS as FP4_FORMATS
+from .model_utils import Geometry, attention, decoder_layer, geometry
 from .plan import LayerPlan
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -102,62 +105,90 @@ class CEDModeBRuntime:
         One of :data:`GROUPS`.
     parts
         Trained maps (``projector`` needed by ``ced*``, ``adapters`` by ``*csa2``).
+    kv_format
+        FP4 format of the ``*_fp4`` groups (``nvfp4`` | ``mxfp4``): the stored K/V are
+        quantised and read back, pre-k_norm and pre-RoPE like the shared store keeps them.
     """
 
-    def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None = None):
+    def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None = None,
+                 kv_format: str = "nvfp4"):
         if group not in GROUPS:
             raise ValueError(f"unknown group {group!r}; expected one of {GROUPS}")
         parts = parts or CEDParts()
-        if group.startswith("ced") and parts.projector is None:
+        base = group.removesuffix("_fp4")
+        if base.startswith("ced") and parts.projector is None:
             raise ValueError(f"group {group!r} needs a projector")
-        if group.endswith("csa2") and parts.adapters is None:
+        if base.endswith("csa2") and parts.adapters is None:
             raise ValueError(f"group {group!r} needs adapters")
         self.model, self.plan, self.group, self.parts = model, plan, group, parts
+        self.base, self.fp4 = base, (FP4_FORMATS[kv_format]() if group.endswith("_fp4") else None)
         self._stack: ExitStack | None = None
 
     @property
     def replaced_layers(self) -> tuple[int, ...]:
-        """Layers whose K/V this group replaces."""
-        return {"baseline": (), "share_plain": self.plan.targets, "ced": (self.plan.source,),
-                "csa2": self.plan.targets, "ced_csa2": (self.plan.source, *self.plan.targets)}[self.group]
+        """Layers whose K/V this group replaces (or, for FP4 groups, stores quantised)."""
+        plan = self.plan
+        if self.group == "baseline_fp4":
+            return geometry(self.model.config).attention_layers
+        return (*self._stored_source, *self._read_targets)
+
+    @property
+    def _stored_source(self) -> tuple[int, ...]:
+        """The source, when its K/V are replaced by what the store holds (projected and/or FP4)."""
+        return (self.plan.source,) if self.base.startswith("ced") or self.fp4 else ()
+
+    @property
+    def _read_targets(self) -> tuple[int, ...]:
+        """Targets that read the source's stored K/V (adapted, or verbatim for share_plain)."""
+        return self.plan.targets if self.base in ("share_plain", "csa2", "ced_csa2") else ()
+
+    def _fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        """What reading ``x`` back from FP4 storage gives (quantise, then dequantise)."""
+        return self.fp4.dequantize(self.fp4.quantize(x), dtype=x.dtype)
 
     def __enter__(self) -> "CEDModeBRuntime":
         if self.group == "baseline":
             return self
-        plan, parts = self.plan, self.parts
-        uses_ced = self.group.startswith("ced")
+        plan, parts, base = self.plan, self.parts, self.base
+        uses_ced = base.startswith("ced")
         stack = ExitStack()
         store = stack.enter_context(kv_hooks.capture(self.model, [plan.source], [plan.split]))
 
         def projected() -> KV:
-            # Computed once per forward (every hook of this forward sees the same H_split).
+            # Once per forward: every hook of one forward sees the same H_split.
             h = store["h"][plan.split]
             if store.get("proj_of") is not h:
                 store["proj_of"], store["proj"] = h, parts.project(plan.source, plan, h)
             return store["proj"]
 
-        def source_kv() -> KV:
-            return projected() if uses_ced else (store["k"][plan.source], store["v"][plan.source])
+        def stored(kind: str) -> torch.Tensor:
+            # The source K or V as the store holds it: projected (CED) or true, FP4-rounded
+            # for *_fp4.  Per kind, because the source's k_proj runs before its v_proj.
+            raw = projected()["kv".index(kind)] if uses_ced else store[kind][plan.source]
+            memo = store.setdefault(("stored", kind), [None, None])
+            if memo[0] is not raw:
+                memo[:] = [raw, self._fake_quant(raw) if self.fp4 else raw]
+            return memo[1]
 
         def adapted(layer: int) -> KV:
-            src = source_kv()
+            src = stored("k"), stored("v")
             key = ("adapted", layer)
             if store.get(key, (None,))[0] is not src[0]:
                 store[key] = (src[0], parts.adapt(layer, *src))
             return store[key][1]
 
         repl: dict = {}
-        if uses_ced:
-            repl[(plan.source, "k")] = lambda out: projected()[0]
-            repl[(plan.source, "v")] = lambda out: projected()[1]
-        if self.group.endswith("csa2"):
-            for t in plan.targets:
-                repl[(t, "k")] = lambda out, t=t: adapted(t)[0]
-                repl[(t, "v")] = lambda out, t=t: adapted(t)[1]
-        if self.group == "share_plain":
-            for t in plan.targets:
-                repl[(t, "k")] = lambda out: source_kv()[0]
-                repl[(t, "v")] = lambda out: source_kv()[1]
+        if base == "baseline":  # baseline_fp4: every attention layer's own K/V, FP4-rounded
+            for layer in self.replaced_layers:
+                repl[(layer, "k")] = repl[(layer, "v")] = self._fake_quant
+        else:
+            for layer in self._stored_source:
+                repl[(layer, "k")] = lambda out: stored("k")
+                repl[(layer, "v")] = lambda out: stored("v")
+            for t in self._read_targets:
+                read = adapted if base.endswith("csa2") else (lambda _: (stored("k"), stored("v")))  # share_plain
+                repl[(t, "k")] = lambda out, t=t, read=read: read(t)[0]
+                repl[(t, "v")] = lambda out, t=t, read=read: read(t)[1]
         stack.enter_context(kv_hooks.inject(self.model, repl))
         self._stack = stack
         return self

@@ -218,7 +218,7 @@ class AdaptersConfig:
         _check(self.amp_dtype in COMPUTE_DTYPES, "train_adapters.amp_dtype", f"must be one of {COMPUTE_DTYPES}")
 
 
-RUNTIME_GROUPS = ("baseline", "share_plain", "ced", "csa2", "ced_csa2")
+RUNTIME_GROUPS = ("baseline", "share_plain", "ced", "csa2", "ced_csa2", "baseline_fp4", "csa2_fp4", "ced_csa2_fp4")
 
 
 @dataclass(frozen=True)
@@ -253,6 +253,7 @@ class EvalGSM8KConfig:
 @dataclass(frozen=True)
 class Params:
     seed: int
+    kv_format: Literal["nvfp4", "mxfp4"]  # FP4 storage of the *_fp4 groups
     model: ModelConfig
     data: DataConfig
     plan: PlanConfig

@@ -86,7 +86,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     ids = tok([r["text"] for r in records], truncation=True, max_length=params.data.max_tokens)["input_ids"]
     groups, t0 = {}, time.perf_counter()
     for group in tqdm(cfg.groups, desc="eval_ppl groups"):
-        with CEDModeBRuntime(model, plan, group, parts):
+        with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
             groups[group] = _ppl(sequence_nll(model, ids, [0] * len(ids), cfg.batch_size, tok.pad_token_id))
         log.info("%s: ppl %.4f", group, groups[group]["ppl"])
     if "baseline" in groups:
@@ -100,6 +100,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
             "dtype": str(model.dtype).removeprefix("torch."), "device": str(device), "threads": torch.get_num_threads(),
             "basis": "token-level, teacher-forced, corpus-level exp(sum NLL / scored tokens); Mode B substitution",
             "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
+            "kv_format": params.kv_format,
         },
         "groups": groups,
         "mode_a": mode_a,
