@@ -154,8 +154,9 @@ def test_cached_generation_equals_teacher_forced_logits(group):
     plan = LayerPlan(2, 3, (5, 6))
     x = torch.randint(0, 300, (1, 12))
     with torch.no_grad(), CEDModeBRuntime(model, plan, group, random_parts(geo, plan)):
-        gen = model.generate(x, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=0)
+        # An explicit mask: otherwise generate() treats prompt tokens equal to pad_token_id as padding.
+        gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
         full = model(gen.sequences).logits
     steps = torch.stack(gen.logits, dim=1)
     torch.testing.assert_close(steps, full[:, x.shape[1] - 1:-1], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,140 @@
+"""Decode-step time and bytes held: the shared KV store against the ordinary cache, in one run.
+
+    python benchmarks/shared_kv_decode.py                           # contexts 512 2048 8192
+    python benchmarks/shared_kv_decode.py --contexts 64 --steps 2   # a quick check
+
+On the model, plan and dtype of ``params.yaml`` (the embedded SmolLM2 by default), for
+each context length ``T`` it prefills ``T`` random tokens and then times ``--steps``
+greedy decode steps (median, after one untimed step) with each cache:
+
+* ``baseline / dynamic`` -- the plain model with transformers' ``DynamicCache``: the reference;
+* ``{group} / dynamic`` -- Mode B (:class:`~ced_csa2.ced_runtime.CEDModeBRuntime`) with a
+  ``DynamicCache``: the same outputs as the shared store, every layer storing its own K/V;
+* ``{group} / shared-{storage}`` -- :class:`~ced_csa2.shared_kv.SharedKVCache`: the
+  source's pre-norm K/V stored once, every target's K/V recomputed from it at each step;
+* ``baseline / fp4-{format}`` -- :class:`~ced_csa2.shared_kv.FP4KVCache`: every layer's
+  K/V in FP4, no sharing (the cost of FP4 alone).
+
+Columns: ms per decode step and its ratio to the reference; the K/V bytes the cache
+actually holds after the run (:func:`~ced_csa2.shared_kv.kv_held_bytes`), their ratio to
+the :mod:`ced_csa2.kv_bytes` accounting (``all_attention`` basis, ``T + steps`` cached
+positions) and to the reference's bytes.  Maps: the trained ones in ``--models-dir`` when
+``projector_k{s}v{s}.pt`` and ``adapters.pt`` are there, else random maps of the trained
+shapes (the timing depends on shapes only); the first line says which.  Not part of the
+tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_parts
+from ced_csa2.config import load_params
+from ced_csa2.csa2 import CSA2Adapters
+from ced_csa2.kv_bytes import bytes_per_token
+from ced_csa2.model_utils import geometry, load_model_and_tokenizer
+from ced_csa2.plan import LayerPlan
+from ced_csa2.projector import KVProjector
+from ced_csa2.shared_kv import SHARED_GROUPS, STORAGES, FP4KVCache, SharedKVCache, accounted_copies, kv_held_bytes
+
+
+def maps(models_dir: Path, plan: LayerPlan, geo, params, model) -> tuple[CEDParts, str]:
+    """Trained maps from ``models_dir`` if present, else random ones of the same shapes."""
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    files = [models_dir / f"projector_k{plan.source}v{plan.source}.pt", models_dir / "adapters.pt"]
+    if all(f.is_file() for f in files):
+        return load_parts(models_dir, plan, device=device, dtype=dtype), f"trained maps from {models_dir}/"
+    cfg = params.train_adapters
+    adapters = CSA2Adapters(plan.targets, geo.kv_dim, width_mult=cfg.width_mult, activation=cfg.activation,
+                            device=device, dtype=dtype)
+    projector = KVProjector(geo.hidden_size, geo.kv_dim, device=device, dtype=dtype)
+    return CEDParts(projector, adapters), f"RANDOM maps (no {files[0].name} + {files[1].name} in {models_dir}/)"
+
+
+def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats):
+    """``(label, accounting (group, storage), make_cache, context)`` for each cache to compare."""
+    config = model.config
+    yield ("baseline / dynamic", ("baseline", "bf16"), lambda: DynamicCache(config=config),
+           lambda cache: contextlib.nullcontext())
+    yield (f"{group} / dynamic", ("baseline", "bf16"), lambda: DynamicCache(config=config),
+           lambda cache: CEDModeBRuntime(model, plan, group, parts))
+    for storage in storages:
+        yield (f"{group} / shared-{storage}", (group, storage), lambda s=storage: SharedKVCache(model, plan, group,
+                                                                                                  parts, s),
+               lambda cache: cache.feed())
+    for fmt in fp4_formats:
+        yield (f"baseline / fp4-{fmt}", ("baseline", fmt), lambda f=fmt: FP4KVCache(config, f),
+               lambda cache: contextlib.nullcontext())
+
+
+@torch.inference_mode()
+def decode_ms(model, ids: torch.Tensor, cache, steps: int, sync) -> list[float]:
+    """Prefill ``ids`` ``(B, T)``, then ``steps + 1`` greedy steps; ms of the last ``steps``."""
+    x = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(steps + 1):
+        sync()
+        t0 = time.perf_counter()
+        x = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        sync()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times[1:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="prefill lengths T")
+    ap.add_argument("--steps", type=int, default=16, help="timed decode steps per context and cache")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--group", default="csa2", choices=SHARED_GROUPS)
+    ap.add_argument("--storages", nargs="+", default=list(STORAGES), choices=STORAGES)
+    ap.add_argument("--fp4-baselines", nargs="*", default=["nvfp4", "mxfp4"], choices=STORAGES[1:])
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--models-dir", type=Path, default=Path("models"))
+    ap.add_argument("--dtype", default=None, help="model dtype (default: params.model.dtype)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    params = load_params(args.params)
+    model, _ = load_model_and_tokenizer(params.model, dtype=args.dtype, device=args.device)
+    geo = geometry(model.config)
+    plan = LayerPlan.from_config(params.plan).validate(geo)
+    parts, note = maps(args.models_dir, plan, geo, params, model)
+    dtype = next(model.parameters()).dtype
+    dtype_bytes = torch.finfo(dtype).bits // 8
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    print(f"{params.model.name} {dtype} on {args.device} ({torch.get_num_threads()} threads); plan split "
+          f"{plan.split} source {plan.source} targets {list(plan.targets)}; batch {args.batch}; {note}")
+    print(f"'bf16' storage = the model dtype ({dtype}); median of {args.steps} decode steps after one warm-up")
+    header = (f"{'context':>7}  {'cache':<26} {'ms/step':>8} {'x ref':>6} {'held MiB':>9} "
+              f"{'held/accounted':>14} {'held/ref':>8}")
+    print(header)
+    gen = torch.Generator().manual_seed(args.seed)
+    for context in args.contexts:
+        ids = torch.randint(0, model.config.vocab_size, (args.batch, context), generator=gen).to(args.device)
+        ref_ms = ref_bytes = None
+        for label, (acc_group, acc_storage), make_cache, ctx in cases(model, plan, args.group, parts,
+                                                                       args.storages, args.fp4_baselines):
+            cache = make_cache()
+            with ctx(cache):
+                ms = statistics.median(decode_ms(model, ids, cache, args.steps, sync))
+            held = kv_held_bytes(cache)
+            per_token = bytes_per_token(accounted_copies(geo, plan, acc_group, acc_storage, dtype_bytes))
+            accounted = per_token * args.batch * cache.get_seq_length()
+            ref_ms, ref_bytes = ref_ms or ms, ref_bytes or held
+            print(f"{context:>7}  {label:<26} {ms:>8.2f} {ms / ref_ms:>6.2f} {held / 2**20:>9.2f} "
+                  f"{held / accounted:>14.4f} {held / ref_bytes:>8.3f}")
+            del cache
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,463 @@
+"""A KV cache that stores the CSA2 source layer's K/V once and recomputes every reader's K/V from it.
+
+Mode B (:class:`~ced_csa2.ced_runtime.CEDModeBRuntime`) *substitutes* the targets' K/V but
+still lets every layer cache its own copy, so CSA2's "four copies → one" saves no bytes
+there.  :class:`SharedKVCache` turns it into real bytes (SPEC §2, last item):
+
+* the plan's **source** layer stores its ``k_proj``/``v_proj`` outputs -- pre-k_norm,
+  pre-RoPE, ``(B, T, kv_dim)`` each -- **once**, in the storage format chosen
+  (:data:`STORAGES`: the model's dtype, or FP4 blocks, SPEC §7);
+* the **target** layers store **nothing**;
+* on ``update`` the source and each target get K/V for *all* cached positions,
+  recomputed from the store: target ``t`` maps it through its adapter (``csa2``,
+  ``ced_csa2``) or reads it verbatim (``share_plain``), then applies its own k_norm and
+  RoPE; the source applies its own k_norm and RoPE.  This read-time compute (adapters
+  over all ``T`` positions at every decode step) is the price of the saved bytes.
+
+Every other attention layer is an ordinary ``DynamicLayer``; Qwen3.5's linear-attention
+layers keep their ordinary recurrent state.
+
+The store is fed by forward hooks on the source's ``k_proj``/``v_proj``
+(:meth:`SharedKVCache.feed`).  Under ``ced_csa2`` the same context also installs the CED
+projection (Mode B's ``ced`` hooks), so the captured source K/V is already
+``projector(H_split)``.
+
+:class:`FP4KVCache` is the matching control, ``baseline_fp4``: every attention layer keeps
+its own K/V (post-k_norm, post-RoPE, as ``DynamicLayer`` does) in FP4 -- quantised on
+write, dequantised on read -- so the cost of FP4 and the cost of sharing can be told
+apart (``baseline`` → ``baseline_fp4`` is FP4 alone; ``baseline`` → shared ``bf16`` is
+sharing alone).
+
+Limits: :class:`SharedKVCache` takes unpadded batches only -- RoPE is recomputed for
+cache positions ``0..T-1``, and position ids that differ from those are refused
+(:class:`FP4KVCache` stores post-RoPE K, so positions do not matter to it).  Neither
+supports beam search, cropping or batch reshaping (refused with
+:class:`NotImplementedError`).  FP4 groups run
+along the flattened ``kv_dim`` (``n_kv_heads · head_dim``): inside one head whenever
+``head_dim`` is a multiple of the group (SmolLM2: 64, Qwen3.5-4B: 256).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+from . import kv_hooks
+from .ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn
+from .fp4 import FORMATS, Packed
+from .kv_bytes import GROUPS as ACCOUNTING_GROUPS
+from .kv_bytes import StoredCopy, fp4_entry_bytes, kv_copies
+from .model_utils import Geometry, attention, geometry
+from .plan import LayerPlan
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+# "bf16" is the model's own dtype (bf16 on the full profile; fp32 on an fp32 model): plain tensors.
+STORAGES = ("bf16", *FORMATS)
+# Groups whose targets read the source's stored KV instead of storing their own (SPEC §6).
+SHARED_GROUPS = tuple(name for name, g in ACCOUNTING_GROUPS.items() if g.shares_source_kv)
+
+
+def _format(storage: str):
+    """The FP4 format object of ``storage``, or ``None`` for dense storage."""
+    if storage not in STORAGES:
+        raise ValueError(f"unknown storage {storage!r}; choose one of {list(STORAGES)}")
+    return FORMATS[storage]() if storage in FORMATS else None
+
+
+def _check_fp4_width(fmt, kv_dim: int) -> None:
+    if fmt is not None and kv_dim % fmt.group:
+        raise ValueError(f"{type(fmt).__name__} stores groups of {fmt.group} channels, which do not divide "
+                         f"kv_dim = {kv_dim}")
+
+
+# ----------------------------------------------------------------------------- token store
+
+class TokenStore:
+    """Entries ``(B, T, D)`` of one stream (K or V), grown along ``T``, dense or FP4-packed.
+
+    Parameters
+    ----------
+    fmt
+        An FP4 format (:class:`~ced_csa2.fp4.NVFP4` / :class:`~ced_csa2.fp4.MXFP4`), or
+        ``None`` to keep plain tensors in the dtype they arrive in.
+    """
+
+    def __init__(self, fmt=None):
+        self.fmt = fmt
+        self.data: torch.Tensor | Packed | None = None
+        self.dtype: torch.dtype | None = None  # dtype of the entries written (and read back)
+
+    def __len__(self) -> int:
+        return 0 if self.data is None else self.data.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: ``B·T·D·itemsize`` dense, ``B·T·fp4_entry_bytes(D, G)`` packed."""
+        return 0 if self.data is None else self.data.nbytes
+
+    def append(self, x: torch.Tensor) -> None:
+        """Add entries ``x`` ``(B, q, D)`` at the end (always a copy: never a view of ``x``)."""
+        if self.data is None:
+            self.dtype = x.dtype
+        if self.fmt is None:
+            self.data = x.clone() if self.data is None else torch.cat((self.data, x), dim=1)
+            return
+        new = self.fmt.quantize(x)
+        if self.data is not None:
+            old = self.data
+            shape = torch.Size((old.shape[0], old.shape[1] + new.shape[1], old.shape[2]))
+            new = Packed(torch.cat((old.elements, new.elements), dim=1), torch.cat((old.scales, new.scales), dim=1),
+                         shape, old.group, old.scale_kind)
+        self.data = new
+
+    def read(self) -> torch.Tensor:
+        """All entries ``(B, T, D)`` in the written dtype (dequantised when packed)."""
+        if self.data is None:
+            raise RuntimeError("read from an empty TokenStore")
+        return self.data if self.fmt is None else self.fmt.dequantize(self.data, self.dtype)
+
+    def clear(self) -> None:
+        self.data = self.dtype = None
+
+
+# ----------------------------------------------------------------------------- cache layers
+
+class _ReadOnlyShape:
+    """Cache-layer methods that would reshape or roll back stored entries: refused."""
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} supports plain incremental decoding only "
+                                  "(no beam search, cropping, batch reshaping or offloading)")
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = offload = prefetch = _unsupported
+
+
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``(B, T, n·head_dim)`` -> ``(B, n, T, head_dim)``, the layout attention reads."""
+    return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``(B, n, T, head_dim)`` -> ``(B, T, n·head_dim)``, the injection-point layout."""
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
+
+
+class FP4Layer(_ReadOnlyShape, DynamicLayer):
+    """A ``DynamicLayer`` whose K/V (post-k_norm, post-RoPE) are kept in FP4.
+
+    ``update`` quantises the new entries, appends them, and returns all positions
+    dequantised, ``(B, n_kv, T, head_dim)`` each, in the input dtype.
+    """
+
+    def __init__(self, fmt):
+        super().__init__()
+        self.k_store, self.v_store = TokenStore(fmt), TokenStore(fmt)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_store.nbytes + self.v_store.nbytes
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KV:
+        head_dim = key_states.shape[-1]
+        # Stored as (B, T, kv_dim), like the shared store, so both group channels the same way.
+        self.k_store.append(_flat(key_states))
+        self.v_store.append(_flat(value_states))
+        self.is_initialized = True
+        return _heads(self.k_store.read(), head_dim), _heads(self.v_store.read(), head_dim)
+
+    def get_seq_length(self) -> int:
+        return len(self.k_store)
+
+    def reset(self) -> None:
+        self.k_store.clear()
+        self.v_store.clear()
+
+
+def _check_positions(update_kwargs: dict, cached: int, new: int) -> None:
+    """Refuse position ids other than ``cached .. cached+new-1`` (padded or offset batches).
+
+    ``Cache.update`` forwards the attention's kwargs as ``kwargs=...``; models that pass
+    ``position_ids`` there (Llama, Qwen3.5) are checked, others are trusted.
+    """
+    position_ids = update_kwargs.get("kwargs", {}).get("position_ids")
+    if position_ids is None:
+        return
+    expected = torch.arange(cached, cached + new, device=position_ids.device)
+    if position_ids.shape[-1] != new or not bool((position_ids == expected).all()):
+        starts = position_ids.reshape(-1, position_ids.shape[-1])[:, 0].tolist()
+        raise ValueError("SharedKVCache recomputes RoPE for cache positions 0..T-1 and supports unpadded batches "
+                         f"only; got position ids starting at {starts} (per row) for cache positions "
+                         f"{cached}..{cached + new - 1}")
+
+
+class _SharedStore:
+    """The source's stored K/V and everything needed to rebuild a reader's K/V from it.
+
+    Parameters
+    ----------
+    model, plan, group, parts
+        As for :class:`SharedKVCache`.
+    fmt
+        FP4 format of the store, or ``None`` (model dtype).
+    """
+
+    def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts, fmt):
+        self.model, self.plan, self.group, self.parts = model, plan, group, parts
+        self.k, self.v = TokenStore(fmt), TokenStore(fmt)
+        self.attn = {layer: attention(model, layer) for layer in (plan.source, *plan.targets)}
+        self.rope = _rope_fn(self.attn[plan.source])
+        self.captured: dict | None = None  # kv_hooks.capture's dict while SharedKVCache.feed() is open
+        # Per decode step: the store read back (dequantised) plus cos/sin for all positions,
+        # shared by the source and every target, dropped after the last target has read.
+        self._step: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, new: int, update_kwargs: dict) -> None:
+        """Append the source's captured ``k_proj``/``v_proj`` outputs ``(B, new, kv_dim)``."""
+        if self.captured is None:
+            raise RuntimeError("SharedKVCache has nothing to store: run the model inside `with cache.feed():` "
+                               "(shared_kv_generate does), so the source layer's K/V are captured")
+        src = self.plan.source
+        k, v = self.captured["k"].pop(src, None), self.captured["v"].pop(src, None)
+        if k is None or k.shape[1] != new:
+            raise RuntimeError(f"no captured K/V of source layer {src} for the {new} new positions of this forward")
+        _check_positions(update_kwargs, len(self.k), new)
+        self.k.append(k)
+        self.v.append(v)
+        self._step = None
+
+    def read(self, layer: int) -> KV:
+        """K and V of ``layer`` (source or target) for all positions, ``(B, n_kv, T, head_dim)`` each."""
+        if self._step is None:
+            k_src = self.k.read()
+            positions = torch.arange(k_src.shape[1], device=k_src.device)[None]
+            self._step = (k_src, self.v.read(), *self.model.model.rotary_emb(k_src, positions))
+        k_src, v_src, cos, sin = self._step
+        if layer == self.plan.source or self.group == "share_plain":
+            k, v = k_src, v_src
+        else:
+            k, v = self.parts.adapt(layer, k_src, v_src)
+        if layer == max(self.plan.targets):
+            self._step = None  # a transient: not kept between decode steps
+        return self._norm_rope(self.attn[layer], k, v, cos, sin)
+
+    def _norm_rope(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor, cos, sin) -> KV:
+        """The layer's own k_norm (if any) and RoPE on pre-norm K ``(B, T, kv_dim)``; V reshaped."""
+        k = k.view(*k.shape[:2], -1, attn.head_dim)
+        if hasattr(attn, "k_norm"):
+            k = attn.k_norm(k)
+        k = k.transpose(1, 2)
+        # apply_rotary_pos_emb rotates a query too; a one-row slice keeps that cost negligible.
+        _, k = self.rope(k[:1, :1], k, cos, sin)
+        return k, _heads(v, attn.head_dim)
+
+    def clear(self) -> None:
+        self.k.clear()
+        self.v.clear()
+        self._step = None
+
+
+class _SharedLayer(_ReadOnlyShape, DynamicLayer):
+    """Cache layer of the source or a target: holds nothing itself, reads the shared store."""
+
+    def __init__(self, store: _SharedStore, layer: int):
+        super().__init__()
+        self.store, self.layer = store, layer
+
+    @property
+    def nbytes(self) -> int:
+        # The store is counted once, with the source.
+        return self.store.nbytes if self.layer == self.store.plan.source else 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KV:
+        # key_states/value_states (post-norm, post-RoPE) are not kept: the store is the only copy.
+        if self.layer == self.store.plan.source:
+            self.store.write(key_states.shape[-2], kwargs)
+        self.is_initialized = True
+        return self.store.read(self.layer)
+
+    def get_seq_length(self) -> int:
+        return len(self.store.k)
+
+    def reset(self) -> None:
+        self.store.clear()
+
+
+# ----------------------------------------------------------------------------- caches
+
+def kv_held_bytes(cache: Cache) -> int:
+    """Bytes of per-token K/V a cache holds: dense layers' ``keys``/``values``, FP4 layers and the shared store.
+
+    Linear-attention (GatedDeltaNet) states are not counted: their size does not grow
+    with the context, and the KV accounting (:mod:`ced_csa2.kv_bytes`) leaves them out too.
+    """
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, (FP4Layer, _SharedLayer)):
+            total += layer.nbytes
+        elif isinstance(layer, DynamicLayer) and layer.is_initialized:
+            total += layer.keys.nbytes + layer.values.nbytes
+    return total
+
+
+class SharedKVCache(DynamicCache):
+    """``DynamicCache`` in which the plan's source stores its pre-norm K/V once and the targets nothing.
+
+    Parameters
+    ----------
+    model
+        The HF causal LM the cache is used with (its RoPE, k_norms and config are read).
+    plan
+        The layer plan (validated here against the model's geometry).
+    group
+        One of :data:`SHARED_GROUPS` (``share_plain``, ``csa2``, ``ced_csa2``).
+    parts
+        Trained maps: ``adapters`` for ``*csa2``, ``projector`` for ``ced_csa2``.
+    storage
+        :data:`STORAGES`: ``"bf16"`` (the model's dtype, plain tensors), ``"nvfp4"`` or
+        ``"mxfp4"`` (packed E2M1 blocks, :mod:`ced_csa2.fp4`).
+
+    Examples
+    --------
+    >>> cache = SharedKVCache(model, plan, "csa2", parts, storage="nvfp4")   # doctest: +SKIP
+    >>> with cache.feed():                                                   # doctest: +SKIP
+    ...     model(input_ids=ids, cache=cache, use_cache=True)
+    >>> cache.held_bytes()                                                   # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None = None,
+                 storage: str = "bf16"):
+        if group not in SHARED_GROUPS:
+            raise ValueError(f"group {group!r} has no shared store (SharedKVCache serves {list(SHARED_GROUPS)}); "
+                             "use a DynamicCache for baseline/ced, or FP4KVCache for FP4 without sharing")
+        parts = parts or CEDParts()
+        if group.endswith("csa2") and parts.adapters is None:
+            raise ValueError(f"group {group!r} needs adapters")
+        if group.startswith("ced") and parts.projector is None:
+            raise ValueError(f"group {group!r} needs a projector")
+        fmt = _format(storage)
+        geo = geometry(model.config)
+        plan.validate(geo)
+        _check_fp4_width(fmt, geo.kv_dim)
+        super().__init__(config=model.config)
+        self.plan, self.group, self.storage = plan, group, storage
+        self._store = _SharedStore(model, plan, group, parts, fmt)
+        for layer in (plan.source, *plan.targets):
+            self.layers[layer - 1] = _SharedLayer(self._store, layer)
+
+    @contextmanager
+    def feed(self) -> Iterator[SharedKVCache]:
+        """Install the hooks that feed the store (and, for ``ced_csa2``, the CED projection); always removed."""
+        store = self._store
+        with ExitStack() as stack:
+            if self.group.startswith("ced"):
+                # Entered first, so the capture hook below sees the projected K/V.
+                stack.enter_context(CEDModeBRuntime(store.model, self.plan, "ced", store.parts))
+            store.captured = stack.enter_context(kv_hooks.capture(store.model, [self.plan.source]))
+            stack.callback(setattr, store, "captured", None)
+            yield self
+
+    def held_bytes(self) -> int:
+        """Bytes of K/V held: the ordinary attention layers' ``keys``/``values`` plus the store."""
+        return kv_held_bytes(self)
+
+
+class FP4KVCache(DynamicCache):
+    """``baseline_fp4``: ``DynamicCache`` with every attention layer's K/V stored in FP4.
+
+    Parameters
+    ----------
+    config
+        The model's config.
+    storage
+        ``"nvfp4"`` or ``"mxfp4"``.
+    """
+
+    def __init__(self, config, storage: str = "nvfp4"):
+        fmt = _format(storage)
+        if fmt is None:
+            raise ValueError(f"FP4KVCache needs an FP4 storage ({list(FORMATS)}), got {storage!r}")
+        _check_fp4_width(fmt, geometry(config).kv_dim)
+        super().__init__(config=config)
+        self.storage = storage
+        # Exactly DynamicLayer: the full-attention layers (not sliding-window or linear-attention ones).
+        self.layers = [FP4Layer(fmt) if type(layer) is DynamicLayer else layer for layer in self.layers]
+
+    def held_bytes(self) -> int:
+        """Bytes of K/V held (all FP4)."""
+        return kv_held_bytes(self)
+
+
+# ----------------------------------------------------------------------------- accounting
+
+def accounted_copies(geo: Geometry, plan: LayerPlan, group: str, storage: str, dtype_bytes: int) -> list[StoredCopy]:
+    """What a cache should hold per token on the ``all_attention`` basis (:mod:`ced_csa2.kv_bytes`).
+
+    ``group`` ``baseline`` with an FP4 ``storage`` is :class:`FP4KVCache` (every layer in
+    FP4); a shared group with an FP4 ``storage`` stores only the source in FP4.
+    """
+    fmt = _format(storage)
+    copies = kv_copies(geo, plan, group, "all_attention", dtype_bytes)
+    if fmt is None:
+        return copies
+    fp4 = fp4_entry_bytes(geo.kv_dim, fmt.group)
+    fp4_names = {f"{kind}{plan.source}" for kind in "KV"} if group in SHARED_GROUPS else {c.name for c in copies}
+    return [StoredCopy(c.name, fp4) if c.name in fp4_names else c for c in copies]
+
+
+# ----------------------------------------------------------------------------- generation
+
+@dataclass
+class Generation:
+    """Result of :func:`greedy_generate`.
+
+    Attributes
+    ----------
+    tokens : torch.Tensor, shape (B, N)
+        The generated tokens.
+    logits : torch.Tensor, shape (B, N, vocab)
+        The logits that chose them (step ``i`` predicts ``tokens[:, i]``).
+    cache : Cache
+        The cache after the last step: ``prompt + N - 1`` positions.
+    """
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    cache: Cache
+
+
+@torch.inference_mode()
+def greedy_generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, cache: Cache) -> Generation:
+    """Greedy decoding with a given cache: prefill ``input_ids`` ``(B, T)`` (no padding), then one token per step."""
+    x, tokens, logits = input_ids, [], []
+    for _ in range(max_new_tokens):
+        # logits_to_keep=1: a long prefill never builds (T, vocab) logits.
+        step = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        x = step.argmax(-1, keepdim=True)
+        tokens.append(x)
+        logits.append(step)
+    return Generation(torch.cat(tokens, dim=1), torch.stack(logits, dim=1), cache)
+
+
+def shared_kv_generate(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None,
+                       input_ids: torch.Tensor, max_new_tokens: int, storage: str = "bf16") -> Generation:
+    """Greedy decoding of ``input_ids`` ``(B, T)`` with a :class:`SharedKVCache`; hooks always removed.
+
+    Returns
+    -------
+    Generation
+        Its ``cache`` is the :class:`SharedKVCache` (``cache.held_bytes()``).
+    """
+    cache = SharedKVCache(model, plan, group, parts, storage)
+    with cache.feed():
+        return greedy_generate(model, input_ids, max_new_tokens, cache)

@@ -1,0 +1,185 @@
+"""The shared store reproduces Mode B's cached generation and holds exactly the accounted bytes."""
+
+import pytest
+import torch
+from conftest import tiny_llama
+from test_ced_runtime import random_parts
+from transformers import DynamicCache
+
+from ced_csa2 import kv_hooks
+from ced_csa2.ced_runtime import CEDModeBRuntime
+from ced_csa2.fp4 import FORMATS, Packed
+from ced_csa2.kv_bytes import bytes_per_token, fp4_entry_bytes, kv_copies
+from ced_csa2.model_utils import geometry
+from ced_csa2.plan import LayerPlan
+from ced_csa2.shared_kv import (
+    SHARED_GROUPS,
+    FP4KVCache,
+    FP4Layer,
+    SharedKVCache,
+    accounted_copies,
+    greedy_generate,
+    kv_held_bytes,
+    shared_kv_generate,
+)
+
+LLAMA_PLAN = LayerPlan(2, 3, (5, 6))
+QWEN_PLAN = LayerPlan(16, 20, (24, 28, 32))
+PROMPT, NEW = 11, 6
+FP32_BYTES = 4
+
+
+@pytest.fixture(params=["llama", "qwen3_5"])
+def setup(request, tiny_model):
+    """``(model, plan, parts, prompt)`` for the all-attention tiny Llama and the hybrid tiny Qwen3.5."""
+    model, plan, vocab = ((tiny_llama(), LLAMA_PLAN, 300) if request.param == "llama"
+                          else (tiny_model[0], QWEN_PLAN, 250))
+    torch.manual_seed(1)
+    prompt = torch.randint(0, vocab, (2, PROMPT))
+    return model, plan, random_parts(geometry(model.config), plan), prompt
+
+
+def mode_b(model, plan, group, parts, prompt):
+    """Mode B's cached generation (HF generate) and the DynamicCache bytes of the same greedy run."""
+    with torch.no_grad(), CEDModeBRuntime(model, plan, group, parts):
+        # An explicit all-ones mask: otherwise generate() treats prompt tokens equal to
+        # pad_token_id as padding.  eos_token_id=None: always NEW tokens.
+        ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+        dynamic = greedy_generate(model, prompt, NEW, DynamicCache(config=model.config))
+    return ref, kv_held_bytes(dynamic.cache)
+
+
+def no_hooks(model):
+    return all(not (m._forward_hooks or m._forward_pre_hooks) for m in model.modules())
+
+
+def stored_tokens(prompt):
+    # The last generated token is never fed back, so it has no cache entry.
+    return prompt.shape[0] * (prompt.shape[1] + NEW - 1)
+
+
+@pytest.mark.parametrize("group", SHARED_GROUPS)
+def test_unquantised_store_reproduces_mode_b_generation(setup, group):
+    model, plan, parts, prompt = setup
+    ref, _ = mode_b(model, plan, group, parts, prompt)
+    got = shared_kv_generate(model, plan, group, parts, prompt, NEW, storage="bf16")
+    assert torch.equal(got.tokens, ref.sequences[:, PROMPT:])
+    torch.testing.assert_close(got.logits, torch.stack(ref.logits, dim=1), atol=1e-4, rtol=1e-4)
+    assert no_hooks(model)
+
+
+@pytest.mark.parametrize("group", SHARED_GROUPS)
+def test_held_bytes_are_the_accounted_bytes_and_fewer_than_dynamic_cache(setup, group):
+    model, plan, parts, prompt = setup
+    geo = geometry(model.config)
+    _, dynamic_bytes = mode_b(model, plan, group, parts, prompt)
+    cache = shared_kv_generate(model, plan, group, parts, prompt, NEW).cache
+    # Independently of the accounting module: every attention layer but the targets holds
+    # 2 · kv_dim fp32 values per token; the source's entry is the one stored copy.
+    n_stored = len(geo.attention_layers) - len(plan.targets)
+    expected = stored_tokens(prompt) * n_stored * 2 * geo.kv_dim * FP32_BYTES
+    assert cache.held_bytes() == expected
+    assert expected == stored_tokens(prompt) * bytes_per_token(kv_copies(geo, plan, group, "all_attention", FP32_BYTES))
+    assert expected == stored_tokens(prompt) * bytes_per_token(accounted_copies(geo, plan, group, "bf16", FP32_BYTES))
+    assert dynamic_bytes == stored_tokens(prompt) * len(geo.attention_layers) * 2 * geo.kv_dim * FP32_BYTES
+    assert cache.held_bytes() < dynamic_bytes
+
+
+@pytest.mark.parametrize("group", ["csa2", "ced_csa2"])
+def test_store_holds_the_pre_norm_pre_rope_source_kv(tiny_model, group):
+    model, _ = tiny_model  # Qwen3.5: has a k_norm, so pre-norm and post-norm differ
+    parts = random_parts(geometry(model.config), QWEN_PLAN)
+    prompt = torch.randint(0, 250, (1, 9))
+    cache = shared_kv_generate(model, QWEN_PLAN, group, parts, prompt, 1).cache  # prefill only
+    with torch.no_grad(), kv_hooks.capture(model, [QWEN_PLAN.source], [QWEN_PLAN.split]) as seen:
+        model(prompt)
+    k, v = (parts.projector(seen["h"][QWEN_PLAN.split]) if group == "ced_csa2"
+            else (seen["k"][QWEN_PLAN.source], seen["v"][QWEN_PLAN.source]))
+    torch.testing.assert_close(cache._store.k.read(), k, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cache._store.v.read(), v, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("model_name,storage", [("llama", "nvfp4"), ("qwen3_5", "nvfp4"), ("qwen3_5", "mxfp4")])
+def test_fp4_store_holds_packed_blocks_of_exactly_fp4_entry_bytes(tiny_model, model_name, storage):
+    model, plan = (tiny_llama(), LLAMA_PLAN) if model_name == "llama" else (tiny_model[0], QWEN_PLAN)
+    geo = geometry(model.config)
+    parts = random_parts(geo, plan)
+    prompt = torch.randint(0, 250, (2, PROMPT))
+    fmt = FORMATS[storage]()
+    got = shared_kv_generate(model, plan, "csa2", parts, prompt, NEW, storage=storage)
+    dense = shared_kv_generate(model, plan, "csa2", parts, prompt, NEW, storage="bf16")
+    store = got.cache._store
+    assert isinstance(store.k.data, Packed) and store.k.data.shape == (2, PROMPT + NEW - 1, geo.kv_dim)
+    assert store.nbytes == 2 * stored_tokens(prompt) * fp4_entry_bytes(geo.kv_dim, fmt.group)
+    n_dense = len(geo.attention_layers) - len(plan.targets) - 1
+    dense_bytes = stored_tokens(prompt) * n_dense * 2 * geo.kv_dim * FP32_BYTES
+    assert got.cache.held_bytes() == dense_bytes + store.nbytes
+    assert got.cache.held_bytes() == stored_tokens(prompt) * bytes_per_token(
+        accounted_copies(geo, plan, "csa2", storage, FP32_BYTES))
+    assert got.cache.held_bytes() < dense.cache.held_bytes()
+    # Layers below the source are untouched, so the prompt's entries are FP4 of the same K.
+    expected = fmt.quantize(dense.cache._store.k.read()[:, :PROMPT])
+    assert torch.equal(store.k.data.elements[:, :PROMPT], expected.elements)
+    assert torch.equal(store.k.data.scales[:, :PROMPT], expected.scales)
+    assert got.logits.isfinite().all() and no_hooks(model)
+
+
+def test_fp4_layer_returns_the_fp4_round_trip_of_what_it_was_given():
+    fmt = FORMATS["nvfp4"]()
+    layer = FP4Layer(fmt)
+    k1, v1, k2, v2 = (torch.randn(2, 3, n, 32) for n in (5, 5, 1, 1))
+    layer.update(k1, v1)
+    k, v = layer.update(k2, v2)
+    for got, parts in ((k, (k1, k2)), (v, (v1, v2))):
+        full = torch.cat(parts, dim=2)  # (B, n_kv, T, head_dim); groups run along n_kv·head_dim
+        flat = full.transpose(1, 2).reshape(2, 6, 96)
+        assert torch.equal(got, fmt.dequantize(fmt.quantize(flat)).view(2, 6, 3, 32).transpose(1, 2))
+    assert layer.nbytes == 2 * 2 * 6 * fp4_entry_bytes(96, 16)
+
+
+def test_fp4_baseline_cache_stores_every_attention_layer_in_fp4(setup):
+    model, plan, _, prompt = setup
+    geo = geometry(model.config)
+    got = greedy_generate(model, prompt, NEW, FP4KVCache(model.config, "nvfp4"))
+    expected = stored_tokens(prompt) * len(geo.attention_layers) * 2 * fp4_entry_bytes(geo.kv_dim, 16)
+    assert got.cache.held_bytes() == expected
+    assert expected == stored_tokens(prompt) * bytes_per_token(accounted_copies(geo, plan, "baseline", "nvfp4",
+                                                                                FP32_BYTES))
+    assert got.logits.isfinite().all()
+
+
+def test_hooks_are_removed_even_when_the_forward_fails(tiny_model):
+    model, _ = tiny_model
+    cache = SharedKVCache(model, QWEN_PLAN, "ced_csa2", random_parts(geometry(model.config), QWEN_PLAN))
+    with pytest.raises(RuntimeError, match="boom"), cache.feed():
+        assert not no_hooks(model)
+        raise RuntimeError("boom")
+    assert no_hooks(model)
+    assert cache._store.captured is None
+
+
+def test_refusals(tiny_model):
+    model, _ = tiny_model
+    llama = tiny_llama()
+    parts = random_parts(geometry(model.config), QWEN_PLAN)
+    for group in ("baseline", "ced"):
+        with pytest.raises(ValueError, match=f"group '{group}' has no shared store"):
+            SharedKVCache(model, QWEN_PLAN, group, parts)
+    with pytest.raises(ValueError, match="group 'csa2' needs adapters"):
+        SharedKVCache(model, QWEN_PLAN, "csa2")
+    with pytest.raises(ValueError, match="unknown storage 'fp8'"):
+        SharedKVCache(model, QWEN_PLAN, "share_plain", storage="fp8")
+    with pytest.raises(ValueError, match="groups of 32 channels, which do not divide kv_dim = 16"):
+        SharedKVCache(llama, LLAMA_PLAN, "share_plain", storage="mxfp4")
+    with pytest.raises(ValueError, match="needs an FP4 storage"):
+        FP4KVCache(model.config, "bf16")
+
+    cache = SharedKVCache(model, QWEN_PLAN, "share_plain")
+    with pytest.raises(RuntimeError, match=r"inside `with cache.feed\(\):`"), torch.no_grad():
+        model(torch.randint(0, 250, (1, 4)), cache=cache, use_cache=True)
+    cache = SharedKVCache(llama, LLAMA_PLAN, "share_plain")
+    with pytest.raises(ValueError, match="unpadded batches only"), torch.no_grad(), cache.feed():
+        llama(torch.randint(0, 300, (1, 4)), position_ids=torch.arange(1, 5)[None], cache=cache, use_cache=True)
+    with pytest.raises(NotImplementedError, match="plain incremental decoding only"):
+        cache.crop(-1)
