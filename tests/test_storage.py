@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ced_csa2.compose import compose
 from ced_csa2.model_utils import Geometry
@@ -16,7 +15,7 @@ from ced_csa2.storage import METRICS_PATH, qwen3_5_4b_geometry, run
 from conftest import TINY_OVERRIDES, tiny_params
 
 ROOT = Path(__file__).resolve().parents[1]
-GROUPS = {"baseline", "ced", "csa2", "ced_csa2", "share_plain"}
+GROUPS = {"baseline", "ced", "csa2", "ced_csa2", "share_plain", "baseline_fp4", "csa2_fp4", "ced_csa2_fp4"}
 BASES = {"decoder_attention", "all_attention", "all_attention_amortised_4k", "all_attention_amortised_32k",
          "all_attention_amortised_128k"}
 
@@ -56,6 +55,15 @@ def test_qwen3_5_4b_section_reproduces_spec_section_6(written):
     assert qwen["weights"]["projector_params_per_layer"] == 2560 * 2048 + 2048  # SPEC §2: 5.24M
     # fp32 doubles every KV byte
     assert qwen["kv"]["fp32"]["all_attention"]["csa2"]["bytes_per_token"] == 2 * 20480
+
+
+def test_fp4_groups_count_packed_entries(written):
+    # NVFP4 (default kv_format): an entry of 1024 channels = 1024/2 element bytes + 1024/16 E4M3 scales = 576 B.
+    qwen = written[1]["qwen3_5_4b"]["kv"]["bf16"]
+    assert qwen["decoder_attention"]["csa2_fp4"]["bytes_per_token"] == 2 * 576
+    assert qwen["all_attention"]["baseline_fp4"]["bytes_per_token"] == 8 * 2 * 576
+    assert qwen["all_attention"]["ced_csa2_fp4"]["bytes_per_token"] == 5 * 2 * 576
+    assert qwen["decoder_attention"]["csa2_fp4"]["compression_vs_baseline"] == 16384 / 1152
 
 
 def test_every_figure_carries_its_basis_and_dtype(written):
@@ -114,15 +122,6 @@ def test_width_mult_reaches_both_sections(tmp_path):
     d = 1024
     assert metrics["qwen3_5_4b"]["weights"]["adapter_params_per_target"] == 2 * (3 * d * d + 3 * d)
     assert metrics["active_model"]["weights"]["adapter_width"] == 32
-
-
-def test_dvc_stage_definition():
-    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["storage"]
-    assert stage["cmd"] == "python -m ced_csa2.storage"
-    assert {"src/ced_csa2/storage.py", "src/ced_csa2/kv_bytes.py"} <= set(stage["deps"])
-    assert stage["params"] == ["model", "plan", "train_adapters.width_mult"]
-    assert stage["metrics"] == [{"metrics/storage.json": {"cache": False}}]
-
 
 def test_command_line_entry_point(tmp_path):
     (tmp_path / "params.yaml").write_text(compose(TINY_OVERRIDES))

@@ -127,7 +127,6 @@ class CEDModeBRuntime:
     @property
     def replaced_layers(self) -> tuple[int, ...]:
         """Layers whose K/V this group replaces (or, for FP4 groups, stores quantised)."""
-        plan = self.plan
         if self.group == "baseline_fp4":
             return geometry(self.model.config).attention_layers
         return (*self._stored_source, *self._read_targets)

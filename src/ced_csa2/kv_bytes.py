@@ -106,12 +106,15 @@ class Group:
         Holds the CSA2 adapter weights (``share_plain`` reuses KV_source as is).
     projector
         The source's K/V comes from ``projector(H_split)`` (CED): compute, not bytes.
+    fp4
+        Every stored K/V entry is FP4 (``fp4_entry_bytes``) instead of the row's dtype.
     """
 
     name: str
     shares_source_kv: bool
     adapters: bool
     projector: bool
+    fp4: bool = False
 
 
 GROUPS = {g.name: g for g in (
@@ -120,6 +123,9 @@ GROUPS = {g.name: g for g in (
     Group("csa2", shares_source_kv=True, adapters=True, projector=False),
     Group("ced_csa2", shares_source_kv=True, adapters=True, projector=True),
     Group("share_plain", shares_source_kv=True, adapters=False, projector=False),
+    Group("baseline_fp4", shares_source_kv=False, adapters=False, projector=False, fp4=True),
+    Group("csa2_fp4", shares_source_kv=True, adapters=True, projector=False, fp4=True),
+    Group("ced_csa2_fp4", shares_source_kv=True, adapters=True, projector=True, fp4=True),
 )}
 
 
@@ -144,12 +150,15 @@ def stored_layers(geo: Geometry, plan: LayerPlan, group: str, basis: str) -> tup
     return tuple(layer for layer in basis_layers(geo, plan, basis) if layer not in dropped)
 
 
-def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_bytes: int) -> list[StoredCopy]:
+def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_bytes: int,
+              fp4_group: int = 16) -> list[StoredCopy]:
     """One K and one V copy (``kv_dim`` channels, one entry per token) per storing layer.
 
     Qwen3.5-4B in bf16: ``2 · 1024 · 2 = 4,096`` B/token per attention layer (SPEC §6).
+    FP4 groups store ``fp4_entry_bytes(kv_dim, fp4_group)`` per entry whatever the dtype.
     """
-    entry = dense_entry_bytes(geo.kv_dim, dtype_bytes)
+    fp4 = _group(group).fp4
+    entry = fp4_entry_bytes(geo.kv_dim, fp4_group) if fp4 else dense_entry_bytes(geo.kv_dim, dtype_bytes)
     return [StoredCopy(f"{kind}{layer}", entry) for layer in stored_layers(geo, plan, group, basis)
             for kind in ("K", "V")]
 

@@ -140,7 +140,7 @@ def run(workdir: Path = Path(".")) -> str:
         "# Results", "", protocol_line(ppl, gsm), "",
         *results_table(ppl, gsm, storage), "", mode_a_line, "",
         "## Fit of the maps (held-out tokens)", "", *fit_table(ridge, projector, adapters), "",
-        f"Qwen3.5-4B geometry (computed from its config, no weights): "
+        "Qwen3.5-4B geometry (computed from its config, no weights): "
         + ", ".join(f"{b}: baseline {storage['qwen3_5_4b']['kv']['bf16'][b]['baseline']['bytes_per_token']:,.0f} → "
                     f"csa2 {storage['qwen3_5_4b']['kv']['bf16'][b]['csa2']['bytes_per_token']:,.0f} B/token"
                     for b in BASES) + ".", "",

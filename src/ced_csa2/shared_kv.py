@@ -61,7 +61,7 @@ KV = tuple[torch.Tensor, torch.Tensor]
 # "bf16" is the model's own dtype (bf16 on the full profile; fp32 on an fp32 model): plain tensors.
 STORAGES = ("bf16", *FORMATS)
 # Groups whose targets read the source's stored KV instead of storing their own (SPEC §6).
-SHARED_GROUPS = tuple(name for name, g in ACCOUNTING_GROUPS.items() if g.shares_source_kv)
+SHARED_GROUPS = tuple(name for name, g in ACCOUNTING_GROUPS.items() if g.shares_source_kv and not g.fp4)
 
 
 def _format(storage: str):

@@ -26,6 +26,7 @@ from pathlib import Path
 from .config import Params, load_params
 from .csa2 import mlp_width
 from .io_utils import write_json
+from .fp4 import FORMATS as FP4_FORMATS
 from .kv_bytes import (BASES, CONTEXTS, DTYPE_BYTES, GROUPS, V4_ENTRY, V4_FLASH_CSA, V4_FLASH_HCA, V41_FULL_LAYERS,
                        V41_INDEXER_K, V41_MAIN_KV, adapter_params, adapter_params_per_target, bytes_per_token,
                        kv_copies, kv_proj_params, projector_params, stored_layers, v41_chain,
@@ -52,6 +53,9 @@ GROUP_DOC = {
     "csa2": "targets store nothing; they recompute K/V from the source's stored KV through the adapters",
     "ced_csa2": "stores as csa2 (the stored source KV is the projected one)",
     "share_plain": "stores as csa2, but targets reuse the source's KV unchanged: no adapter weights",
+    "baseline_fp4": "as baseline, every stored entry in FP4 (kv_format; D/2 + D/G bytes per entry)",
+    "csa2_fp4": "as csa2, the one shared source entry in FP4",
+    "ced_csa2_fp4": "as ced_csa2, the one shared source entry in FP4",
 }
 PROJECTOR_COUNTING = (
     "the projector is not in any amortised basis: it replaces the projected layer's k_proj/v_proj "
@@ -75,9 +79,10 @@ def qwen3_5_4b_geometry() -> Geometry:
     return geometry(config)
 
 
-def basis_copies(geo: Geometry, plan: LayerPlan, group: str, dtype_bytes: int, width: int) -> dict[str, list]:
+def basis_copies(geo: Geometry, plan: LayerPlan, group: str, dtype_bytes: int, width: int,
+                 fp4_group: int) -> dict[str, list]:
     """The stored copies of ``group`` on every basis (amortised bases add one adapter-weights copy)."""
-    copies = {basis: kv_copies(geo, plan, group, basis, dtype_bytes) for basis in BASES}
+    copies = {basis: kv_copies(geo, plan, group, basis, dtype_bytes, fp4_group) for basis in BASES}
     weights = adapter_params(plan, group, geo.kv_dim, width)
     for name, context in CONTEXTS.items():
         copies[f"all_attention_amortised_{name}"] = [*copies["all_attention"],
@@ -85,9 +90,10 @@ def basis_copies(geo: Geometry, plan: LayerPlan, group: str, dtype_bytes: int, w
     return copies
 
 
-def kv_table(geo: Geometry, plan: LayerPlan, dtype_bytes: int, width: int) -> dict:
+def kv_table(geo: Geometry, plan: LayerPlan, dtype_bytes: int, width: int, fp4_group: int) -> dict:
     """``{basis: {group: {"bytes_per_token", "compression_vs_baseline"}}}`` at one dtype."""
-    per_group = {g: {basis: bytes_per_token(c) for basis, c in basis_copies(geo, plan, g, dtype_bytes, width).items()}
+    per_group = {g: {basis: bytes_per_token(c)
+                     for basis, c in basis_copies(geo, plan, g, dtype_bytes, width, fp4_group).items()}
                  for g in GROUPS}
     return {basis: {g: {"bytes_per_token": per_group[g][basis],
                         "compression_vs_baseline": per_group["baseline"][basis] / per_group[g][basis]}
@@ -95,7 +101,7 @@ def kv_table(geo: Geometry, plan: LayerPlan, dtype_bytes: int, width: int) -> di
             for basis in per_group["baseline"]}
 
 
-def model_section(model: str, geo: Geometry, plan: LayerPlan, width_mult: float) -> dict:
+def model_section(model: str, geo: Geometry, plan: LayerPlan, width_mult: float, fp4_group: int) -> dict:
     """Every storage figure of one model geometry and plan."""
     width = mlp_width(geo.kv_dim, width_mult)
     return {
@@ -115,7 +121,8 @@ def model_section(model: str, geo: Geometry, plan: LayerPlan, width_mult: float)
             "replaced_kv_proj_params_per_layer": kv_proj_params(geo.hidden_size, geo.kv_dim),
             "projector_counting": PROJECTOR_COUNTING,
         },
-        "kv": {dtype: kv_table(geo, plan, nbytes, width) for dtype, nbytes in DTYPE_BYTES.items()},
+        "fp4_group": fp4_group,
+        "kv": {dtype: kv_table(geo, plan, nbytes, width, fp4_group) for dtype, nbytes in DTYPE_BYTES.items()},
     }
 
 
@@ -144,12 +151,13 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     """Compute every storage figure and write ``metrics/storage.json`` under ``workdir``; returns it."""
     plan, geo = load_plan(params.plan, params.model)
     width_mult = params.train_adapters.width_mult
+    fp4_group = FP4_FORMATS[params.kv_format]().group
     qwen_geo = qwen3_5_4b_geometry()
-    qwen = model_section(QWEN3_5_4B_ID, qwen_geo, QWEN3_5_4B_PLAN.validate(qwen_geo), width_mult)
+    qwen = model_section(QWEN3_5_4B_ID, qwen_geo, QWEN3_5_4B_PLAN.validate(qwen_geo), width_mult, fp4_group)
     metrics = {
         "bases": BASIS_DOC,
         "groups": GROUP_DOC,
-        "active_model": model_section(params.model.name, geo, plan, width_mult),
+        "active_model": model_section(params.model.name, geo, plan, width_mult, fp4_group),
         "qwen3_5_4b": qwen,
         "deepseek_v4_1": deepseek_section(),
         "note": seed_ratio_note(qwen),

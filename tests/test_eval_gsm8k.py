@@ -1,0 +1,114 @@
+"""The eval_gsm8k stage runs lm-eval's gsm8k offline per group; Wilson CI and gold NLL are exact."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from ced_csa2 import eval_gsm8k
+from ced_csa2.model_utils import geometry
+from ced_csa2.plan import LayerPlan
+
+from conftest import tiny_params
+from test_ced_runtime import random_parts
+
+# Short on purpose: the tiny model's tokenizer is byte-level and its GatedDeltaNet
+# layers run the slow reference kernels, so prompt length is what the test pays for.
+PROBLEMS = [
+    {"id": f"p{i}", "question": q, "answer": a, "target": a.rsplit("#### ", 1)[1]}
+    for i, (q, a) in enumerate([
+        ("Ada has 2 cats and 3 dogs. Pets?", "2 + 3 = 5\n#### 5"),
+        ("Ben buys 4 pens twice. Pens?", "4 * 2 = 8\n#### 8"),
+        ("Eve had 9 figs, ate 6. Left?", "9 - 6 = 3\n#### 3"),
+        ("Hugo reads 7 pages and 7 more. Pages?", "7 + 7 = 14\n#### 14"),
+    ])
+]
+
+
+def write_problems(workdir, problems=PROBLEMS):
+    path = workdir / eval_gsm8k.GSM8K_JSONL
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    return path
+
+
+def independent_gold_nll(model, tok, problems):
+    """Per-token NLL of ' ' + answer after 'Question: {q}\\nAnswer:', one problem at a time."""
+    total, n = 0.0, 0
+    for p in problems:
+        prompt = f"Question: {p['question']}\nAnswer:"
+        ids = tok(prompt + " " + p["answer"], return_tensors="pt")["input_ids"]
+        cut = len(tok(prompt)["input_ids"])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+        targets = ids[0, cut:]
+        total -= logp[cut - 1:-1].gather(1, targets[:, None]).sum().item()
+        n += len(targets)
+    return total / n, n
+
+
+@pytest.mark.parametrize("successes, n, low, high", [
+    # by hand: centre = (p + z²/2n) / (1 + z²/n), half = z/(1 + z²/n) * sqrt(p(1-p)/n + z²/4n²), z = 1.96
+    (0, 100, 0.0, 0.036995),      # centre = half = 0.0184974
+    (50, 100, 0.403830, 0.596170),  # centre 0.5, half 1.887487 * 0.0509520 = 0.0961702
+    (5, 5, 0.565509, 1.0),        # centre 0.782754, half 0.217246; clipped at 1
+])
+def test_wilson_interval_matches_hand_computation(successes, n, low, high):
+    got = eval_gsm8k.wilson_interval(successes, n)
+    assert got == pytest.approx((low, high), abs=1e-6)
+
+
+def test_wilson_interval_refuses_empty_or_impossible_counts():
+    with pytest.raises(ValueError, match="n > 0"):
+        eval_gsm8k.wilson_interval(0, 0)
+    with pytest.raises(ValueError, match="0 <= successes <= n"):
+        eval_gsm8k.wilson_interval(6, 5)
+
+
+def test_fewshot_context_uses_fixed_exemplars_never_evaluated_problems(tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    data = write_problems(tmp_path)
+    eval_gsm8k.write_task_yaml(tmp_path, data, num_fewshot=2)
+    manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    task = manager.load([eval_gsm8k.TASK])["tasks"][eval_gsm8k.TASK]
+    docs = list(task.test_docs())
+    assert [d["question"] for d in docs] == [p["question"] for p in PROBLEMS]
+    exemplars = eval_gsm8k.fewshot_exemplars()
+    assert len(exemplars) == 8 and all(e["answer"].split("\n")[-1].startswith("#### ") for e in exemplars)
+    context = task.fewshot_context(docs[1], num_fewshot=2)
+    assert context == (f"Question: {exemplars[0]['question']}\nAnswer: {exemplars[0]['answer']}\n\n"
+                       f"Question: {exemplars[1]['question']}\nAnswer: {exemplars[1]['answer']}\n\n"
+                       f"Question: {PROBLEMS[1]['question']}\nAnswer:")
+
+
+def test_missing_math_set_names_the_prepare_stage(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"dvc repro prepare"):
+        eval_gsm8k.run(tiny_params(), tmp_path)
+
+
+def test_stage_end_to_end_two_groups(tmp_path, tiny_model):
+    model, tok = tiny_model
+    write_problems(tmp_path)
+    params = tiny_params(eval_gsm8k={"groups": ["baseline", "ced"], "max_gen_toks": 8, "batch_size": 4})
+    parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 28, 32)))
+    m = eval_gsm8k.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
+
+    assert json.loads((tmp_path / eval_gsm8k.METRICS_PATH).read_text()) == json.loads(json.dumps(m))
+    proto = m["protocol"]
+    assert proto["n"] == len(PROBLEMS) and proto["math_set"] == params.data.math.label
+    assert proto["num_fewshot"] == 0 and proto["max_gen_toks"] == 8 and proto["lm_eval"]
+    assert list(m["groups"]) == ["baseline", "ced"]
+    for g in m["groups"].values():
+        for name in eval_gsm8k.FILTERS:
+            acc = g[name]
+            assert acc["n"] == len(PROBLEMS) and acc["correct"] == round(acc["exact_match"] * len(PROBLEMS))
+            assert acc["ci95"] == pytest.approx(list(eval_gsm8k.wilson_interval(acc["correct"], acc["n"])))
+
+    nll, tokens = independent_gold_nll(model, tok, PROBLEMS)
+    base = m["groups"]["baseline"]["gold_nll"]
+    assert base["tokens"] == tokens
+    assert math.isclose(base["nll_per_token"], nll, rel_tol=1e-5)
+    assert abs(m["groups"]["ced"]["gold_nll"]["nll_per_token"] - nll) > 1e-4
+    assert all(not mod._forward_hooks for mod in model.modules())
