@@ -198,3 +198,13 @@ def test_unknown_group_and_missing_parts_are_refused(tiny_model):
         CEDModeBRuntime(tiny_model[0], QWEN_PLAN, "cdd")
     with pytest.raises(ValueError, match="group 'csa2' needs adapters"):
         CEDModeBRuntime(tiny_model[0], QWEN_PLAN, "csa2", CEDParts(projector=nn.Identity()))
+
+
+@pytest.mark.parametrize("group", ["ced", "csa2", "ced_csa2"])
+def test_fp32_maps_drive_a_bf16_model(group):
+    # load_parts gives fp32 maps; the embedded model may run in bf16 where that is native.
+    model = tiny_llama().to(torch.bfloat16)
+    geo = geometry(model.config)
+    plan = LayerPlan(2, 3, (5, 6))
+    with torch.no_grad(), CEDModeBRuntime(model, plan, group, random_parts(geo, plan)):
+        assert model(torch.randint(0, 300, (1, 8))).logits.dtype == torch.bfloat16

@@ -63,15 +63,15 @@ class CEDParts:
 
     def project(self, layer: int, plan: LayerPlan, h: torch.Tensor) -> KV:
         fn = self.projector if layer == plan.source else self.extra[layer]
-        return _run(fn, h)
+        return _run(fn, fn, h)
 
     def adapt(self, layer: int, k_src: torch.Tensor, v_src: torch.Tensor) -> KV:
-        return _run(lambda k, v: self.adapters(layer, k, v), k_src, v_src)
+        return _run(self.adapters, lambda k, v: self.adapters(layer, k, v), k_src, v_src)
 
 
-def _run(fn, *xs: torch.Tensor) -> KV:
-    """Apply a map in its own dtype and return results in the inputs' dtype."""
-    params = next(fn.parameters(), None) if isinstance(fn, nn.Module) else None
+def _run(owner, fn, *xs: torch.Tensor) -> KV:
+    """Apply ``fn`` in the dtype of ``owner``'s parameters (if a module) and return the inputs' dtype."""
+    params = next(owner.parameters(), None) if isinstance(owner, nn.Module) else None
     dtype = params.dtype if params is not None else xs[0].dtype
     k, v = fn(*(x.to(dtype) for x in xs))
     return k.to(xs[0].dtype), v.to(xs[0].dtype)
