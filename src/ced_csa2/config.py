@@ -346,3 +346,11 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         return from_dict(Params, raw)
     except ParamsError as exc:
         raise ParamsError(f"{path}: {exc}") from None
+
+
+def run_stage(run) -> None:
+    """Entry point of a stage module: log to stderr, then ``run(load_params())`` from the cwd."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    run(load_params())

@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from . import kv_hooks
-from .config import Params, load_params, params_hash, to_dict
+from .config import Params, params_hash, run_stage, to_dict
 from .h5store import DumpLayout, DumpWriter
 from .io_utils import write_json
 from .model_utils import load_model_and_tokenizer, resolve_device, tokenizer_hash
@@ -171,8 +171,7 @@ def run(params: Params, workdir: Path = Path("."), *, max_batches: int | None = 
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run(load_params())
+    run_stage(run)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from pathlib import Path
 import yaml
 
 from .ced_runtime import CEDModeBRuntime, CEDParts, load_parts
-from .config import Params, load_params
+from .config import Params, run_stage
 from .io_utils import write_json
 from .model_utils import load_model_and_tokenizer, resolve_device
 from .plan import load_plan
@@ -275,8 +275,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run(load_params())
+    run_stage(run)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from .ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, load_parts
-from .config import Params, load_params
+from .config import Params, run_stage
 from .dump import read_records
 from .io_utils import write_json
 from .model_utils import load_model_and_tokenizer, resolve_device
@@ -111,8 +111,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run(load_params())
+    run_stage(run)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .config import Params, load_params, params_hash, to_dict
+from .config import Params, params_hash, run_stage, to_dict
 from .fit_metrics import FitStats
 from .h5store import DumpReader
 from .io_utils import atomic_write_bytes, write_json
@@ -301,8 +301,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run(load_params())
+    run_stage(run)
 
 
 if __name__ == "__main__":

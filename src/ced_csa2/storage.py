@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .config import Params, load_params
+from .config import Params, run_stage
 from .csa2 import mlp_width
 from .io_utils import write_json
 from .fp4 import FORMATS as FP4_FORMATS
@@ -168,8 +168,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run(load_params())
+    run_stage(run)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Params, load_params, params_hash, to_dict
+from .config import Params, params_hash, run_stage, to_dict
 from .csa2 import CSA2Adapters, save_adapters
 from .io_utils import write_json
 from .loader import load_rows
@@ -144,8 +144,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run(load_params())
+    run_stage(run)
 
 
 if __name__ == "__main__":
