@@ -14,21 +14,12 @@ figures compare directly; "ratio" is a path's GB/s over ``clone``'s.  Best of
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from _timing import best_seconds
+
 from ced_csa2.fp4 import MXFP4, NVFP4
-
-
-def best_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
+from _timing import best_seconds
 
 from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, load_parts
 from ced_csa2.config import load_params
@@ -32,15 +32,6 @@ from ced_csa2.eval_ppl import EVAL_JSONL
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.projector import KVProjector
-
-
-def best_time(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def random_parts(geo, plan: LayerPlan) -> CEDParts:
@@ -75,7 +66,7 @@ def main() -> None:
     mode_b = {}
     for group in params.eval_ppl.groups:
         with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
-            mode_b[group] = n_tokens / best_time(forward, args.repeats)
+            mode_b[group] = n_tokens / best_seconds(forward, args.repeats, warmup=False)
     overhead = {g: {"tokens_per_s": round(v, 1), "vs_baseline": round(v / mode_b["baseline"], 3)}
                 for g, v in mode_b.items()}
 
@@ -86,8 +77,9 @@ def main() -> None:
     for n in args.prompts:
         ids = torch.randint(0, len(tok), (1, n), device=device)
         with torch.inference_mode():
-            plain = best_time(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), args.repeats)
-        skip = best_time(lambda: mode_a.prefill(ids), args.repeats)
+            plain = best_seconds(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), args.repeats,
+                                     warmup=False)
+        skip = best_seconds(lambda: mode_a.prefill(ids), args.repeats, warmup=False)
         prefill[str(n)] = {"plain_s": round(plain, 3), "mode_a_s": round(skip, 3), "speedup": round(plain / skip, 3)}
     print(json.dumps({
         "model": params.model.name, "dtype": str(model.dtype), "device": str(device),
