@@ -112,3 +112,11 @@ def test_stage_end_to_end_two_groups(tmp_path, tiny_model):
     assert math.isclose(base["nll_per_token"], nll, rel_tol=1e-5)
     assert abs(m["groups"]["ced"]["gold_nll"]["nll_per_token"] - nll) > 1e-4
     assert all(not mod._forward_hooks for mod in model.modules())
+
+    # The saved gold pairs reproduce the baseline's gold NLL without lm-eval.
+    pairs = eval_gsm8k.load_gold_pairs(tmp_path / eval_gsm8k.GOLD_PATH, params)
+    assert len(pairs) == len(PROBLEMS)
+    assert eval_gsm8k.gold_nll(model, pairs, 4, tok.pad_token_id) == base
+    other = tiny_params(eval_gsm8k={"num_fewshot": 2})
+    with pytest.raises(ValueError, match=r"gsm8k_gold.json was written for .*num_fewshot"):
+        eval_gsm8k.load_gold_pairs(tmp_path / eval_gsm8k.GOLD_PATH, other)

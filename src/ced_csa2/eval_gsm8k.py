@@ -27,11 +27,15 @@ reports:
   model, accuracy is near zero for every group; this is the signal that still moves;
 * ``seconds``: wall time of the group (generation + gold NLL).
 
-Writes ``metrics/gsm8k.json``: ``{"protocol": {...}, "groups": {group: {...}}}``.
+Writes ``metrics/gsm8k.json``: ``{"protocol": {...}, "groups": {group: {...}}}``, and
+``data/gsm8k_gold.json``: the tokenised gold pairs (``[ids, context_length]`` per
+problem; the same for every group), so that other stages score gold NLL on exactly
+these prompts without re-running lm-eval.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -53,6 +57,7 @@ log = logging.getLogger(__name__)
 
 GSM8K_JSONL = Path("data/gsm8k.jsonl")
 METRICS_PATH = Path("metrics/gsm8k.json")
+GOLD_PATH = Path("data/gsm8k_gold.json")
 TASK = "ced_csa2_gsm8k"
 FILTERS = ("strict-match", "flexible-extract")
 FEWSHOT_SOURCE = "lm-eval gsm8k-cot exemplars (first num_fewshot, in order), answers rewritten as '... #### N'"
@@ -182,8 +187,8 @@ def gold_nll(model, pairs: list[tuple[list[int], int]], batch_size: int, pad_id:
 
 
 def evaluate_group(lm, model, plan, group: str, parts: CEDParts | None, task_manager, params: Params,
-                   pad_id: int) -> dict:
-    """lm-eval accuracy and gold NLL of one group, all under the same Mode B runtime."""
+                   pad_id: int) -> tuple[dict, list[tuple[list[int], int]]]:
+    """lm-eval accuracy and gold NLL of one group, all under the same Mode B runtime; and the gold pairs."""
     from lm_eval import simple_evaluate
 
     cfg, seed = params.eval_gsm8k, params.seed
@@ -194,11 +199,12 @@ def evaluate_group(lm, model, plan, group: str, parts: CEDParts | None, task_man
             gen_kwargs={"max_gen_toks": cfg.max_gen_toks}, bootstrap_iters=0, log_samples=True,
             random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
         t_gen = time.perf_counter() - t0
-        gold = gold_nll(model, gold_pairs(lm, results), cfg.batch_size, pad_id)
+        pairs = gold_pairs(lm, results)
+        gold = gold_nll(model, pairs, cfg.batch_size, pad_id)
     seconds = time.perf_counter() - t0
     n = len(results["samples"][TASK]) // len(FILTERS)
     log.info("%s: generation %.1f s (%.2f s/problem), gold NLL %.1f s", group, t_gen, t_gen / n, seconds - t_gen)
-    return {**accuracy(results), "gold_nll": gold, "seconds": round(seconds, 1)}
+    return {**accuracy(results), "gold_nll": gold, "seconds": round(seconds, 1)}, pairs
 
 
 # ----------------------------------------------------------------------------- stage
@@ -244,7 +250,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d) for groups %s", params.data.math.label, n,
              cfg.num_fewshot, cfg.max_gen_toks, list(cfg.groups))
 
-    groups = {}
+    groups, pairs = {}, None
     with tempfile.TemporaryDirectory(prefix="ced_csa2_gsm8k_") as tmp:
         write_task_yaml(Path(tmp), data_file, cfg.num_fewshot)
         # The task includes gsm8k.yaml by absolute path: lm-eval's index of its
@@ -252,7 +258,11 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
         task_manager = TaskManager(include_path=tmp, include_defaults=False)
         for i, group in enumerate(cfg.groups, 1):
             log.info("group %d/%d: %s", i, len(cfg.groups), group)
-            groups[group] = evaluate_group(lm, model, plan, group, parts, task_manager, params, tok.pad_token_id)
+            groups[group], group_pairs = evaluate_group(lm, model, plan, group, parts, task_manager, params,
+                                                        tok.pad_token_id)
+            if pairs is not None and group_pairs != pairs:
+                raise RuntimeError(f"lm-eval built different prompts for group {group!r} than for {cfg.groups[0]!r}")
+            pairs = group_pairs
             g = groups[group]
             if g["strict-match"]["n"] != n:
                 raise RuntimeError(f"lm-eval evaluated {g['strict-match']['n']} problems, expected all {n}")
@@ -270,8 +280,22 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
         },
         "groups": groups,
     }
+    write_json(workdir / GOLD_PATH, {"model": params.model.name, "math_set": params.data.math.label,
+                                      "num_fewshot": cfg.num_fewshot, "pairs": pairs})
     write_json(workdir / METRICS_PATH, metrics)
     return metrics
+
+
+def load_gold_pairs(path: Path, params: Params) -> list[tuple[list[int], int]]:
+    """The gold pairs written by this stage, checked against the current model and prompt settings."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run `dvc repro eval_gsm8k` first")
+    data = json.loads(path.read_text())
+    want = {"model": params.model.name, "num_fewshot": params.eval_gsm8k.num_fewshot}
+    got = {k: data.get(k) for k in want}
+    if got != want:
+        raise ValueError(f"{path} was written for {got}, but params.yaml has {want}; rerun `dvc repro eval_gsm8k`")
+    return [(ids, cut) for ids, cut in data["pairs"]]
 
 
 def main() -> None:
