@@ -35,6 +35,15 @@ def tiny_model():
     return model, tok
 
 
+@pytest.fixture
+def frozen(tiny_model):
+    """``tiny_model`` with every parameter frozen, as the trainers freeze it (restored afterwards)."""
+    model, tok = tiny_model
+    model.requires_grad_(False)
+    yield model, tok
+    model.requires_grad_(True)
+
+
 def tiny_llama(attn_implementation="sdpa"):
     """A seeded random-init Llama with SmolLM2's structure at tiny width (all layers attention)."""
     from transformers import LlamaConfig, LlamaForCausalLM

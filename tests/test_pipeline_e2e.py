@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 # The tiny profile, shortened where it only costs time: the plumbing is what is tested here.
 OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5", "train_adapters.epochs=3",
-             "train_projector.epochs=2", "eval_gsm8k.max_gen_toks=12", "eval_gsm8k.groups=[baseline,csa2]"]
+             "train_projector.epochs=2", "eval_gsm8k.max_gen_toks=12", "eval_gsm8k.groups=[baseline,csa2]",
+             "train.online.records=8", "train.online.val_records=2", "train.online.seq_len=32"]
 
 
 def sh(cwd, *cmd):
@@ -61,6 +62,13 @@ def test_full_pipeline_writes_every_metric_and_the_report(repo):
     assert "tiny_qwen3_5" in report and "tiny-math" in report
     rows = [line.split("|")[1].strip() for line in report.splitlines() if line.startswith("| ")]
     assert {"baseline", "share_plain", "ced", "csa2", "ced_csa2"} <= set(rows)
+    objective_rows = {tuple(c.strip() for c in line.split("|")[1:3]) for line in report.splitlines()
+                      if line.startswith("| ")}
+    for group in ("ced", "csa2", "ced_csa2"):
+        assert {(group, o) for o in ("kv_mse (seed)", "ridge", "attn_out", "distill")} <= objective_rows
+    for objective in ("attn_out", "distill"):
+        phases = json.loads((repo / f"metrics/objectives/{objective}/train.json").read_text())["phases"]
+        assert set(phases) == {"ced", "csa2"} and all(p["tokens"] > 0 for p in phases.values())
     for png in ("ppl_by_group", "adapter_cosine", "bytes_vs_ppl"):
         assert (repo / f"reports/{png}.png").stat().st_size > 1000
     assert stages_run(sh(repo, "dvc", "repro")) == set()
@@ -72,7 +80,7 @@ def test_lambda_ablation_reruns_only_what_depends_on_it(repo):
     params = repo / "params.yaml"
     params.write_text(params.read_text().replace("lambda: 1.0", "lambda: 100.0"))
     ran = stages_run(sh(repo, "dvc", "repro"))
-    assert {"ridge", "train_adapters"} <= ran
+    assert {"ridge", "train_adapters", "tune@ridge", "tune@distill", "eval_objective@ridge"} <= ran
     assert not ran & {"prepare", "dump", "train_projector", "storage"}
     diff = json.loads(sh(repo, "dvc", "metrics", "diff", "--json"))
     assert diff["metrics/ridge.json"]["k_24.r2"]["diff"] != 0

@@ -219,6 +219,54 @@ class AdaptersConfig:
 
 
 RUNTIME_GROUPS = ("baseline", "share_plain", "ced", "csa2", "ced_csa2", "baseline_fp4", "csa2_fp4", "ced_csa2_fp4")
+MAP_GROUPS = tuple(g for g in RUNTIME_GROUPS if g.removesuffix("_fp4") in ("ced", "csa2", "ced_csa2"))
+# Objectives of the `tune` branch (one pipeline branch each, all starting from the ridge
+# maps): `ridge` = the closed-form maps untouched.  The seed's K/V-MSE objective is the
+# main branch (train_projector / train_adapters), reported as `kv_mse`.
+TUNE_OBJECTIVES = ("ridge", "attn_out", "distill")
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    """Budget of the objectives that train through the frozen model (``attn_out``, ``distill``)."""
+
+    records: int = 128  # training records (seeded sample of the train split), each cropped to seq_len
+    val_records: int = 16  # held-out records (validation split) for the before/after losses
+    seq_len: int = 256
+    batch_size: int = 4
+    epochs: int = 1  # per phase: the projector under `ced`, then the adapters under `csa2`
+    lr: float = 1e-4  # AdamW
+    weight_decay: float = 0.0
+    warmup_fraction: float = 0.05
+    temperature: float = 2.0  # distill: KL between softmax(logits / T), scaled by T^2
+    kv_weight: float = 0.0  # distill: + kv_weight * relative K/V MSE of the substituted layers
+
+    def __post_init__(self):
+        for key in ("records", "val_records", "seq_len", "batch_size", "epochs"):
+            _check(getattr(self, key) > 0, f"train.online.{key}", f"must be positive, got {getattr(self, key)}")
+        _check(self.lr > 0, "train.online.lr", f"must be positive, got {self.lr}")
+        _check(self.temperature > 0, "train.online.temperature", f"must be positive, got {self.temperature}")
+        _check(self.kv_weight >= 0, "train.online.kv_weight", f"must be >= 0, got {self.kv_weight}")
+        _check(0 <= self.warmup_fraction < 1, "train.online.warmup_fraction", "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Which objectives the ``tune@<objective>`` stages run, and how they are scored."""
+
+    objectives: list[str] = field(default_factory=lambda: list(TUNE_OBJECTIVES))
+    eval_groups: list[str] = field(default_factory=lambda: ["ced", "csa2", "ced_csa2"])
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+
+    def __post_init__(self):
+        bad = [o for o in self.objectives if o not in TUNE_OBJECTIVES]
+        hint = " (kv_mse is the main train_projector/train_adapters branch, always run)" if "kv_mse" in bad else ""
+        _check(not bad, "train.objectives", f"has unknown objective(s) {bad}; known: {list(TUNE_OBJECTIVES)}{hint}")
+        _check(bool(self.objectives) and len(set(self.objectives)) == len(self.objectives), "train.objectives",
+               f"must be a non-empty list without repeats, got {self.objectives}")
+        bad = [g for g in self.eval_groups if g not in MAP_GROUPS]
+        _check(not bad and bool(self.eval_groups), "train.eval_groups",
+               f"must be a non-empty list of groups that use the maps {list(MAP_GROUPS)}, got {self.eval_groups}")
 
 
 @dataclass(frozen=True)
@@ -262,6 +310,7 @@ class Params:
     ridge: RidgeConfig
     train_projector: ProjectorConfig
     train_adapters: AdaptersConfig
+    train: TrainConfig
     eval_ppl: EvalPPLConfig
     eval_gsm8k: EvalGSM8KConfig
 
@@ -348,9 +397,9 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raise ParamsError(f"{path}: {exc}") from None
 
 
-def run_stage(run) -> None:
-    """Entry point of a stage module: log to stderr, then ``run(load_params())`` from the cwd."""
+def run_stage(run, *args) -> None:
+    """Entry point of a stage module: log to stderr, then ``run(load_params(), *args)`` from the cwd."""
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run(load_params())
+    run(load_params(), *args)

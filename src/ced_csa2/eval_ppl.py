@@ -51,6 +51,14 @@ def _delta_pct(value: float, base: float) -> float:
     return 100.0 * (value - base) / base
 
 
+def group_ppl(model, plan, group: str, parts: CEDParts, ids: list[list[int]], params: Params, pad_id: int) -> dict:
+    """Corpus-level perplexity of ``ids`` (every token after the first) under one Mode B group."""
+    with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
+        out = _ppl(sequence_nll(model, ids, [0] * len(ids), params.eval_ppl.batch_size, pad_id))
+    log.info("%s: ppl %.4f", group, out["ppl"])
+    return out
+
+
 def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fraction: float, batch_size: int,
                   pad_id: int) -> dict:
     """Prefix-conditioned perplexity of the plain model vs the prefill skip."""
@@ -73,35 +81,43 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
             "delta_pct": _delta_pct(ced["ppl"], base["ppl"]), "note": ZERO_STATE_NOTE}
 
 
+def eval_ids(params: Params, tok, workdir: Path) -> list[list[int]]:
+    """Token ids of the eval records, truncated to ``data.max_tokens``."""
+    records = read_records(workdir / EVAL_JSONL)
+    return tok([r["text"] for r in records], truncation=True, max_length=params.data.max_tokens)["input_ids"]
+
+
+def protocol(params: Params, model, plan, ids: list[list[int]], tokens_scored: int) -> dict:
+    """What a perplexity figure was measured on (stored next to it)."""
+    return {
+        "model": params.model.name, "data": params.data.name, "records": len(ids), "tokens_scored": tokens_scored,
+        "max_tokens": params.data.max_tokens, "dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(model.device), "threads": torch.get_num_threads(),
+        "basis": "token-level, teacher-forced, corpus-level exp(sum NLL / scored tokens); Mode B substitution",
+        "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
+        "kv_format": params.kv_format,
+    }
+
+
 def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = None,
         model_and_tok=None) -> dict:
     """Score every group; ``parts``/``model_and_tok`` override loading (tests)."""
     workdir, cfg = Path(workdir), params.eval_ppl
     plan, geo = load_plan(params.plan, params.model)
-    records = read_records(workdir / EVAL_JSONL)
     device = resolve_device(cfg.device)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
     if parts is None:
         parts = load_parts(workdir / "models", plan, device=device, expect={"model": params.model.name})
-    ids = tok([r["text"] for r in records], truncation=True, max_length=params.data.max_tokens)["input_ids"]
+    ids = eval_ids(params, tok, workdir)
     groups, t0 = {}, time.perf_counter()
     for group in tqdm(cfg.groups, desc="eval_ppl groups"):
-        with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
-            groups[group] = _ppl(sequence_nll(model, ids, [0] * len(ids), cfg.batch_size, tok.pad_token_id))
-        log.info("%s: ppl %.4f", group, groups[group]["ppl"])
+        groups[group] = group_ppl(model, plan, group, parts, ids, params, tok.pad_token_id)
     if "baseline" in groups:
         for g in groups.values():
             g["delta_pct"] = _delta_pct(g["ppl"], groups["baseline"]["ppl"])
     mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, cfg.batch_size, tok.pad_token_id)
     metrics = {
-        "protocol": {
-            "model": params.model.name, "data": params.data.name, "records": len(ids),
-            "tokens_scored": groups[cfg.groups[0]]["tokens"], "max_tokens": params.data.max_tokens,
-            "dtype": str(model.dtype).removeprefix("torch."), "device": str(device), "threads": torch.get_num_threads(),
-            "basis": "token-level, teacher-forced, corpus-level exp(sum NLL / scored tokens); Mode B substitution",
-            "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
-            "kv_format": params.kv_format,
-        },
+        "protocol": protocol(params, model, plan, ids, groups[cfg.groups[0]]["tokens"]),
         "groups": groups,
         "mode_a": mode_a,
         "seconds": round(time.perf_counter() - t0, 1),

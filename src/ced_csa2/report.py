@@ -4,7 +4,8 @@
 
 Writes ``reports/results.md`` (group x PPL, ΔPPL %, GSM8K exact match with Wilson 95%
 interval, gold-solution NLL, KV bytes/token and compression, each with its protocol
-line) and ``reports/{ppl_by_group,adapter_cosine,bytes_vs_ppl}.png``.  Every figure
+line; then one row per (group, training objective) of ``train.objectives`` next to the
+seed's ``kv_mse`` and ``share_plain``) and ``reports/{ppl_by_group,adapter_cosine,bytes_vs_ppl}.png``.  Every figure
 names its model and data: the embedded default's numbers are SmolLM2-135M on a
 Wikipedia sample, not Qwen3.5-4B results.
 """
@@ -15,6 +16,7 @@ import json
 import logging
 from pathlib import Path
 
+from .config import Params, run_stage
 from .io_utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,7 @@ OUT = Path("reports")
 BASES = ("decoder_attention", "all_attention", "all_attention_amortised_32k")
 
 
-def _load(workdir: Path, name: str) -> dict:
+def _load(workdir: Path, name: str | Path) -> dict:
     path = workdir / METRICS / f"{name}.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: metrics file not found (run `dvc repro` for the stage that writes it)")
@@ -66,6 +68,45 @@ def fit_table(ridge: dict, projector: dict, adapters: dict) -> list[str]:
         lines.append(f"| adapter KV_src → KV_{layer} | " + " | ".join(
             f"{m[kind]['ridge'][stat]:.4f} → {m[kind]['trained'][stat]:.4f}" for kind in "kv"
             for stat in ("cos", "r2")) + " |")
+    return lines
+
+
+def objective_table(ppl: dict, gsm: dict, projector: dict, adapters: dict, objectives: dict[str, dict],
+                    groups: list[str]) -> list[str]:
+    """Rows ``(group, objective)``: the seed's ``kv_mse`` maps and every tuned objective, same protocols.
+
+    ``objectives[name] = {"train": tune's train.json, "eval": eval_objective's eval.json}``.
+    """
+    base_ppl, base_nll = ppl["groups"]["baseline"]["ppl"], gsm["groups"]["baseline"]["gold_nll"]["nll_per_token"]
+    for name, o in objectives.items():
+        if o["eval"]["protocol"]["tokens_scored"] != ppl["protocol"]["tokens_scored"]:
+            raise ValueError(f"metrics/objectives/{name}/eval.json scored {o['eval']['protocol']['tokens_scored']} "
+                             f"tokens, metrics/ppl.json {ppl['protocol']['tokens_scored']}: rerun the pipeline")
+    kv_mse_wall = projector["run"]["wall_s"] + adapters["run"]["wall_s"]
+    head = ["group", "objective", "PPL", "ΔPPL %", "gold NLL/token", "Δ gold NLL", "train wall s", "train tok/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def row(group, objective, p, nll, wall="–", rate="–"):
+        gold = [f"{nll:.4f}", f"{nll - base_nll:+.4f}"] if nll is not None else ["–", "–"]
+        lines.append("| " + " | ".join([group, objective, f"{p:.3f}", f"{100 * (p - base_ppl) / base_ppl:+.2f}",
+                                        *gold, wall, rate]) + " |")
+
+    def main_branch(group):
+        g = gsm["groups"].get(group)
+        return ppl["groups"][group]["ppl"], g["gold_nll"]["nll_per_token"] if g else None
+
+    for group in ("baseline", "share_plain"):
+        if group in ppl["groups"]:
+            row(group, "— (no maps)", *main_branch(group))
+    for group in groups:
+        if group in ppl["groups"]:
+            row(group, "kv_mse (seed)", *main_branch(group), f"{kv_mse_wall:,.0f}")
+        for name, o in objectives.items():
+            phases = o["train"]["phases"].values()
+            wall = sum(ph["wall_s"] for ph in phases)
+            rate = f"{sum(ph['tokens'] for ph in phases) / wall:,.0f}" if wall else "–"
+            g = o["eval"]["groups"][group]
+            row(group, name, g["ppl"], g["gold_nll"]["nll_per_token"], f"{wall:,.0f}", rate)
     return lines
 
 
@@ -126,10 +167,13 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def run(workdir: Path = Path(".")) -> str:
+def run(params: Params, workdir: Path = Path(".")) -> str:
     workdir = Path(workdir)
     ppl, gsm, storage = (_load(workdir, n) for n in ("ppl", "gsm8k", "storage"))
     ridge, projector, adapters = (_load(workdir, n) for n in ("ridge", "projector", "adapters"))
+    objectives = {o: {part: _load(workdir, Path("objectives") / o / part) for part in ("train", "eval")}
+                  for o in params.train.objectives}
+    groups = params.train.eval_groups
     mode_a = ppl["mode_a"]
     mode_a_line = (f"Mode A (prefill skip, prompt = first {100 * mode_a['prefix_fraction']:.0f}% of each record): "
                    f"prefix PPL {mode_a['baseline']['ppl']:.3f} → {mode_a['mode_a']['ppl']:.3f} "
@@ -139,6 +183,12 @@ def run(workdir: Path = Path(".")) -> str:
     text = "\n".join([
         "# Results", "", protocol_line(ppl, gsm), "",
         *results_table(ppl, gsm, storage), "", mode_a_line, "",
+        "## Training objectives", "",
+        "Same PPL and gold-NLL protocols as above; Δ against the baseline. `kv_mse (seed)` is the main "
+        "branch (projector from random init, adapters from ridge, K/V MSE); every other objective starts from "
+        "the ridge maps (`ridge` = that start, untrained). Training wall time: projector + adapters, "
+        "on this run's device.", "",
+        *objective_table(ppl, gsm, projector, adapters, objectives, groups), "",
         "## Fit of the maps (held-out tokens)", "", *fit_table(ridge, projector, adapters), "",
         "Qwen3.5-4B geometry (computed from its config, no weights): "
         + ", ".join(f"{b}: baseline {storage['qwen3_5_4b']['kv']['bf16'][b]['baseline']['bytes_per_token']:,.0f} → "
@@ -155,8 +205,7 @@ def run(workdir: Path = Path(".")) -> str:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run()
+    run_stage(run)
 
 
 if __name__ == "__main__":

@@ -303,10 +303,10 @@ def fit(heads: list[Head], optimizer: torch.optim.Optimizer, train: Batches, val
 
 # ----------------------------------------------------------------------------- outputs
 
-def write_plot(path: Path, rows: list[dict]) -> None:
-    """Plot data as CSV (columns in the rows' key order; floats with 8 significant digits)."""
+def write_plot(path: Path, rows: list[dict], columns: Iterable[str] | None = None) -> None:
+    """Plot data as CSV (``columns``, default the rows' key order; floats with 8 significant digits)."""
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=list(columns or rows[0]), lineterminator="\n")
     writer.writeheader()
     for r in rows:
         writer.writerow({k: f"{v:.8g}" if isinstance(v, float) else v for k, v in r.items()})

@@ -1,0 +1,74 @@
+"""``eval_objective@<objective>`` stages: perplexity and GSM8K gold NLL of one objective's maps.
+
+    python -m ced_csa2.eval_objective distill     # what `dvc repro eval_objective@distill` runs
+
+Scores the maps of ``models/objectives/<objective>/`` (stage ``tune@<objective>``) for every
+group of ``train.eval_groups`` with exactly the main branch's protocols: the eval
+records' corpus-level perplexity (:func:`ced_csa2.eval_ppl.group_ppl`) and the gold-solution
+NLL on the prompts ``eval_gsm8k`` saved (``data/gsm8k_gold.json``).  Exact-match accuracy
+is not re-run here (generation dominates GSM8K's cost and scores ~0 on the embedded
+model); the report takes ΔPPL against the main branch's baseline.
+
+Writes ``metrics/objectives/<objective>/eval.json``:
+``{"objective", "protocol": {...}, "gold_protocol": {...}, "groups": {group: {ppl, nll_per_token, tokens, gold_nll}}}``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from .ced_runtime import CEDModeBRuntime, CEDParts
+from .config import Params, run_stage
+from .csa2 import load_adapters
+from .eval_gsm8k import GOLD_PATH, gold_nll, load_gold_pairs
+from .eval_ppl import eval_ids, group_ppl, protocol
+from .io_utils import write_json
+from .model_utils import load_model_and_tokenizer, resolve_device
+from .plan import load_plan
+from .projector import load_projector
+from .train_projector import projector_path
+from .tune import metrics_dir, models_dir
+
+
+def load_objective_parts(workdir: Path, objective: str, params: Params, plan, device) -> CEDParts:
+    """The projector and adapters ``tune@<objective>`` wrote, checked against the model and objective."""
+    folder, expect = workdir / models_dir(objective), {"model": params.model.name, "objective": objective}
+    projector, _ = load_projector(folder / projector_path(plan.source).name, expect=expect, device=device)
+    return CEDParts(projector, load_adapters(folder / "adapters.pt", device=device, expect=expect))
+
+
+def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
+    """Score ``train.eval_groups`` with the objective's maps; returns ``eval.json``'s content."""
+    workdir, t0 = Path(workdir), time.perf_counter()
+    plan, _ = load_plan(params.plan, params.model)
+    pairs = load_gold_pairs(workdir / GOLD_PATH, params)
+    model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
+    parts = load_objective_parts(workdir, objective, params, plan, model.device)
+    ids = eval_ids(params, tok, workdir)
+    groups = {}
+    for group in params.train.eval_groups:
+        groups[group] = group_ppl(model, plan, group, parts, ids, params, tok.pad_token_id)
+        with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
+            groups[group]["gold_nll"] = gold_nll(model, pairs, params.eval_gsm8k.batch_size, tok.pad_token_id)
+    metrics = {
+        "objective": objective,
+        "protocol": protocol(params, model, plan, ids, groups[params.train.eval_groups[0]]["tokens"]),
+        "gold_protocol": {"math_set": params.data.math.label, "n": len(pairs),
+                          "num_fewshot": params.eval_gsm8k.num_fewshot, "source": str(GOLD_PATH)},
+        "groups": groups,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    write_json(workdir / metrics_dir(objective) / "eval.json", metrics)
+    return metrics
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m ced_csa2.eval_objective <objective>")
+    run_stage(run, sys.argv[1])
+
+
+if __name__ == "__main__":
+    main()

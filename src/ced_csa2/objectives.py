@@ -1,0 +1,162 @@
+"""Losses that train the maps *through* the frozen model: ``attn_out`` and ``distill``.
+
+K/V MSE (the seed's objective) weighs every K/V direction equally; attention does not.
+Both objectives here look at what the substituted K/V do instead, and both are computed
+online from one teacher forward pass of the frozen model -- queries, attention outputs
+and logits are recomputed per batch, never stored.
+
+* ``attn_out``: for every layer the group substitutes, the layer's own attention module
+  is re-run on its *true* input (true queries) with the substituted K/V, and compared
+  with its true output (relative MSE over real tokens).  The maps' inputs (``H_split``,
+  the source's K/V) are the true ones, as in the dump-based training.
+* ``distill``: the same model is teacher (no substitution, no grad) and student
+  (:class:`~ced_csa2.ced_runtime.CEDModeBRuntime` active, gradients through the maps
+  only); loss = ``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` per real
+  token, plus ``kv_weight`` times the relative K/V MSE of the substituted layers.
+
+A *phase* trains one kind of map under one group: the projector under ``ced``, the
+adapters under ``csa2`` (the groups ``ced_csa2`` then combines).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import kv_hooks
+from .ced_runtime import CEDModeBRuntime, CEDParts
+from .model_utils import attention
+from .plan import LayerPlan
+
+KV = tuple[torch.Tensor, torch.Tensor]
+PHASE_GROUPS = ("ced", "csa2")
+
+
+def substituted_layers(plan: LayerPlan, group: str) -> tuple[int, ...]:
+    """Layers whose K/V a training phase replaces: the source (``ced``) or the targets (``csa2``)."""
+    if group not in PHASE_GROUPS:
+        raise ValueError(f"training phase group must be one of {PHASE_GROUPS}, got {group!r}")
+    return (plan.source,) if group == "ced" else tuple(plan.targets)
+
+
+def predicted_kv(parts: CEDParts, plan: LayerPlan, group: str, store: dict) -> dict[int, KV]:
+    """The maps' K/V ``{layer: (k, v)}``, each ``(B, T, kv_dim)``, from the true inputs in ``store``.
+
+    ``store`` is a :func:`ced_csa2.kv_hooks.capture` store holding ``H_split`` and the
+    source's K/V of a teacher pass.
+    """
+    if group == "ced":
+        return {plan.source: parts.project(plan.source, plan, store["h"][plan.split])}
+    k_src, v_src = store["k"][plan.source], store["v"][plan.source]
+    return {t: parts.adapt(t, k_src, v_src) for t in plan.targets}
+
+
+def relative_mse(pred: torch.Tensor, true: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sum((pred - true)^2) / sum(true^2)`` over the real tokens (``mask`` ``(B, T)``)."""
+    m = mask.unsqueeze(-1).to(pred.dtype)
+    return ((pred.float() - true.float()) ** 2 * m).sum() / ((true.float() ** 2) * m).sum().clamp_min(1e-12)
+
+
+def kl_distill(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Mean over real tokens of ``T^2 KL(softmax(teacher/T) || softmax(student/T))``.
+
+    ``student``, ``teacher``: logits ``(B, T, vocab)``; ``mask``: ``(B, T)``.  Exactly zero
+    when the logits are equal (the log-probabilities cancel term by term).
+    """
+    t = F.log_softmax(teacher.float() / temperature, dim=-1)
+    s = F.log_softmax(student.float() / temperature, dim=-1)
+    per_token = (t.exp() * (t - s)).sum(-1)
+    m = mask.to(per_token.dtype)
+    return temperature ** 2 * (per_token * m).sum() / m.sum()
+
+
+@contextmanager
+def capture_attention(model: nn.Module, layers: tuple[int, ...]) -> Iterator[dict]:
+    """Record ``(args, kwargs, output)`` of each listed layer's attention module, always unhooked.
+
+    ``store[layer]``: the call's positional and keyword arguments (hidden states, position
+    embeddings, mask, ...) and its attention output ``(B, T, hidden)`` -- enough to re-run
+    the module on the same input.
+    """
+    store: dict = {}
+    handles = []
+    try:
+        for layer in layers:
+            attn = attention(model, layer)
+            handles.append(attn.register_forward_pre_hook(
+                lambda mod, args, kwargs, layer=layer: store.__setitem__(layer, [args, kwargs, None]),
+                with_kwargs=True))
+            handles.append(attn.register_forward_hook(
+                lambda mod, inp, out, layer=layer: store[layer].__setitem__(2, out[0] if isinstance(out, tuple) else out)))
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def teacher_pass(model: nn.Module, plan: LayerPlan, group: str, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """One no-grad forward of the frozen model recording what every loss needs.
+
+    Returns ``{"logits": (B, T, vocab), "kv": capture store, "attn": capture_attention store}``.
+    """
+    layers = substituted_layers(plan, group)
+    with torch.no_grad(), ExitStack() as stack:
+        kv = stack.enter_context(kv_hooks.capture(model, (plan.source, *plan.targets), [plan.split]))
+        attn = stack.enter_context(capture_attention(model, layers))
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    return {"logits": logits, "kv": kv, "attn": attn}
+
+
+def kv_loss(parts: CEDParts, plan: LayerPlan, group: str, teacher: dict, mask: torch.Tensor) -> torch.Tensor:
+    """Relative K/V MSE of the maps against the true K/V, summed over substituted layers and K/V."""
+    store = teacher["kv"]
+    return sum(relative_mse(pred, store[kind][layer], mask)
+               for layer, kv in predicted_kv(parts, plan, group, store).items()
+               for kind, pred in zip("kv", kv))
+
+
+def attn_out_loss(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str, teacher: dict,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """Relative MSE of each substituted layer's attention output, summed over the layers.
+
+    Each layer's attention module is re-run on its captured true input with ``k_proj`` /
+    ``v_proj`` outputs replaced by the maps' prediction (gradients reach only the maps).
+    """
+    total = torch.zeros((), device=mask.device)
+    for layer, (k, v) in predicted_kv(parts, plan, group, teacher["kv"]).items():
+        args, kwargs, true_out = teacher["attn"][layer]
+        with kv_hooks.inject(model, {(layer, "k"): k, (layer, "v"): v}):
+            out = attention(model, layer)(*args, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        total = total + relative_mse(out, true_out, mask)
+    return total
+
+
+def distill_loss(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str, teacher: dict,
+                 ids: torch.Tensor, mask: torch.Tensor, temperature: float, kv_weight: float = 0.0) -> torch.Tensor:
+    """KL of the student (``group`` substitution active) to the teacher's logits, ``+ kv_weight *`` :func:`kv_loss`.
+
+    ``group="baseline"`` (no substitution) gives a student identical to the teacher: the
+    loss is exactly zero and depends on no parameter.
+    """
+    with CEDModeBRuntime(model, plan, group, parts):
+        student = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    loss = kl_distill(student, teacher["logits"], mask, temperature)
+    if kv_weight and group != "baseline":
+        loss = loss + kv_weight * kv_loss(parts, plan, group, teacher, mask)
+    return loss
+
+
+def objective_loss(objective: str, model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str,
+                   ids: torch.Tensor, mask: torch.Tensor, temperature: float, kv_weight: float) -> torch.Tensor:
+    """The loss of ``objective`` (``attn_out`` | ``distill``) on one batch ``ids``/``mask`` ``(B, T)``."""
+    teacher = teacher_pass(model, plan, group, ids, mask)
+    if objective == "attn_out":
+        return attn_out_loss(model, parts, plan, group, teacher, mask)
+    if objective == "distill":
+        return distill_loss(model, parts, plan, group, teacher, ids, mask, temperature, kv_weight)
+    raise ValueError(f"objective {objective!r} does not train through the model; expected attn_out or distill")

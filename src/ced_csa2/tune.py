@@ -1,0 +1,197 @@
+"""``tune@<objective>`` stages: the maps trained with another objective, from the ridge solution.
+
+    python -m ced_csa2.tune distill     # what `dvc repro tune@distill` runs
+
+One pipeline branch per entry of ``train.objectives`` (``dvc.yaml`` loops over it), each
+starting from the closed-form maps of ``models/ridge.pt``: the projector's ``proj_{source}``
+map and the adapters' ``k_{t}`` / ``v_{t}`` bases (MLPs at their zero start).
+
+* ``ridge``: the start itself, untrained -- the reference every objective must beat.
+* ``attn_out`` / ``distill`` (:mod:`ced_csa2.objectives`): two phases through the frozen
+  model, on ``train.online.records`` records of the train split (the ridge stage's split),
+  cropped to ``seq_len`` tokens: first the projector under the ``ced`` substitution, then
+  the adapters under ``csa2`` (true source K/V, as ``csa2`` is evaluated).  AdamW with
+  warm-up + cosine; held-out objective loss and KL (T = 1) on ``val_records`` records of
+  the validation split before and after each phase.
+
+Writes ``models/objectives/<objective>/{projector_k{s}v{s}.pt, adapters.pt}`` (the main
+branch's formats, so :func:`ced_csa2.ced_runtime.load_parts` reads them),
+``metrics/objectives/<objective>/train.json`` (per phase: steps, tokens, wall time,
+tokens/s, held-out losses) and ``metrics/objectives/<objective>/curve.csv``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .ced_runtime import CEDParts
+from .config import Params, params_hash, run_stage, to_dict
+from .csa2 import CSA2Adapters, save_adapters
+from .dump import pad_batch, read_records, tokenize
+from .io_utils import write_json
+from .loader import record_split
+from .model_utils import Geometry, load_model_and_tokenizer, resolve_device
+from .objectives import attn_out_loss, distill_loss, objective_loss, substituted_layers, teacher_pass
+from .plan import LayerPlan, load_plan
+from .projector import KVProjector, save_projector
+from .train_adapters import build_adapters
+from .train_projector import projector_path
+from .training import RIDGE_PATH, ridge_maps, warmup_cosine, write_plot
+
+log = logging.getLogger(__name__)
+
+TRAIN_JSONL = Path("data/corpus/train.jsonl")
+CURVE_COLUMNS = ("phase", "step", "epoch", "loss")
+_SAMPLE_STREAM = 5  # numpy seed-sequence tag (loader.py uses 0-3, training.py 4)
+
+
+def models_dir(objective: str) -> Path:
+    return Path("models/objectives") / objective
+
+
+def metrics_dir(objective: str) -> Path:
+    return Path("metrics/objectives") / objective
+
+
+def ridge_parts(params: Params, plan: LayerPlan, geo: Geometry, ridge_path: Path) -> CEDParts:
+    """Projector and adapters at the ridge solution (seeded, float32)."""
+    m = ridge_maps(ridge_path, [f"proj_{plan.source}"])[f"proj_{plan.source}"]
+    projector = KVProjector(geo.hidden_size, geo.kv_dim)
+    projector.init_from_ridge(m["W"], m["b"])
+    return CEDParts(projector, build_adapters(params, plan, geo.kv_dim, ridge_path))
+
+
+def online_records(params: Params, tok, workdir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """Seeded train and held-out token rows (the ridge stage's record split), cropped to ``seq_len``."""
+    cfg = params.train.online
+    rows = tokenize(tok, read_records(workdir / TRAIN_JSONL), params.data.max_tokens)
+    train, val = record_split(len(rows), params.split.val_fraction, params.seed)
+    rng = np.random.default_rng([params.seed, _SAMPLE_STREAM])
+    pick = [np.sort(rng.permutation(ix)[:n]) for ix, n in ((train, cfg.records), (val, cfg.val_records))]
+    return tuple([rows[i][:cfg.seq_len] for i in ix] for ix in pick)
+
+
+def batches(rows: list[list[int]], batch_size: int, pad_id: int, device, order=None) -> list[tuple]:
+    """``(ids, mask)`` ``(B, T)`` batches of ``rows`` (in ``order`` when given), right-padded."""
+    order = range(len(rows)) if order is None else order
+    rows = [rows[i] for i in order]
+    return [tuple(t.to(device) for t in pad_batch(rows[s:s + batch_size], pad_id))
+            for s in range(0, len(rows), batch_size)]
+
+
+def held_out(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str, val: list[tuple],
+             temperature: float, kv_weight: float) -> dict:
+    """Mean objective loss and KL (T = 1) of the ``group`` substitution over held-out batches."""
+    loss = kl = 0.0
+    with torch.no_grad():
+        for ids, mask in val:
+            teacher = teacher_pass(model, plan, group, ids, mask)
+            kl += distill_loss(model, parts, plan, group, teacher, ids, mask, 1.0).item()
+            if objective == "attn_out":
+                loss += attn_out_loss(model, parts, plan, group, teacher, mask).item()
+            else:
+                loss += distill_loss(model, parts, plan, group, teacher, ids, mask, temperature, kv_weight).item()
+    return {"loss": loss / len(val), "kl": kl / len(val)}
+
+
+def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str, module: torch.nn.Module,
+                train_rows: list[list[int]], val: list[tuple], params: Params, pad_id: int, device) -> tuple:
+    """Train ``module`` (a part of ``parts``) under ``group``; returns ``(summary, curve rows)``."""
+    cfg = params.train.online
+    n_batches = -(-len(train_rows) // cfg.batch_size)
+    steps = cfg.epochs * n_batches
+    optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, cfg.warmup_fraction))
+    before = held_out(objective, model, parts, plan, group, val, cfg.temperature, cfg.kv_weight)
+    log.info("%s / %s phase (layers %s): held-out loss %.5f, KL %.5f before %d steps", objective, group,
+             list(substituted_layers(plan, group)), before["loss"], before["kl"], steps)
+    rows, tokens, t0 = [], 0, time.perf_counter()
+    bar = tqdm(total=steps, desc=f"tune {objective}/{group}", unit="step")
+    for epoch in range(cfg.epochs):
+        order = np.random.default_rng([params.seed, _SAMPLE_STREAM, epoch]).permutation(len(train_rows))
+        for ids, mask in batches(train_rows, cfg.batch_size, pad_id, device, order):
+            loss = objective_loss(objective, model, parts, plan, group, ids, mask, cfg.temperature, cfg.kv_weight)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            tokens += int(mask.sum())
+            rows.append({"phase": group, "step": len(rows) + 1, "epoch": epoch, "loss": loss.item()})
+            bar.update()
+            bar.set_postfix(loss=f"{loss.item():.4g}")
+    bar.close()
+    seconds = time.perf_counter() - t0
+    after = held_out(objective, model, parts, plan, group, val, cfg.temperature, cfg.kv_weight)
+    log.info("%s / %s phase: held-out loss %.5f -> %.5f, KL %.5f -> %.5f (%.0f s, %.1f tok/s)", objective, group,
+             before["loss"], after["loss"], before["kl"], after["kl"], seconds, tokens / seconds)
+    summary = {"layers": list(substituted_layers(plan, group)), "steps": steps, "tokens": tokens,
+               "wall_s": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
+               "val_before": before, "val_after": after}
+    return summary, rows
+
+
+def save_parts(workdir: Path, objective: str, parts: CEDParts, params: Params, plan: LayerPlan) -> None:
+    """Both maps in the main branch's checkpoint formats, marked with their objective."""
+    meta = {"split": plan.split, "plan": to_dict(params.plan), "model": params.model.name,
+            "model_id": params.model.hf_id or params.model.name, "seed": params.seed, "objective": objective,
+            # The ridge export does not depend on the online budget: same params, same bytes.
+            "params_hash": params_hash(params.model, params.plan, params.split, params.ridge,
+                                       *([params.train.online] if objective != "ridge" else []))}
+    out = workdir / models_dir(objective)
+    save_projector(out / projector_path(plan.source).name, parts.projector.cpu(), {**meta, "layer": plan.source})
+    save_adapters(out / "adapters.pt", parts.adapters.cpu(), {**meta, "source": plan.source})
+
+
+def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
+    """Build (and for attn_out/distill train) one objective's maps; returns ``train.json``'s content."""
+    workdir, t0 = Path(workdir), time.perf_counter()
+    if objective not in params.train.objectives:
+        raise ValueError(f"objective {objective!r} is not in params.yaml train.objectives "
+                         f"{params.train.objectives}")
+    plan, geo = load_plan(params.plan, params.model)
+    parts = ridge_parts(params, plan, geo, workdir / RIDGE_PATH)
+    metrics: dict = {"objective": objective, "init": "ridge", "phases": {}}
+    curve: list[dict] = []
+    if objective != "ridge":
+        device = resolve_device("auto")
+        model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
+        model.requires_grad_(False)
+        device = next(model.parameters()).device
+        parts.projector.to(device)
+        parts.adapters.to(device)
+        train_rows, val_rows = online_records(params, tok, workdir)
+        val = batches(val_rows, params.train.online.batch_size, tok.pad_token_id, device)
+        log.info("%s: %d train records (%d tokens), %d held-out records, model %s in %s on %s", objective,
+                 len(train_rows), sum(map(len, train_rows)), len(val_rows), params.model.name,
+                 str(model.dtype).removeprefix("torch."), device)
+        torch.manual_seed(params.seed)
+        for group, module in (("ced", parts.projector), ("csa2", parts.adapters)):
+            summary, rows = train_phase(objective, model, parts, plan, group, module, train_rows, val, params,
+                                        tok.pad_token_id, device)
+            metrics["phases"][group] = summary
+            curve += rows
+        metrics["protocol"] = {"model": params.model.name, "data": params.data.name,
+                               "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
+                               "threads": torch.get_num_threads(), **to_dict(params.train.online)}
+    save_parts(workdir, objective, parts, params, plan)
+    metrics["wall_s"] = round(time.perf_counter() - t0, 3)
+    write_plot(workdir / metrics_dir(objective) / "curve.csv", curve, CURVE_COLUMNS)
+    write_json(workdir / metrics_dir(objective) / "train.json", metrics)
+    return metrics
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m ced_csa2.tune <objective>")
+    run_stage(run, sys.argv[1])
+
+
+if __name__ == "__main__":
+    main()

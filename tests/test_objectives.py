@@ -1,0 +1,89 @@
+"""attn_out and distill losses: exact zeros where they must vanish, gradients only into the maps."""
+
+import pytest
+import torch
+
+from ced_csa2.model_utils import geometry
+from ced_csa2.objectives import (attn_out_loss, distill_loss, kl_distill, kv_loss, objective_loss,
+                                 substituted_layers, teacher_pass)
+
+from test_ced_runtime import QWEN_PLAN, identity_parts, random_parts
+
+PHASES = {"ced": "projector", "csa2": "adapters"}
+
+
+def batch(seed=0):
+    """Two rows, the second right-padded by 7 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 250, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -7:] = 0
+    return ids, mask
+
+
+def test_kl_distill_is_temperature_scaled_kl():
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(2, 3, 11, generator=g), torch.randn(2, 3, 11, generator=g)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    T = 2.0
+    p = torch.softmax(t / T, -1)
+    kl = (p * (torch.log(p) - torch.log_softmax(s / T, -1))).sum(-1)
+    want = T * T * kl[mask.bool()].mean()
+    assert kl_distill(s, t, mask, T).item() == pytest.approx(want.item(), rel=1e-6)
+    assert kl_distill(t, t, mask, T).item() == 0.0
+
+
+@pytest.mark.parametrize("group", ["ced", "csa2"])
+def test_distill_without_substitution_is_zero_and_reaches_nothing(frozen, group):
+    model, _ = frozen
+    parts = random_parts(geometry(model.config), QWEN_PLAN)
+    ids, mask = batch()
+    teacher = teacher_pass(model, QWEN_PLAN, group, ids, mask)
+    loss = distill_loss(model, parts, QWEN_PLAN, "baseline", teacher, ids, mask, temperature=2.0, kv_weight=1.0)
+    assert loss.item() == 0.0
+    assert not loss.requires_grad  # no graph at all: nothing can receive a gradient
+    assert all(p.grad is None for p in [*parts.projector.parameters(), *parts.adapters.parameters()])
+
+
+@pytest.mark.parametrize("objective", ["distill", "attn_out"])
+@pytest.mark.parametrize("group", ["ced", "csa2"])
+def test_gradients_reach_only_the_trained_maps(frozen, group, objective):
+    model, _ = frozen
+    parts = random_parts(geometry(model.config), QWEN_PLAN)
+    trained = getattr(parts, PHASES[group])
+    other = getattr(parts, PHASES["csa2" if group == "ced" else "ced"])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    maps_before = [p.detach().clone() for p in trained.parameters()]
+    opt = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+
+    ids, mask = batch()
+    loss = objective_loss(objective, model, parts, QWEN_PLAN, group, ids, mask, temperature=2.0, kv_weight=0.5)
+    assert loss.item() > 0
+    loss.backward()
+    opt.step()
+
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trained.parameters() if p.dim() == 2)
+    assert all(p.grad is None for p in other.parameters())
+    assert all(not p.requires_grad and p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert any(not torch.equal(a, b) for a, b in zip(maps_before, trained.parameters()))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("group", ["ced", "csa2"])
+def test_attn_out_and_kv_losses_vanish_for_true_kv(frozen, group):
+    model, _ = frozen
+    ids = batch()[0]
+    mask = torch.ones_like(ids)  # the identity maps replay the K/V of exactly this batch
+    teacher = teacher_pass(model, QWEN_PLAN, group, ids, mask)
+    exact = identity_parts(model, ids, QWEN_PLAN)
+    assert attn_out_loss(model, exact, QWEN_PLAN, group, teacher, mask).item() == 0.0
+    assert kv_loss(exact, QWEN_PLAN, group, teacher, mask).item() == 0.0
+    wrong = random_parts(geometry(model.config), QWEN_PLAN)
+    assert attn_out_loss(model, wrong, QWEN_PLAN, group, teacher, mask).item() > 1e-3
+    assert set(teacher["attn"]) == set(substituted_layers(QWEN_PLAN, group))
+
+
+def test_phase_groups_are_checked():
+    with pytest.raises(ValueError, match="training phase group must be one of"):
+        substituted_layers(QWEN_PLAN, "ced_csa2")

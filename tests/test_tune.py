@@ -1,0 +1,92 @@
+"""tune@<objective>: the ridge start exported exactly; a short distillation lowers the held-out KL."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from ced_csa2 import eval_objective, tune
+from ced_csa2.config import OnlineConfig, ParamsError
+from ced_csa2.csa2 import KVAdapter
+from ced_csa2.model_utils import geometry
+from ced_csa2.plan import load_plan
+from ced_csa2.ridge import save_ridge
+
+from conftest import tiny_params
+
+ONLINE = OnlineConfig(records=12, val_records=4, seq_len=32, batch_size=4, epochs=3, lr=1e-2, warmup_fraction=0.0)
+
+
+def write_inputs(workdir, params, tok, n_records=40, seed=0):
+    """A random ridge file for the plan's maps and a train corpus of random-word records."""
+    plan, geo = load_plan(params.plan, params.model)
+    g = torch.Generator().manual_seed(seed)
+    maps = {f"proj_{plan.source}": {"W": 0.1 * torch.randn(geo.hidden_size, 2 * geo.kv_dim, generator=g),
+                                     "b": 4 * torch.randn(2 * geo.kv_dim, generator=g)}}
+    for t in plan.targets:
+        for kind in "kv":
+            maps[f"{kind}_{t}"] = {"W": 0.2 * torch.randn(geo.kv_dim, geo.kv_dim, generator=g),
+                                   "b": torch.zeros(geo.kv_dim)}
+    save_ridge(workdir / "models/ridge.pt", maps, {})
+    words = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "tau"]
+    lines = []
+    for i in range(n_records):
+        text = " ".join(words[(i * 7 + j * j) % len(words)] for j in range(12 + i % 9))
+        n = len(tok(text, truncation=True, max_length=params.data.max_tokens)["input_ids"])
+        lines.append(json.dumps({"id": f"r{i}", "source": "test", "text": text, "n_tokens": n}))
+    (workdir / "data/corpus").mkdir(parents=True)
+    (workdir / tune.TRAIN_JSONL).write_text("\n".join(lines) + "\n")
+    return maps
+
+
+def with_online(params, **changes):
+    train = dataclasses.replace(params.train, online=dataclasses.replace(ONLINE, **changes))
+    return dataclasses.replace(params, train=train)
+
+
+def test_ridge_objective_exports_the_closed_form_maps(tmp_path, tiny_model):
+    model, tok = tiny_model
+    params = tiny_params()
+    maps = write_inputs(tmp_path, params, tok)
+    m = tune.run(params, "ridge", tmp_path)
+    assert m["objective"] == "ridge" and m["phases"] == {}
+
+    plan, geo = load_plan(params.plan, params.model)
+    parts = eval_objective.load_objective_parts(tmp_path, "ridge", params, plan, "cpu")
+    ridge = maps[f"proj_{plan.source}"]
+    # Checkpoints hold FP16 weights: the exported map is the ridge map rounded to FP16.
+    assert torch.equal(parts.projector.proj.weight, ridge["W"].T.half().float())
+    assert torch.equal(parts.projector.proj.bias, ridge["b"].half().float())
+    for t in plan.targets:
+        adapter: KVAdapter = parts.adapters.adapter("v", t)
+        assert torch.equal(adapter.base.weight, maps[f"v_{t}"]["W"].T.half().float())
+        x = torch.randn(5, geo.kv_dim)
+        assert torch.equal(adapter(x), adapter.base(x))  # the MLP starts at exactly zero
+
+
+def test_objectives_outside_the_list_are_refused(tmp_path):
+    params = dataclasses.replace(tiny_params(), train=dataclasses.replace(tiny_params().train, objectives=["ridge"]))
+    with pytest.raises(ValueError, match=r"'distill' is not in params.yaml train.objectives \['ridge'\]"):
+        tune.run(params, "distill", tmp_path)
+    with pytest.raises(ParamsError, match=r"train.objectives.*kv_mse is the main"):
+        dataclasses.replace(params.train, objectives=["kv_mse"])
+
+
+def test_a_short_distillation_lowers_the_held_out_kl(tmp_path, frozen):
+    model, tok = frozen
+    params = with_online(tiny_params())
+    write_inputs(tmp_path, params, tok)
+    m = tune.run(params, "distill", tmp_path, model_and_tok=(model, tok))
+
+    # On the random-init tiny model H_16 -> KV_20 has little to gain (3 random GatedDeltaNet
+    # layers in between); the adapters' KL drops by a good fraction in 9 steps.
+    for group, factor in (("ced", 1.0), ("csa2", 0.8)):
+        phase = m["phases"][group]
+        assert phase["steps"] == ONLINE.epochs * 3 and phase["tokens"] > 0
+        assert phase["val_after"]["kl"] < factor * phase["val_before"]["kl"], phase
+    saved = json.loads((tmp_path / tune.metrics_dir("distill") / "train.json").read_text())
+    assert saved == json.loads(json.dumps(m))
+    curve = (tmp_path / tune.metrics_dir("distill") / "curve.csv").read_text().splitlines()
+    assert curve[0] == "phase,step,epoch,loss" and len(curve) == 1 + 2 * ONLINE.epochs * 3
+    assert all(not p.requires_grad for p in model.parameters())
