@@ -235,7 +235,7 @@ class OnlineConfig:
     seq_len: int = 256
     batch_size: int = 4
     epochs: int = 1  # per phase: the projector under `ced`, then the adapters under `csa2`
-    lr: float = 1e-4  # AdamW
+    lr: float = 1e-5  # AdamW (Adam moves every weight ~lr per step; outlier channels make 1e-4 diverge)
     weight_decay: float = 0.0
     warmup_fraction: float = 0.05
     temperature: float = 2.0  # distill: KL between softmax(logits / T), scaled by T^2

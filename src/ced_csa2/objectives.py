@@ -136,15 +136,24 @@ def attn_out_loss(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str
     return total
 
 
+def student_logits(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str, ids: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+    """Logits ``(B, T, vocab)`` of the model with the ``group`` substitution active."""
+    with CEDModeBRuntime(model, plan, group, parts):
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
 def distill_loss(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str, teacher: dict,
-                 ids: torch.Tensor, mask: torch.Tensor, temperature: float, kv_weight: float = 0.0) -> torch.Tensor:
+                 ids: torch.Tensor, mask: torch.Tensor, temperature: float, kv_weight: float = 0.0,
+                 student: torch.Tensor | None = None) -> torch.Tensor:
     """KL of the student (``group`` substitution active) to the teacher's logits, ``+ kv_weight *`` :func:`kv_loss`.
 
-    ``group="baseline"`` (no substitution) gives a student identical to the teacher: the
-    loss is exactly zero and depends on no parameter.
+    ``student``: its logits when already computed.  ``group="baseline"`` (no
+    substitution) gives a student identical to the teacher: the loss is exactly zero and
+    depends on no parameter.
     """
-    with CEDModeBRuntime(model, plan, group, parts):
-        student = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    if student is None:
+        student = student_logits(model, parts, plan, group, ids, mask)
     loss = kl_distill(student, teacher["logits"], mask, temperature)
     if kv_weight and group != "baseline":
         loss = loss + kv_weight * kv_loss(parts, plan, group, teacher, mask)

@@ -38,7 +38,8 @@ from .dump import pad_batch, read_records, tokenize
 from .io_utils import write_json
 from .loader import record_split
 from .model_utils import Geometry, load_model_and_tokenizer, resolve_device
-from .objectives import attn_out_loss, distill_loss, objective_loss, substituted_layers, teacher_pass
+from .objectives import (attn_out_loss, distill_loss, kl_distill, objective_loss, student_logits, substituted_layers,
+                         teacher_pass)
 from .plan import LayerPlan, load_plan
 from .projector import KVProjector, save_projector
 from .train_adapters import build_adapters
@@ -93,11 +94,13 @@ def held_out(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str
     with torch.no_grad():
         for ids, mask in val:
             teacher = teacher_pass(model, plan, group, ids, mask)
-            kl += distill_loss(model, parts, plan, group, teacher, ids, mask, 1.0).item()
+            student = student_logits(model, parts, plan, group, ids, mask)
+            kl += kl_distill(student, teacher["logits"], mask, 1.0).item()
             if objective == "attn_out":
                 loss += attn_out_loss(model, parts, plan, group, teacher, mask).item()
             else:
-                loss += distill_loss(model, parts, plan, group, teacher, ids, mask, temperature, kv_weight).item()
+                loss += distill_loss(model, parts, plan, group, teacher, ids, mask, temperature, kv_weight,
+                                     student=student).item()
     return {"loss": loss / len(val), "kl": kl / len(val)}
 
 
