@@ -15,7 +15,8 @@ from ced_csa2.ridge import save_ridge
 
 from conftest import tiny_params
 
-ONLINE = OnlineConfig(records=12, val_records=4, seq_len=32, batch_size=4, epochs=3, lr=1e-2, warmup_fraction=0.0)
+ONLINE = OnlineConfig(records=12, val_records=4, seq_len=32, batch_size=4, epochs=3, projector_lr=1e-2,
+                      adapters_lr=1e-2, warmup_fraction=0.0)
 
 
 def write_inputs(workdir, params, tok, n_records=40, seed=0):

@@ -235,7 +235,10 @@ class OnlineConfig:
     seq_len: int = 256
     batch_size: int = 4
     epochs: int = 1  # per phase: the projector under `ced`, then the adapters under `csa2`
-    lr: float = 1e-5  # AdamW (Adam moves every weight ~lr per step; outlier channels make 1e-4 diverge)
+    # AdamW moves every weight by ~lr per step: on H_split's outlier channels 1e-4 already
+    # throws the projector off its ridge start; the adapters (K/V inputs) take 1e-4.
+    projector_lr: float = 1e-5
+    adapters_lr: float = 1e-4
     weight_decay: float = 0.0
     warmup_fraction: float = 0.05
     temperature: float = 2.0  # distill: KL between softmax(logits / T), scaled by T^2
@@ -244,7 +247,8 @@ class OnlineConfig:
     def __post_init__(self):
         for key in ("records", "val_records", "seq_len", "batch_size", "epochs"):
             _check(getattr(self, key) > 0, f"train.online.{key}", f"must be positive, got {getattr(self, key)}")
-        _check(self.lr > 0, "train.online.lr", f"must be positive, got {self.lr}")
+        for key in ("projector_lr", "adapters_lr"):
+            _check(getattr(self, key) > 0, f"train.online.{key}", f"must be positive, got {getattr(self, key)}")
         _check(self.temperature > 0, "train.online.temperature", f"must be positive, got {self.temperature}")
         _check(self.kv_weight >= 0, "train.online.kv_weight", f"must be >= 0, got {self.kv_weight}")
         _check(0 <= self.warmup_fraction < 1, "train.online.warmup_fraction", "must be in [0, 1)")

@@ -110,7 +110,8 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     cfg = params.train.online
     n_batches = -(-len(train_rows) // cfg.batch_size)
     steps = cfg.epochs * n_batches
-    optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    lr = cfg.projector_lr if group == "ced" else cfg.adapters_lr
+    optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, cfg.warmup_fraction))
     before = held_out(objective, model, parts, plan, group, val, cfg.temperature, cfg.kv_weight)
     log.info("%s / %s phase (layers %s): held-out loss %.5f, KL %.5f before %d steps", objective, group,
