@@ -230,8 +230,8 @@ TUNE_OBJECTIVES = ("ridge", "attn_out", "distill")
 class OnlineConfig:
     """Budget of the objectives that train through the frozen model (``attn_out``, ``distill``)."""
 
-    records: int = 128  # training records (seeded sample of the train split), each cropped to seq_len
-    val_records: int = 16  # held-out records (validation split) for the before/after losses
+    records: int = 2048  # training records (seeded sample of the train split), each cropped to seq_len
+    val_records: int = 64  # held-out records (validation split) for the before/after losses
     seq_len: int = 256
     batch_size: int = 4
     epochs: int = 1  # per phase: the projector under `ced`, then the adapters under `csa2`
