@@ -186,8 +186,10 @@ def run(params: Params, workdir: Path = Path(".")) -> str:
         "## Training objectives", "",
         "Same PPL and gold-NLL protocols as above; Δ against the baseline. `kv_mse (seed)` is the main "
         "branch (projector from random init, adapters from ridge, K/V MSE); every other objective starts from "
-        "the ridge maps (`ridge` = that start, untrained). Training wall time: projector + adapters, "
-        "on this run's device.", "",
+        "the ridge maps (`ridge` = that start, untrained). Train wall s: for `kv_mse` the whole "
+        "train_projector + train_adapters stages, for the online objectives their two training loops "
+        "(model loading and held-out evaluation excluded; see metrics/objectives/*/train.json), on this "
+        "run's device.", "",
         *objective_table(ppl, gsm, projector, adapters, objectives, groups), "",
         "## Fit of the maps (held-out tokens)", "", *fit_table(ridge, projector, adapters), "",
         "Qwen3.5-4B geometry (computed from its config, no weights): "
