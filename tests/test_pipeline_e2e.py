@@ -85,3 +85,13 @@ def test_lambda_ablation_reruns_only_what_depends_on_it(repo):
     diff = json.loads(sh(repo, "dvc", "metrics", "diff", "--json"))
     assert diff["metrics/ridge.json"]["k_24.r2"]["diff"] != 0
     assert "ridge.lambda" in sh(repo, "dvc", "params", "diff")
+
+
+def test_dropping_an_objective_reruns_only_the_report(repo):
+    sh(repo, "dvc", "repro")  # settle the previous test's ablation
+    params = repo / "params.yaml"
+    params.write_text(params.read_text().replace("  - ridge\n  - attn_out\n  - distill\n", "  - ridge\n"))
+    assert stages_run(sh(repo, "dvc", "repro")) == {"report"}
+    table = (repo / "reports/results.md").read_text().split("## Training objectives")[1].split("##")[0]
+    objectives = {line.split("|")[2].strip() for line in table.splitlines() if line.startswith("| ced |")}
+    assert objectives == {"kv_mse (seed)", "ridge"}
