@@ -9,7 +9,6 @@ import torch
 from ced_csa2 import eval_objective, tune
 from ced_csa2.config import OnlineConfig, ParamsError
 from ced_csa2.csa2 import KVAdapter
-from ced_csa2.model_utils import geometry
 from ced_csa2.plan import load_plan
 from ced_csa2.ridge import save_ridge
 

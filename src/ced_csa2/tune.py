@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from .ced_runtime import CEDParts
 from .config import Params, params_hash, run_stage, to_dict
-from .csa2 import CSA2Adapters, save_adapters
+from .csa2 import save_adapters
 from .dump import pad_batch, read_records, tokenize
 from .io_utils import write_json
 from .loader import record_split
