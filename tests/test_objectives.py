@@ -84,6 +84,20 @@ def test_attn_out_and_kv_losses_vanish_for_true_kv(frozen, group):
     assert set(teacher["attn"]) == set(substituted_layers(QWEN_PLAN, group))
 
 
+@pytest.mark.parametrize("group", ["ced", "csa2"])
+def test_attn_out_teacher_stops_after_the_last_substituted_layer(frozen, group):
+    model, _ = frozen
+    ids, mask = batch()
+    parts = random_parts(geometry(model.config), QWEN_PLAN)
+    full = teacher_pass(model, QWEN_PLAN, group, ids, mask)
+    short = teacher_pass(model, QWEN_PLAN, group, ids, mask, logits=False)
+    assert short["logits"] is None and full["logits"] is not None
+    assert torch.equal(attn_out_loss(model, parts, QWEN_PLAN, group, short, mask),
+                       attn_out_loss(model, parts, QWEN_PLAN, group, full, mask))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert model(ids).logits.shape[-1] == full["logits"].shape[-1]  # the model runs to the end again
+
+
 def test_phase_groups_are_checked():
     with pytest.raises(ValueError, match="training phase group must be one of"):
         substituted_layers(QWEN_PLAN, "ced_csa2")

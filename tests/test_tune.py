@@ -69,6 +69,8 @@ def test_objectives_outside_the_list_are_refused(tmp_path):
     params = dataclasses.replace(tiny_params(), train=dataclasses.replace(tiny_params().train, objectives=["ridge"]))
     with pytest.raises(ValueError, match=r"'distill' is not in params.yaml train.objectives \['ridge'\]"):
         tune.run(params, "distill", tmp_path)
+    with pytest.raises(ValueError, match=r"'distill' is not in params.yaml train.objectives \['ridge'\]"):
+        eval_objective.run(params, "distill", tmp_path)
     with pytest.raises(ParamsError, match=r"train.objectives.*kv_mse is the main"):
         dataclasses.replace(params.train, objectives=["kv_mse"])
 

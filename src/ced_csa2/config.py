@@ -245,9 +245,7 @@ class OnlineConfig:
     kv_weight: float = 0.0  # distill: + kv_weight * relative K/V MSE of the substituted layers
 
     def __post_init__(self):
-        for key in ("records", "val_records", "seq_len", "batch_size", "epochs"):
-            _check(getattr(self, key) > 0, f"train.online.{key}", f"must be positive, got {getattr(self, key)}")
-        for key in ("projector_lr", "adapters_lr"):
+        for key in ("records", "val_records", "seq_len", "batch_size", "epochs", "projector_lr", "adapters_lr"):
             _check(getattr(self, key) > 0, f"train.online.{key}", f"must be positive, got {getattr(self, key)}")
         _check(self.temperature > 0, "train.online.temperature", f"must be positive, got {self.temperature}")
         _check(self.kv_weight >= 0, "train.online.kv_weight", f"must be >= 0, got {self.kv_weight}")

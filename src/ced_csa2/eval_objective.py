@@ -15,7 +15,6 @@ Writes ``metrics/objectives/<objective>/eval.json``:
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from .model_utils import load_model_and_tokenizer, resolve_device
 from .plan import load_plan
 from .projector import load_projector
 from .train_projector import projector_path
-from .tune import metrics_dir, models_dir
+from .tune import metrics_dir, models_dir, objective_arg, require_listed
 
 
 def load_objective_parts(workdir: Path, objective: str, params: Params, plan, device) -> CEDParts:
@@ -42,6 +41,7 @@ def load_objective_parts(workdir: Path, objective: str, params: Params, plan, de
 def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
     """Score ``train.eval_groups`` with the objective's maps; returns ``eval.json``'s content."""
     workdir, t0 = Path(workdir), time.perf_counter()
+    require_listed(params, objective)
     plan, _ = load_plan(params.plan, params.model)
     pairs = load_gold_pairs(workdir / GOLD_PATH, params)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
@@ -65,9 +65,7 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m ced_csa2.eval_objective <objective>")
-    run_stage(run, sys.argv[1])
+    run_stage(run, objective_arg("eval_objective"))
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kv_hooks
-from .ced_runtime import CEDModeBRuntime, CEDParts
-from .model_utils import attention
+from .ced_runtime import CEDModeBRuntime, CEDParts, _StopForward
+from .model_utils import attention, decoder_layer
 from .plan import LayerPlan
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -98,17 +98,38 @@ def capture_attention(model: nn.Module, layers: tuple[int, ...]) -> Iterator[dic
             h.remove()
 
 
-def teacher_pass(model: nn.Module, plan: LayerPlan, group: str, ids: torch.Tensor, mask: torch.Tensor) -> dict:
-    """One no-grad forward of the frozen model recording what every loss needs.
+@contextmanager
+def stop_after(model: nn.Module, layer: int) -> Iterator[None]:
+    """End every forward pass inside the context after decoder ``layer`` (the rest is skipped)."""
+    def stop(mod, inp, out):
+        raise _StopForward
+
+    handle = decoder_layer(model, layer).register_forward_hook(stop)
+    try:
+        yield
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+
+
+def teacher_pass(model: nn.Module, plan: LayerPlan, group: str, ids: torch.Tensor, mask: torch.Tensor,
+                 logits: bool = True) -> dict:
+    """One no-grad forward of the frozen model recording what the losses need.
 
     Returns ``{"logits": (B, T, vocab), "kv": capture store, "attn": capture_attention store}``.
+    ``logits=False`` (``attn_out``'s training steps) ends the forward after the last
+    substituted layer -- nothing above it is needed -- and ``"logits"`` is ``None``.
     """
     layers = substituted_layers(plan, group)
+    out = None
     with torch.no_grad(), ExitStack() as stack:
         kv = stack.enter_context(kv_hooks.capture(model, (plan.source, *plan.targets), [plan.split]))
         attn = stack.enter_context(capture_attention(model, layers))
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    return {"logits": logits, "kv": kv, "attn": attn}
+        if not logits:
+            stack.enter_context(stop_after(model, max(layers)))
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+    return {"logits": out.logits if logits else None, "kv": kv, "attn": attn}
 
 
 def kv_loss(parts: CEDParts, plan: LayerPlan, group: str, teacher: dict, mask: torch.Tensor) -> torch.Tensor:
@@ -163,7 +184,7 @@ def distill_loss(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str,
 def objective_loss(objective: str, model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str,
                    ids: torch.Tensor, mask: torch.Tensor, temperature: float, kv_weight: float) -> torch.Tensor:
     """The loss of ``objective`` (``attn_out`` | ``distill``) on one batch ``ids``/``mask`` ``(B, T)``."""
-    teacher = teacher_pass(model, plan, group, ids, mask)
+    teacher = teacher_pass(model, plan, group, ids, mask, logits=objective == "distill")
     if objective == "attn_out":
         return attn_out_loss(model, parts, plan, group, teacher, mask)
     if objective == "distill":

@@ -5,8 +5,8 @@
 Writes ``reports/results.md`` (group x PPL, ΔPPL %, GSM8K exact match with Wilson 95%
 interval, gold-solution NLL, KV bytes/token and compression, each with its protocol
 line; then one row per (group, training objective) of ``train.objectives`` next to the
-seed's ``kv_mse`` and ``share_plain``) and ``reports/{ppl_by_group,adapter_cosine,bytes_vs_ppl}.png``.  Every figure
-names its model and data: the embedded default's numbers are SmolLM2-135M on a
+seed's ``kv_mse`` and ``share_plain``) and
+``reports/{ppl_by_group,adapter_cosine,bytes_vs_ppl}.png``.  Every figure names its model and data: the embedded default's numbers are SmolLM2-135M on a
 Wikipedia sample, not Qwen3.5-4B results.
 """
 

@@ -61,6 +61,12 @@ def metrics_dir(objective: str) -> Path:
     return Path("metrics/objectives") / objective
 
 
+def require_listed(params: Params, objective: str) -> None:
+    """Refuse an objective that ``train.objectives`` does not list (no branch of the pipeline runs it)."""
+    if objective not in params.train.objectives:
+        raise ValueError(f"objective {objective!r} is not in params.yaml train.objectives {params.train.objectives}")
+
+
 def ridge_parts(params: Params, plan: LayerPlan, geo: Geometry, ridge_path: Path) -> CEDParts:
     """Projector and adapters at the ridge solution (seeded, float32)."""
     m = ridge_maps(ridge_path, [f"proj_{plan.source}"])[f"proj_{plan.source}"]
@@ -156,16 +162,13 @@ def save_parts(workdir: Path, objective: str, parts: CEDParts, params: Params, p
 def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
     """Build (and for attn_out/distill train) one objective's maps; returns ``train.json``'s content."""
     workdir, t0 = Path(workdir), time.perf_counter()
-    if objective not in params.train.objectives:
-        raise ValueError(f"objective {objective!r} is not in params.yaml train.objectives "
-                         f"{params.train.objectives}")
+    require_listed(params, objective)
     plan, geo = load_plan(params.plan, params.model)
     parts = ridge_parts(params, plan, geo, workdir / RIDGE_PATH)
     metrics: dict = {"objective": objective, "init": "ridge", "phases": {}}
     curve: list[dict] = []
     if objective != "ridge":
-        device = resolve_device("auto")
-        model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
+        model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device("auto"))
         model.requires_grad_(False)
         device = next(model.parameters()).device
         parts.projector.to(device)
@@ -191,10 +194,15 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
     return metrics
 
 
-def main() -> None:
+def objective_arg(module: str) -> str:
+    """The one argument of ``python -m ced_csa2.<module> <objective>`` (the foreach stages' ``${item}``)."""
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m ced_csa2.tune <objective>")
-    run_stage(run, sys.argv[1])
+        raise SystemExit(f"usage: python -m ced_csa2.{module} <objective>")
+    return sys.argv[1]
+
+
+def main() -> None:
+    run_stage(run, objective_arg("tune"))
 
 
 if __name__ == "__main__":
