@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ced_csa2 import dump
 from ced_csa2.config import load_params
 from ced_csa2.h5store import DumpLayout, DumpWriter
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.plan import load_plan
+from ced_csa2.stages import dump
 
 
 def main() -> None:

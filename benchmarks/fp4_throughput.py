@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from _timing import best_seconds
 
 from ced_csa2.fp4 import MXFP4, NVFP4

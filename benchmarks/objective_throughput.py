@@ -22,10 +22,10 @@ from _timing import best_seconds
 
 from ced_csa2.config import load_params
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
-from ced_csa2.objectives import objective_loss
+from ced_csa2.objectives import objective_loss, online_records, ridge_parts
+from ced_csa2.paths import RIDGE_PATH
 from ced_csa2.plan import load_plan
-from ced_csa2.training import RIDGE_PATH
-from ced_csa2.tune import batches, online_records, ridge_parts
+from ced_csa2.records import batches
 
 
 def main() -> None:

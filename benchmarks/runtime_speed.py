@@ -27,11 +27,11 @@ from _timing import best_seconds
 from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, load_parts
 from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
-from ced_csa2.dump import read_records
-from ced_csa2.eval_ppl import EVAL_JSONL
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
+from ced_csa2.paths import EVAL_JSONL
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.projector import KVProjector
+from ced_csa2.records import read_records
 
 
 def random_parts(geo, plan: LayerPlan) -> CEDParts:

@@ -65,7 +65,7 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats):
     yield ("baseline / dynamic", ("baseline", "bf16"), lambda: DynamicCache(config=config),
            lambda cache: contextlib.nullcontext())
     yield (f"{group} / dynamic", ("baseline", "bf16"), lambda: DynamicCache(config=config),
-           lambda cache: CEDModeBRuntime(model, plan, group, parts))
+           lambda cache: CEDModeBRuntime(model, plan, group, parts, kv_format="nvfp4"))
     for storage in storages:
         yield (f"{group} / shared-{storage}", (group, storage), lambda s=storage: SharedKVCache(model, plan, group,
                                                                                                   parts, s),

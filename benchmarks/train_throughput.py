@@ -25,7 +25,7 @@ from ced_csa2.h5store import DumpReader
 from ced_csa2.loader import BlockLoader, load_rows, record_split
 from ced_csa2.model_utils import resolve_device
 from ced_csa2.plan import LayerPlan
-from ced_csa2.train_projector import build_projectors, heads_for
+from ced_csa2.stages.train_projector import build_projectors, heads_for
 from ced_csa2.training import TensorBatches, train_epoch
 
 DUMP = "data/dump/dump.h5"

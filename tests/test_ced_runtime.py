@@ -3,16 +3,16 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_llama
 from torch import nn
 
 from ced_csa2 import kv_hooks
-from ced_csa2.ced_runtime import GROUPS, CEDModeARuntime, CEDModeBRuntime, CEDParts
+from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts
 from ced_csa2.csa2 import CSA2Adapters
+from ced_csa2.groups import GROUP_NAMES as GROUPS
 from ced_csa2.model_utils import attention, geometry
 from ced_csa2.plan import LayerPlan, PlanError
 from ced_csa2.projector import KVProjector
-
-from conftest import tiny_llama
 
 QWEN_PLAN = LayerPlan(16, 20, (24, 28, 32))
 
@@ -57,7 +57,7 @@ def test_identity_substitution_gives_baseline_logits(tiny_model, group):
     x = torch.randint(0, 250, (2, 33))
     with torch.no_grad():
         ref = model(x).logits
-        with CEDModeBRuntime(model, QWEN_PLAN, group, identity_parts(model, x, QWEN_PLAN)):
+        with CEDModeBRuntime(model, QWEN_PLAN, group, identity_parts(model, x, QWEN_PLAN), kv_format="nvfp4"):
             out = model(x).logits
     assert torch.equal(ref, out)
     assert all(not m._forward_hooks for m in model.modules())
@@ -67,7 +67,7 @@ def test_identity_substitution_gives_baseline_logits(tiny_model, group):
 def test_each_group_replaces_exactly_its_layers(tiny_model, group):
     model, _ = tiny_model
     geo = geometry(model.config)
-    runtime = CEDModeBRuntime(model, QWEN_PLAN, group, random_parts(geo, QWEN_PLAN))
+    runtime = CEDModeBRuntime(model, QWEN_PLAN, group, random_parts(geo, QWEN_PLAN), kv_format="nvfp4")
     replaced = set()
 
     def probe(layer):
@@ -95,7 +95,7 @@ def test_csa2_reads_true_source_and_ced_csa2_projected(tiny_model):
     seen = {}
     adapters = parts.adapters
     parts.adapters = lambda layer, k, v: seen.setdefault(layer, (k.clone(), v.clone())) and adapters(layer, k, v)
-    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "csa2", parts):
+    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "csa2", parts, kv_format="nvfp4"):
         model(x)
     true_src = true_kv(model, x, [20])[20]
     assert torch.equal(seen[24][0], true_src[0])
@@ -103,7 +103,7 @@ def test_csa2_reads_true_source_and_ced_csa2_projected(tiny_model):
     with torch.no_grad(), kv_hooks.capture(model, hidden_layers=[16]) as store:
         model(x)
         projected = parts.projector(store["h"][16])
-    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "ced_csa2", parts):
+    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "ced_csa2", parts, kv_format="nvfp4"):
         model(x)
     assert torch.equal(seen[28][1], projected[1])
 
@@ -116,7 +116,7 @@ def test_share_plain_targets_read_the_source_kv_verbatim(tiny_model):
     def probe(layer):
         return lambda mod, inp, out: seen.__setitem__(layer, out.clone())
 
-    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "share_plain"):
+    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "share_plain", kv_format="nvfp4"):
         handles = [attention(model, layer).v_proj.register_forward_hook(probe(layer)) for layer in (20, 24, 28, 32)]
         model(x)
         for h in handles:
@@ -153,7 +153,7 @@ def test_cached_generation_equals_teacher_forced_logits(group):
     geo = geometry(model.config)
     plan = LayerPlan(2, 3, (5, 6))
     x = torch.randint(0, 300, (1, 12))
-    with torch.no_grad(), CEDModeBRuntime(model, plan, group, random_parts(geo, plan)):
+    with torch.no_grad(), CEDModeBRuntime(model, plan, group, random_parts(geo, plan), kv_format="nvfp4"):
         # An explicit mask: otherwise generate() treats prompt tokens equal to pad_token_id as padding.
         gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
@@ -195,9 +195,9 @@ def test_mode_a_runs_on_hybrid_qwen3_5_with_zero_deltanet_state(tiny_model):
 
 def test_unknown_group_and_missing_parts_are_refused(tiny_model):
     with pytest.raises(ValueError, match="unknown group 'cdd'"):
-        CEDModeBRuntime(tiny_model[0], QWEN_PLAN, "cdd")
+        CEDModeBRuntime(tiny_model[0], QWEN_PLAN, "cdd", kv_format="nvfp4")
     with pytest.raises(ValueError, match="group 'csa2' needs adapters"):
-        CEDModeBRuntime(tiny_model[0], QWEN_PLAN, "csa2", CEDParts(projector=nn.Identity()))
+        CEDModeBRuntime(tiny_model[0], QWEN_PLAN, "csa2", CEDParts(projector=nn.Identity()), kv_format="nvfp4")
 
 
 @pytest.mark.parametrize("group", ["ced", "csa2", "ced_csa2"])
@@ -206,5 +206,5 @@ def test_fp32_maps_drive_a_bf16_model(group):
     model = tiny_llama().to(torch.bfloat16)
     geo = geometry(model.config)
     plan = LayerPlan(2, 3, (5, 6))
-    with torch.no_grad(), CEDModeBRuntime(model, plan, group, random_parts(geo, plan)):
+    with torch.no_grad(), CEDModeBRuntime(model, plan, group, random_parts(geo, plan), kv_format="nvfp4"):
         assert model(torch.randint(0, 300, (1, 8))).logits.dtype == torch.bfloat16

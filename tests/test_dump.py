@@ -7,12 +7,12 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_params
 
-from ced_csa2 import dump
+from ced_csa2 import paths
 from ced_csa2.h5store import DumpError, DumpReader
 from ced_csa2.model_utils import load_model_and_tokenizer
-
-from conftest import tiny_params
+from ced_csa2.stages import dump
 
 TEXTS = [f"Record {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][: 1 + i % 4] * (3 + i)) for i in range(11)]
 
@@ -22,7 +22,7 @@ def write_corpus(workdir, tok, max_tokens=96):
     for i, text in enumerate(TEXTS):
         n = len(tok(text, truncation=True, max_length=max_tokens)["input_ids"])
         lines.append(json.dumps({"id": f"r{i}", "source": "test", "text": text, "n_tokens": n}))
-    path = workdir / dump.TRAIN_JSONL
+    path = workdir / paths.TRAIN_JSONL
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
 
@@ -47,7 +47,7 @@ def test_dump_equals_direct_forward_without_pads(workdir):
     p = params()
     metrics = dump.run(p, workdir)
     model, tok = load_model_and_tokenizer(p.model)
-    with DumpReader(workdir / dump.DUMP_PATH) as reader:
+    with DumpReader(workdir / paths.DUMP_PATH) as reader:
         offs = reader.record_offsets
         assert reader.n_records == len(TEXTS) and metrics["tokens"] == reader.n_tokens
         assert reader.attrs["pre_norm"] and reader.attrs["pre_rope"]
@@ -74,7 +74,7 @@ def test_batch_of_one_is_bit_exact(workdir):
     dump.run(params(batch_size=1), workdir)
     model, tok = load_model_and_tokenizer(tiny_params().model)
     from ced_csa2 import kv_hooks
-    with DumpReader(workdir / dump.DUMP_PATH) as reader:
+    with DumpReader(workdir / paths.DUMP_PATH) as reader:
         r = 5
         ids = tok(TEXTS[r], truncation=True, max_length=96, return_tensors="pt")["input_ids"]
         with torch.no_grad(), kv_hooks.capture(model, [20], [16]) as store:
@@ -90,13 +90,13 @@ def test_interrupted_dump_resumes_to_the_same_datasets(workdir, tmp_path_factory
     dump.run(params(), clean)
 
     assert dump.run(params(), workdir, max_batches=2) is None  # "killed" after 2 of 3 batches
-    assert (workdir / dump.PARTIAL_PATH).exists() and not (workdir / dump.DUMP_PATH).exists()
+    assert (workdir / paths.DUMP_PARTIAL).exists() and not (workdir / paths.DUMP_PATH).exists()
     with pytest.raises(DumpError, match="incomplete"):
-        DumpReader(workdir / dump.PARTIAL_PATH)
+        DumpReader(workdir / paths.DUMP_PARTIAL)
     metrics = dump.run(params(), workdir)
     assert metrics["resumed_from_record"] == 8
-    assert not (workdir / dump.PARTIAL_PATH).exists()
-    a, b = datasets(clean / dump.DUMP_PATH), datasets(workdir / dump.DUMP_PATH)
+    assert not (workdir / paths.DUMP_PARTIAL).exists()
+    a, b = datasets(clean / paths.DUMP_PATH), datasets(workdir / paths.DUMP_PATH)
     assert a.keys() == b.keys()
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
@@ -108,7 +108,7 @@ def test_partial_dump_from_other_params_or_corrupt_restarts(workdir, caplog):
     assert dump.run(params(storage_dtype="bfloat16"), workdir)["resumed_from_record"] == 0
     assert "made with other inputs or params; starting over" in caplog.text
     dump.run(params(), workdir, max_batches=1)
-    partial = workdir / dump.PARTIAL_PATH
+    partial = workdir / paths.DUMP_PARTIAL
     partial.write_bytes(partial.read_bytes()[:1000])  # killed mid-write, file torn
     assert dump.run(params(), workdir)["resumed_from_record"] == 0
     assert "is unreadable" in caplog.text
@@ -119,14 +119,14 @@ def test_bfloat16_storage_round_trips(workdir, tmp_path_factory):
     other = tmp_path_factory.mktemp("fp32")
     shutil.copytree(workdir / "data" / "corpus", other / "data" / "corpus")
     dump.run(params(), other)
-    with DumpReader(workdir / dump.DUMP_PATH) as bf, DumpReader(other / dump.DUMP_PATH) as fp:
+    with DumpReader(workdir / paths.DUMP_PATH) as bf, DumpReader(other / paths.DUMP_PATH) as fp:
         x = torch.from_numpy(fp.rows("v_24", 0, 50))
         assert torch.equal(torch.from_numpy(bf.rows("v_24", 0, 50)), x.to(torch.bfloat16).float())
 
 
 def test_truncated_or_corrupt_dump_is_a_clear_error(workdir):
     dump.run(params(), workdir)
-    path = workdir / dump.DUMP_PATH
+    path = workdir / paths.DUMP_PATH
     good = path.read_bytes()
     path.write_bytes(good[: len(good) // 2])
     with pytest.raises(DumpError, match="not a readable HDF5 file"):
@@ -145,7 +145,7 @@ def test_truncated_or_corrupt_dump_is_a_clear_error(workdir):
 
 def test_chunks_are_power_of_two_rows_across_full_width(workdir):
     dump.run(params(), workdir)
-    with DumpReader(workdir / dump.DUMP_PATH) as reader:
+    with DumpReader(workdir / paths.DUMP_PATH) as reader:
         for name, width in reader.layout.widths().items():
             rows, w = reader.f[name].chunks
             assert w == width and rows & (rows - 1) == 0 and rows * width * 4 <= 64 * 1024
@@ -154,7 +154,7 @@ def test_chunks_are_power_of_two_rows_across_full_width(workdir):
 
 
 def test_corpus_from_another_tokenizer_is_refused(workdir):
-    path = workdir / dump.TRAIN_JSONL
+    path = workdir / paths.TRAIN_JSONL
     lines = path.read_text().splitlines()
     rec = json.loads(lines[0])
     rec["n_tokens"] += 1

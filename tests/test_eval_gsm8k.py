@@ -5,13 +5,13 @@ import math
 
 import pytest
 import torch
-
-from ced_csa2 import eval_gsm8k
-from ced_csa2.model_utils import geometry
-from ced_csa2.plan import LayerPlan
-
 from conftest import tiny_params
 from test_ced_runtime import random_parts
+
+from ced_csa2 import gsm8k, paths
+from ced_csa2.model_utils import geometry
+from ced_csa2.plan import LayerPlan
+from ced_csa2.stages import eval_gsm8k
 
 # Short on purpose: the tiny model's tokenizer is byte-level and its GatedDeltaNet
 # layers run the slow reference kernels, so prompt length is what the test pays for.
@@ -27,7 +27,7 @@ PROBLEMS = [
 
 
 def write_problems(workdir, problems=PROBLEMS):
-    path = workdir / eval_gsm8k.GSM8K_JSONL
+    path = workdir / paths.GSM8K_JSONL
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(p) + "\n" for p in problems))
     return path
@@ -55,27 +55,27 @@ def independent_gold_nll(model, tok, problems):
     (5, 5, 0.565509, 1.0),        # centre 0.782754, half 0.217246; clipped at 1
 ])
 def test_wilson_interval_matches_hand_computation(successes, n, low, high):
-    got = eval_gsm8k.wilson_interval(successes, n)
+    got = gsm8k.wilson_interval(successes, n)
     assert got == pytest.approx((low, high), abs=1e-6)
 
 
 def test_wilson_interval_refuses_empty_or_impossible_counts():
     with pytest.raises(ValueError, match="n > 0"):
-        eval_gsm8k.wilson_interval(0, 0)
+        gsm8k.wilson_interval(0, 0)
     with pytest.raises(ValueError, match="0 <= successes <= n"):
-        eval_gsm8k.wilson_interval(6, 5)
+        gsm8k.wilson_interval(6, 5)
 
 
 def test_fewshot_context_uses_fixed_exemplars_never_evaluated_problems(tmp_path):
     from lm_eval.tasks import TaskManager
 
     data = write_problems(tmp_path)
-    eval_gsm8k.write_task_yaml(tmp_path, data, num_fewshot=2)
+    gsm8k.write_task_yaml(tmp_path, data, num_fewshot=2)
     manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
-    task = manager.load([eval_gsm8k.TASK])["tasks"][eval_gsm8k.TASK]
+    task = manager.load([gsm8k.TASK])["tasks"][gsm8k.TASK]
     docs = list(task.test_docs())
     assert [d["question"] for d in docs] == [p["question"] for p in PROBLEMS]
-    exemplars = eval_gsm8k.fewshot_exemplars()
+    exemplars = gsm8k.fewshot_exemplars()
     assert len(exemplars) == 8 and all(e["answer"].split("\n")[-1].startswith("#### ") for e in exemplars)
     context = task.fewshot_context(docs[1], num_fewshot=2)
     assert context == (f"Question: {exemplars[0]['question']}\nAnswer: {exemplars[0]['answer']}\n\n"
@@ -95,16 +95,16 @@ def test_stage_end_to_end_two_groups(tmp_path, tiny_model):
     parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 28, 32)))
     m = eval_gsm8k.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
 
-    assert json.loads((tmp_path / eval_gsm8k.METRICS_PATH).read_text()) == json.loads(json.dumps(m))
+    assert json.loads((tmp_path / paths.GSM8K_METRICS).read_text()) == json.loads(json.dumps(m))
     proto = m["protocol"]
     assert proto["n"] == len(PROBLEMS) and proto["math_set"] == params.data.math.label
     assert proto["num_fewshot"] == 0 and proto["max_gen_toks"] == 8 and proto["lm_eval"]
     assert list(m["groups"]) == ["baseline", "ced"]
     for g in m["groups"].values():
-        for name in eval_gsm8k.FILTERS:
+        for name in gsm8k.FILTERS:
             acc = g[name]
             assert acc["n"] == len(PROBLEMS) and acc["correct"] == round(acc["exact_match"] * len(PROBLEMS))
-            assert acc["ci95"] == pytest.approx(list(eval_gsm8k.wilson_interval(acc["correct"], acc["n"])))
+            assert acc["ci95"] == pytest.approx(list(gsm8k.wilson_interval(acc["correct"], acc["n"])))
 
     nll, tokens = independent_gold_nll(model, tok, PROBLEMS)
     base = m["groups"]["baseline"]["gold_nll"]
@@ -114,9 +114,9 @@ def test_stage_end_to_end_two_groups(tmp_path, tiny_model):
     assert all(not mod._forward_hooks for mod in model.modules())
 
     # The saved gold pairs reproduce the baseline's gold NLL without lm-eval.
-    pairs = eval_gsm8k.load_gold_pairs(tmp_path / eval_gsm8k.GOLD_PATH, params)
+    pairs = gsm8k.load_gold_pairs(tmp_path / paths.GOLD_PATH, params)
     assert len(pairs) == len(PROBLEMS)
-    assert eval_gsm8k.gold_nll(model, pairs, 4, tok.pad_token_id) == base
+    assert gsm8k.gold_nll(model, pairs, 4, tok.pad_token_id) == base
     other = tiny_params(eval_gsm8k={"num_fewshot": 2})
     with pytest.raises(ValueError, match=r"gsm8k_gold.json was written for .*num_fewshot"):
-        eval_gsm8k.load_gold_pairs(tmp_path / eval_gsm8k.GOLD_PATH, other)
+        gsm8k.load_gold_pairs(tmp_path / paths.GOLD_PATH, other)

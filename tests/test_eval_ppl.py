@@ -5,21 +5,21 @@ import json
 import math
 
 import torch
-
-from ced_csa2 import eval_ppl
-from ced_csa2.config import PlanConfig
-from ced_csa2.model_utils import geometry
-from ced_csa2.plan import LayerPlan
-
 from conftest import tiny_params
 from test_ced_runtime import random_parts
 from test_dump import TEXTS as ALL_TEXTS
+
+from ced_csa2 import paths
+from ced_csa2.config import PlanConfig
+from ced_csa2.model_utils import geometry
+from ced_csa2.plan import LayerPlan
+from ced_csa2.stages import eval_ppl
 
 TEXTS = ALL_TEXTS[:4]  # the tiny Qwen3.5's DeltaNet layers run the slow torch fallback
 
 
 def write_eval(workdir, tok):
-    path = workdir / eval_ppl.EVAL_JSONL
+    path = workdir / paths.EVAL_JSONL
     path.parent.mkdir(parents=True)
     rows = [{"id": f"e{i}", "source": "t", "text": t, "n_tokens": len(tok(t)["input_ids"])} for i, t in enumerate(TEXTS)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -45,7 +45,7 @@ def test_ppl_groups_and_mode_a(tmp_path, tiny_model):
     assert all(m["groups"][g]["ppl"] != m["groups"]["baseline"]["ppl"] for g in ("ced", "csa2", "ced_csa2"))
     assert m["mode_a"]["covered"] and "zero state" in m["mode_a"]["note"]
     assert m["protocol"]["records"] == len(TEXTS)
-    assert json.loads((tmp_path / eval_ppl.METRICS_PATH).read_text()) == json.loads(json.dumps(m))
+    assert json.loads((tmp_path / paths.PPL_METRICS).read_text()) == json.loads(json.dumps(m))
 
 
 def test_mode_a_not_covered_is_explicit(tmp_path, tiny_model):

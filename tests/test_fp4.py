@@ -6,8 +6,18 @@ import pytest
 import torch
 
 from ced_csa2 import fp4
-from ced_csa2.fp4 import (MXFP4, NVFP4, Packed, e2m1_decode, e2m1_encode, e4m3_scale_bytes, e8m0_scale_bytes,
-                          e8m0_scale_values, pack_nibbles, unpack_nibbles)
+from ced_csa2.fp4 import (
+    MXFP4,
+    NVFP4,
+    Packed,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_scale_bytes,
+    e8m0_scale_bytes,
+    e8m0_scale_values,
+    pack_nibbles,
+    unpack_nibbles,
+)
 from ced_csa2.kv_bytes import fp4_entry_bytes
 
 MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from conftest import tiny_llama, tiny_params
 
 from ced_csa2 import kv_hooks
 from ced_csa2.model_utils import geometry, tiny_qwen3_5
-
-from conftest import tiny_llama, tiny_params
 
 
 def _models():

@@ -2,12 +2,18 @@
 
 import pytest
 import torch
+from test_ced_runtime import QWEN_PLAN, identity_parts, random_parts
 
 from ced_csa2.model_utils import geometry
-from ced_csa2.objectives import (attn_out_loss, distill_loss, kl_distill, kv_loss, objective_loss,
-                                 substituted_layers, teacher_pass)
-
-from test_ced_runtime import QWEN_PLAN, identity_parts, random_parts
+from ced_csa2.objectives import (
+    attn_out_loss,
+    distill_loss,
+    kl_distill,
+    kv_loss,
+    objective_loss,
+    substituted_layers,
+    teacher_pass,
+)
 
 PHASES = {"ced": "projector", "csa2": "adapters"}
 

@@ -1,12 +1,11 @@
 """The layer plan is validated against the model before any heavy work."""
 
 import pytest
+from conftest import tiny_params
 
 from ced_csa2.config import PlanConfig
 from ced_csa2.model_utils import Geometry, geometry, load_config
 from ced_csa2.plan import LayerPlan, PlanError, load_plan
-
-from conftest import tiny_params
 
 QWEN = Geometry(n_layers=32, hidden_size=2560, n_kv_heads=4, head_dim=256,
                 attention_layers=tuple(range(4, 33, 4)))

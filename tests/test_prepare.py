@@ -4,15 +4,14 @@ import dataclasses
 import json
 
 import pytest
-
-from ced_csa2 import prepare as prep
-from ced_csa2 import sources
-from ced_csa2.config import HubSplit, WheelPin
-from ced_csa2.sources import Article
-
 from conftest import tiny_params
 
-OUTPUTS = (prep.TRAIN_JSONL, prep.EVAL_JSONL, prep.GSM8K_JSONL, prep.METRICS_PATH)
+from ced_csa2 import paths, sources
+from ced_csa2.config import HubSplit, WheelPin
+from ced_csa2.sources import Article
+from ced_csa2.stages import prepare as prep
+
+OUTPUTS = (paths.TRAIN_JSONL, paths.EVAL_JSONL, paths.GSM8K_JSONL, paths.PREPARE_METRICS)
 
 
 def byte_tokenizer(bos: bool = False):
@@ -45,7 +44,7 @@ def test_tiny_outputs_schema_counts_and_limits(tmp_path, bos):
     data = params.data
     metrics = prep.prepare(params, tok, tmp_path)
 
-    train, eval_ = read_jsonl(tmp_path / prep.TRAIN_JSONL), read_jsonl(tmp_path / prep.EVAL_JSONL)
+    train, eval_ = read_jsonl(tmp_path / paths.TRAIN_JSONL), read_jsonl(tmp_path / paths.EVAL_JSONL)
     assert (len(train), len(eval_)) == (data.n_train, data.n_eval)
     for rec in train + eval_:
         assert list(rec) == ["id", "source", "text", "n_tokens"]
@@ -58,10 +57,10 @@ def test_tiny_outputs_schema_counts_and_limits(tmp_path, bos):
     assert not {r["id"] for r in train} & {r["id"] for r in eval_}
     assert not {r["text"] for r in train} & {r["text"] for r in eval_}
 
-    problems = read_jsonl(tmp_path / prep.GSM8K_JSONL)
+    problems = read_jsonl(tmp_path / paths.GSM8K_JSONL)
     assert len(problems) == data.math.n and all(list(p) == ["id", "question", "answer", "target"] for p in problems)
 
-    assert json.loads((tmp_path / prep.METRICS_PATH).read_text()) == metrics
+    assert json.loads((tmp_path / paths.PREPARE_METRICS).read_text()) == metrics
     assert metrics["train"]["records"] == data.n_train
     assert metrics["train"]["tokens"] == sum(r["n_tokens"] for r in train)
     assert metrics["eval"]["sources"] == {"tiny-synthetic": data.n_eval}
@@ -102,7 +101,7 @@ def test_wiki_embedded_holds_out_whole_articles(tmp_path, monkeypatch):
                        min_tokens=40, max_tokens=120)
     tok = byte_tokenizer()
     prep.prepare(params, tok, tmp_path)
-    train, eval_ = read_jsonl(tmp_path / prep.TRAIN_JSONL), read_jsonl(tmp_path / prep.EVAL_JSONL)
+    train, eval_ = read_jsonl(tmp_path / paths.TRAIN_JSONL), read_jsonl(tmp_path / paths.EVAL_JSONL)
 
     article_of = lambda rec: rec["id"].split("-")[1]  # noqa: E731
     assert len({article_of(r) for r in eval_}) <= 2 and len({article_of(r) for r in train}) == 6
@@ -121,7 +120,7 @@ def test_wikitext_long_lines(tmp_path, monkeypatch):
                        eval=HubSplit("wikitext-2-raw-v1", "test", 0), n_eval=5, min_tokens=100, max_tokens=200)
     tok = byte_tokenizer()
     prep.prepare(params, tok, tmp_path)
-    train, eval_ = read_jsonl(tmp_path / prep.TRAIN_JSONL), read_jsonl(tmp_path / prep.EVAL_JSONL)
+    train, eval_ = read_jsonl(tmp_path / paths.TRAIN_JSONL), read_jsonl(tmp_path / paths.EVAL_JSONL)
     assert (len(train), len(eval_)) == (10, 5)
     for rec in train:
         i = int(rec["id"].rsplit("/", 1)[1])
@@ -139,4 +138,4 @@ def test_validation_errors_name_the_key(tmp_path):
                          eval=HubSplit("c", "test", 7), n_eval=5)
     with pytest.raises(ValueError, match=r"data.eval.n=7 disagrees with data.n_eval=5"):
         prep.prepare(wikitext, tok, tmp_path)
-    assert not (tmp_path / prep.TRAIN_JSONL).exists()
+    assert not (tmp_path / paths.TRAIN_JSONL).exists()

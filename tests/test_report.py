@@ -2,7 +2,7 @@
 
 import pytest
 
-from ced_csa2.report import objective_table
+from ced_csa2.stages.report import objective_table
 
 
 def metrics(tokens=1000):

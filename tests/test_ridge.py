@@ -13,12 +13,14 @@ import yaml
 from sklearn.linear_model import LinearRegression, Ridge
 from sklearn.metrics import r2_score
 
-from ced_csa2 import ridge
-from ced_csa2.config import load_params, to_dict
+from ced_csa2 import paths
+from ced_csa2.config import load_params, params_hash, to_dict
 from ced_csa2.fit_metrics import FitStats
 from ced_csa2.h5store import DumpError, DumpLayout, DumpReader, DumpWriter
 from ced_csa2.loader import aligned_block_rows, iter_blocks, load_rows, record_split, row_mask
-from ced_csa2.ridge import RidgeAccumulator
+from ced_csa2.plan import LayerPlan
+from ced_csa2.ridge import RidgeAccumulator, load_ridge
+from ced_csa2.stages import ridge as ridge_stage
 
 HIDDEN, KV_DIM = 24, 8
 
@@ -177,15 +179,15 @@ def exact_linear_rows(plan):
 
 def test_stage_fits_exact_linear_maps(tmp_path, monkeypatch):
     params = stage_params()
-    plan = ridge.LayerPlan.from_config(params.plan)
+    plan = LayerPlan.from_config(params.plan)
     (tmp_path / "data/dump").mkdir(parents=True)
-    write_dump(tmp_path / ridge.DUMP_PATH, plan.kv_layers, exact_linear_rows(plan), n_records=25)
+    write_dump(tmp_path / paths.DUMP_PATH, plan.kv_layers, exact_linear_rows(plan), n_records=25)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(to_dict(params), sort_keys=False))
     monkeypatch.chdir(tmp_path)
-    ridge.main()  # the DVC entry point: params.yaml and the dump from the working directory
+    ridge_stage.main()  # the DVC entry point: params.yaml and the dump from the working directory
 
-    metrics = json.loads((tmp_path / ridge.METRICS_PATH).read_text())
-    maps, meta = ridge.load_ridge(tmp_path / ridge.MODEL_PATH)
+    metrics = json.loads((tmp_path / paths.RIDGE_METRICS).read_text())
+    maps, meta = load_ridge(tmp_path / paths.RIDGE_PATH)
     src, targets = plan.source, plan.targets
     expected = {f"proj_{src}", f"proj_{src}_k", f"proj_{src}_v", *[f"{kv}_{t}" for t in targets for kv in "kv"]}
     assert set(metrics) == expected | {"run"}
@@ -195,20 +197,20 @@ def test_stage_fits_exact_linear_maps(tmp_path, monkeypatch):
     assert set(maps) == {f"proj_{src}", *[f"{kv}_{t}" for t in targets for kv in "kv"]}
     assert maps[f"proj_{src}"]["W"].shape == (HIDDEN, 2 * KV_DIM) and maps[f"k_{targets[0]}"]["W"].shape == (8, 8)
     assert all(m["W"].dtype == torch.float32 and m["b"].dtype == torch.float32 for m in maps.values())
-    with DumpReader(tmp_path / ridge.DUMP_PATH) as r:
+    with DumpReader(tmp_path / paths.DUMP_PATH) as r:
         n_val = int(row_mask(r.record_offsets, record_split(r.n_records, 0.2, params.seed)[1], 0, 0).sum())
         assert metrics["run"]["n_val_rows"] == n_val and meta["n_train_rows"] == r.n_tokens - n_val
     assert meta["lambda"] == 1.0 and meta["dump"]["model"] == "synthetic" and meta["plan"]["source"] == src
-    assert meta["params_hash"] == ridge.params_hash(params.plan, params.split, params.ridge)
+    assert meta["params_hash"] == params_hash(params.plan, params.split, params.ridge)
     assert not list(tmp_path.rglob(".*tmp*"))  # atomic writes left no temporaries
 
 
 def test_stage_rejects_a_dump_without_the_plans_layers(tmp_path):
     params = stage_params()
-    plan = ridge.LayerPlan.from_config(params.plan)
+    plan = LayerPlan.from_config(params.plan)
     (tmp_path / "data/dump").mkdir(parents=True)
     short = dataclasses.replace(plan, targets=plan.targets[:1])
-    write_dump(tmp_path / ridge.DUMP_PATH, short.kv_layers, exact_linear_rows(short), n_records=4)
+    write_dump(tmp_path / paths.DUMP_PATH, short.kv_layers, exact_linear_rows(short), n_records=4)
     with pytest.raises(DumpError, match="the plan needs"):
-        ridge.run(params, tmp_path)
-    assert not (tmp_path / ridge.MODEL_PATH).exists() and not (tmp_path / ridge.METRICS_PATH).exists()
+        ridge_stage.run(params, tmp_path)
+    assert not (tmp_path / paths.RIDGE_PATH).exists() and not (tmp_path / paths.RIDGE_METRICS).exists()

@@ -41,7 +41,7 @@ def setup(request, tiny_model):
 
 def mode_b(model, plan, group, parts, prompt):
     """Mode B's cached generation (HF generate) and the DynamicCache bytes of the same greedy run."""
-    with torch.no_grad(), CEDModeBRuntime(model, plan, group, parts):
+    with torch.no_grad(), CEDModeBRuntime(model, plan, group, parts, kv_format="nvfp4"):
         # An explicit all-ones mask: otherwise generate() treats prompt tokens equal to
         # pad_token_id as padding.  eos_token_id=None: always NEW tokens.
         ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False,

@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TINY_OVERRIDES, tiny_params
 
 from ced_csa2.compose import compose
 from ced_csa2.model_utils import Geometry
-from ced_csa2.storage import METRICS_PATH, qwen3_5_4b_geometry, run
-
-from conftest import TINY_OVERRIDES, tiny_params
+from ced_csa2.paths import STORAGE_METRICS as METRICS_PATH
+from ced_csa2.stages.storage import qwen3_5_4b_geometry, run
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {"baseline", "ced", "csa2", "ced_csa2", "share_plain", "baseline_fp4", "csa2_fp4", "ced_csa2_fp4"}
@@ -62,7 +62,9 @@ def test_fp4_groups_count_packed_entries(written):
     qwen = written[1]["qwen3_5_4b"]["kv"]["bf16"]
     assert qwen["decoder_attention"]["csa2_fp4"]["bytes_per_token"] == 2 * 576
     assert qwen["all_attention"]["baseline_fp4"]["bytes_per_token"] == 8 * 2 * 576
-    assert qwen["all_attention"]["ced_csa2_fp4"]["bytes_per_token"] == 5 * 2 * 576
+    # csa2_fp4 / ced_csa2_fp4 store only the shared source (layer 20) in FP4, as the runtime
+    # evaluates them: layers 4..16 keep their bf16 entries (4 x 4,096 B).
+    assert qwen["all_attention"]["ced_csa2_fp4"]["bytes_per_token"] == 4 * 4096 + 2 * 576
     assert qwen["decoder_attention"]["csa2_fp4"]["compression_vs_baseline"] == 16384 / 1152
 
 
@@ -126,7 +128,7 @@ def test_width_mult_reaches_both_sections(tmp_path):
 def test_command_line_entry_point(tmp_path):
     (tmp_path / "params.yaml").write_text(compose(TINY_OVERRIDES))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    subprocess.run([sys.executable, "-m", "ced_csa2.storage"], cwd=tmp_path, env=env, check=True,
+    subprocess.run([sys.executable, "-m", "ced_csa2.stages.storage"], cwd=tmp_path, env=env, check=True,
                    capture_output=True, timeout=300)
     written = json.loads((tmp_path / METRICS_PATH).read_text())
     assert written["qwen3_5_4b"]["kv"]["bf16"]["decoder_attention"]["csa2"]["bytes_per_token"] == 4096

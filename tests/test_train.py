@@ -8,13 +8,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_params
 
-from ced_csa2 import ridge, train_adapters, train_projector
+from ced_csa2 import paths
 from ced_csa2.csa2 import load_adapters
 from ced_csa2.h5store import DumpError, DumpLayout, DumpWriter
 from ced_csa2.projector import load_projector, load_projectors
-
-from conftest import tiny_params
+from ced_csa2.stages import ridge, train_adapters, train_projector
 
 HIDDEN, KV = 64, 32  # the tiny Qwen3.5 profile (2 kv heads x 16)
 N_RECORDS = 60
@@ -68,7 +68,7 @@ def prepared(one_thread, tmp_path_factory):
     lengths = rng.integers(24, 48, N_RECORDS).tolist()
     layers = (20, 24, 28, 32)
     p = params()
-    writer = DumpWriter(work / train_projector.DUMP_PATH, work / "data/dump.partial.h5",
+    writer = DumpWriter(work / paths.DUMP_PATH, work / "data/dump.partial.h5",
                         DumpLayout(HIDDEN, KV, layers), chunk_kib=64,
                         attrs={"fingerprint": "synthetic", "model": p.model.name, "split": 16})
     writer.append(synthetic_arrays(sum(lengths), layers, rng), np.zeros(sum(lengths), np.int32), lengths)
@@ -98,7 +98,7 @@ def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
     layer = m["layers"]["20"]
     assert layer["val_loss"] < layer["val_loss_init"]
     assert layer["k"]["r2"] > 0.5 and layer["v"]["r2"] > 0.5 and layer["k"]["n"] == m["run"]["val_rows"]
-    assert json.loads((workdir / train_projector.METRICS_PATH).read_text()) == m
+    assert json.loads((workdir / paths.PROJECTOR_METRICS).read_text()) == m
     rows = read_csv(workdir / train_projector.PLOT_PATH)
     assert list(rows[0]) == ["layer", "epoch", "train_loss", "val_loss", "val_cos"] and len(rows) == 4
     assert float(rows[-1]["val_loss"]) == pytest.approx(layer["val_loss"], rel=1e-6)
@@ -106,7 +106,7 @@ def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
     proj, meta = load_projector(workdir / "models/projector_k20v20.pt",
                                 expect={"hidden_size": HIDDEN, "kv_dim": KV, "layer": 20, "model": p.model.name})
     assert meta["split"] == 16
-    assert load_projectors(workdir / train_projector.EXTRA_PATH)[0] == {}  # the plan has no extra sources
+    assert load_projectors(workdir / paths.PROJECTORS_EXTRA)[0] == {}  # the plan has no extra sources
 
     again = tmp_path_factory.mktemp("again")
     shutil.copytree(workdir / "data", again / "data")
@@ -129,7 +129,7 @@ def test_adapters_improve_on_ridge_and_rerun_identically(workdir, tmp_path_facto
     assert list(rows[0]) == ["layer", "kind", "epoch", "train_loss", "val_loss", "val_cos"]
     assert len(rows) == 12 * 6
 
-    adapters = load_adapters(workdir / train_adapters.MODEL_PATH, expect={"layers": [24, 28, 32], "kv_dim": KV,
+    adapters = load_adapters(workdir / paths.ADAPTERS_PATH, expect={"layers": [24, 28, 32], "kv_dim": KV,
                                                                          "source": 20})
     assert adapters.width == 48
 
@@ -140,7 +140,7 @@ def test_adapters_improve_on_ridge_and_rerun_identically(workdir, tmp_path_facto
 
 
 def test_stages_check_their_inputs_before_training(workdir):
-    (workdir / ridge.MODEL_PATH).unlink()
+    (workdir / paths.RIDGE_PATH).unlink()
     with pytest.raises(FileNotFoundError, match="ridge.pt"):
         train_adapters.run(params(), workdir)
     p = params()
@@ -149,4 +149,4 @@ def test_stages_check_their_inputs_before_training(workdir):
     other = dataclasses.replace(p.plan, split=8, source=12, targets=[24])
     with pytest.raises(DumpError, match=r"holds K/V of layers \[20, 24, 28, 32\], the plan needs \[12, 24\]"):
         train_adapters.run(dataclasses.replace(p, plan=other), workdir)
-    assert not (workdir / train_projector.METRICS_PATH).exists()
+    assert not (workdir / paths.PROJECTOR_METRICS).exists()

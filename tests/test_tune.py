@@ -5,14 +5,14 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_params
 
-from ced_csa2 import eval_objective, tune
+from ced_csa2 import paths
 from ced_csa2.config import OnlineConfig, ParamsError
 from ced_csa2.csa2 import KVAdapter
 from ced_csa2.plan import load_plan
 from ced_csa2.ridge import save_ridge
-
-from conftest import tiny_params
+from ced_csa2.stages import eval_objective, tune
 
 ONLINE = OnlineConfig(records=12, val_records=4, seq_len=32, batch_size=4, epochs=3, projector_lr=1e-2,
                       adapters_lr=1e-2, warmup_fraction=0.0)
@@ -36,7 +36,7 @@ def write_inputs(workdir, params, tok, n_records=40, seed=0):
         n = len(tok(text, truncation=True, max_length=params.data.max_tokens)["input_ids"])
         lines.append(json.dumps({"id": f"r{i}", "source": "test", "text": text, "n_tokens": n}))
     (workdir / "data/corpus").mkdir(parents=True)
-    (workdir / tune.TRAIN_JSONL).write_text("\n".join(lines) + "\n")
+    (workdir / paths.TRAIN_JSONL).write_text("\n".join(lines) + "\n")
     return maps
 
 
@@ -87,8 +87,8 @@ def test_a_short_distillation_lowers_the_held_out_kl(tmp_path, frozen):
         phase = m["phases"][group]
         assert phase["steps"] == ONLINE.epochs * 3 and phase["tokens"] > 0
         assert phase["val_after"]["kl"] < factor * phase["val_before"]["kl"], phase
-    saved = json.loads((tmp_path / tune.metrics_dir("distill") / "train.json").read_text())
+    saved = json.loads((tmp_path / paths.objective_metrics("distill") / "train.json").read_text())
     assert saved == json.loads(json.dumps(m))
-    curve = (tmp_path / tune.metrics_dir("distill") / "curve.csv").read_text().splitlines()
+    curve = (tmp_path / paths.objective_metrics("distill") / "curve.csv").read_text().splitlines()
     assert curve[0] == "phase,step,epoch,loss" and len(curve) == 1 + 2 * ONLINE.epochs * 3
     assert all(not p.requires_grad for p in model.parameters())

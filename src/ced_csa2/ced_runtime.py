@@ -13,14 +13,15 @@
   **Approximation:** non-attention layers above the cut (Qwen3.5's GatedDeltaNet
   layers) get no prompt state -- they start from a zero state.
 
-Groups (Mode B): ``baseline`` (no change), ``share_plain`` (targets read the true
-KV_source verbatim, no adapter -- the baseline every adapter must beat; like vLLM's
-``kv_sharing_target_layer_name``, except that each target still applies its own
-k_norm), ``ced`` (source K/V from ``projector(H_split)``), ``csa2`` (targets from
-``adapters(true KV_source)``), ``ced_csa2`` (targets from ``adapters(projected
-KV_source)``, source projected too).  FP4 groups store K/V in FP4 (``kv_format``):
-``baseline_fp4`` (every attention layer's own K/V), ``csa2_fp4`` and ``ced_csa2_fp4``
-(the one shared source entry) -- so the cost of FP4 and of sharing can be told apart.
+Groups (Mode B) are defined in :mod:`ced_csa2.groups`: ``baseline`` (no change),
+``share_plain`` (targets read the true KV_source verbatim, no adapter -- the baseline
+every adapter must beat; like vLLM's ``kv_sharing_target_layer_name``, except that each
+target still applies its own k_norm), ``ced`` (source K/V from ``projector(H_split)``),
+``csa2`` (targets from ``adapters(true KV_source)``), ``ced_csa2`` (targets from
+``adapters(projected KV_source)``, source projected too).  FP4 groups store K/V in FP4
+(``kv_format``): ``baseline_fp4`` (every attention layer's own K/V), ``csa2_fp4`` and
+``ced_csa2_fp4`` (the one shared source entry) -- so the cost of FP4 and of sharing can
+be told apart.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ import torch
 from torch import nn
 
 from . import kv_hooks
-from .config import RUNTIME_GROUPS as GROUPS  # one list for params and runtime
 from .fp4 import FORMATS as FP4_FORMATS
+from .groups import group as lookup_group
 from .model_utils import Geometry, attention, decoder_layer, geometry
 from .plan import LayerPlan
 
@@ -92,6 +93,15 @@ def load_parts(models_dir: Path | str, plan: LayerPlan, *, device=None, dtype=No
     return CEDParts(projector, adapters, extra)
 
 
+def require_parts(group: str, parts: CEDParts) -> None:
+    """Refuse to run ``group`` without the maps it needs (its registry entry says which)."""
+    spec = lookup_group(group)
+    if spec.projected_source and parts.projector is None:
+        raise ValueError(f"group {group!r} needs a projector")
+    if spec.adapters and parts.adapters is None:
+        raise ValueError(f"group {group!r} needs adapters")
+
+
 class CEDModeBRuntime:
     """Substitution runtime; use as a context manager around any forward / generate / lm-eval.
 
@@ -102,54 +112,54 @@ class CEDModeBRuntime:
     plan
         The validated layer plan.
     group
-        One of :data:`GROUPS`.
+        One of :data:`ced_csa2.groups.GROUPS`.
     parts
         Trained maps (``projector`` needed by ``ced*``, ``adapters`` by ``*csa2``).
     kv_format
-        FP4 format of the ``*_fp4`` groups (``nvfp4`` | ``mxfp4``): the stored K/V are
-        quantised and read back, pre-k_norm and pre-RoPE like the shared store keeps them.
+        FP4 format of the ``*_fp4`` groups (``nvfp4`` | ``mxfp4``; required for them, no
+        default): the stored K/V are quantised and read back, pre-k_norm and pre-RoPE like
+        the shared store keeps them.  Ignored (pass ``None``) for the other groups.
     """
 
-    def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None = None,
-                 kv_format: str = "nvfp4"):
-        if group not in GROUPS:
-            raise ValueError(f"unknown group {group!r}; expected one of {GROUPS}")
+    def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None = None, *,
+                 kv_format: str | None):
+        spec = lookup_group(group)
         parts = parts or CEDParts()
-        base = group.removesuffix("_fp4")
-        if base.startswith("ced") and parts.projector is None:
-            raise ValueError(f"group {group!r} needs a projector")
-        if base.endswith("csa2") and parts.adapters is None:
-            raise ValueError(f"group {group!r} needs adapters")
-        self.model, self.plan, self.group, self.parts = model, plan, group, parts
-        self.base, self.fp4 = base, (FP4_FORMATS[kv_format]() if group.endswith("_fp4") else None)
+        require_parts(group, parts)
+        if spec.is_fp4 and kv_format not in FP4_FORMATS:
+            # No default: an FP4 group must be told its format (params.yaml kv_format).
+            raise ValueError(f"group {group!r} stores FP4 and needs kv_format in {list(FP4_FORMATS)}, "
+                             f"got {kv_format!r}")
+        self.model, self.plan, self.group, self.parts, self.spec = model, plan, group, parts, spec
+        self.fp4 = FP4_FORMATS[kv_format]() if spec.is_fp4 else None
         self._stack: ExitStack | None = None
 
     @property
     def replaced_layers(self) -> tuple[int, ...]:
         """Layers whose K/V this group replaces (or, for FP4 groups, stores quantised)."""
-        if self.group == "baseline_fp4":
+        if self.spec.fp4 == "every_layer":
             return geometry(self.model.config).attention_layers
         return (*self._stored_source, *self._read_targets)
 
     @property
     def _stored_source(self) -> tuple[int, ...]:
         """The source, when its K/V are replaced by what the store holds (projected and/or FP4)."""
-        return (self.plan.source,) if self.base.startswith("ced") or self.fp4 else ()
+        return (self.plan.source,) if self.spec.projected_source or self.fp4 else ()
 
     @property
     def _read_targets(self) -> tuple[int, ...]:
         """Targets that read the source's stored K/V (adapted, or verbatim for share_plain)."""
-        return self.plan.targets if self.base in ("share_plain", "csa2", "ced_csa2") else ()
+        return self.plan.targets if self.spec.shares_source_kv else ()
 
     def _fake_quant(self, x: torch.Tensor) -> torch.Tensor:
         """What reading ``x`` back from FP4 storage gives (quantise, then dequantise)."""
         return self.fp4.dequantize(self.fp4.quantize(x), dtype=x.dtype)
 
     def __enter__(self) -> "CEDModeBRuntime":
-        if self.group == "baseline":
+        if not self.replaced_layers:  # baseline
             return self
-        plan, parts, base = self.plan, self.parts, self.base
-        uses_ced = base.startswith("ced")
+        plan, parts, spec = self.plan, self.parts, self.spec
+        uses_ced = spec.projected_source
         stack = ExitStack()
         store = stack.enter_context(kv_hooks.capture(self.model, [plan.source], [plan.split]))
 
@@ -177,7 +187,7 @@ class CEDModeBRuntime:
             return store[key][1]
 
         repl: dict = {}
-        if base == "baseline":  # baseline_fp4: every attention layer's own K/V, FP4-rounded
+        if spec.fp4 == "every_layer":  # baseline_fp4: every attention layer's own K/V, FP4-rounded
             for layer in self.replaced_layers:
                 repl[(layer, "k")] = repl[(layer, "v")] = self._fake_quant
         else:
@@ -185,7 +195,7 @@ class CEDModeBRuntime:
                 repl[(layer, "k")] = lambda out: stored("k")
                 repl[(layer, "v")] = lambda out: stored("v")
             for t in self._read_targets:
-                read = adapted if base.endswith("csa2") else (lambda _: (stored("k"), stored("v")))  # share_plain
+                read = adapted if spec.adapters else (lambda _: (stored("k"), stored("v")))  # share_plain
                 repl[(t, "k")] = lambda out, t=t, read=read: read(t)[0]
                 repl[(t, "v")] = lambda out, t=t, read=read: read(t)[1]
         stack.enter_context(kv_hooks.inject(self.model, repl))

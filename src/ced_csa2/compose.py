@@ -21,7 +21,8 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 def compose(overrides: list[str] = (), conf_dir: Path = CONF_DIR) -> str:
     """The composed, resolved and validated ``params.yaml`` text, exactly as DVC writes it."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None):

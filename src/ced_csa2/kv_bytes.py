@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from .groups import group as _group
 from .model_utils import Geometry
 from .plan import LayerPlan
 
@@ -94,47 +95,6 @@ def fp4_entry_bytes(channels: int, group: int) -> int:
 
 # ----------------------------------------------------------------------------- this project's groups
 
-@dataclass(frozen=True)
-class Group:
-    """What an evaluation group changes about storage and weights.
-
-    Attributes
-    ----------
-    shares_source_kv
-        Targets store nothing and recompute their K/V from the source's stored KV (CSA2).
-    adapters
-        Holds the CSA2 adapter weights (``share_plain`` reuses KV_source as is).
-    projector
-        The source's K/V comes from ``projector(H_split)`` (CED): compute, not bytes.
-    fp4
-        Every stored K/V entry is FP4 (``fp4_entry_bytes``) instead of the row's dtype.
-    """
-
-    name: str
-    shares_source_kv: bool
-    adapters: bool
-    projector: bool
-    fp4: bool = False
-
-
-GROUPS = {g.name: g for g in (
-    Group("baseline", shares_source_kv=False, adapters=False, projector=False),
-    Group("ced", shares_source_kv=False, adapters=False, projector=True),
-    Group("csa2", shares_source_kv=True, adapters=True, projector=False),
-    Group("ced_csa2", shares_source_kv=True, adapters=True, projector=True),
-    Group("share_plain", shares_source_kv=True, adapters=False, projector=False),
-    Group("baseline_fp4", shares_source_kv=False, adapters=False, projector=False, fp4=True),
-    Group("csa2_fp4", shares_source_kv=True, adapters=True, projector=False, fp4=True),
-    Group("ced_csa2_fp4", shares_source_kv=True, adapters=True, projector=True, fp4=True),
-)}
-
-
-def _group(name: str) -> Group:
-    if name not in GROUPS:
-        raise ValueError(f"unknown group {name!r}; choose one of {list(GROUPS)}")
-    return GROUPS[name]
-
-
 def basis_layers(geo: Geometry, plan: LayerPlan, basis: str) -> tuple[int, ...]:
     """Attention layers a basis counts: above the split (``decoder_attention``) or all (``all_attention``)."""
     if basis == "decoder_attention":
@@ -155,12 +115,13 @@ def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_byte
     """One K and one V copy (``kv_dim`` channels, one entry per token) per storing layer.
 
     Qwen3.5-4B in bf16: ``2 · 1024 · 2 = 4,096`` B/token per attention layer (SPEC §6).
-    FP4 groups store ``fp4_entry_bytes(kv_dim, fp4_group)`` per entry whatever the dtype.
+    The group's FP4 entries (:meth:`~ced_csa2.groups.Group.fp4_layers`: every layer, or only
+    the shared source) cost ``fp4_entry_bytes(kv_dim, fp4_group)`` whatever the dtype.
     """
-    fp4 = _group(group).fp4
-    entry = fp4_entry_bytes(geo.kv_dim, fp4_group) if fp4 else dense_entry_bytes(geo.kv_dim, dtype_bytes)
-    return [StoredCopy(f"{kind}{layer}", entry) for layer in stored_layers(geo, plan, group, basis)
-            for kind in ("K", "V")]
+    fp4 = _group(group).fp4_layers(geo.attention_layers, plan.source)
+    fp4_bytes, dense = fp4_entry_bytes(geo.kv_dim, fp4_group), dense_entry_bytes(geo.kv_dim, dtype_bytes)
+    return [StoredCopy(f"{kind}{layer}", fp4_bytes if layer in fp4 else dense)
+            for layer in stored_layers(geo, plan, group, basis) for kind in ("K", "V")]
 
 
 def adapter_params_per_target(kv_dim: int, width: int) -> int:

@@ -21,16 +21,24 @@ adapters under ``csa2`` (the groups ``ced_csa2`` then combines).
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import kv_hooks
 from .ced_runtime import CEDModeBRuntime, CEDParts, _StopForward
-from .model_utils import attention, decoder_layer
+from .config import Params
+from .loader import record_split
+from .model_utils import Geometry, attention, decoder_layer
+from .paths import TRAIN_JSONL
 from .plan import LayerPlan
+from .projector import KVProjector
+from .records import read_records, tokenize
+from .training import build_adapters, ridge_maps
 
 KV = tuple[torch.Tensor, torch.Tensor]
 PHASE_GROUPS = ("ced", "csa2")
@@ -160,7 +168,7 @@ def attn_out_loss(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str
 def student_logits(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str, ids: torch.Tensor,
                    mask: torch.Tensor) -> torch.Tensor:
     """Logits ``(B, T, vocab)`` of the model with the ``group`` substitution active."""
-    with CEDModeBRuntime(model, plan, group, parts):
+    with CEDModeBRuntime(model, plan, group, parts, kv_format=None):  # ced / csa2: no FP4
         return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
 
@@ -190,3 +198,27 @@ def objective_loss(objective: str, model: nn.Module, parts: CEDParts, plan: Laye
     if objective == "distill":
         return distill_loss(model, parts, plan, group, teacher, ids, mask, temperature, kv_weight)
     raise ValueError(f"objective {objective!r} does not train through the model; expected attn_out or distill")
+
+
+SAMPLE_STREAM = 5  # numpy seed-sequence tag (loader.py uses 0-3, training.py 4)
+
+
+
+def ridge_parts(params: Params, plan: LayerPlan, geo: Geometry, ridge_path: Path) -> CEDParts:
+    """Projector and adapters at the ridge solution (seeded, float32)."""
+    m = ridge_maps(ridge_path, [f"proj_{plan.source}"])[f"proj_{plan.source}"]
+    projector = KVProjector(geo.hidden_size, geo.kv_dim)
+    projector.init_from_ridge(m["W"], m["b"])
+    return CEDParts(projector, build_adapters(params, plan, geo.kv_dim, ridge_path))
+
+
+
+def online_records(params: Params, tok, workdir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """Seeded train and held-out token rows (the ridge stage's record split), cropped to ``seq_len``."""
+    cfg = params.train.online
+    rows = tokenize(tok, read_records(workdir / TRAIN_JSONL), params.data.max_tokens)
+    train, val = record_split(len(rows), params.split.val_fraction, params.seed)
+    rng = np.random.default_rng([params.seed, SAMPLE_STREAM])
+    pick = [np.sort(rng.permutation(ix)[:n]) for ix, n in ((train, cfg.records), (val, cfg.val_records))]
+    return tuple([rows[i][:cfg.seq_len] for i in ix] for ix in pick)
+

@@ -1,10 +1,8 @@
-"""Closed-form ridge maps between dumped activations, and the ``ridge`` stage.
+"""Closed-form ridge maps between dumped activations (streaming, float64 statistics).
 
-    python -m ced_csa2.ridge         # what `dvc repro ridge` runs
-
-Reads ``params.yaml`` and ``data/dump/dump.h5``; splits the records into train and
-validation (:func:`ced_csa2.loader.record_split`, the split both trainers use), streams
-the training rows once and fits, with ``λ = ridge.lambda`` and an unpenalised bias:
+The ``ridge`` stage (:mod:`ced_csa2.stages.ridge`) splits the dump's records into train
+and validation (:func:`ced_csa2.loader.record_split`, the split both trainers use),
+streams the training rows once and fits, with ``λ = ridge.lambda`` and an unpenalised bias:
 
 * ``proj_{l}`` for each projected layer ``l``: ``h_split → [k_l ‖ v_l]``, the linear
   baseline of the CED projector;
@@ -27,7 +25,6 @@ from __future__ import annotations
 
 import io
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,18 +32,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .config import Params, params_hash, run_stage, to_dict
 from .fit_metrics import FitStats
 from .h5store import DumpReader
-from .io_utils import atomic_write_bytes, write_json
-from .loader import aligned_block_rows, cat_features, iter_blocks, record_split, row_mask
+from .io_utils import atomic_write_bytes
+from .loader import cat_features, iter_blocks
 from .plan import LayerPlan
 
 log = logging.getLogger(__name__)
-
-DUMP_PATH = Path("data/dump/dump.h5")
-MODEL_PATH = Path("models/ridge.pt")
-METRICS_PATH = Path("metrics/ridge.json")
 
 # Above this condition number a float64 Cholesky solve loses more digits than float32
 # weights keep; treat the system as singular and take the pseudo-inverse instead.
@@ -261,48 +253,3 @@ def load_ridge(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], di
     if not isinstance(ckpt, dict) or "maps" not in ckpt or "meta" not in ckpt:
         raise ValueError(f"{path}: not a ridge checkpoint (expected keys 'maps' and 'meta')")
     return ckpt["maps"], ckpt["meta"]
-
-
-# ----------------------------------------------------------------------------- stage
-
-def run(params: Params, workdir: Path = Path(".")) -> dict:
-    """Fit, validate and write the ridge maps; returns the metrics written to ``metrics/ridge.json``."""
-    workdir, t0 = Path(workdir), time.perf_counter()
-    plan, lam = LayerPlan.from_config(params.plan), params.ridge.lam
-    groups = map_groups(plan)
-    with DumpReader(workdir / DUMP_PATH) as reader:
-        reader.check(kv_layers=plan.kv_layers)
-        train, val = record_split(reader.n_records, params.split.val_fraction, params.seed)
-        train_mask = row_mask(reader.record_offsets, train, 0, params.seed)
-        val_mask = row_mask(reader.record_offsets, val, 0, params.seed)
-        block_rows = aligned_block_rows(reader, params.ridge.block_rows)
-        log.info("ridge lambda=%g on %s: %d train records (%d rows), %d val records (%d rows), blocks of %d rows",
-                 lam, reader.path, len(train), train_mask.sum(), len(val), val_mask.sum(), block_rows)
-        maps = fit_maps(reader, groups, train_mask, block_rows, lam)
-        fits = evaluate_maps(reader, groups, maps, val_mask, block_rows)
-        dump_attrs = {k: str(reader.attrs[k]) for k in DUMP_ATTRS if k in reader.attrs}
-    for name, f in fits.items():
-        log.info("%-12s val R2 %.4f  cos %.4f  rel_mse %.4g", name, f["r2"], f["cos"], f["rel_mse"])
-    meta = {
-        "lambda": lam, "n_train_rows": int(train_mask.sum()), "n_train_records": len(train),
-        "plan": to_dict(params.plan), "seed": params.seed, "dump": dump_attrs,
-        "params_hash": params_hash(params.plan, params.split, params.ridge),
-    }
-    save_ridge(workdir / MODEL_PATH, maps, meta)
-    metrics = dict(fits)
-    metrics["run"] = {
-        "lambda": lam, "n_train_rows": int(train_mask.sum()), "n_val_rows": int(val_mask.sum()),
-        "n_train_records": len(train), "n_val_records": len(val),
-        "wall_s": round(time.perf_counter() - t0, 3),
-    }
-    write_json(workdir / METRICS_PATH, metrics)
-    log.info("wrote %s and %s", workdir / MODEL_PATH, workdir / METRICS_PATH)
-    return metrics
-
-
-def main() -> None:
-    run_stage(run)
-
-
-if __name__ == "__main__":
-    main()

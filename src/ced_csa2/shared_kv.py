@@ -49,9 +49,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from . import kv_hooks
-from .ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn
+from .ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn, require_parts
 from .fp4 import FORMATS, Packed
-from .kv_bytes import GROUPS as ACCOUNTING_GROUPS
+from .groups import GROUPS, SHARED_GROUPS
 from .kv_bytes import StoredCopy, fp4_entry_bytes, kv_copies
 from .model_utils import Geometry, attention, geometry
 from .plan import LayerPlan
@@ -60,8 +60,6 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 # "bf16" is the model's own dtype (bf16 on the full profile; fp32 on an fp32 model): plain tensors.
 STORAGES = ("bf16", *FORMATS)
-# Groups whose targets read the source's stored KV instead of storing their own (SPEC §6).
-SHARED_GROUPS = tuple(name for name, g in ACCOUNTING_GROUPS.items() if g.shares_source_kv and not g.fp4)
 
 
 def _format(storage: str):
@@ -243,7 +241,7 @@ class _SharedStore:
             positions = torch.arange(k_src.shape[1], device=k_src.device)[None]
             self._step = (k_src, self.v.read(), *self.model.model.rotary_emb(k_src, positions))
         k_src, v_src, cos, sin = self._step
-        if layer == self.plan.source or self.group == "share_plain":
+        if layer == self.plan.source or not GROUPS[self.group].adapters:
             k, v = k_src, v_src
         else:
             k, v = self.parts.adapt(layer, k_src, v_src)
@@ -341,10 +339,7 @@ class SharedKVCache(DynamicCache):
             raise ValueError(f"group {group!r} has no shared store (SharedKVCache serves {list(SHARED_GROUPS)}); "
                              "use a DynamicCache for baseline/ced, or FP4KVCache for FP4 without sharing")
         parts = parts or CEDParts()
-        if group.endswith("csa2") and parts.adapters is None:
-            raise ValueError(f"group {group!r} needs adapters")
-        if group.startswith("ced") and parts.projector is None:
-            raise ValueError(f"group {group!r} needs a projector")
+        require_parts(group, parts)
         fmt = _format(storage)
         geo = geometry(model.config)
         plan.validate(geo)
@@ -360,9 +355,9 @@ class SharedKVCache(DynamicCache):
         """Install the hooks that feed the store (and, for ``ced_csa2``, the CED projection); always removed."""
         store = self._store
         with ExitStack() as stack:
-            if self.group.startswith("ced"):
+            if GROUPS[self.group].projected_source:
                 # Entered first, so the capture hook below sees the projected K/V.
-                stack.enter_context(CEDModeBRuntime(store.model, self.plan, "ced", store.parts))
+                stack.enter_context(CEDModeBRuntime(store.model, self.plan, "ced", store.parts, kv_format=None))
             store.captured = stack.enter_context(kv_hooks.capture(store.model, [self.plan.source]))
             stack.callback(setattr, store, "captured", None)
             yield self

@@ -33,6 +33,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .config import Params
+from .csa2 import CSA2Adapters
 from .fit_metrics import FitStats
 from .h5store import DumpError, DumpReader
 from .io_utils import atomic_write_text
@@ -43,8 +44,6 @@ from .ridge import load_ridge
 
 log = logging.getLogger(__name__)
 
-DUMP_PATH = Path("data/dump/dump.h5")
-RIDGE_PATH = Path("models/ridge.pt")
 _SHUFFLE_STREAM = 4  # numpy seed-sequence tag of TensorBatches (loader.py uses 0-3)
 
 
@@ -311,4 +310,27 @@ def write_plot(path: Path, rows: list[dict], columns: Iterable[str] | None = Non
     for r in rows:
         writer.writerow({k: f"{v:.8g}" if isinstance(v, float) else v for k, v in r.items()})
     atomic_write_text(path, buf.getvalue())
+
+
+KINDS = ("k", "v")
+
+
+
+def pair_names(plan: LayerPlan) -> tuple[list[str], list[str]]:
+    """Dataset names of the inputs ``[k_src, v_src]`` and the targets ``[k_t1, v_t1, k_t2, ...]``."""
+    return [f"{kind}_{plan.source}" for kind in KINDS], [f"{kind}_{t}" for t in plan.targets for kind in KINDS]
+
+
+
+def build_adapters(params: Params, plan: LayerPlan, kv_dim: int, ridge_path: Path) -> CSA2Adapters:
+    """Seeded adapters whose bases hold the ridge maps ``k_{t}``, ``v_{t}`` (MLPs at their zero start)."""
+    cfg = params.train_adapters
+    maps = ridge_maps(ridge_path, pair_names(plan)[1])
+    torch.manual_seed(params.seed)
+    adapters = CSA2Adapters(plan.targets, kv_dim, width_mult=cfg.width_mult, activation=cfg.activation)
+    for t in plan.targets:
+        for kind in KINDS:
+            m = maps[f"{kind}_{t}"]
+            adapters.adapter(kind, t).init_from_ridge(m["W"], m["b"])
+    return adapters
 

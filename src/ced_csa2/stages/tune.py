@@ -1,6 +1,6 @@
 """``tune@<objective>`` stages: the maps trained with another objective, from the ridge solution.
 
-    python -m ced_csa2.tune distill     # what `dvc repro tune@distill` runs
+    python -m ced_csa2.stages.tune distill     # what `dvc repro tune@distill` runs
 
 One pipeline branch per entry of ``train.objectives`` (``dvc.yaml`` loops over it), each
 starting from the closed-form maps of ``models/ridge.pt``: the projector's ``proj_{source}``
@@ -23,7 +23,6 @@ tokens/s, held-out losses) and ``metrics/objectives/<objective>/curve.csv``.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -31,66 +30,33 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .ced_runtime import CEDParts
-from .config import Params, params_hash, run_stage, to_dict
-from .csa2 import save_adapters
-from .dump import pad_batch, read_records, tokenize
-from .io_utils import write_json
-from .loader import record_split
-from .model_utils import Geometry, load_model_and_tokenizer, resolve_device
-from .objectives import (attn_out_loss, distill_loss, kl_distill, objective_loss, student_logits, substituted_layers,
-                         teacher_pass)
-from .plan import LayerPlan, load_plan
-from .projector import KVProjector, save_projector
-from .train_adapters import build_adapters
-from .train_projector import projector_path
-from .training import RIDGE_PATH, ridge_maps, warmup_cosine, write_plot
+from ..ced_runtime import CEDParts
+from ..config import Params, params_hash, require_listed, to_dict
+from ..csa2 import save_adapters
+from ..entry import objective_arg, run_stage
+from ..io_utils import write_json
+from ..model_utils import load_model_and_tokenizer, resolve_device
+from ..objectives import (
+    SAMPLE_STREAM,
+    attn_out_loss,
+    distill_loss,
+    kl_distill,
+    objective_loss,
+    online_records,
+    ridge_parts,
+    student_logits,
+    substituted_layers,
+    teacher_pass,
+)
+from ..paths import RIDGE_PATH, objective_metrics, objective_models, projector_path
+from ..plan import LayerPlan, load_plan
+from ..projector import save_projector
+from ..records import batches
+from ..training import warmup_cosine, write_plot
 
 log = logging.getLogger(__name__)
 
-TRAIN_JSONL = Path("data/corpus/train.jsonl")
 CURVE_COLUMNS = ("phase", "step", "epoch", "loss")
-_SAMPLE_STREAM = 5  # numpy seed-sequence tag (loader.py uses 0-3, training.py 4)
-
-
-def models_dir(objective: str) -> Path:
-    return Path("models/objectives") / objective
-
-
-def metrics_dir(objective: str) -> Path:
-    return Path("metrics/objectives") / objective
-
-
-def require_listed(params: Params, objective: str) -> None:
-    """Refuse an objective that ``train.objectives`` does not list (no branch of the pipeline runs it)."""
-    if objective not in params.train.objectives:
-        raise ValueError(f"objective {objective!r} is not in params.yaml train.objectives {params.train.objectives}")
-
-
-def ridge_parts(params: Params, plan: LayerPlan, geo: Geometry, ridge_path: Path) -> CEDParts:
-    """Projector and adapters at the ridge solution (seeded, float32)."""
-    m = ridge_maps(ridge_path, [f"proj_{plan.source}"])[f"proj_{plan.source}"]
-    projector = KVProjector(geo.hidden_size, geo.kv_dim)
-    projector.init_from_ridge(m["W"], m["b"])
-    return CEDParts(projector, build_adapters(params, plan, geo.kv_dim, ridge_path))
-
-
-def online_records(params: Params, tok, workdir: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """Seeded train and held-out token rows (the ridge stage's record split), cropped to ``seq_len``."""
-    cfg = params.train.online
-    rows = tokenize(tok, read_records(workdir / TRAIN_JSONL), params.data.max_tokens)
-    train, val = record_split(len(rows), params.split.val_fraction, params.seed)
-    rng = np.random.default_rng([params.seed, _SAMPLE_STREAM])
-    pick = [np.sort(rng.permutation(ix)[:n]) for ix, n in ((train, cfg.records), (val, cfg.val_records))]
-    return tuple([rows[i][:cfg.seq_len] for i in ix] for ix in pick)
-
-
-def batches(rows: list[list[int]], batch_size: int, pad_id: int, device, order=None) -> list[tuple]:
-    """``(ids, mask)`` ``(B, T)`` batches of ``rows`` (in ``order`` when given), right-padded."""
-    order = range(len(rows)) if order is None else order
-    rows = [rows[i] for i in order]
-    return [tuple(t.to(device) for t in pad_batch(rows[s:s + batch_size], pad_id))
-            for s in range(0, len(rows), batch_size)]
 
 
 def held_out(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str, val: list[tuple],
@@ -125,7 +91,7 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     rows, tokens, t0 = [], 0, time.perf_counter()
     bar = tqdm(total=steps, desc=f"tune {objective}/{group}", unit="step")
     for epoch in range(cfg.epochs):
-        order = np.random.default_rng([params.seed, _SAMPLE_STREAM, epoch]).permutation(len(train_rows))
+        order = np.random.default_rng([params.seed, SAMPLE_STREAM, epoch]).permutation(len(train_rows))
         for ids, mask in batches(train_rows, cfg.batch_size, pad_id, device, order):
             loss = objective_loss(objective, model, parts, plan, group, ids, mask, cfg.temperature, cfg.kv_weight)
             optimizer.zero_grad(set_to_none=True)
@@ -154,7 +120,7 @@ def save_parts(workdir: Path, objective: str, parts: CEDParts, params: Params, p
             # The ridge export does not depend on the online budget: same params, same bytes.
             "params_hash": params_hash(params.model, params.plan, params.split, params.ridge,
                                        *([params.train.online] if objective != "ridge" else []))}
-    out = workdir / models_dir(objective)
+    out = workdir / objective_models(objective)
     save_projector(out / projector_path(plan.source).name, parts.projector.cpu(), {**meta, "layer": plan.source})
     save_adapters(out / "adapters.pt", parts.adapters.cpu(), {**meta, "source": plan.source})
 
@@ -189,16 +155,10 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
                                "threads": torch.get_num_threads(), **to_dict(params.train.online)}
     save_parts(workdir, objective, parts, params, plan)
     metrics["wall_s"] = round(time.perf_counter() - t0, 3)
-    write_plot(workdir / metrics_dir(objective) / "curve.csv", curve, CURVE_COLUMNS)
-    write_json(workdir / metrics_dir(objective) / "train.json", metrics)
+    write_plot(workdir / objective_metrics(objective) / "curve.csv", curve, CURVE_COLUMNS)
+    write_json(workdir / objective_metrics(objective) / "train.json", metrics)
     return metrics
 
-
-def objective_arg(module: str) -> str:
-    """The one argument of ``python -m ced_csa2.<module> <objective>`` (the foreach stages' ``${item}``)."""
-    if len(sys.argv) != 2:
-        raise SystemExit(f"usage: python -m ced_csa2.{module} <objective>")
-    return sys.argv[1]
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The ``storage`` stage: stored KV bytes per token, per group, on every basis (SPEC §6).
 
-    python -m ced_csa2.storage       # what `dvc repro storage` runs
+    python -m ced_csa2.stages.storage       # what `dvc repro storage` runs
 
 Reads ``params.yaml`` and the active model's config (no weights), and writes
 ``metrics/storage.json`` with, for the active model and for the full Qwen3.5-4B geometry
@@ -23,20 +23,41 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .config import Params, run_stage
-from .csa2 import mlp_width
-from .io_utils import write_json
-from .fp4 import FORMATS as FP4_FORMATS
-from .kv_bytes import (BASES, CONTEXTS, DTYPE_BYTES, GROUPS, V4_ENTRY, V4_FLASH_CSA, V4_FLASH_HCA, V41_FULL_LAYERS,
-                       V41_INDEXER_K, V41_MAIN_KV, adapter_params, adapter_params_per_target, bytes_per_token,
-                       kv_copies, kv_proj_params, projector_params, stored_layers, v41_chain,
-                       v41_indexer_entry_bytes, v41_main_kv_entry_bytes, v4_entry_bytes, weight_copy)
-from .model_utils import QWEN3_5_4B_ID, Geometry, geometry
-from .plan import LayerPlan, load_plan
+from ..config import Params
+from ..csa2 import mlp_width
+from ..entry import run_stage
+from ..fp4 import FORMATS as FP4_FORMATS
+from ..groups import GROUPS
+from ..io_utils import write_json
+from ..kv_bytes import (
+    BASES,
+    CONTEXTS,
+    DTYPE_BYTES,
+    V4_ENTRY,
+    V4_FLASH_CSA,
+    V4_FLASH_HCA,
+    V41_FULL_LAYERS,
+    V41_INDEXER_K,
+    V41_MAIN_KV,
+    adapter_params,
+    adapter_params_per_target,
+    bytes_per_token,
+    kv_copies,
+    kv_proj_params,
+    projector_params,
+    stored_layers,
+    v4_entry_bytes,
+    v41_chain,
+    v41_indexer_entry_bytes,
+    v41_main_kv_entry_bytes,
+    weight_copy,
+)
+from ..model_utils import QWEN3_5_4B_ID, Geometry, geometry
+from ..paths import STORAGE_METRICS
+from ..plan import LayerPlan, load_plan
 
 log = logging.getLogger(__name__)
 
-METRICS_PATH = Path("metrics/storage.json")
 # The seed's plan on Qwen3.5-4B (SPEC §0): cut after 16, project 20, adapt 24/28/32.
 QWEN3_5_4B_PLAN = LayerPlan(split=16, source=20, targets=(24, 28, 32))
 
@@ -47,16 +68,7 @@ BASIS_DOC = {
                                           f"amortised over a {n}-token context"
        for name, n in CONTEXTS.items()},
 }
-GROUP_DOC = {
-    "baseline": "every attention layer stores its own K/V",
-    "ced": "as baseline: CED replaces the source's k_proj/v_proj by the projector, which changes compute, not bytes",
-    "csa2": "targets store nothing; they recompute K/V from the source's stored KV through the adapters",
-    "ced_csa2": "stores as csa2 (the stored source KV is the projected one)",
-    "share_plain": "stores as csa2, but targets reuse the source's KV unchanged: no adapter weights",
-    "baseline_fp4": "as baseline, every stored entry in FP4 (kv_format; D/2 + D/G bytes per entry)",
-    "csa2_fp4": "as csa2, the one shared source entry in FP4",
-    "ced_csa2_fp4": "as ced_csa2, the one shared source entry in FP4",
-}
+GROUP_DOC = {name: g.doc for name, g in GROUPS.items()}
 PROJECTOR_COUNTING = (
     "the projector is not in any amortised basis: it replaces the projected layer's k_proj/v_proj "
     "(bias-free, 2 * hidden * kv_dim), weights the base model holds anyway; its net extra is its bias, 2 * kv_dim")
@@ -162,8 +174,8 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
         "deepseek_v4_1": deepseek_section(),
         "note": seed_ratio_note(qwen),
     }
-    write_json(Path(workdir) / METRICS_PATH, metrics)
-    log.info("wrote %s", Path(workdir) / METRICS_PATH)
+    write_json(Path(workdir) / STORAGE_METRICS, metrics)
+    log.info("wrote %s", Path(workdir) / STORAGE_METRICS)
     return metrics
 
 

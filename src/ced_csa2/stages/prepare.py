@@ -1,6 +1,6 @@
 """``prepare`` stage: corpus records and the math set of the selected profile.
 
-    python -m ced_csa2.prepare       # what `dvc repro prepare` runs (from the repository root)
+    python -m ced_csa2.stages.prepare       # what `dvc repro prepare` runs (from the repository root)
 
 Reads ``params.yaml`` (``data`` selects the corpus and math set, ``model`` the
 tokenizer) and completely rewrites:
@@ -36,17 +36,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import sources
-from .assets import fetch_member
-from .config import DataConfig, Params, load_params
-from .io_utils import atomic_write_text, write_json
+from .. import sources
+from ..assets import fetch_member
+from ..config import DataConfig, Params
+from ..entry import run_stage
+from ..io_utils import atomic_write_text, write_json
+from ..paths import EVAL_JSONL, GSM8K_JSONL, PREPARE_METRICS, TRAIN_JSONL
 
 log = logging.getLogger(__name__)
 
-TRAIN_JSONL = Path("data/corpus/train.jsonl")
-EVAL_JSONL = Path("data/corpus/eval.jsonl")
-GSM8K_JSONL = Path("data/gsm8k.jsonl")
-METRICS_PATH = Path("metrics/prepare.json")
 
 _PARAGRAPH_SEP = "\n"  # paragraphs joined into one record keep their line breaks
 
@@ -311,19 +309,22 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
         "eval": split_stats(eval_),
         "math": {"label": data.math.label, "n": len(problems)},
     }
-    write_json(out_dir / METRICS_PATH, metrics)
+    write_json(out_dir / PREPARE_METRICS, metrics)
     log.info("Wrote %d train records (%d tokens), %d eval records (%d tokens), %d %s problems",
              len(train), metrics["train"]["tokens"], len(eval_), metrics["eval"]["tokens"],
              len(problems), data.math.label)
     return metrics
 
 
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from .model_utils import load_tokenizer  # imports torch; only the real stage needs it
+def run(params: Params, workdir: Path = Path(".")) -> dict:
+    """Write the corpus, the math set and ``metrics/prepare.json`` under ``workdir``."""
+    from ..model_utils import load_tokenizer  # imports torch; only the real stage needs it
 
-    params = load_params()
-    prepare(params, load_tokenizer(params.model), Path("."))
+    return prepare(params, load_tokenizer(params.model), Path(workdir))
+
+
+def main() -> None:
+    run_stage(run)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """``dump`` stage: hidden states and true K/V of the training corpus, to chunked HDF5.
 
-    python -m ced_csa2.dump          # what `dvc repro dump` runs
+    python -m ced_csa2.stages.dump          # what `dvc repro dump` runs
 
 Reads ``params.yaml`` and ``data/corpus/train.jsonl``; runs the base model over the
 records in batches (right padding, ``model.dtype`` compute) with hooks that capture
@@ -26,48 +26,19 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import kv_hooks
-from .config import Params, params_hash, run_stage, to_dict
-from .h5store import DumpLayout, DumpWriter
-from .io_utils import write_json
-from .model_utils import load_model_and_tokenizer, resolve_device, tokenizer_hash
-from .plan import LayerPlan, load_plan
+from .. import kv_hooks
+from ..config import Params, params_hash, to_dict
+from ..entry import run_stage
+from ..h5store import DumpLayout, DumpWriter
+from ..io_utils import write_json
+from ..model_utils import load_model_and_tokenizer, resolve_device, tokenizer_hash
+from ..paths import DUMP_METRICS, DUMP_PARTIAL, DUMP_PATH, TRAIN_JSONL
+from ..plan import LayerPlan, load_plan
+from ..records import pad_batch, read_records, tokenize
 
 log = logging.getLogger(__name__)
 
-TRAIN_JSONL = Path("data/corpus/train.jsonl")
-DUMP_PATH = Path("data/dump/dump.h5")
-PARTIAL_PATH = Path("data/dump.partial.h5")
-METRICS_PATH = Path("metrics/dump.json")
 
-
-def read_records(path: Path) -> list[dict]:
-    """Corpus records (``id``, ``source``, ``text``, ``n_tokens``), validated."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: corpus not found (run `dvc repro prepare`)")
-    records = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            raise ValueError(f"{path}:{i}: not a JSON object") from None
-        missing = {"id", "text", "n_tokens"} - set(rec)
-        if missing:
-            raise ValueError(f"{path}:{i}: record lacks {sorted(missing)}")
-        records.append(rec)
-    if not records:
-        raise ValueError(f"{path}: corpus is empty")
-    return records
-
-
-def tokenize(tok, records: list[dict], max_tokens: int) -> list[list[int]]:
-    """Token ids per record (default special tokens, truncated to ``max_tokens``)."""
-    ids = tok([r["text"] for r in records], truncation=True, max_length=max_tokens)["input_ids"]
-    for rec, row in zip(records, ids):
-        if len(row) != rec["n_tokens"]:
-            raise ValueError(f"record {rec['id']!r}: tokenizes to {len(row)} tokens, the corpus says "
-                             f"{rec['n_tokens']} (corpus made with another tokenizer? rerun prepare)")
-    return ids
 
 
 def fingerprint(params: Params, corpus: Path, tok_hash: str) -> str:
@@ -77,16 +48,6 @@ def fingerprint(params: Params, corpus: Path, tok_hash: str) -> str:
                          params.data.max_tokens, tok_hash], sort_keys=True).encode())
     return h.hexdigest()
 
-
-def pad_batch(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``(B, T_max)`` ids and attention mask."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-        mask[i, :len(r)] = 1
-    return ids, mask
 
 
 def to_storage(t: torch.Tensor, storage_dtype: str) -> np.ndarray:
@@ -137,7 +98,7 @@ def run(params: Params, workdir: Path = Path("."), *, max_batches: int | None = 
         "pre_norm": True, "pre_rope": True, "tokenizer_sha256": tok_hash,
         "params_hash": params_hash(params.model, params.plan, params.dump),
     }
-    writer = DumpWriter(workdir / DUMP_PATH, workdir / PARTIAL_PATH, layout, cfg.chunk_kib, attrs)
+    writer = DumpWriter(workdir / DUMP_PATH, workdir / DUMP_PARTIAL, layout, cfg.chunk_kib, attrs)
     start = writer.n_records
     batches = [list(range(i, min(i + cfg.batch_size, len(ids)))) for i in range(start, len(ids), cfg.batch_size)]
     log.info("dumping %d records (%d already done) of %s: layers %s + H_%d, %s compute, %s storage",
@@ -164,7 +125,7 @@ def run(params: Params, workdir: Path = Path("."), *, max_batches: int | None = 
         "threads": torch.get_num_threads(), "model": model_cfg.name, "compute_dtype": attrs["compute_dtype"],
         "storage_dtype": cfg.storage_dtype, "kv_layers": list(plan.kv_layers), "split": plan.split,
     }
-    write_json(workdir / METRICS_PATH, metrics)
+    write_json(workdir / DUMP_METRICS, metrics)
     log.info("wrote %s: %d records, %d tokens, %.1f MB", path, metrics["records"], metrics["tokens"],
              metrics["bytes"] / 1e6)
     return metrics

@@ -1,6 +1,6 @@
 """``report`` stage: the results table and plots from ``metrics/*.json``.
 
-    python -m ced_csa2.report            # what `dvc repro report` runs
+    python -m ced_csa2.stages.report            # what `dvc repro report` runs
 
 Writes ``reports/results.md`` (group x PPL, ΔPPL %, GSM8K exact match with Wilson 95%
 interval, gold-solution NLL, KV bytes/token and compression, each with its protocol
@@ -16,8 +16,9 @@ import json
 import logging
 from pathlib import Path
 
-from .config import Params, run_stage
-from .io_utils import atomic_write_text
+from ..config import Params
+from ..entry import run_stage
+from ..io_utils import atomic_write_text
 
 log = logging.getLogger(__name__)
 

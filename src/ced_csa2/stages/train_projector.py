@@ -1,6 +1,6 @@
 """``train_projector`` stage: the CED projector ``H_split -> K_l ‖ V_l`` of each projected layer.
 
-    python -m ced_csa2.train_projector     # what `dvc repro train_projector` runs
+    python -m ced_csa2.stages.train_projector     # what `dvc repro train_projector` runs
 
 Reads ``params.yaml`` and ``data/dump/dump.h5``.  Validates the plan and the dump first;
 splits the records as the ridge stage does (:func:`ced_csa2.loader.record_split`) and trains one
@@ -30,25 +30,19 @@ from pathlib import Path
 
 import torch
 
-from .config import Params, params_hash, run_stage, to_dict
-from .io_utils import write_json
-from .loader import BlockLoader
-from .model_utils import resolve_device
-from .plan import load_plan
-from .projector import KVProjector, save_projector, save_projectors
-from .training import (DUMP_PATH, Head, fit, split_masks, val_summary, warmup_cosine,
-                       write_plot)
+from ..config import Params, params_hash, to_dict
+from ..entry import run_stage
+from ..io_utils import write_json
+from ..loader import BlockLoader
+from ..model_utils import resolve_device
+from ..paths import DUMP_PATH, PROJECTOR_METRICS, PROJECTORS_EXTRA, projector_path
+from ..plan import load_plan
+from ..projector import KVProjector, save_projector, save_projectors
+from ..training import Head, fit, split_masks, val_summary, warmup_cosine, write_plot
 
 log = logging.getLogger(__name__)
 
-EXTRA_PATH = Path("models/projectors_extra.pt")
 PLOT_PATH = Path("metrics/plots/projector.csv")
-METRICS_PATH = Path("metrics/projector.json")
-
-
-def projector_path(layer: int) -> Path:
-    """Checkpoint of the source layer's projector, named as in the seed (``projector_k20v20.pt``)."""
-    return Path(f"models/projector_k{layer}v{layer}.pt")
 
 
 def build_projectors(params: Params, layers: tuple[int, ...], hidden_size: int, kv_dim: int
@@ -102,7 +96,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
             "params_hash": params_hash(params.model, params.plan, params.split, params.train_projector)}
     source, *extra = plan.projected
     save_projector(workdir / projector_path(source), projectors[source].cpu(), {**meta, "layer": source})
-    save_projectors(workdir / EXTRA_PATH, {layer: projectors[layer].cpu() for layer in extra},
+    save_projectors(workdir / PROJECTORS_EXTRA, {layer: projectors[layer].cpu() for layer in extra},
                     {**meta, "hidden_size": geo.hidden_size, "kv_dim": geo.kv_dim})
 
     metrics = {
@@ -113,7 +107,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
                 "wall_s": round(time.perf_counter() - t0, 3)},
     }
     write_plot(workdir / PLOT_PATH, rows)
-    write_json(workdir / METRICS_PATH, metrics)
+    write_json(workdir / PROJECTOR_METRICS, metrics)
     for layer, m in metrics["layers"].items():
         log.info("projector H_%d -> KV_%s: val R2 K %.4f V %.4f, cos K %.4f V %.4f", plan.split, layer,
                  m["k"]["r2"], m["v"]["r2"], m["k"]["cos"], m["v"]["cos"])

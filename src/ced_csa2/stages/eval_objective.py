@@ -1,6 +1,6 @@
 """``eval_objective@<objective>`` stages: perplexity and GSM8K gold NLL of one objective's maps.
 
-    python -m ced_csa2.eval_objective distill     # what `dvc repro eval_objective@distill` runs
+    python -m ced_csa2.stages.eval_objective distill     # what `dvc repro eval_objective@distill` runs
 
 Scores the maps of ``models/objectives/<objective>/`` (stage ``tune@<objective>``) for every
 group of ``train.eval_groups`` with exactly the main branch's protocols: the eval
@@ -18,22 +18,22 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .ced_runtime import CEDModeBRuntime, CEDParts
-from .config import Params, run_stage
-from .csa2 import load_adapters
-from .eval_gsm8k import GOLD_PATH, gold_nll, load_gold_pairs
-from .eval_ppl import eval_ids, group_ppl, protocol
-from .io_utils import write_json
-from .model_utils import load_model_and_tokenizer, resolve_device
-from .plan import load_plan
-from .projector import load_projector
-from .train_projector import projector_path
-from .tune import metrics_dir, models_dir, objective_arg, require_listed
+from ..ced_runtime import CEDModeBRuntime, CEDParts
+from ..config import Params, require_listed
+from ..csa2 import load_adapters
+from ..entry import objective_arg, run_stage
+from ..gsm8k import gold_nll, load_gold_pairs
+from ..io_utils import write_json
+from ..model_utils import load_model_and_tokenizer, resolve_device
+from ..paths import GOLD_PATH, objective_metrics, objective_models, projector_path
+from ..perplexity import eval_ids, group_ppl, protocol
+from ..plan import load_plan
+from ..projector import load_projector
 
 
 def load_objective_parts(workdir: Path, objective: str, params: Params, plan, device) -> CEDParts:
     """The projector and adapters ``tune@<objective>`` wrote, checked against the model and objective."""
-    folder, expect = workdir / models_dir(objective), {"model": params.model.name, "objective": objective}
+    folder, expect = workdir / objective_models(objective), {"model": params.model.name, "objective": objective}
     projector, _ = load_projector(folder / projector_path(plan.source).name, expect=expect, device=device)
     return CEDParts(projector, load_adapters(folder / "adapters.pt", device=device, expect=expect))
 
@@ -60,7 +60,7 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
         "groups": groups,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    write_json(workdir / metrics_dir(objective) / "eval.json", metrics)
+    write_json(workdir / objective_metrics(objective) / "eval.json", metrics)
     return metrics
 
 

@@ -1,6 +1,6 @@
 """``train_adapters`` stage: the CSA2 adapters ``KV_source -> KV_t`` of each target layer.
 
-    python -m ced_csa2.train_adapters      # what `dvc repro train_adapters` runs
+    python -m ced_csa2.stages.train_adapters      # what `dvc repro train_adapters` runs
 
 Reads ``params.yaml``, ``data/dump/dump.h5`` and ``models/ridge.pt``.  Validates the
 plan and the dump first; splits the records as the ridge stage does, samples
@@ -32,26 +32,21 @@ from pathlib import Path
 
 import torch
 
-from .config import Params, params_hash, run_stage, to_dict
-from .csa2 import CSA2Adapters, save_adapters
-from .io_utils import write_json
-from .loader import load_rows
-from .model_utils import resolve_device
-from .plan import LayerPlan, load_plan
-from .training import DUMP_PATH, RIDGE_PATH, Head, TensorBatches, fit, ridge_maps, split_masks, write_plot
+from ..config import Params, params_hash, to_dict
+from ..csa2 import CSA2Adapters, save_adapters
+from ..entry import run_stage
+from ..io_utils import write_json
+from ..loader import load_rows
+from ..model_utils import resolve_device
+from ..paths import ADAPTERS_METRICS, ADAPTERS_PATH, DUMP_PATH, RIDGE_PATH
+from ..plan import LayerPlan, load_plan
+from ..training import KINDS, Head, TensorBatches, build_adapters, fit, pair_names, split_masks, write_plot
 
 log = logging.getLogger(__name__)
 
-MODEL_PATH = Path("models/adapters.pt")
 PLOT_PATH = Path("metrics/plots/adapters.csv")
-METRICS_PATH = Path("metrics/adapters.json")
-KINDS = ("k", "v")
 GAIN_KEYS = ("r2", "cos", "rel_mse", "mse")
 
-
-def pair_names(plan: LayerPlan) -> tuple[list[str], list[str]]:
-    """Dataset names of the inputs ``[k_src, v_src]`` and the targets ``[k_t1, v_t1, k_t2, ...]``."""
-    return [f"{kind}_{plan.source}" for kind in KINDS], [f"{kind}_{t}" for t in plan.targets for kind in KINDS]
 
 
 def load_pairs(dump: Path, plan: LayerPlan, mask, kv_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,18 +55,6 @@ def load_pairs(dump: Path, plan: LayerPlan, mask, kv_dim: int) -> tuple[torch.Te
     data = load_rows(dump, x_names + y_names, mask)
     return data[:, :2 * kv_dim], data[:, 2 * kv_dim:]
 
-
-def build_adapters(params: Params, plan: LayerPlan, kv_dim: int, ridge_path: Path) -> CSA2Adapters:
-    """Seeded adapters whose bases hold the ridge maps ``k_{t}``, ``v_{t}`` (MLPs at their zero start)."""
-    cfg = params.train_adapters
-    maps = ridge_maps(ridge_path, pair_names(plan)[1])
-    torch.manual_seed(params.seed)
-    adapters = CSA2Adapters(plan.targets, kv_dim, width_mult=cfg.width_mult, activation=cfg.activation)
-    for t in plan.targets:
-        for kind in KINDS:
-            m = maps[f"{kind}_{t}"]
-            adapters.adapter(kind, t).init_from_ridge(m["W"], m["b"])
-    return adapters
 
 
 def heads_for(adapters: CSA2Adapters, kv_dim: int) -> list[Head]:
@@ -119,7 +102,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     rows, ridge, trained = fit(heads, optimizer_for(adapters, params), train, val, epochs=cfg.epochs,
                                device=device, amp_dtype=cfg.amp_dtype, desc="train_adapters")
 
-    save_adapters(workdir / MODEL_PATH, adapters.cpu(), {
+    save_adapters(workdir / ADAPTERS_PATH, adapters.cpu(), {
         "source": plan.source, "split": plan.split, "plan": to_dict(params.plan), "model": params.model.name,
         "model_id": params.model.hf_id or params.model.name, "seed": params.seed,
         "params_hash": params_hash(params.model, params.plan, params.split, params.ridge, params.train_adapters)})
@@ -136,7 +119,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
                 "amp_dtype": cfg.amp_dtype, "wall_s": round(time.perf_counter() - t0, 3)},
     }
     write_plot(workdir / PLOT_PATH, rows)
-    write_json(workdir / METRICS_PATH, metrics)
+    write_json(workdir / ADAPTERS_METRICS, metrics)
     for t, m in layers.items():
         log.info("adapters KV_%d -> KV_%s: val R2 K %.4f (ridge %.4f), V %.4f (ridge %.4f)", plan.source, t,
                  m["k"]["trained"]["r2"], m["k"]["ridge"]["r2"], m["v"]["trained"]["r2"], m["v"]["ridge"]["r2"])

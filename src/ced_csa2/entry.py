@@ -1,0 +1,74 @@
+"""How a stage module starts: ``python -m ced_csa2.stages.<stage> [objective]``.
+
+:func:`run_stage` loads and validates ``params.yaml``, then calls the stage's
+``run(params, *args)`` from the repository root.  With ``CED_CSA2_RECORD_READS=<dir>`` it
+also writes ``<dir>/<stage>.json``: the params keys and the project files the stage read
+(``tests/test_graph.py`` compares them with the stage's entry in ``dvc.yaml``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .config import load_params, record_reads
+
+RECORD_ENV = "CED_CSA2_RECORD_READS"
+# Files under these folders are pipeline artifacts: a stage that reads one must declare it.
+ARTIFACT_DIRS = ("data", "models", "metrics", "reports")
+_FILES_READ: set[str] | None = None
+
+
+def _audit(event: str, args: tuple) -> None:
+    # sys.audit's "open" fires for every Python-level open (builtins, io, pathlib, torch.load);
+    # h5py opens through the HDF5 C library, so h5store raises "ced_csa2.read" itself.
+    if _FILES_READ is None or event not in ("open", "ced_csa2.read"):
+        return
+    path, mode, flags = (args + (None, None))[:3]
+    if isinstance(path, int):
+        return
+    writing = (mode is not None and any(c in str(mode) for c in "wax")) or (
+        mode is None and flags is not None and flags & (os.O_WRONLY | os.O_RDWR))
+    if writing:
+        return
+    try:
+        rel = Path(os.fsdecode(path)).resolve().relative_to(Path.cwd().resolve())
+    except ValueError:  # outside the repository (asset cache, site-packages)
+        return
+    if rel.parts and rel.parts[0] in ARTIFACT_DIRS:
+        _FILES_READ.add(rel.as_posix())
+
+
+def stage_name(run, args: tuple) -> str:
+    """``tune@distill`` for ``ced_csa2.stages.tune.run`` with argument ``distill``."""
+    name = run.__module__.rsplit(".", 1)[-1]
+    return f"{name}@{args[0]}" if args else name
+
+
+def run_stage(run, *args) -> None:
+    """Entry point of a stage module: log to stderr, then ``run(load_params(), *args)`` from the cwd."""
+    global _FILES_READ
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    record_dir = os.environ.get(RECORD_ENV)
+    params = load_params()
+    if not record_dir:
+        run(params, *args)
+        return
+    _FILES_READ = set()
+    sys.addaudithook(_audit)
+    with record_reads() as keys:
+        run(params, *args)
+    out = Path(record_dir) / f"{stage_name(run, args)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"params": sorted(keys), "files": sorted(_FILES_READ)}, indent=1))
+
+
+def objective_arg(stage: str) -> str:
+    """The one argument of ``python -m ced_csa2.stages.<stage> <objective>`` (the foreach stages' ``${item}``)."""
+    if len(sys.argv) != 2:
+        raise SystemExit(f"usage: python -m ced_csa2.stages.{stage} <objective>")
+    return sys.argv[1]

@@ -1,0 +1,54 @@
+"""Every file the pipeline reads or writes, relative to the repository root (defined once).
+
+``dvc.yaml`` names the same paths; ``tests/test_graph.py`` checks that each stage
+declares every one of them it reads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DATA, MODELS, METRICS, REPORTS = Path("data"), Path("models"), Path("metrics"), Path("reports")
+
+# prepare
+CORPUS_DIR = DATA / "corpus"
+TRAIN_JSONL = CORPUS_DIR / "train.jsonl"
+EVAL_JSONL = CORPUS_DIR / "eval.jsonl"
+GSM8K_JSONL = DATA / "gsm8k.jsonl"
+PREPARE_METRICS = METRICS / "prepare.json"
+
+# dump (the partial file lives outside the DVC out: DVC deletes outs before a run)
+DUMP_PATH = DATA / "dump" / "dump.h5"
+DUMP_PARTIAL = DATA / "dump.partial.h5"
+DUMP_METRICS = METRICS / "dump.json"
+
+# ridge, train_projector, train_adapters
+RIDGE_PATH = MODELS / "ridge.pt"
+RIDGE_METRICS = METRICS / "ridge.json"
+PROJECTORS_EXTRA = MODELS / "projectors_extra.pt"
+PROJECTOR_METRICS = METRICS / "projector.json"
+ADAPTERS_PATH = MODELS / "adapters.pt"
+ADAPTERS_METRICS = METRICS / "adapters.json"
+CURVES = METRICS / "curves"  # one series per file: curves/<stage>/<series>.tsv
+
+# evaluation, storage, report
+PPL_METRICS = METRICS / "ppl.json"
+GSM8K_METRICS = METRICS / "gsm8k.json"
+GOLD_PATH = DATA / "gsm8k_gold.json"
+STORAGE_METRICS = METRICS / "storage.json"
+SUMMARY = METRICS / "summary.json"
+
+
+def projector_path(layer: int, models: Path = MODELS) -> Path:
+    """Checkpoint of the source layer's projector, named as in the seed (``projector_k20v20.pt``)."""
+    return models / f"projector_k{layer}v{layer}.pt"
+
+
+def objective_models(objective: str) -> Path:
+    """Maps written by ``tune@<objective>``."""
+    return MODELS / "objectives" / objective
+
+
+def objective_metrics(objective: str) -> Path:
+    """``train.json`` and ``eval.json`` of one objective's branch."""
+    return METRICS / "objectives" / objective

@@ -1,0 +1,59 @@
+"""Corpus records as token rows: reading ``data/corpus/*.jsonl``, tokenising, padding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def read_records(path: Path) -> list[dict]:
+    """Corpus records (``id``, ``source``, ``text``, ``n_tokens``), validated."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: corpus not found (run `dvc repro prepare`)")
+    records = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{i}: not a JSON object") from None
+        missing = {"id", "text", "n_tokens"} - set(rec)
+        if missing:
+            raise ValueError(f"{path}:{i}: record lacks {sorted(missing)}")
+        records.append(rec)
+    if not records:
+        raise ValueError(f"{path}: corpus is empty")
+    return records
+
+
+
+def tokenize(tok, records: list[dict], max_tokens: int) -> list[list[int]]:
+    """Token ids per record (default special tokens, truncated to ``max_tokens``)."""
+    ids = tok([r["text"] for r in records], truncation=True, max_length=max_tokens)["input_ids"]
+    for rec, row in zip(records, ids):
+        if len(row) != rec["n_tokens"]:
+            raise ValueError(f"record {rec['id']!r}: tokenizes to {len(row)} tokens, the corpus says "
+                             f"{rec['n_tokens']} (corpus made with another tokenizer? rerun prepare)")
+    return ids
+
+
+
+def pad_batch(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``(B, T_max)`` ids and attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
+def batches(rows: list[list[int]], batch_size: int, pad_id: int, device, order=None) -> list[tuple]:
+    """``(ids, mask)`` ``(B, T)`` batches of ``rows`` (in ``order`` when given), right-padded."""
+    order = range(len(rows)) if order is None else order
+    rows = [rows[i] for i in order]
+    return [tuple(t.to(device) for t in pad_batch(rows[s:s + batch_size], pad_id))
+            for s in range(0, len(rows), batch_size)]
+

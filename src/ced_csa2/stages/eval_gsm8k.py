@@ -1,0 +1,146 @@
+"""``eval_gsm8k`` stage: GSM8K accuracy of every runtime group through lm-eval, plus gold NLL.
+
+    python -m ced_csa2.stages.eval_gsm8k        # what `dvc repro eval_gsm8k` runs
+
+Protocol.  The problems of ``data/gsm8k.jsonl`` (``data.math.label``: "GSM8K-100" on the
+embedded default, never "GSM8K test") are all evaluated, in file order, with lm-eval's
+own ``gsm8k`` task: a generated task YAML pulls in the installed ``gsm8k.yaml`` with
+``include:``, so its prompt (``"Question: {q}\\nAnswer:"``), stop sequences, greedy
+decoding and the ``strict-match`` (``#### N``) and ``flexible-extract`` (last number)
+filters are used unchanged; only the data source is replaced (``dataset_path: json``,
+the file's single split as test split).  Few-shot exemplars (``eval_gsm8k.num_fewshot``
+> 0) never come from the evaluated problems: they are the first ``num_fewshot`` of
+lm-eval's inline ``gsm8k-cot`` exemplars, rewritten into GSM8K's ``... \\n#### N`` answer
+format.  No chat template.  Generation stops after ``eval_gsm8k.max_gen_toks`` tokens.
+Everything runs offline (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``).
+
+For each group of ``eval_gsm8k.groups`` the model runs inside
+:class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (Mode B substitution) and the stage
+reports:
+
+* per filter (``strict-match``, ``flexible-extract``): ``exact_match``, ``correct``,
+  ``n`` and ``ci95`` (Wilson score interval, z = 1.96);
+* ``gold_nll`` (``nll_per_token``, ``tokens``): teacher-forced negative log-likelihood
+  per token of the gold ``answer`` (after lm-eval's target delimiter ``" "``) given the
+  exact prompt lm-eval generated from (few-shot context included), token-weighted over
+  all problems and tokenised as lm-eval's loglikelihood requests are.  On a small
+  model, accuracy is near zero for every group; this is the signal that still moves;
+* ``seconds``: wall time of the group (generation + gold NLL).
+
+Writes ``metrics/gsm8k.json``: ``{"protocol": {...}, "groups": {group: {...}}}``, and
+``data/gsm8k_gold.json``: the tokenised gold pairs (``[ids, context_length]`` per
+problem; the same for every group), so that other stages score gold NLL on exactly
+these prompts without re-running lm-eval.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+from ..ced_runtime import CEDParts, load_parts
+from ..config import Params
+from ..entry import run_stage
+from ..gsm8k import (
+    FEWSHOT_SOURCE,
+    _offline,
+    count_problems,
+    evaluate_group,
+    write_task_yaml,
+)
+from ..io_utils import write_json
+from ..model_utils import load_model_and_tokenizer, resolve_device
+from ..plan import load_plan
+
+log = logging.getLogger(__name__)
+
+GSM8K_JSONL = Path("data/gsm8k.jsonl")
+METRICS_PATH = Path("metrics/gsm8k.json")
+GOLD_PATH = Path("data/gsm8k_gold.json")
+
+
+
+# ----------------------------------------------------------------------------- the lm-eval task
+
+
+# ----------------------------------------------------------------------------- one group
+
+
+# ----------------------------------------------------------------------------- stage
+
+
+def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = None,
+        model_and_tok=None) -> dict:
+    """Evaluate every group and write ``metrics/gsm8k.json``; returns what it wrote.
+
+    Parameters
+    ----------
+    params
+        Validated parameters (``seed``, ``model``, ``plan``, ``data.math.label``, ``eval_gsm8k``).
+    workdir
+        Repository root holding ``data/`` and ``models/``.
+    parts
+        Trained maps; loaded from ``workdir/models`` when ``None`` and a group needs them.
+    model_and_tok
+        ``(model, tokenizer)`` to use instead of loading ``params.model`` (tests).
+    """
+    _offline()
+    from lm_eval import __version__ as lm_eval_version
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    workdir, cfg = Path(workdir), params.eval_gsm8k
+    data_file = workdir / GSM8K_JSONL
+    n = count_problems(data_file)
+    plan, _ = load_plan(params.plan, params.model)
+    model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(cfg.device))
+    if parts is None and any(g != "baseline" for g in cfg.groups):
+        parts = load_parts(workdir / "models", plan, device=model.device, expect={"model": params.model.name})
+    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=cfg.batch_size)
+    log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d) for groups %s", params.data.math.label, n,
+             cfg.num_fewshot, cfg.max_gen_toks, list(cfg.groups))
+
+    groups, pairs = {}, None
+    with tempfile.TemporaryDirectory(prefix="ced_csa2_gsm8k_") as tmp:
+        write_task_yaml(Path(tmp), data_file, cfg.num_fewshot)
+        # The task includes gsm8k.yaml by absolute path: lm-eval's index of its
+        # built-in tasks (thousands of YAML files) is not needed.
+        task_manager = TaskManager(include_path=tmp, include_defaults=False)
+        for i, group in enumerate(cfg.groups, 1):
+            log.info("group %d/%d: %s", i, len(cfg.groups), group)
+            groups[group], group_pairs = evaluate_group(lm, model, plan, group, parts, task_manager, params,
+                                                        tok.pad_token_id)
+            if pairs is not None and group_pairs != pairs:
+                raise RuntimeError(f"lm-eval built different prompts for group {group!r} than for {cfg.groups[0]!r}")
+            pairs = group_pairs
+            g = groups[group]
+            if g["strict-match"]["n"] != n:
+                raise RuntimeError(f"lm-eval evaluated {g['strict-match']['n']} problems, expected all {n}")
+            log.info("%s: strict-match %d/%d, flexible-extract %d/%d, gold NLL %.4f/token", group,
+                     g["strict-match"]["correct"], n, g["flexible-extract"]["correct"], n,
+                     g["gold_nll"]["nll_per_token"])
+
+    metrics = {
+        "protocol": {
+            "model": params.model.name, "math_set": params.data.math.label, "n": n,
+            "num_fewshot": cfg.num_fewshot, "fewshot_source": FEWSHOT_SOURCE if cfg.num_fewshot else None,
+            "max_gen_toks": cfg.max_gen_toks, "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(model.device), "lm_eval": lm_eval_version, "task": "lm-eval gsm8k.yaml on local data",
+            "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
+        },
+        "groups": groups,
+    }
+    write_json(workdir / GOLD_PATH, {"model": params.model.name, "math_set": params.data.math.label,
+                                      "num_fewshot": cfg.num_fewshot, "pairs": pairs})
+    write_json(workdir / METRICS_PATH, metrics)
+    return metrics
+
+
+
+def main() -> None:
+    run_stage(run)
+
+
+if __name__ == "__main__":
+    main()

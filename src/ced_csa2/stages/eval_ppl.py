@@ -1,0 +1,72 @@
+"""``eval_ppl`` stage: perplexity of every runtime group, and Mode A's prefix perplexity.
+
+    python -m ced_csa2.stages.eval_ppl          # what `dvc repro eval_ppl` runs
+
+Protocol.  The records of ``data/corpus/eval.jsonl`` (held-out articles on the embedded
+default, WikiText-2 test lines on the full profile), each truncated to
+``data.max_tokens``, are scored teacher-forced.  Perplexity is corpus-level:
+``exp(sum NLL / sum scored tokens)`` over all records, every token after the first
+scored once.
+
+* Mode B: one figure per group in ``eval_ppl.groups`` and its change against baseline.
+* Mode A: prompt = first ``prefix_fraction`` of each record, scored on the rest, for the
+  plain model and for the prefill skip (non-attention layers above the cut start from
+  a zero state).  Needs a covering plan; otherwise an explicit "not covered" entry
+  names the uncovered attention layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..ced_runtime import CEDParts, load_parts
+from ..config import Params
+from ..entry import run_stage
+from ..io_utils import write_json
+from ..model_utils import load_model_and_tokenizer, resolve_device
+from ..paths import PPL_METRICS
+from ..perplexity import delta_pct, eval_ids, group_ppl, mode_a_prefix, protocol
+from ..plan import load_plan
+
+log = logging.getLogger(__name__)
+
+
+
+
+def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = None,
+        model_and_tok=None) -> dict:
+    """Score every group; ``parts``/``model_and_tok`` override loading (tests)."""
+    workdir, cfg = Path(workdir), params.eval_ppl
+    plan, geo = load_plan(params.plan, params.model)
+    device = resolve_device(cfg.device)
+    model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
+    if parts is None:
+        parts = load_parts(workdir / "models", plan, device=device, expect={"model": params.model.name})
+    ids = eval_ids(params, tok, workdir)
+    groups, t0 = {}, time.perf_counter()
+    for group in tqdm(cfg.groups, desc="eval_ppl groups"):
+        groups[group] = group_ppl(model, plan, group, parts, ids, params, tok.pad_token_id)
+    if "baseline" in groups:
+        for g in groups.values():
+            g["delta_pct"] = delta_pct(g["ppl"], groups["baseline"]["ppl"])
+    mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, cfg.batch_size, tok.pad_token_id)
+    metrics = {
+        "protocol": protocol(params, model, plan, ids, groups[cfg.groups[0]]["tokens"]),
+        "groups": groups,
+        "mode_a": mode_a,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    write_json(workdir / PPL_METRICS, metrics)
+    return metrics
+
+
+def main() -> None:
+    run_stage(run)
+
+
+if __name__ == "__main__":
+    main()

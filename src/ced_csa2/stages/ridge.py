@@ -1,0 +1,68 @@
+"""``ridge`` stage: closed-form maps fitted on the dump, and their held-out fit.
+
+    python -m ced_csa2.stages.stages.ridge      # what `dvc repro ridge` runs
+
+Reads ``params.yaml`` and ``data/dump/dump.h5``; fits the maps of
+:mod:`ced_csa2.ridge` on the train records and measures them on the validation records.
+Writes ``models/ridge.pt`` and ``metrics/ridge.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from ..config import Params, params_hash, to_dict
+from ..entry import run_stage
+from ..h5store import DumpReader
+from ..io_utils import write_json
+from ..loader import aligned_block_rows, record_split, row_mask
+from ..paths import DUMP_PATH, RIDGE_METRICS, RIDGE_PATH
+from ..plan import LayerPlan
+from ..ridge import DUMP_ATTRS, evaluate_maps, fit_maps, map_groups, save_ridge
+
+log = logging.getLogger(__name__)
+
+
+def run(params: Params, workdir: Path = Path(".")) -> dict:
+    """Fit, validate and write the ridge maps; returns the metrics written to ``metrics/ridge.json``."""
+    workdir, t0 = Path(workdir), time.perf_counter()
+    plan, lam = LayerPlan.from_config(params.plan), params.ridge.lam
+    groups = map_groups(plan)
+    with DumpReader(workdir / DUMP_PATH) as reader:
+        reader.check(kv_layers=plan.kv_layers)
+        train, val = record_split(reader.n_records, params.split.val_fraction, params.seed)
+        train_mask = row_mask(reader.record_offsets, train, 0, params.seed)
+        val_mask = row_mask(reader.record_offsets, val, 0, params.seed)
+        block_rows = aligned_block_rows(reader, params.ridge.block_rows)
+        log.info("ridge lambda=%g on %s: %d train records (%d rows), %d val records (%d rows), blocks of %d rows",
+                 lam, reader.path, len(train), train_mask.sum(), len(val), val_mask.sum(), block_rows)
+        maps = fit_maps(reader, groups, train_mask, block_rows, lam)
+        fits = evaluate_maps(reader, groups, maps, val_mask, block_rows)
+        dump_attrs = {k: str(reader.attrs[k]) for k in DUMP_ATTRS if k in reader.attrs}
+    for name, f in fits.items():
+        log.info("%-12s val R2 %.4f  cos %.4f  rel_mse %.4g", name, f["r2"], f["cos"], f["rel_mse"])
+    meta = {
+        "lambda": lam, "n_train_rows": int(train_mask.sum()), "n_train_records": len(train),
+        "plan": to_dict(params.plan), "seed": params.seed, "dump": dump_attrs,
+        "params_hash": params_hash(params.plan, params.split, params.ridge),
+    }
+    save_ridge(workdir / RIDGE_PATH, maps, meta)
+    metrics = dict(fits)
+    metrics["run"] = {
+        "lambda": lam, "n_train_rows": int(train_mask.sum()), "n_val_rows": int(val_mask.sum()),
+        "n_train_records": len(train), "n_val_records": len(val),
+        "wall_s": round(time.perf_counter() - t0, 3),
+    }
+    write_json(workdir / RIDGE_METRICS, metrics)
+    log.info("wrote %s and %s", workdir / RIDGE_PATH, workdir / RIDGE_METRICS)
+    return metrics
+
+
+def main() -> None:
+    run_stage(run)
+
+
+if __name__ == "__main__":
+    main()
