@@ -8,7 +8,7 @@ from ced_csa2.checkpoint import CheckpointError
 from ced_csa2.csa2 import CSA2Adapters, KVAdapter, ResidualMLP, load_adapters, mlp_width, save_adapters
 
 META = {"source": 20, "split": 16, "plan": {"split": 16, "source": 20, "targets": [24, 28, 32]},
-        "model": "qwen3_5_4b", "model_id": "Qwen/Qwen3.5-4B", "params_hash": "0123456789abcdef"}
+        "model": "qwen3_5_4b", "model_id": "Qwen/Qwen3.5-4B", "hidden_size": 64, "params_hash": "0123456789abcdef"}
 
 
 def trained_like(layers=(24, 28), kv=32, seed=0):

@@ -1,5 +1,6 @@
 """The eval_gsm8k stage runs lm-eval's gsm8k offline per group; Wilson CI and gold NLL are exact."""
 
+import dataclasses
 import json
 import math
 
@@ -10,8 +11,8 @@ from test_ced_runtime import random_parts
 
 from ced_csa2 import gsm8k, paths
 from ced_csa2.model_utils import geometry
-from ced_csa2.plan import LayerPlan
-from ced_csa2.stages import eval_gsm8k
+from ced_csa2.plan import LayerPlan, load_plan
+from ced_csa2.stages import eval_gsm8k, prepare
 
 # Short on purpose: the tiny model's tokenizer is byte-level and its GatedDeltaNet
 # layers run the slow reference kernels, so prompt length is what the test pays for.
@@ -120,3 +121,99 @@ def test_stage_end_to_end_two_groups(tmp_path, tiny_model):
     other = tiny_params(eval_gsm8k={"num_fewshot": 2})
     with pytest.raises(ValueError, match=r"gsm8k_gold.json was written for .*num_fewshot"):
         gsm8k.load_gold_pairs(tmp_path / paths.GOLD_PATH, other)
+
+
+# ----------------------------------------------------------------------------- exact match through lm-eval's filters
+
+def _gold(answer: str, doc_id: int) -> str:
+    return answer  # GSM8K format: '... <<a+b=c>>c ...\n#### c'
+
+
+def _off_by_one(answer: str, doc_id: int) -> str:
+    body, n = answer.rsplit("#### ", 1)
+    return f"{body}#### {int(n) + 1}"
+
+
+def _last_number_only(answer: str, doc_id: int) -> str:
+    body, n = answer.rsplit("\n#### ", 1)
+    return f"{body}\nSo the answer is {n}."  # right last number, no '#### N' line
+
+
+def _even_gold_odd_off(answer: str, doc_id: int) -> str:
+    return (_gold if doc_id % 2 == 0 else _off_by_one)(answer, doc_id)
+
+
+def scripted_lm(model, tok, reply):
+    """lm-eval's own ``HFLM`` over ``model``, except that ``generate_until`` answers each request
+    with ``reply(gold answer, doc_id)``; log-likelihood and tokenisation stay HFLM's."""
+    from lm_eval.models.huggingface import HFLM
+
+    class ScriptedLM(HFLM):
+        def generate_until(self, requests, disable_tqdm=False):
+            self.requests = list(requests)
+            return [reply(r.doc["answer"], r.doc_id) for r in requests]
+
+    return ScriptedLM(pretrained=model, tokenizer=tok, batch_size=4)
+
+
+# Wilson 95% at n = 6, by hand (z = 1.96): 0/6 and 6/6: half = 0.1951715 around centre 0.1951715
+# (resp. 0.8048285); 3/6: centre 0.5, half 0.3123872.
+WILSON_6 = {0: [0.0, 0.390343], 3: [0.187613, 0.812387], 6: [0.609657, 1.0]}
+
+
+@pytest.mark.parametrize("reply, strict, flexible", [
+    (_gold, 6, 6),
+    (_off_by_one, 0, 0),
+    (_last_number_only, 0, 6),
+    (_even_gold_odd_off, 3, 3),
+], ids=["gold", "off_by_one", "last_number_only", "half_right"])
+def test_exact_match_through_lm_eval_filters(tmp_path, tiny_model, reply, strict, flexible):
+    """Scripted generations through the stage's own lm-eval path: strict-match wants '#### N',
+    flexible-extract the last number; counts, exact_match and Wilson CI come out per filter."""
+    from lm_eval.tasks import TaskManager
+
+    model, tok = tiny_model
+    params = tiny_params(eval_gsm8k={"groups": ["baseline"], "batch_size": 4})
+    problems = prepare.math_problems(params.data)  # the tiny profile's math set, as `prepare` writes it
+    assert len(problems) == 6 and all(p["answer"].endswith(f"#### {p['target']}") for p in problems)
+    data = write_problems(tmp_path, problems)
+    task_dir = tmp_path / "task"
+    task_dir.mkdir()
+    gsm8k.write_task_yaml(task_dir, data, params.eval_gsm8k.num_fewshot)
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    plan, _ = load_plan(params.plan, params.model)
+    lm = scripted_lm(model, tok, reply)
+
+    out, pairs = gsm8k.evaluate_group(lm, model, plan, "baseline", None, manager, params, tok.pad_token_id)
+
+    assert sorted(r.doc_id for r in lm.requests) == list(range(6))  # every problem generated once
+    for name, correct in (("strict-match", strict), ("flexible-extract", flexible)):
+        acc = out[name]
+        assert (acc["correct"], acc["n"]) == (correct, 6), name
+        assert acc["exact_match"] == pytest.approx(correct / 6), name
+        assert acc["ci95"] == pytest.approx(WILSON_6[correct], abs=1e-6), name
+    assert len(pairs) == 6 and out["gold_nll"]["tokens"] > 0
+
+
+# ----------------------------------------------------------------------------- kv_format end to end
+
+FP4_GROUPS = ("baseline_fp4", "csa2_fp4", "ced_csa2_fp4")
+
+
+def test_stage_passes_kv_format_to_every_fp4_group(tmp_path, tiny_model):
+    """nvfp4 vs mxfp4 moves the FP4 groups' gold NLL, leaves baseline bit-identical, and is recorded."""
+    model, tok = tiny_model
+    write_problems(tmp_path, PROBLEMS[:2])
+    params = tiny_params(eval_gsm8k={"groups": ["baseline", *FP4_GROUPS], "max_gen_toks": 1, "batch_size": 2})
+    parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 28, 32)))
+    nll = {}
+    for fmt in ("nvfp4", "mxfp4"):
+        m = eval_gsm8k.run(dataclasses.replace(params, kv_format=fmt), tmp_path, parts=parts,
+                           model_and_tok=(model, tok))
+        assert m["protocol"]["kv_format"] == fmt
+        assert json.loads((tmp_path / paths.GSM8K_METRICS).read_text())["protocol"]["kv_format"] == fmt
+        nll[fmt] = {g: v["gold_nll"]["nll_per_token"] for g, v in m["groups"].items()}
+    nv, mx = nll["nvfp4"], nll["mxfp4"]
+    assert nv["baseline"] == mx["baseline"]
+    for g in FP4_GROUPS:  # measured: |nvfp4 - mxfp4| >= 4e-5 nats/token (csa2_fp4, the smallest)
+        assert abs(nv[g] - mx[g]) > 1e-6, (g, nv[g], mx[g])

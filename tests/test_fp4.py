@@ -1,4 +1,4 @@
-"""FP4 storage formats (SPEC §7, seed 003 §4.4): E2M1 codes, NVFP4-style and OCP MXFP4 blocks."""
+"""FP4 storage formats (docs/design.md §7, seed 003 §4.4): E2M1 codes, NVFP4-style and OCP MXFP4 blocks."""
 
 import math
 

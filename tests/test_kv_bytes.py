@@ -1,4 +1,4 @@
-"""Exact KV byte accounting: the SPEC §6 / seed 003 test vectors and this project's groups."""
+"""Exact KV byte accounting: the docs/design.md §6 / seed 003 test vectors and this project's groups."""
 
 import pytest
 

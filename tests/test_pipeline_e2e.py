@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -17,9 +18,9 @@ OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5", "train_adapters.
              "train.online.records=8", "train.online.val_records=2", "train.online.seq_len=32"]
 
 
-def sh(cwd, *cmd):
+def sh(cwd, *cmd, **env_extra):
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               DVC_NO_ANALYTICS="1", PYTHONPATH=str(ROOT / "src"))
+               DVC_NO_ANALYTICS="1", PYTHONPATH=str(ROOT / "src"), **env_extra)
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout + proc.stderr
@@ -46,16 +47,22 @@ def repo(tmp_path_factory):
     return dst
 
 
-def test_repro_prepare_dump_then_nothing_to_do(repo):
-    sh(repo, "dvc", "repro", "prepare", "dump")
+@pytest.fixture(scope="module")
+def reads(tmp_path_factory):
+    """Where the full run records, per stage, the params keys and artifact files it read."""
+    return tmp_path_factory.mktemp("reads")
+
+
+def test_repro_prepare_dump_then_nothing_to_do(repo, reads):
+    sh(repo, "dvc", "repro", "prepare", "dump", CED_CSA2_RECORD_READS=str(reads))
     metrics = json.loads((repo / "metrics/dump.json").read_text())
     assert metrics["records"] == 48 and metrics["tokens"] > 0
     assert (repo / "data/dump/dump.h5").is_file() and not list((repo / "data").glob("*.partial.*"))
     assert stages_run(sh(repo, "dvc", "repro", "prepare", "dump")) == set()
 
 
-def test_full_pipeline_writes_every_metric_and_the_report(repo):
-    sh(repo, "dvc", "repro")
+def test_full_pipeline_writes_every_metric_and_the_report(repo, reads):
+    sh(repo, "dvc", "repro", CED_CSA2_RECORD_READS=str(reads))
     for name in ("prepare", "dump", "ridge", "projector", "adapters", "ppl", "gsm8k", "storage"):
         assert (repo / f"metrics/{name}.json").is_file(), name
     report = (repo / "reports/results.md").read_text()
@@ -72,6 +79,62 @@ def test_full_pipeline_writes_every_metric_and_the_report(repo):
     for png in ("ppl_by_group", "adapter_cosine", "bytes_vs_ppl"):
         assert (repo / f"reports/{png}.png").stat().st_size > 1000
     assert stages_run(sh(repo, "dvc", "repro")) == set()
+
+
+def covers(declared: str, key: str) -> bool:
+    return key == declared or key.startswith(declared + ".")
+
+
+def template(stage: str) -> str:
+    return stage.split("@")[0]  # tune@distill -> tune: one dvc.yaml entry for every item
+
+
+def test_every_stage_declares_exactly_the_params_and_files_it_reads(repo, reads):
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    recorded = {p.stem: json.loads(p.read_text()) for p in reads.glob("*.json")}
+    assert set(recorded) == set(lock)
+    unread: dict[str, set] = {}
+    for stage, seen in recorded.items():
+        declared = set(lock[stage].get("params", {}).get("params.yaml", {}))
+        undeclared = [k for k in seen["params"] if not any(covers(d, k) for d in declared)]
+        assert not undeclared, f"{stage} reads params it does not declare in dvc.yaml: {undeclared}"
+        # A foreach entry declares the union of its items' reads (DVC has one params list per entry).
+        unread.setdefault(template(stage), declared)
+        unread[template(stage)] = unread[template(stage)] - {d for d in declared
+                                                              if any(covers(d, k) for k in seen["params"])}
+        paths = [d["path"] for d in lock[stage].get("deps", []) + lock[stage].get("outs", [])]
+        stray = [f for f in seen["files"] if not any(f == p or f.startswith(p.rstrip("/") + "/") for p in paths)]
+        assert not stray, f"{stage} reads files it does not declare in dvc.yaml: {stray}"
+    assert not {t: u for t, u in unread.items() if u}, "declared in dvc.yaml but never read"
+
+
+EDITS = {  # key -> new value (the tiny profile's params)
+    "kv_format": "mxfp4", "ridge.lambda": 5.0, "plan.targets": [24, 28],
+    "eval_ppl.groups": ["baseline", "csa2"], "train.online.records": 9,
+}
+
+
+@pytest.mark.parametrize("key", EDITS)
+def test_editing_a_param_marks_exactly_the_stages_that_read_it(repo, reads, key):
+    recorded = {p.stem: json.loads(p.read_text())["params"] for p in reads.glob("*.json")}
+    readers = {template(s) for s, keys in recorded.items() if any(covers(key, k) or covers(k, key) for k in keys)}
+    expected = {s for s in recorded if template(s) in readers}
+    path = repo / "params.yaml"
+    before = path.read_text()
+    params = yaml.safe_load(before)
+    *parents, leaf = key.split(".")
+    section = params
+    for name in parents:
+        section = section[name]
+    assert section[leaf] != EDITS[key]
+    section[leaf] = EDITS[key]
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        out = sh(repo, "dvc", "status", "--json")
+        marked = set(json.loads(next(line for line in out.splitlines() if line.startswith("{"))))
+    finally:
+        path.write_text(before)
+    assert expected and marked == expected
 
 
 def test_lambda_ablation_reruns_only_what_depends_on_it(repo):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ced_csa2.checkpoint import CheckpointError
+from ced_csa2.checkpoint import FORMAT_VERSION, CheckpointError
 from ced_csa2.projector import KVProjector, load_projector, load_projectors, save_projector, save_projectors
 
 META = {"layer": 20, "split": 16, "plan": {"split": 16, "source": 20, "targets": [24, 28, 32]},
@@ -73,6 +73,14 @@ def test_missing_corrupt_or_foreign_files_are_clear_errors(tmp_path):
     torch.save({"weight": torch.zeros(2)}, foreign)
     with pytest.raises(CheckpointError, match="not a ced_csa2.projector checkpoint"):
         load_projector(foreign)
+
+
+def test_a_file_of_an_older_format_version_is_refused_by_its_version(tmp_path):
+    path = save_projector(tmp_path / "p.pt", small(), META)
+    torch.save({**torch.load(path, weights_only=True), "format_version": FORMAT_VERSION - 1}, path)
+    with pytest.raises(CheckpointError, match=rf"p\.pt: format_version {FORMAT_VERSION - 1}, "
+                                              rf"expected {FORMAT_VERSION}"):
+        load_projector(path)
 
 
 def test_save_refuses_metadata_that_cannot_identify_the_projector(tmp_path):

@@ -1,4 +1,4 @@
-"""The ``storage`` stage reproduces SPEC §6 and writes every figure with its basis."""
+"""The ``storage`` stage reproduces docs/design.md §6 and writes every figure with its basis."""
 
 import json
 import os
@@ -52,7 +52,7 @@ def test_qwen3_5_4b_section_reproduces_spec_section_6(written):
     assert qwen["weights"]["adapter_params_per_target"] == 8395776
     assert qwen["weights"]["adapter_params"]["csa2"] == 25187328
     assert qwen["weights"]["adapter_params"]["share_plain"] == 0
-    assert qwen["weights"]["projector_params_per_layer"] == 2560 * 2048 + 2048  # SPEC §2: 5.24M
+    assert qwen["weights"]["projector_params_per_layer"] == 2560 * 2048 + 2048  # design §2: 5.24M
     # fp32 doubles every KV byte
     assert qwen["kv"]["fp32"]["all_attention"]["csa2"]["bytes_per_token"] == 2 * 20480
 

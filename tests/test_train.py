@@ -11,8 +11,10 @@ import torch
 from conftest import tiny_params
 
 from ced_csa2 import paths
+from ced_csa2.checkpoint import expected_meta
 from ced_csa2.csa2 import load_adapters
 from ced_csa2.h5store import DumpError, DumpLayout, DumpWriter
+from ced_csa2.plan import load_plan
 from ced_csa2.projector import load_projector, load_projectors
 from ced_csa2.stages import ridge, train_adapters, train_projector
 
@@ -103,10 +105,11 @@ def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
     assert list(rows[0]) == ["layer", "epoch", "train_loss", "val_loss", "val_cos"] and len(rows) == 4
     assert float(rows[-1]["val_loss"]) == pytest.approx(layer["val_loss"], rel=1e-6)
 
-    proj, meta = load_projector(workdir / "models/projector_k20v20.pt",
-                                expect={"hidden_size": HIDDEN, "kv_dim": KV, "layer": 20, "model": p.model.name})
-    assert meta["split"] == 16
-    assert load_projectors(workdir / paths.PROJECTORS_EXTRA)[0] == {}  # the plan has no extra sources
+    expect = expected_meta(p, *load_plan(p.plan, p.model))  # what every consumer checks
+    proj, meta = load_projector(workdir / "models/projector_k20v20.pt", expect=expect["projector"])
+    assert (meta["split"], meta["layer"], meta["hidden_size"], meta["kv_dim"]) == (16, 20, HIDDEN, KV)
+    # the plan has no extra sources
+    assert load_projectors(workdir / paths.PROJECTORS_EXTRA, expect=expect["projectors"])[0] == {}
 
     again = tmp_path_factory.mktemp("again")
     shutil.copytree(workdir / "data", again / "data")
@@ -129,8 +132,9 @@ def test_adapters_improve_on_ridge_and_rerun_identically(workdir, tmp_path_facto
     assert list(rows[0]) == ["layer", "kind", "epoch", "train_loss", "val_loss", "val_cos"]
     assert len(rows) == 12 * 6
 
-    adapters = load_adapters(workdir / paths.ADAPTERS_PATH, expect={"layers": [24, 28, 32], "kv_dim": KV,
-                                                                         "source": 20})
+    adapters = load_adapters(workdir / paths.ADAPTERS_PATH, expect=expected_meta(p, *load_plan(p.plan, p.model))[
+        "adapters"])  # what every consumer checks
+    assert (adapters.meta["layers"], adapters.meta["kv_dim"], adapters.meta["source"]) == ([24, 28, 32], KV, 20)
     assert adapters.width == 48
 
     again = tmp_path_factory.mktemp("again")

@@ -53,7 +53,7 @@ def test_ridge_objective_exports_the_closed_form_maps(tmp_path, tiny_model):
     assert m["objective"] == "ridge" and m["phases"] == {}
 
     plan, geo = load_plan(params.plan, params.model)
-    parts = eval_objective.load_objective_parts(tmp_path, "ridge", params, plan, "cpu")
+    parts = eval_objective.load_objective_parts(tmp_path, "ridge", params, plan, geo, "cpu")
     ridge = maps[f"proj_{plan.source}"]
     # Checkpoints hold FP16 weights: the exported map is the ridge map rounded to FP16.
     assert torch.equal(parts.projector.proj.weight, ridge["W"].T.half().float())

@@ -30,16 +30,20 @@ import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 from torch import nn
 
 from . import kv_hooks
+from .checkpoint import expected_meta
 from .fp4 import FORMATS as FP4_FORMATS
 from .groups import group as lookup_group
 from .model_utils import Geometry, attention, decoder_layer, geometry
 from .plan import LayerPlan
+
+if TYPE_CHECKING:
+    from .config import Params
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -78,18 +82,43 @@ def _run(owner, fn, *xs: torch.Tensor) -> KV:
     return k.to(xs[0].dtype), v.to(xs[0].dtype)
 
 
-def load_parts(models_dir: Path | str, plan: LayerPlan, *, device=None, dtype=None, expect=None) -> CEDParts:
-    """Load ``projector_k{s}v{s}.pt``, ``projectors_extra.pt`` and ``adapters.pt`` from ``models_dir``."""
+def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geometry, *, device=None, dtype=None,
+               also: Mapping | None = None, extra_sources: bool = True) -> CEDParts:
+    """Load the maps of ``plan`` from ``models_dir``, each refused unless it was made for them.
+
+    Parameters
+    ----------
+    models_dir
+        Folder of ``projector_k{s}v{s}.pt``, ``adapters.pt`` and ``projectors_extra.pt``.
+    params, plan, geo
+        What every file must say it is for (:func:`ced_csa2.checkpoint.expected_meta`):
+        model name, the layer(s) it maps, ``hidden_size``/``kv_dim`` and the plan.
+    device, dtype
+        Where and in what dtype to build the modules (default: CPU, float32).
+    also
+        Further ``{meta key: value}`` every file must hold, e.g. ``{"objective": "distill"}``.
+    extra_sources
+        Load ``projectors_extra.pt`` when the plan has extra sources (Mode A); ``False``
+        for a folder that holds none (``tune@<objective>``).
+
+    Raises
+    ------
+    CheckpointError
+        A file is missing, or was made for another model, layer, geometry or plan: one
+        sentence naming the file, the key and both values, before any weight is used.
+    """
     from .csa2 import load_adapters
     from .projector import load_projector, load_projectors
 
     models_dir = Path(models_dir)
-    projector, _ = load_projector(models_dir / f"projector_k{plan.source}v{plan.source}.pt", expect=expect,
-                                  device=device, dtype=dtype)
-    adapters = load_adapters(models_dir / "adapters.pt", device=device, dtype=dtype, expect=expect)
+    expect = {kind: {**want, **(also or {})} for kind, want in expected_meta(params, plan, geo).items()}
+    projector, _ = load_projector(models_dir / f"projector_k{plan.source}v{plan.source}.pt",
+                                  expect=expect["projector"], device=device, dtype=dtype)
+    adapters = load_adapters(models_dir / "adapters.pt", device=device, dtype=dtype, expect=expect["adapters"])
     extra = {}
-    if plan.extra_sources:
-        extra, _ = load_projectors(models_dir / "projectors_extra.pt", expect=expect, device=device, dtype=dtype)
+    if plan.extra_sources and extra_sources:
+        extra, _ = load_projectors(models_dir / "projectors_extra.pt", expect=expect["projectors"], device=device,
+                                   dtype=dtype)
     return CEDParts(projector, adapters, extra)
 
 

@@ -2,32 +2,43 @@
 
 A checkpoint is ``torch.save`` of a plain dict (loadable with ``weights_only=True``)::
 
-    {"format": "ced_csa2.projector" | "ced_csa2.adapters",
-     "format_version": 1,
+    {"format": "ced_csa2.projector" | "ced_csa2.projectors" | "ced_csa2.adapters",
+     "format_version": 2,
      "state": {name: fp16 tensor},   # the module's state_dict, rounded to FP16
-     "meta": {...}}                  # dims, layers, plan, model, params hash, ...
+     "meta": {...}}                  # what it is for: model, layer(s), geometry, plan; provenance
 
 Loading checks the format, then every ``expect`` key against ``meta``, before any
 tensor is used; each failure raises :class:`CheckpointError` naming the file (and the
-key with both values).  :func:`init_linear_from_ridge` copies a closed-form map of
-the ridge stage into an ``nn.Linear``.
+key with both values).  :func:`expected_meta` is what a file made for a given model,
+plan and geometry says about itself: writers store it (:func:`checkpoint_meta`) and
+every consumer passes it as ``expect``.  :func:`init_linear_from_ridge` copies a
+closed-form map of the ridge stage into an ``nn.Linear``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 from torch import nn
 
+from .config import params_hash
 from .io_utils import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from .config import Params
+    from .model_utils import Geometry
+    from .plan import LayerPlan
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: meta says what the file is for (plan as split/source/targets/extra_sources, geometry
+# in every kind); a version-1 file is refused by the version check.
+FORMAT_VERSION = 2
 SAVE_DTYPE = torch.float16
 
 
@@ -42,6 +53,49 @@ def _plain(value):
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def expected_meta(params: Params, plan: LayerPlan, geo: Geometry) -> dict[str, dict]:
+    """What each map file of ``plan`` must say it is for: the ``expect`` of every consumer.
+
+    Parameters
+    ----------
+    params
+        Validated parameters; only ``model.name`` is read.
+    plan
+        The validated layer plan the maps serve.
+    geo
+        The model's geometry: ``hidden_size`` (width of ``H_split``) and ``kv_dim``
+        (``n_kv_heads * head_dim``, the width of one K or V row).
+
+    Returns
+    -------
+    dict
+        ``{kind: {meta key: value}}`` for the kinds ``"projector"`` (``projector_k{s}v{s}.pt``),
+        ``"projectors"`` (``projectors_extra.pt``) and ``"adapters"`` (``adapters.pt``), keys
+        in the order they are checked: ``model``; the layers the file maps (``layer`` =
+        ``plan.source``; ``layers`` = ``plan.extra_sources``; ``source`` and ``layers`` =
+        ``plan.targets``); ``hidden_size`` and ``kv_dim``; ``plan`` (``split``, ``source``,
+        ``targets``, ``extra_sources`` as lists).  Writers store the same dicts
+        (:func:`checkpoint_meta`), so a file always matches the plan it was made for.
+    """
+    fit = {"hidden_size": geo.hidden_size, "kv_dim": geo.kv_dim, "plan": _plain(dataclasses.asdict(plan))}
+    model = {"model": params.model.name}
+    return {"projector": {**model, "layer": plan.source, **fit},
+            "projectors": {**model, "layers": list(plan.extra_sources), **fit},
+            "adapters": {**model, "source": plan.source, "layers": list(plan.targets), **fit}}
+
+
+def checkpoint_meta(params: Params, plan: LayerPlan, geo: Geometry, *sections) -> dict[str, dict]:
+    """:func:`expected_meta` plus provenance, for the writers.
+
+    Each kind's dict also holds ``split``, ``model_id`` (``model.hf_id`` or the name),
+    ``seed`` and ``params_hash`` (:func:`ced_csa2.config.params_hash` of ``sections``, the
+    params sections that determine the weights).
+    """
+    made = {"split": plan.split, "model_id": params.model.hf_id or params.model.name, "seed": params.seed,
+            "params_hash": params_hash(*sections)}
+    return {kind: {**want, **made} for kind, want in expected_meta(params, plan, geo).items()}
 
 
 def save_checkpoint(path: str | Path, kind: str, module: nn.Module, meta: Mapping, required: tuple[str, ...]) -> Path:
@@ -90,7 +144,8 @@ def load_checkpoint(path: str | Path, kind: str, expect: Mapping | None = None) 
     kind
         The format tag it must carry.
     expect
-        ``{meta key: value}`` the file must agree with (e.g. ``{"kv_dim": 1024, "layer": 20}``).
+        ``{meta key: value}`` the file must agree with (e.g. ``{"kv_dim": 1024, "layer": 20}``;
+        the pipeline's consumers pass :func:`expected_meta`), checked in its order.
 
     Raises
     ------

@@ -23,8 +23,9 @@ from .checkpoint import init_linear_from_ridge, load_checkpoint, load_state, sav
 
 KIND = "adapters"
 ACTIVATIONS = {"gelu": nn.GELU, "silu": nn.SiLU, "relu": nn.ReLU}
-# What an adapters file must say about itself besides its architecture (added by save_adapters).
-REQUIRED_META = ("source", "plan", "model", "model_id", "params_hash")
+# What an adapters file must say about itself besides its architecture (added by save_adapters):
+# see ced_csa2.checkpoint.expected_meta / checkpoint_meta.
+REQUIRED_META = ("source", "split", "plan", "model", "model_id", "hidden_size", "params_hash")
 
 
 def mlp_width(kv_dim: int, width_mult: float) -> int:
@@ -118,8 +119,10 @@ class CSA2Adapters(nn.Module):
 def save_adapters(path: str | Path, adapters: CSA2Adapters, meta: Mapping) -> Path:
     """Write ``adapters`` (FP16 weights) and ``meta`` to ``path`` atomically.
 
-    ``meta`` must hold :data:`REQUIRED_META` (source, plan, model, model_id,
-    params_hash); ``layers``, ``kv_dim``, ``width`` and ``activation`` come from the module.
+    ``meta`` must hold :data:`REQUIRED_META` (source, split, plan, model, model_id, the
+    model's hidden_size, params_hash; :func:`ced_csa2.checkpoint.checkpoint_meta` gives
+    them); ``layers`` (targets), ``kv_dim``, ``width`` and ``activation`` come from the
+    module, so the file describes the weights it holds.
     """
     meta = {**meta, "layers": list(adapters.layers), "kv_dim": adapters.kv_dim, "width": adapters.width,
             "activation": adapters.activation}
@@ -139,8 +142,10 @@ def load_adapters(path: str | Path, device=None, dtype: torch.dtype | None = Non
         holds the stored FP16 values exactly).
     expect
         Metadata the file must match, e.g. ``{"kv_dim": 1024, "layers": [24, 28, 32],
-        "source": 20}``; a mismatch raises :class:`~ced_csa2.checkpoint.CheckpointError`
-        naming the file, key and both values.
+        "source": 20}`` (the pipeline passes ``expected_meta(...)["adapters"]``, see
+        :func:`ced_csa2.checkpoint.expected_meta`); a mismatch raises
+        :class:`~ced_csa2.checkpoint.CheckpointError` naming the file, key and both values,
+        before any weight is read into a module.
 
     Returns
     -------

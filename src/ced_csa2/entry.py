@@ -44,7 +44,10 @@ def _audit(event: str, args: tuple) -> None:
 
 def stage_name(run, args: tuple) -> str:
     """``tune@distill`` for ``ced_csa2.stages.tune.run`` with argument ``distill``."""
-    name = run.__module__.rsplit(".", 1)[-1]
+    module = run.__module__
+    if module == "__main__":  # python -m ced_csa2.stages.<stage>
+        module = sys.modules["__main__"].__spec__.name
+    name = module.rsplit(".", 1)[-1]
     return f"{name}@{args[0]}" if args else name
 
 

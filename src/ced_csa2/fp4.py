@@ -1,4 +1,4 @@
-"""FP4 storage formats for KV entries, written from their definitions in plain torch (SPEC §7).
+"""FP4 storage formats for KV entries, written from their definitions in plain torch (design §7).
 
 Two block formats share one 4-bit element type and differ only in the block scale
 (seed 003 §4.4):

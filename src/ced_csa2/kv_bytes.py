@@ -1,4 +1,4 @@
-"""Exact KV-cache byte accounting (SPEC §6, seed 003 §4.4–4.6).
+"""Exact KV-cache byte accounting (docs/design.md §6, seed 003 §4.4–4.6).
 
 One generic rule covers every figure: the bytes of stored KV per token are
 
@@ -16,7 +16,7 @@ Two parts:
   ``share_plain``) on a :class:`~ced_csa2.model_utils.Geometry` and a
   :class:`~ced_csa2.plan.LayerPlan`, on the bases ``decoder_attention`` and
   ``all_attention`` (plus adapter weights amortised over a context);
-* the DeepSeek-V4.1 reference accounting of seed 003, the test vectors of SPEC §6
+* the DeepSeek-V4.1 reference accounting of seed 003, the test vectors of docs/design.md §6
   (288 / 68 / 890 / 3,514.25 B, the chain 3514.25 → 652 → 1630 → 890).
 """
 
@@ -114,7 +114,7 @@ def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_byte
               fp4_group: int = 16) -> list[StoredCopy]:
     """One K and one V copy (``kv_dim`` channels, one entry per token) per storing layer.
 
-    Qwen3.5-4B in bf16: ``2 · 1024 · 2 = 4,096`` B/token per attention layer (SPEC §6).
+    Qwen3.5-4B in bf16: ``2 · 1024 · 2 = 4,096`` B/token per attention layer (design §6).
     The group's FP4 entries (:meth:`~ced_csa2.groups.Group.fp4_layers`: every layer, or only
     the shared source) cost ``fp4_entry_bytes(kv_dim, fp4_group)`` whatever the dtype.
     """
@@ -128,7 +128,7 @@ def adapter_params_per_target(kv_dim: int, width: int) -> int:
     """Parameters of one target's K and V adapters: ``2 · (d·d + d + d·w + w + w·d + d)``.
 
     Each of K and V is ``Linear(d, d)`` + ``Linear(d, w)`` + ``Linear(w, d)``, with biases
-    (SPEC §2; 8,395,776 for ``d = 1024, w = 1536``).
+    (design §2; 8,395,776 for ``d = 1024, w = 1536``).
     """
     d, w = kv_dim, width
     return 2 * (d * d + d + d * w + w + w * d + d)
@@ -140,7 +140,7 @@ def adapter_params(plan: LayerPlan, group: str, kv_dim: int, width: int) -> int:
 
 
 def projector_params(hidden_size: int, kv_dim: int) -> int:
-    """``Linear(hidden → 2·kv_dim)`` with bias (SPEC §2: 5.24M on Qwen3.5-4B)."""
+    """``Linear(hidden → 2·kv_dim)`` with bias (design §2: 5.24M on Qwen3.5-4B)."""
     return hidden_size * 2 * kv_dim + 2 * kv_dim
 
 

@@ -1,6 +1,6 @@
 """Forward hooks that read and replace K/V at the injection point, always removed.
 
-The injection point (SPEC §1) is the output of a layer's ``self_attn.k_proj`` /
+The injection point (docs/design.md §1) is the output of a layer's ``self_attn.k_proj`` /
 ``self_attn.v_proj``: pre-k_norm, pre-RoPE, shape ``(batch, tokens, n_kv_heads *
 head_dim)``.  A forward hook that *returns* a tensor replaces the module output, so
 the layer's own k_norm, RoPE and KV cache act on the replacement unchanged -- in

@@ -3,7 +3,7 @@
 Rows are never fetched one by one.  Every read is a contiguous slice of ``block_rows``
 rows starting at a multiple of the dump's chunk-aligned :attr:`DumpReader.block_rows`,
 so h5py reads whole chunks (per-row fancy indexing is 50-100x slower; see
-``research/ecosystem.md`` §4).  Randomness comes from permuting the *order* of blocks
+``docs/design.md`` §5).  Randomness comes from permuting the *order* of blocks
 and then the rows inside an in-memory buffer of several blocks.
 
 Which rows take part is a boolean mask over all rows of the dump: :func:`record_split`

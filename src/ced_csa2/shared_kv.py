@@ -2,11 +2,11 @@
 
 Mode B (:class:`~ced_csa2.ced_runtime.CEDModeBRuntime`) *substitutes* the targets' K/V but
 still lets every layer cache its own copy, so CSA2's "four copies → one" saves no bytes
-there.  :class:`SharedKVCache` turns it into real bytes (SPEC §2, last item):
+there.  :class:`SharedKVCache` turns it into real bytes (docs/design.md §2, *Shared store*):
 
 * the plan's **source** layer stores its ``k_proj``/``v_proj`` outputs -- pre-k_norm,
   pre-RoPE, ``(B, T, kv_dim)`` each -- **once**, in the storage format chosen
-  (:data:`STORAGES`: the model's dtype, or FP4 blocks, SPEC §7);
+  (:data:`STORAGES`: the model's dtype, or FP4 blocks, design §7);
 * the **target** layers store **nothing**;
 * on ``update`` the source and each target get K/V for *all* cached positions,
   recomputed from the store: target ``t`` maps it through its adapter (``csa2``,

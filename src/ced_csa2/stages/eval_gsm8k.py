@@ -15,8 +15,8 @@ format.  No chat template.  Generation stops after ``eval_gsm8k.max_gen_toks`` t
 Everything runs offline (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``).
 
 For each group of ``eval_gsm8k.groups`` the model runs inside
-:class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (Mode B substitution) and the stage
-reports:
+:class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (Mode B substitution; the ``*_fp4``
+groups store K/V in ``kv_format``, recorded in the protocol) and the stage reports:
 
 * per filter (``strict-match``, ``flexible-extract``): ``exact_match``, ``correct``,
   ``n`` and ``ci95`` (Wilson score interval, z = 1.96);
@@ -81,7 +81,8 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     workdir
         Repository root holding ``data/`` and ``models/``.
     parts
-        Trained maps; loaded from ``workdir/models`` when ``None`` and a group needs them.
+        Trained maps; loaded from ``workdir/models`` when ``None`` and a group needs them,
+        each checked by :func:`ced_csa2.ced_runtime.load_parts` against the model, plan and geometry.
     model_and_tok
         ``(model, tokenizer)`` to use instead of loading ``params.model`` (tests).
     """
@@ -93,10 +94,10 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     workdir, cfg = Path(workdir), params.eval_gsm8k
     data_file = workdir / GSM8K_JSONL
     n = count_problems(data_file)
-    plan, _ = load_plan(params.plan, params.model)
+    plan, geo = load_plan(params.plan, params.model)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(cfg.device))
     if parts is None and any(g != "baseline" for g in cfg.groups):
-        parts = load_parts(workdir / "models", plan, device=model.device, expect={"model": params.model.name})
+        parts = load_parts(workdir / "models", params, plan, geo, device=model.device)
     lm = HFLM(pretrained=model, tokenizer=tok, batch_size=cfg.batch_size)
     log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d) for groups %s", params.data.math.label, n,
              cfg.num_fewshot, cfg.max_gen_toks, list(cfg.groups))
@@ -128,6 +129,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
             "max_gen_toks": cfg.max_gen_toks, "dtype": str(model.dtype).removeprefix("torch."),
             "device": str(model.device), "lm_eval": lm_eval_version, "task": "lm-eval gsm8k.yaml on local data",
             "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
+            "kv_format": params.kv_format,
         },
         "groups": groups,
     }

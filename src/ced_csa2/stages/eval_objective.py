@@ -4,7 +4,7 @@
 
 Scores the maps of ``models/objectives/<objective>/`` (stage ``tune@<objective>``) for every
 group of ``train.eval_groups`` with exactly the main branch's protocols: the eval
-records' corpus-level perplexity (:func:`ced_csa2.eval_ppl.group_ppl`) and the gold-solution
+records' corpus-level perplexity (:func:`ced_csa2.perplexity.group_ppl`) and the gold-solution
 NLL on the prompts ``eval_gsm8k`` saved (``data/gsm8k_gold.json``).  Exact-match accuracy
 is not re-run here (generation dominates GSM8K's cost and scores ~0 on the embedded
 model); the report takes ΔPPL against the main branch's baseline.
@@ -18,34 +18,36 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..ced_runtime import CEDModeBRuntime, CEDParts
+from ..ced_runtime import CEDModeBRuntime, CEDParts, load_parts
 from ..config import Params, require_listed
-from ..csa2 import load_adapters
 from ..entry import objective_arg, run_stage
 from ..gsm8k import gold_nll, load_gold_pairs
 from ..io_utils import write_json
-from ..model_utils import load_model_and_tokenizer, resolve_device
-from ..paths import GOLD_PATH, objective_metrics, objective_models, projector_path
+from ..model_utils import Geometry, load_model_and_tokenizer, resolve_device
+from ..paths import GOLD_PATH, objective_metrics, objective_models
 from ..perplexity import eval_ids, group_ppl, protocol
-from ..plan import load_plan
-from ..projector import load_projector
+from ..plan import LayerPlan, load_plan
 
 
-def load_objective_parts(workdir: Path, objective: str, params: Params, plan, device) -> CEDParts:
-    """The projector and adapters ``tune@<objective>`` wrote, checked against the model and objective."""
-    folder, expect = workdir / objective_models(objective), {"model": params.model.name, "objective": objective}
-    projector, _ = load_projector(folder / projector_path(plan.source).name, expect=expect, device=device)
-    return CEDParts(projector, load_adapters(folder / "adapters.pt", device=device, expect=expect))
+def load_objective_parts(workdir: Path, objective: str, params: Params, plan: LayerPlan, geo: Geometry,
+                         device) -> CEDParts:
+    """The projector and adapters ``tune@<objective>`` wrote (no extra sources: Mode B only).
+
+    Checked as :func:`ced_csa2.ced_runtime.load_parts` checks the main branch's maps (model,
+    layer(s), ``hidden_size``/``kv_dim``, plan), plus ``objective``.
+    """
+    return load_parts(workdir / objective_models(objective), params, plan, geo, device=device,
+                      also={"objective": objective}, extra_sources=False)
 
 
 def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
     """Score ``train.eval_groups`` with the objective's maps; returns ``eval.json``'s content."""
     workdir, t0 = Path(workdir), time.perf_counter()
     require_listed(params, objective)
-    plan, _ = load_plan(params.plan, params.model)
+    plan, geo = load_plan(params.plan, params.model)
     pairs = load_gold_pairs(workdir / GOLD_PATH, params)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
-    parts = load_objective_parts(workdir, objective, params, plan, model.device)
+    parts = load_objective_parts(workdir, objective, params, plan, geo, model.device)
     ids = eval_ids(params, tok, workdir)
     groups = {}
     for group in params.train.eval_groups:

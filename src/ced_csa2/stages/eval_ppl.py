@@ -39,13 +39,18 @@ log = logging.getLogger(__name__)
 
 def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = None,
         model_and_tok=None) -> dict:
-    """Score every group; ``parts``/``model_and_tok`` override loading (tests)."""
+    """Score every group; ``parts``/``model_and_tok`` override loading (tests).
+
+    Without ``parts`` the maps come from ``workdir/models`` via
+    :func:`ced_csa2.ced_runtime.load_parts`, which refuses a file made for another model,
+    layer, geometry or plan (:class:`~ced_csa2.checkpoint.CheckpointError`) before scoring.
+    """
     workdir, cfg = Path(workdir), params.eval_ppl
     plan, geo = load_plan(params.plan, params.model)
     device = resolve_device(cfg.device)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
     if parts is None:
-        parts = load_parts(workdir / "models", plan, device=device, expect={"model": params.model.name})
+        parts = load_parts(workdir / "models", params, plan, geo, device=device)
     ids = eval_ids(params, tok, workdir)
     groups, t0 = {}, time.perf_counter()
     for group in tqdm(cfg.groups, desc="eval_ppl groups"):

@@ -117,7 +117,7 @@ def protocol_line(ppl: dict, gsm: dict) -> str:
             f"PPL on {p['records']} held-out records of `{p['data']}` ({p['tokens_scored']:,} scored tokens, "
             f"{p['basis']}); GSM8K on **{g.get('label', g.get('math_set'))}** (n = {g['n']}, "
             f"{g['num_fewshot']}-shot, greedy, ≤ {g['max_gen_toks']} new tokens, lm-eval {g.get('lm_eval')}). "
-            "KV bytes: bf16, per token, on the stated basis (SPEC §6).")
+            "KV bytes: bf16, per token, on the stated basis (docs/design.md §6).")
 
 
 def plots(out: Path, ppl: dict, adapters: dict, storage: dict) -> list[Path]:

@@ -1,6 +1,6 @@
 """``ridge`` stage: closed-form maps fitted on the dump, and their held-out fit.
 
-    python -m ced_csa2.stages.stages.ridge      # what `dvc repro ridge` runs
+    python -m ced_csa2.stages.ridge      # what `dvc repro ridge` runs
 
 Reads ``params.yaml`` and ``data/dump/dump.h5``; fits the maps of
 :mod:`ced_csa2.ridge` on the train records and measures them on the validation records.

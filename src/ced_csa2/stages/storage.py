@@ -1,4 +1,4 @@
-"""The ``storage`` stage: stored KV bytes per token, per group, on every basis (SPEC §6).
+"""The ``storage`` stage: stored KV bytes per token, per group, on every basis (docs/design.md §6).
 
     python -m ced_csa2.stages.storage       # what `dvc repro storage` runs
 
@@ -58,7 +58,7 @@ from ..plan import LayerPlan, load_plan
 
 log = logging.getLogger(__name__)
 
-# The seed's plan on Qwen3.5-4B (SPEC §0): cut after 16, project 20, adapt 24/28/32.
+# The seed's plan on Qwen3.5-4B (docs/design.md §0): cut after 16, project 20, adapt 24/28/32.
 QWEN3_5_4B_PLAN = LayerPlan(split=16, source=20, targets=(24, 28, 32))
 
 BASIS_DOC = {
@@ -78,7 +78,7 @@ ADAPTER_COUNTING = (
 
 
 def qwen3_5_4b_geometry() -> Geometry:
-    """Qwen3.5-4B's geometry from a locally built text config (SPEC §3), without any download.
+    """Qwen3.5-4B's geometry from a locally built text config (design §3), without any download.
 
     32 layers, hidden 2560, 16 q / 4 kv heads of 256 (kv_dim 1024), full attention at
     every 4th layer (4, 8, ..., 32), GatedDeltaNet elsewhere.
@@ -139,7 +139,7 @@ def model_section(model: str, geo: Geometry, plan: LayerPlan, width_mult: float,
 
 
 def deepseek_section() -> dict:
-    """Seed 003's DeepSeek-V4.1 accounting (the SPEC §6 test vectors)."""
+    """Seed 003's DeepSeek-V4.1 accounting (the docs/design.md §6 test vectors)."""
     return {
         "basis": "global KV cache bytes per token (SWA window caches excluded), seed 003 §4.4-4.6",
         "formats": {"v41_main_kv_fp4_e4m3_scale": V41_MAIN_KV, "v41_indexer_k_mxfp4_e8m0_scale": V41_INDEXER_K,

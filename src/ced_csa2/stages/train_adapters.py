@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import Params, params_hash, to_dict
+from ..checkpoint import checkpoint_meta
+from ..config import Params
 from ..csa2 import CSA2Adapters, save_adapters
 from ..entry import run_stage
 from ..io_utils import write_json
@@ -102,10 +103,8 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     rows, ridge, trained = fit(heads, optimizer_for(adapters, params), train, val, epochs=cfg.epochs,
                                device=device, amp_dtype=cfg.amp_dtype, desc="train_adapters")
 
-    save_adapters(workdir / ADAPTERS_PATH, adapters.cpu(), {
-        "source": plan.source, "split": plan.split, "plan": to_dict(params.plan), "model": params.model.name,
-        "model_id": params.model.hf_id or params.model.name, "seed": params.seed,
-        "params_hash": params_hash(params.model, params.plan, params.split, params.ridge, params.train_adapters)})
+    save_adapters(workdir / ADAPTERS_PATH, adapters.cpu(), checkpoint_meta(
+        params, plan, geo, params.model, params.plan, params.split, params.ridge, params.train_adapters)["adapters"])
 
     layers: dict[str, dict] = {}
     for h, r, tr in zip(heads, ridge, trained):

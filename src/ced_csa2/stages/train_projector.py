@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import Params, params_hash, to_dict
+from ..checkpoint import checkpoint_meta
+from ..config import Params
 from ..entry import run_stage
 from ..io_utils import write_json
 from ..loader import BlockLoader
@@ -91,13 +92,11 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     train.close()
     val.close()
 
-    meta = {"split": plan.split, "plan": to_dict(params.plan), "model": params.model.name,
-            "model_id": params.model.hf_id or params.model.name, "seed": params.seed,
-            "params_hash": params_hash(params.model, params.plan, params.split, params.train_projector)}
+    meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.train_projector)
     source, *extra = plan.projected
-    save_projector(workdir / projector_path(source), projectors[source].cpu(), {**meta, "layer": source})
+    save_projector(workdir / projector_path(source), projectors[source].cpu(), meta["projector"])
     save_projectors(workdir / PROJECTORS_EXTRA, {layer: projectors[layer].cpu() for layer in extra},
-                    {**meta, "hidden_size": geo.hidden_size, "kv_dim": geo.kv_dim})
+                    meta["projectors"])
 
     metrics = {
         "layers": {str(layer): {**res, "val_loss": val_summary(res)[0], "val_loss_init": val_summary(init)[0]}

@@ -31,11 +31,12 @@ import torch
 from tqdm import tqdm
 
 from ..ced_runtime import CEDParts
-from ..config import Params, params_hash, require_listed, to_dict
+from ..checkpoint import checkpoint_meta
+from ..config import Params, require_listed, to_dict
 from ..csa2 import save_adapters
 from ..entry import objective_arg, run_stage
 from ..io_utils import write_json
-from ..model_utils import load_model_and_tokenizer, resolve_device
+from ..model_utils import Geometry, load_model_and_tokenizer, resolve_device
 from ..objectives import (
     SAMPLE_STREAM,
     attn_out_loss,
@@ -113,16 +114,20 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     return summary, rows
 
 
-def save_parts(workdir: Path, objective: str, parts: CEDParts, params: Params, plan: LayerPlan) -> None:
-    """Both maps in the main branch's checkpoint formats, marked with their objective."""
-    meta = {"split": plan.split, "plan": to_dict(params.plan), "model": params.model.name,
-            "model_id": params.model.hf_id or params.model.name, "seed": params.seed, "objective": objective,
-            # The ridge export does not depend on the online budget: same params, same bytes.
-            "params_hash": params_hash(params.model, params.plan, params.split, params.ridge,
-                                       *([params.train.online] if objective != "ridge" else []))}
+def save_parts(workdir: Path, objective: str, parts: CEDParts, params: Params, plan: LayerPlan,
+               geo: Geometry) -> None:
+    """Both maps in the main branch's checkpoint formats, marked with their objective.
+
+    The metadata is :func:`ced_csa2.checkpoint.checkpoint_meta`'s (model, layers, geometry,
+    plan, provenance) plus ``objective``: what ``eval_objective`` checks on loading.
+    """
+    # The ridge export does not depend on the online budget: same params, same bytes.
+    meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
+                           *([params.train.online] if objective != "ridge" else []))
     out = workdir / objective_models(objective)
-    save_projector(out / projector_path(plan.source).name, parts.projector.cpu(), {**meta, "layer": plan.source})
-    save_adapters(out / "adapters.pt", parts.adapters.cpu(), {**meta, "source": plan.source})
+    save_projector(out / projector_path(plan.source).name, parts.projector.cpu(),
+                   {**meta["projector"], "objective": objective})
+    save_adapters(out / "adapters.pt", parts.adapters.cpu(), {**meta["adapters"], "objective": objective})
 
 
 def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
@@ -153,7 +158,7 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
         metrics["protocol"] = {"model": params.model.name, "data": params.data.name,
                                "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
                                "threads": torch.get_num_threads(), **to_dict(params.train.online)}
-    save_parts(workdir, objective, parts, params, plan)
+    save_parts(workdir, objective, parts, params, plan, geo)
     metrics["wall_s"] = round(time.perf_counter() - t0, 3)
     write_plot(workdir / objective_metrics(objective) / "curve.csv", curve, CURVE_COLUMNS)
     write_json(workdir / objective_metrics(objective) / "train.json", metrics)

@@ -1,0 +1,91 @@
+"""The pipeline graph cannot go stale: what each stage can import is what dvc.yaml declares.
+
+The params keys and artifact files a stage actually reads are checked in
+``test_pipeline_e2e.py`` (they need a real run); here the static half: every stage's
+``src/`` deps equal the import closure of its entry module, and stages import only
+library modules.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+STAGES_DIR = SRC / "ced_csa2" / "stages"
+# Python runs both package __init__ files before any stage module.
+PACKAGE_INITS = {"src/ced_csa2/__init__.py", "src/ced_csa2/stages/__init__.py"}
+
+
+def module_file(module: str) -> Path:
+    path = SRC.joinpath(*module.split("."))
+    return path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
+
+
+def project_imports(module: str) -> set[str]:
+    """``ced_csa2`` modules imported anywhere in ``module`` (function-level imports included)."""
+    file = module_file(module)
+    package = module if file.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            if base.startswith("ced_csa2"):
+                for alias in node.names:  # `from . import kv_hooks` names a module
+                    candidate = f"{base}.{alias.name}"
+                    found.add(candidate if module_file(candidate).is_file() else base)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("ced_csa2")}
+    return found
+
+
+def import_closure(module: str) -> set[str]:
+    """Repository paths of every project module ``module`` can import, itself included."""
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += project_imports(m)
+    return {module_file(m).relative_to(ROOT).as_posix() for m in seen} | PACKAGE_INITS
+
+
+def stage_templates() -> dict[str, dict]:
+    """``dvc.yaml`` stages by name; a foreach stage gives its ``do`` template (deps differ only in ${item})."""
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    return {name: spec.get("do", spec) for name, spec in stages.items()}
+
+
+STAGE_MODULES = sorted(p.stem for p in STAGES_DIR.glob("*.py") if p.stem != "__init__")
+
+
+def test_every_stage_module_is_a_dvc_stage_and_back():
+    templates = stage_templates()
+    assert set(templates) == set(STAGE_MODULES)
+    for name, spec in templates.items():
+        assert spec["cmd"].split()[:3] == ["python", "-m", f"ced_csa2.stages.{name}"], name
+
+
+@pytest.mark.parametrize("stage", STAGE_MODULES)
+def test_code_deps_are_exactly_the_import_closure(stage):
+    declared = {d for d in stage_templates()[stage]["deps"] if d.startswith("src/")}
+    closure = import_closure(f"ced_csa2.stages.{stage}")
+    assert declared == closure, (f"dvc.yaml stage '{stage}': add {sorted(closure - declared)}, "
+                                 f"remove {sorted(declared - closure)}")
+
+
+@pytest.mark.parametrize("stage", STAGE_MODULES)
+def test_stages_import_only_library_modules(stage):
+    others = {m for m in project_imports(f"ced_csa2.stages.{stage}") if m.startswith("ced_csa2.stages")}
+    assert not others, f"stage {stage} imports another stage: {sorted(others)}"
+
+
+def test_library_never_imports_a_stage():
+    for path in (SRC / "ced_csa2").glob("*.py"):
+        module = f"ced_csa2.{path.stem}" if path.stem != "__init__" else "ced_csa2"
+        assert not {m for m in project_imports(module) if m.startswith("ced_csa2.stages")}, path
