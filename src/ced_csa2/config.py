@@ -4,7 +4,10 @@
 dataclasses below by :func:`load_params`.  Parsing is strict: an unknown key, a
 missing key or a value of the wrong type raises :class:`ParamsError` naming the
 dotted key, before any stage does heavy work.  Each dataclass checks its own
-ranges in ``__post_init__``.
+ranges in ``__post_init__`` (every float finite, seeds >= 0, learning rates > 0, fractions
+in range, devices well formed); :func:`load_params` also refuses a repeated YAML key, a
+number YAML 1.1 reads as a string (``1e-3``: write ``1.0e-3``) and a CUDA device this
+machine lacks.  ``tests/test_faults.py`` is the catalogue of refused inputs.
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import hashlib
 import json
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -35,6 +41,33 @@ class ParamsError(ValueError):
 def _check(ok: bool, key: str, what: str) -> None:
     if not ok:
         raise ParamsError(f"params key '{key}' {what}")
+
+
+def _check_finite(section, prefix: str) -> None:
+    """Every float field of ``section`` is finite (``.inf``/``.nan`` are YAML floats, never a setting)."""
+    for f in dataclasses.fields(section):
+        value = vars(section)[f.name]  # not getattr: a check is not a read of the key
+        if isinstance(value, float):
+            _check(math.isfinite(value), f"{prefix}.{_key(f)}", f"must be a finite number, got {value}")
+
+
+def _check_positive(section, prefix: str, *names: str) -> None:
+    for name in names:
+        value = vars(section)[name]
+        _check(value > 0, f"{prefix}.{name}", f"must be positive, got {value}")
+
+
+def _check_fraction(value: float, key: str) -> None:
+    _check(0.0 <= value < 1.0, key, f"must be in [0, 1), got {value}")
+
+
+DEVICE_FORMS = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+
+
+def _check_device(value: str, key: str) -> None:
+    """Syntax only (the params may be composed on one machine and run on another); see :func:`check_devices`."""
+    ok = value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
+    _check(ok, key, f"must be {DEVICE_FORMS}, got {value!r}")
 
 
 # ----------------------------------------------------------------------------- read recording
@@ -115,6 +148,11 @@ class TinyModelConfig(Section):
     linear_value_head_dim: int = 16
     seed: int = 0
 
+    def __post_init__(self):
+        widths = [f.name for f in dataclasses.fields(self) if f.name != "seed"]
+        _check_positive(self, "model.tiny", *widths)
+        _check(self.seed >= 0, "model.tiny.seed", f"must be >= 0, got {self.seed}")
+
 
 @dataclass(frozen=True)
 class ModelConfig(Section):
@@ -175,13 +213,19 @@ class DataConfig(Section):
     hub_id: Optional[str] = None
     train: list[HubSplit] = field(default_factory=list)
     eval: Optional[HubSplit] = None
-    # tiny: synthetic records generated from the seed
+    # tiny: number of synthetic training records; wiki_embedded: a seeded sample of this
+    # many training records (0 = all)
     n_train: int = 0
 
     def __post_init__(self):
+        _check(self.seed >= 0, "data.seed", f"must be >= 0, got {self.seed}")
+        _check(self.n_train >= 0, "data.n_train", f"must be >= 0, got {self.n_train}")
         _check(0 < self.min_tokens <= self.max_tokens, "data.min_tokens",
                f"must be in (0, data.max_tokens={self.max_tokens}], got {self.min_tokens}")
         _check(self.n_eval > 0, "data.n_eval", f"must be positive, got {self.n_eval}")
+        for key, hub_split in [*((f"data.train.{i}", s) for i, s in enumerate(self.train)), ("data.eval", self.eval)]:
+            if hub_split is not None:
+                _check(hub_split.n >= 0, f"{key}.n", f"must be >= 0 (0 = all), got {hub_split.n}")
         if self.kind == "wiki_embedded":
             _check(self.corpus_wheel is not None, "data.corpus_wheel", "is required for kind 'wiki_embedded'")
             _check(self.heldout_articles > 0, "data.heldout_articles", "must be positive")
@@ -209,10 +253,11 @@ class DumpConfig(Section):
     batch_size: int = 8
     storage_dtype: str = "float32"
     chunk_kib: int = 512  # target HDF5 chunk size (rows x full width)
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
 
     def __post_init__(self):
-        _check(self.batch_size > 0, "dump.batch_size", "must be positive")
+        _check(self.batch_size > 0, "dump.batch_size", f"must be positive, got {self.batch_size}")
+        _check_device(self.device, "dump.device")
         _check(self.storage_dtype in DTYPES, "dump.storage_dtype", f"must be one of {DTYPES}")
         _check(64 <= self.chunk_kib <= 4096, "dump.chunk_kib", f"must be in [64, 4096], got {self.chunk_kib}")
 
@@ -225,6 +270,7 @@ class SplitConfig(Section):
     tokens_per_record: int = 256  # adapter pairs sampled per record (0 = all tokens)
 
     def __post_init__(self):
+        _check_finite(self, "split")
         _check(0.0 < self.val_fraction < 0.5, "split.val_fraction", f"must be in (0, 0.5), got {self.val_fraction}")
         _check(self.tokens_per_record >= 0, "split.tokens_per_record", "must be >= 0")
 
@@ -235,7 +281,9 @@ class RidgeConfig(Section):
     block_rows: int = 8192  # rows accumulated per streaming step
 
     def __post_init__(self):
+        _check_finite(self, "ridge")
         _check(self.lam >= 0.0, "ridge.lambda", f"must be >= 0, got {self.lam}")
+        _check(self.block_rows > 0, "ridge.block_rows", f"must be positive, got {self.block_rows}")
 
 
 @dataclass(frozen=True)
@@ -248,7 +296,10 @@ class ProjectorConfig(Section):
     amp_dtype: str = "auto"
 
     def __post_init__(self):
-        _check(self.epochs > 0 and self.batch_size > 0, "train_projector.epochs", "and batch_size must be positive")
+        _check_finite(self, "train_projector")
+        _check_positive(self, "train_projector", "lr", "epochs", "batch_size")
+        _check_fraction(self.warmup_fraction, "train_projector.warmup_fraction")
+        _check(self.weight_decay >= 0, "train_projector.weight_decay", f"must be >= 0, got {self.weight_decay}")
         _check(self.amp_dtype in COMPUTE_DTYPES, "train_projector.amp_dtype", f"must be one of {COMPUTE_DTYPES}")
 
 
@@ -264,8 +315,9 @@ class AdaptersConfig(Section):
     amp_dtype: str = "auto"
 
     def __post_init__(self):
-        _check(self.epochs > 0 and self.batch_size > 0, "train_adapters.epochs", "and batch_size must be positive")
-        _check(self.width_mult > 0, "train_adapters.width_mult", "must be positive")
+        _check_finite(self, "train_adapters")
+        _check_positive(self, "train_adapters", "epochs", "batch_size", "base_lr", "refine_lr", "width_mult")
+        _check_fraction(self.momentum, "train_adapters.momentum")
         _check(self.amp_dtype in COMPUTE_DTYPES, "train_adapters.amp_dtype", f"must be one of {COMPUTE_DTYPES}")
 
 
@@ -295,11 +347,12 @@ class OnlineConfig(Section):
     kv_weight: float = 0.0  # distill: + kv_weight * relative K/V MSE of the substituted layers
 
     def __post_init__(self):
-        for key in ("records", "val_records", "seq_len", "batch_size", "epochs", "projector_lr", "adapters_lr"):
-            _check(getattr(self, key) > 0, f"train.online.{key}", f"must be positive, got {getattr(self, key)}")
-        _check(self.temperature > 0, "train.online.temperature", f"must be positive, got {self.temperature}")
+        _check_finite(self, "train.online")
+        _check_positive(self, "train.online", "records", "val_records", "seq_len", "batch_size", "epochs",
+                        "projector_lr", "adapters_lr", "temperature")
         _check(self.kv_weight >= 0, "train.online.kv_weight", f"must be >= 0, got {self.kv_weight}")
-        _check(0 <= self.warmup_fraction < 1, "train.online.warmup_fraction", "must be in [0, 1)")
+        _check(self.weight_decay >= 0, "train.online.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check_fraction(self.warmup_fraction, "train.online.warmup_fraction")
 
 
 @dataclass(frozen=True)
@@ -331,6 +384,8 @@ class EvalPPLConfig(Section):
     def __post_init__(self):
         bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
         _check(not bad, "eval_ppl.groups", f"has unknown group(s) {bad}; known: {list(RUNTIME_GROUPS)}")
+        _check_finite(self, "eval_ppl")
+        _check_device(self.device, "eval_ppl.device")
         _check(0.0 < self.prefix_fraction < 1.0, "eval_ppl.prefix_fraction", "must be in (0, 1)")
         _check(self.batch_size > 0, "eval_ppl.batch_size", "must be positive")
 
@@ -346,8 +401,9 @@ class EvalGSM8KConfig(Section):
     def __post_init__(self):
         bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
         _check(not bad, "eval_gsm8k.groups", f"has unknown group(s) {bad}; known: {list(RUNTIME_GROUPS)}")
+        _check_device(self.device, "eval_gsm8k.device")
         _check(0 <= self.num_fewshot <= 8, "eval_gsm8k.num_fewshot", "must be in [0, 8]")
-        _check(self.max_gen_toks > 0 and self.batch_size > 0, "eval_gsm8k.max_gen_toks", "and batch_size must be positive")
+        _check_positive(self, "eval_gsm8k", "max_gen_toks", "batch_size")
 
 
 @dataclass(frozen=True)
@@ -367,6 +423,7 @@ class Params(Section):
     eval_gsm8k: EvalGSM8KConfig
 
     def __post_init__(self):
+        _check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
         _place(self, "")
 
 
@@ -393,11 +450,39 @@ def _build(tp: Any, value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
     if tp is float:
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool), where, f"must be a number, got {value!r}")
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), where,
+               f"must be a number, got {value!r}{_number_hint(value)}")
         return float(value)
+    hint = _number_hint(value, integer=True) if tp is int else ""
     _check(isinstance(value, tp) and not (tp is int and isinstance(value, bool)), where,
-           f"must be of type {tp.__name__}, got {value!r}")
+           f"must be of type {tp.__name__}, got {value!r}{hint}")
     return value
+
+
+# A decimal number as text: sign, mantissa (digits and at most one dot), optional exponent.
+_NUMBER_TEXT = re.compile(r"([+-]?)(\d+\.?\d*|\.\d+)(?:[eE]([+-]?)(\d+))?")
+
+
+def _number_hint(value: Any, integer: bool = False) -> str:
+    """For a string that reads as a number: how to write it so YAML reads a number.
+
+    YAML 1.1 (PyYAML, what ``load_params`` uses) reads a float only with a dot in the
+    mantissa and a sign in the exponent: ``1e-3`` and ``1.0e3`` are strings, ``1.0e-3`` and
+    ``1.0e+3`` are floats.
+    """
+    m = _NUMBER_TEXT.fullmatch(value.strip()) if isinstance(value, str) else None
+    if m is None:
+        return ""
+    sign, mantissa, exp_sign, exponent = m.groups()
+    if integer and (exponent is not None or "." in mantissa):
+        return ""
+    if exponent is None:
+        return f" (a quoted number: write {value.strip()} without quotes)"
+    if "." not in mantissa:
+        mantissa += ".0"
+    mantissa = ("0" if mantissa.startswith(".") else "") + mantissa + ("0" if mantissa.endswith(".") else "")
+    fixed = f"{sign}{mantissa}e{exp_sign or '+'}{exponent}"
+    return f" (YAML 1.1 reads {value.strip()} as a string: write {fixed})"
 
 
 def from_dict(cls: type, data: Any, where: str = ""):
@@ -406,8 +491,12 @@ def from_dict(cls: type, data: Any, where: str = ""):
     _check(isinstance(data, dict), where or "<root>", f"must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {_key(f): f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    _check(not unknown, f"{prefix}{unknown[0]}" if unknown else "", f"is not a known parameter of {cls.__name__}")
+    unknown = sorted(set(data) - set(fields), key=str)  # YAML keys need not be strings (`1: x`)
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), list(fields), n=1)
+        hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known: {', '.join(fields)}"
+        what = "a known top-level section of params" if not where else f"a known parameter of {cls.__name__}"
+        _check(False, f"{prefix}{unknown[0]}", f"is not {what}{hint}")
     kwargs = {}
     for key, f in fields.items():
         if key not in data:
@@ -443,13 +532,69 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     if not path.is_file():
         raise ParamsError(f"{path}: parameter file not found (run from the repository root)")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)  # a SafeLoader
+    except UnicodeDecodeError as exc:
+        raise ParamsError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
-        raise ParamsError(f"{path}: not valid YAML ({exc})") from None
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise ParamsError(f"{path}: not valid YAML{at}: {problem}") from None
+    if raw is None:
+        sections = ", ".join(_key(f) for f in dataclasses.fields(Params))
+        raise ParamsError(f"{path}: is empty (expected the sections {sections})")
     try:
-        return from_dict(Params, raw)
+        params = from_dict(Params, raw)
+        check_devices(params)
     except ParamsError as exc:
         raise ParamsError(f"{path}: {exc}") from None
+    return params
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a repeated key (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            self.flatten_mapping(node)
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    repeated = key in seen
+                except TypeError:  # unhashable key: the base constructor reports it
+                    continue
+                if repeated:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}",
+                        key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+DEVICE_KEYS = ("dump.device", "eval_ppl.device", "eval_gsm8k.device")
+
+
+def check_devices(params: Params) -> None:
+    """Refuse a CUDA device this machine does not have (``__post_init__`` checks only the syntax).
+
+    Done at load rather than in the dataclasses, so that ``params.yaml`` for a GPU machine
+    can still be composed and validated on a CPU-only one.
+    """
+    for key in DEVICE_KEYS:
+        section, name = key.split(".")
+        device = vars(vars(params)[section])[name]  # not getattr: a check is not a read of the key
+        if not device.startswith("cuda"):
+            continue
+        import torch
+
+        index = int(device[5:]) if ":" in device else 0
+        if not torch.cuda.is_available():
+            _check(False, key, f"is {device!r} but torch.cuda.is_available() is false on this machine "
+                               f"(use 'auto' or 'cpu')")
+        count = torch.cuda.device_count()
+        _check(index < count, key, f"is {device!r} but this machine has {count} CUDA device(s) "
+                                   f"(cuda:0 .. cuda:{count - 1})")
 
 
 def require_listed(params: Params, objective: str) -> None:

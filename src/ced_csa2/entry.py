@@ -4,6 +4,9 @@
 ``run(params, *args)`` from the repository root.  With ``CED_CSA2_RECORD_READS=<dir>`` it
 also writes ``<dir>/<stage>.json``: the params keys and the project files the stage read
 (``tests/test_graph.py`` compares them with the stage's entry in ``dvc.yaml``).
+
+A bad input (params, a missing or corrupt artifact) ends the stage with one line,
+``error: <message>``, on stderr and exit status 2; ``CED_CSA2_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +20,13 @@ from pathlib import Path
 from .config import load_params, record_reads
 
 RECORD_ENV = "CED_CSA2_RECORD_READS"
+DEBUG_ENV = "CED_CSA2_DEBUG"  # =1: re-raise an input error with its traceback instead of one line
+# Input errors: a stage that raises one of these exits 2 with one line on stderr, no traceback.
+# ParamsError, PlanError, CheckpointError and DumpError are ValueErrors; AssetError (a
+# RuntimeError) is matched by name, so that this module imports none of them (every stage's
+# dvc.yaml deps are its import closure: see tests/test_graph.py).
+INPUT_ERRORS = (ValueError, FileNotFoundError)
+INPUT_ERROR_NAMES = {("ced_csa2.assets", "AssetError")}
 # Files under these folders are pipeline artifacts: a stage that reads one must declare it.
 ARTIFACT_DIRS = ("data", "models", "metrics", "reports")
 _FILES_READ: set[str] | None = None
@@ -51,8 +61,37 @@ def stage_name(run, args: tuple) -> str:
     return f"{name}@{args[0]}" if args else name
 
 
+def is_input_error(exc: BaseException) -> bool:
+    """A bad input or a missing/corrupt artifact (one line, exit 2), not a bug (traceback)."""
+    return isinstance(exc, INPUT_ERRORS) or any(
+        (cls.__module__, cls.__qualname__) in INPUT_ERROR_NAMES for cls in type(exc).__mro__)
+
+
+def error_line(exc: BaseException) -> str:
+    """``error: <message>`` on one line (a multi-line message is joined)."""
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    return f"error: {message}"
+
+
 def run_stage(run, *args) -> None:
-    """Entry point of a stage module: log to stderr, then ``run(load_params(), *args)`` from the cwd."""
+    """Entry point of a stage module: log to stderr, then ``run(load_params(), *args)`` from the cwd.
+
+    An input error (:func:`is_input_error`) prints ``error: <message>`` to stderr and exits
+    with status 2; with ``CED_CSA2_DEBUG=1`` it propagates with its traceback instead.  Any
+    other exception keeps its traceback.
+    """
+    try:
+        _run_stage(run, *args)
+    except Exception as exc:
+        if not is_input_error(exc) or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        for handler in logging.getLogger().handlers:  # what the stage logged comes before the error line
+            handler.flush()
+        print(error_line(exc), file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _run_stage(run, *args) -> None:
     global _FILES_READ
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

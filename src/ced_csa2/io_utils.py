@@ -1,22 +1,38 @@
 """Atomic file output: write to a temporary sibling, then rename into place.
 
-A stage killed half-way never leaves a truncated output under the real name.
+A stage killed half-way never leaves a truncated output under the real name, and a write
+that fails (full disk, read-only folder, Ctrl-C) removes its temporary file and leaves the
+destination as it was.  JSON is strict: NaN and Infinity are refused, naming the key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 from pathlib import Path
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via ``path.tmp<pid>`` + ``os.replace``."""
+    """Write ``data`` to ``path`` via ``.<name>.tmp<pid>`` + fsync + ``os.replace``.
+
+    On any failure, ``KeyboardInterrupt`` included, the temporary file is removed and
+    ``path`` is untouched.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -24,6 +40,35 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def nonfinite_keys(obj, where: str = "") -> list[tuple[str, float]]:
+    """``(dotted key path, value)`` of every NaN/±Infinity float in nested dicts and lists."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [(where or "<root>", obj)]
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return []
+    return [hit for k, v in items for hit in nonfinite_keys(v, f"{where}.{k}" if where else str(k))]
+
+
 def write_json(path: Path, obj) -> None:
-    """Deterministic JSON (sorted keys, indent 2, trailing newline), written atomically."""
-    atomic_write_text(path, json.dumps(obj, sort_keys=True, indent=2) + "\n")
+    """Deterministic, strict JSON (sorted keys, indent 2, trailing newline), written atomically.
+
+    Raises ``ValueError`` naming the file and the key path of a NaN or Infinity (which
+    ``json`` would write as the non-JSON tokens ``NaN``/``Infinity``), and ``TypeError``
+    naming the file for an object JSON cannot encode; nothing is written in either case.
+    """
+    try:
+        text = json.dumps(obj, sort_keys=True, indent=2, allow_nan=False)
+    except ValueError:
+        bad = nonfinite_keys(obj)
+        if not bad:
+            raise
+        listed = ", ".join(f"'{k}' = {v}" for k, v in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise ValueError(f"{path}: refusing to write non-finite JSON number(s) at {listed} "
+                         f"(JSON has no NaN/Infinity)") from None
+    except TypeError as exc:
+        raise TypeError(f"{path}: {exc}") from None
+    atomic_write_text(path, text + "\n")
