@@ -1,6 +1,7 @@
 """Shared tiny, real objects: the tiny Qwen3.5 profile and a tiny Llama, built locally."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -53,3 +54,21 @@ def tiny_llama(attn_implementation="sdpa"):
     cfg._attn_implementation = attn_implementation
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
+
+
+def read_curves(directory) -> dict[str, tuple[str, list[tuple[int, float]]]]:
+    """``{series: (x name, [(x, value), ...])}`` of a curves directory, checking the layout.
+
+    Every ``*.tsv`` must hold exactly one series -- header ``<x>\\t<file stem>``, two columns
+    per row -- with integer, strictly increasing x.
+    """
+    out = {}
+    for path in sorted(directory.glob("*.tsv")):
+        header, *rows = [line.split("\t") for line in path.read_text().splitlines()]
+        assert len(header) == 2 and header[1] == path.stem, (path, header)
+        assert rows and all(len(r) == 2 for r in rows), path
+        points = [(int(x), float(v)) for x, v in rows]
+        xs = [x for x, _ in points]
+        assert all(b > a for a, b in itertools.pairwise(xs)), (path, xs)
+        out[path.stem] = (header[0], points)
+    return out

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import read_curves
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -81,6 +82,64 @@ def test_full_pipeline_writes_every_metric_and_the_report(repo, reads):
     assert stages_run(sh(repo, "dvc", "repro")) == set()
 
 
+def test_summary_is_the_headline_of_the_detailed_results(repo):
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    summary = json.loads((repo / "metrics/summary.json").read_text())
+    ppl, gsm, storage = (json.loads((repo / f"metrics/{n}.json").read_text()) for n in ("ppl", "gsm8k", "storage"))
+    kv = storage["active_model"]["kv"]["bf16"]["decoder_attention"]
+    for group in params["eval_ppl"]["groups"]:
+        s = summary[group]
+        assert (s["ppl"], s["dppl_pct"]) == (ppl["groups"][group]["ppl"], ppl["groups"][group]["delta_pct"])
+        assert (s["kv_bytes"], s["kv_compression"]) == (kv[group]["bytes_per_token"],
+                                                        kv[group]["compression_vs_baseline"])
+        g = gsm["groups"].get(group)
+        if group in params["eval_gsm8k"]["groups"]:
+            assert s["gold_nll"] == g["gold_nll"]["nll_per_token"]
+            for key, name in (("em_strict", "strict-match"), ("em_flex", "flexible-extract")):
+                lo, hi = g[name]["ci95"]
+                assert [s[key], s[f"{key}_lo"], s[f"{key}_hi"]] == pytest.approx(
+                    [100 * g[name]["exact_match"], 100 * lo, 100 * hi])
+        else:
+            assert g is None and "gold_nll" not in s
+    for objective in params["train"]["objectives"]:
+        evaluated = json.loads((repo / f"metrics/objectives/{objective}/eval.json").read_text())["groups"]
+        for group in params["train"]["eval_groups"]:
+            s = summary[f"{group}@{objective}"]
+            assert (s["ppl"], s["gold_nll"]) == (evaluated[group]["ppl"], evaluated[group]["gold_nll"]["nll_per_token"])
+    # the DVC metrics: numbers only, the big protocol-carrying files are plain outs
+    shown = json.loads(sh(repo, "dvc", "metrics", "show", "--json"))
+    files = next(iter(shown.values()))["data"]
+    assert set(files) == {"metrics/summary.json", "metrics/ridge.json"}
+
+    def numbers(obj):
+        return all(map(numbers, obj.values())) if isinstance(obj, dict) else type(obj) in (int, float)
+
+    assert all(numbers(f["data"]) for f in files.values())
+
+
+def test_curves_one_series_per_file_and_plots_render(repo):
+    curves = repo / "metrics/curves"
+    for directory in {p.parent for p in curves.rglob("*.tsv")}:
+        read_curves(directory)  # one series per file, strictly increasing x
+    assert {p.name for p in (curves / "tune").iterdir()} == {"attn_out", "distill"}  # ridge trains nothing
+    for objective in ("attn_out", "distill"):
+        tuned = read_curves(curves / "tune" / objective)
+        ced, csa2 = ([s for s, _ in tuned[f"{g}_loss"][1]] for g in ("ced", "csa2"))
+        assert ced[0] == 1 and csa2[0] == ced[-1] + 1  # one step counter across the two phases
+    assert len(read_curves(curves / "train_adapters")) == 3 * 2 * 3  # layer x K/V x metric
+    assert not (repo / "metrics/plots").exists() and not list((repo / "metrics/objectives").rglob("curve.csv"))
+
+    out = sh(repo, "dvc", "plots", "show", "--json")
+    shown = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert not shown.get("errors"), shown.get("errors")
+    ids = set(shown["data"])
+    assert {p.relative_to(repo).as_posix() for p in curves.rglob("*.tsv")} <= ids
+    assert {f"reports/{png}.png" for png in ("ppl_by_group", "adapter_cosine", "bytes_vs_ppl")} <= ids
+    epoch_logged = [i for i in ids if "/train_" in i]
+    assert epoch_logged and all(shown["data"][i][0]["content"]["encoding"]["x"]["field"] == "epoch"
+                                for i in epoch_logged)
+
+
 def covers(declared: str, key: str) -> bool:
     return key == declared or key.startswith(declared + ".")
 
@@ -146,7 +205,10 @@ def test_lambda_ablation_reruns_only_what_depends_on_it(repo):
     assert {"ridge", "train_adapters", "tune@ridge", "tune@distill", "eval_objective@ridge"} <= ran
     assert not ran & {"prepare", "dump", "train_projector", "storage"}
     diff = json.loads(sh(repo, "dvc", "metrics", "diff", "--json"))
+    assert set(diff) == {"metrics/ridge.json", "metrics/summary.json"}
     assert diff["metrics/ridge.json"]["k_24.r2"]["diff"] != 0
+    assert diff["metrics/summary.json"]["csa2.ppl"]["diff"] != 0
+    assert diff["metrics/summary.json"]["csa2@ridge.ppl"]["diff"] != 0
     assert "ridge.lambda" in sh(repo, "dvc", "params", "diff")
 
 

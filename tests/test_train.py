@@ -1,6 +1,5 @@
 """Both trainers on a small synthetic dump: they learn, they are reproducible, they check inputs first."""
 
-import csv
 import dataclasses
 import json
 import shutil
@@ -8,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_params
+from conftest import read_curves, tiny_params
 
 from ced_csa2 import paths
 from ced_csa2.checkpoint import expected_meta
@@ -17,6 +16,7 @@ from ced_csa2.h5store import DumpError, DumpLayout, DumpWriter
 from ced_csa2.plan import load_plan
 from ced_csa2.projector import load_projector, load_projectors
 from ced_csa2.stages import ridge, train_adapters, train_projector
+from ced_csa2.training import write_curves
 
 HIDDEN, KV = 64, 32  # the tiny Qwen3.5 profile (2 kv heads x 16)
 N_RECORDS = 60
@@ -89,9 +89,14 @@ def without_wall_time(metrics):
     return {**metrics, "run": {k: v for k, v in metrics["run"].items() if k != "wall_s"}}
 
 
-def read_csv(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+def epoch_curves(directory, names, epochs):
+    """The curves of a trainer: exactly ``names`` x (train_loss, val_loss, val_cos), x = epoch."""
+    curves = read_curves(directory)
+    assert sorted(curves) == sorted(f"{n}_{m}" for n in names for m in ("train_loss", "val_loss", "val_cos"))
+    for name, (x, points) in curves.items():
+        first = 1 if name.endswith("train_loss") else 0  # val_* start before training
+        assert x == "epoch" and [e for e, _ in points] == list(range(first, epochs + 1)), name
+    return {name: [v for _, v in points] for name, (_, points) in curves.items()}
 
 
 def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
@@ -101,9 +106,12 @@ def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
     assert layer["val_loss"] < layer["val_loss_init"]
     assert layer["k"]["r2"] > 0.5 and layer["v"]["r2"] > 0.5 and layer["k"]["n"] == m["run"]["val_rows"]
     assert json.loads((workdir / paths.PROJECTOR_METRICS).read_text()) == m
-    rows = read_csv(workdir / train_projector.PLOT_PATH)
-    assert list(rows[0]) == ["layer", "epoch", "train_loss", "val_loss", "val_cos"] and len(rows) == 4
-    assert float(rows[-1]["val_loss"]) == pytest.approx(layer["val_loss"], rel=1e-6)
+    curves = epoch_curves(workdir / paths.PROJECTOR_CURVES, ["layer20"], epochs=4)
+    assert curves["layer20_val_loss"][0] == pytest.approx(layer["val_loss_init"], rel=1e-6)
+    assert curves["layer20_val_loss"][-1] == pytest.approx(layer["val_loss"], rel=1e-6)
+    assert curves["layer20_val_cos"][-1] == pytest.approx((layer["k"]["cos"] + layer["v"]["cos"]) / 2, rel=1e-6)
+    assert curves["layer20_train_loss"][-1] < curves["layer20_train_loss"][0]
+    assert not (workdir / "metrics/plots").exists()
 
     expect = expected_meta(p, *load_plan(p.plan, p.model))  # what every consumer checks
     proj, meta = load_projector(workdir / "models/projector_k20v20.pt", expect=expect["projector"])
@@ -128,9 +136,14 @@ def test_adapters_improve_on_ridge_and_rerun_identically(workdir, tmp_path_facto
             assert r["trained"]["mse"] < r["ridge"]["mse"], (t, kind)
             assert r["gain"]["r2"] == pytest.approx(r["trained"]["r2"] - r["ridge"]["r2"])
     assert m["run"]["val_pairs"] == 12 * 16 and m["layers"]["24"]["k"]["trained"]["n"] == 12 * 16
-    rows = read_csv(workdir / train_adapters.PLOT_PATH)
-    assert list(rows[0]) == ["layer", "kind", "epoch", "train_loss", "val_loss", "val_cos"]
-    assert len(rows) == 12 * 6
+    # one file per (layer, kind, metric): six adapters are six lines, not one zig-zag
+    curves = epoch_curves(workdir / paths.ADAPTERS_CURVES, [f"layer{t}_{kind}" for t in (24, 28, 32)
+                                                            for kind in ("k", "v")], epochs=12)
+    for t, kinds in m["layers"].items():
+        for kind, r in kinds.items():
+            val_loss, val_cos = curves[f"layer{t}_{kind}_val_loss"], curves[f"layer{t}_{kind}_val_cos"]
+            assert (val_loss[0], val_cos[0]) == pytest.approx((r["ridge"]["mse"], r["ridge"]["cos"]), rel=1e-6)
+            assert (val_loss[-1], val_cos[-1]) == pytest.approx((r["trained"]["mse"], r["trained"]["cos"]), rel=1e-6)
 
     adapters = load_adapters(workdir / paths.ADAPTERS_PATH, expect=expected_meta(p, *load_plan(p.plan, p.model))[
         "adapters"])  # what every consumer checks
@@ -154,3 +167,18 @@ def test_stages_check_their_inputs_before_training(workdir):
     with pytest.raises(DumpError, match=r"holds K/V of layers \[20, 24, 28, 32\], the plan needs \[12, 24\]"):
         train_adapters.run(dataclasses.replace(p, plan=other), workdir)
     assert not (workdir / paths.PROJECTOR_METRICS).exists()
+
+
+def test_curves_one_series_per_file_and_stale_series_removed(tmp_path):
+    (tmp_path / "old_loss.tsv").write_text("step\told_loss\n1\t2\n")
+    (tmp_path / "notes.txt").write_text("kept")
+    write_curves(tmp_path, {"a_loss": [(1, 0.5), (2, 0.25)], "a_val": [(0, 1 / 3)]})
+    assert (tmp_path / "a_loss.tsv").read_text() == "step\ta_loss\n1\t0.5\n2\t0.25\n"
+    assert (tmp_path / "a_val.tsv").read_text() == "step\ta_val\n0\t0.33333333\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_loss.tsv", "a_val.tsv", "notes.txt"]
+    for bad in ([(1, 0.5), (1, 0.4)], [(2, 0.5), (1, 0.4)], []):
+        with pytest.raises(ValueError, match="strictly increasing"):
+            write_curves(tmp_path / "bad", {"b": bad})
+    with pytest.raises(ValueError, match="curve name"):
+        write_curves(tmp_path / "bad", {"b/c": [(1, 0.5)]})
+    assert not (tmp_path / "bad").exists()

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_params
+from conftest import read_curves, tiny_params
 
 from ced_csa2 import paths
 from ced_csa2.config import OnlineConfig, ParamsError
@@ -49,8 +49,14 @@ def test_ridge_objective_exports_the_closed_form_maps(tmp_path, tiny_model):
     model, tok = tiny_model
     params = tiny_params()
     maps = write_inputs(tmp_path, params, tok)
+    stale = tmp_path / paths.objective_curves("ridge")
+    stale.mkdir(parents=True)
+    (stale / "ced_loss.tsv").write_text("step\tced_loss\n1\t1.0\n")
     m = tune.run(params, "ridge", tmp_path)
     assert m["objective"] == "ridge" and m["phases"] == {}
+    # ridge trains nothing: no curve at all (not an empty one), and none left from before
+    assert not stale.exists() and not list((tmp_path / paths.CURVES).rglob("*.tsv"))
+    assert not (tmp_path / paths.objective_metrics("ridge") / "curve.csv").exists()
 
     plan, geo = load_plan(params.plan, params.model)
     parts = eval_objective.load_objective_parts(tmp_path, "ridge", params, plan, geo, "cpu")
@@ -89,6 +95,18 @@ def test_a_short_distillation_lowers_the_held_out_kl(tmp_path, frozen):
         assert phase["val_after"]["kl"] < factor * phase["val_before"]["kl"], phase
     saved = json.loads((tmp_path / paths.objective_metrics("distill") / "train.json").read_text())
     assert saved == json.loads(json.dumps(m))
-    curve = (tmp_path / paths.objective_metrics("distill") / "curve.csv").read_text().splitlines()
-    assert curve[0] == "phase,step,epoch,loss" and len(curve) == 1 + 2 * ONLINE.epochs * 3
+    # one file per phase and series, one optimizer-step counter across the two phases
+    curves = read_curves(tmp_path / paths.objective_curves("distill"))
+    assert sorted(curves) == sorted(f"{g}_{s}" for g in ("ced", "csa2") for s in ("loss", "val_loss", "val_kl"))
+    assert {x for x, _ in curves.values()} == {"step"}
+    n = ONLINE.epochs * 3
+    steps = {name: [s for s, _ in points] for name, (_, points) in curves.items()}
+    assert steps["ced_loss"] == list(range(1, n + 1)) and steps["csa2_loss"] == list(range(n + 1, 2 * n + 1))
+    for group, (first, last) in (("ced", (0, n)), ("csa2", (n, 2 * n))):
+        phase = m["phases"][group]
+        for key in ("loss", "kl"):
+            (s0, before), (s1, after) = curves[f"{group}_val_{key}"][1]
+            assert (s0, s1) == (first, last)
+            assert (before, after) == pytest.approx((phase["val_before"][key], phase["val_after"][key]), rel=1e-6)
+    assert not (tmp_path / paths.objective_metrics("distill") / "curve.csv").exists()
     assert all(not p.requires_grad for p in model.parameters())

@@ -30,6 +30,8 @@ PROJECTOR_METRICS = METRICS / "projector.json"
 ADAPTERS_PATH = MODELS / "adapters.pt"
 ADAPTERS_METRICS = METRICS / "adapters.json"
 CURVES = METRICS / "curves"  # one series per file: curves/<stage>/<series>.tsv
+PROJECTOR_CURVES = CURVES / "train_projector"
+ADAPTERS_CURVES = CURVES / "train_adapters"
 
 # evaluation, storage, report
 PPL_METRICS = METRICS / "ppl.json"
@@ -52,3 +54,8 @@ def objective_models(objective: str) -> Path:
 def objective_metrics(objective: str) -> Path:
     """``train.json`` and ``eval.json`` of one objective's branch."""
     return METRICS / "objectives" / objective
+
+
+def objective_curves(objective: str) -> Path:
+    """Training curves of ``tune@<objective>`` (none for ``ridge``, which trains nothing)."""
+    return CURVES / "tune" / objective

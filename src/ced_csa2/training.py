@@ -7,8 +7,8 @@
   interface, so one loop serves data streamed from disk and data held in memory.
 * :class:`Head` and :func:`fit` -- one loop that trains several independent maps on the
   same batches (one read of the data for all of them), with per-epoch validation.
-* :func:`evaluate`, :func:`write_plot` -- fp32 held-out metrics through
-  :class:`~ced_csa2.fit_metrics.FitStats`, and plot CSVs.
+* :func:`evaluate`, :func:`write_curves` -- fp32 held-out metrics through
+  :class:`~ced_csa2.fit_metrics.FitStats`, and training curves, one series per TSV file.
 
 The maps are independent (each loss touches only its own parameters), so summing their
 losses and stepping one optimizer is exactly per-map training: AdamW and SGD update
@@ -18,10 +18,10 @@ each parameter from its own gradient alone.
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
+import itertools
 import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol
@@ -154,7 +154,8 @@ class Head:
     Attributes
     ----------
     label
-        Leading plot columns of its rows, e.g. ``{"layer": 20}`` or ``{"layer": 24, "kind": "k"}``.
+        Names the head, e.g. ``{"layer": 20}`` or ``{"layer": 24, "kind": "k"}``; its curves are
+        ``<curve_name(label)>_<metric>`` (``layer20_val_cos``, ``layer24_k_val_cos``).
     module
         ``(b, d_in) -> (b, d_out)``.
     x, y
@@ -276,40 +277,76 @@ def fit(heads: list[Head], optimizer: torch.optim.Optimizer, train: Batches, val
 
     Returns
     -------
-    rows
-        Plot rows, one per head and epoch: ``label | epoch, train_loss, val_loss, val_cos``.
+    curves
+        One series per head and metric, x = epoch (the loop logs once per epoch):
+        ``<name>_val_loss`` and ``<name>_val_cos`` from epoch 0 (before training) and
+        ``<name>_train_loss`` (row-weighted mean over the epoch) from epoch 1, ``<name> =
+        curve_name(head.label)``; :func:`write_curves` writes them.
     initial, final
         Per head, the :func:`evaluate` results before training and after the last epoch.
     """
     warn_if_amp_is_emulated(device, amp_dtype)
     initial = evaluate(heads, val, device)
-    rows, result = [], initial
+    result = initial
+    names = [curve_name(h.label) for h in heads]
+    if len(set(names)) != len(names):
+        raise ValueError(f"heads need distinct labels, got {names}")
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for name, res in zip(names, initial):
+        curves[f"{name}_train_loss"] = []
+        curves[f"{name}_val_loss"], curves[f"{name}_val_cos"] = [(0, val_summary(res)[0])], [(0, val_summary(res)[1])]
     with tqdm(total=epochs * len(train), desc=desc, unit="step") as bar:
         for epoch in range(1, epochs + 1):
             train.set_epoch(epoch)
             train_loss = train_epoch(heads, optimizer, train, device, amp_dtype, scheduler, bar)
             result = evaluate(heads, val, device)
-            epoch_rows = [{**h.label, "epoch": epoch, "train_loss": tl, "val_loss": val_summary(res)[0],
-                           "val_cos": val_summary(res)[1]} for h, tl, res in zip(heads, train_loss, result)]
-            rows += epoch_rows
-            mean_val = sum(r["val_loss"] for r in epoch_rows) / len(heads)
+            summaries = [val_summary(res) for res in result]
+            for name, tl, (vl, vc) in zip(names, train_loss, summaries):
+                curves[f"{name}_train_loss"].append((epoch, tl))
+                curves[f"{name}_val_loss"].append((epoch, vl))
+                curves[f"{name}_val_cos"].append((epoch, vc))
+            mean_val = sum(vl for vl, _ in summaries) / len(heads)
             bar.set_postfix(val_loss=f"{mean_val:.4g}")
             log.info("%s epoch %d/%d: train loss %.5g, val loss %.5g, val cos %.4f (means over %d maps)", desc,
                      epoch, epochs, sum(train_loss) / len(heads), mean_val,
-                     sum(r["val_cos"] for r in epoch_rows) / len(heads), len(heads))
-    return rows, initial, result
+                     sum(vc for _, vc in summaries) / len(heads), len(heads))
+    return curves, initial, result
 
 
 # ----------------------------------------------------------------------------- outputs
 
-def write_plot(path: Path, rows: list[dict], columns: Iterable[str] | None = None) -> None:
-    """Plot data as CSV (``columns``, default the rows' key order; floats with 8 significant digits)."""
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(columns or rows[0]), lineterminator="\n")
-    writer.writeheader()
-    for r in rows:
-        writer.writerow({k: f"{v:.8g}" if isinstance(v, float) else v for k, v in r.items()})
-    atomic_write_text(path, buf.getvalue())
+def curve_name(label: dict) -> str:
+    """A head's series prefix: ``{"layer": 24, "kind": "k"}`` -> ``layer24_k`` (numbers keep their key)."""
+    return "_".join(f"{k}{v}" if isinstance(v, int) else str(v) for k, v in label.items())
+
+
+_SERIES_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def write_curves(directory: Path, curves: dict[str, list[tuple[int, float]]], x: str = "step") -> None:
+    """Training curves as dvclive lays them out: ``<directory>/<series>.tsv``, one series per file.
+
+    Each file is a header ``<x>\\t<series>`` and one ``<x>\\t<value>`` row per point (floats
+    with 8 significant digits), so ``dvc plots show`` draws one line per series.  ``x`` names
+    the unit: ``step`` (optimizer steps, one counter for the whole stage) or ``epoch``.  A
+    series must be non-empty with strictly increasing ``x``.  Afterwards ``directory`` holds
+    exactly these series: other ``*.tsv`` files in it (a layer or phase this run no longer
+    has) are removed.
+    """
+    directory = Path(directory)
+    for name, points in curves.items():
+        xs = [int(p[0]) for p in points]
+        if not _SERIES_NAME.fullmatch(name):
+            raise ValueError(f"curve name {name!r}: use letters, digits, '_', '.', '-'")
+        if not points or any(b <= a for a, b in itertools.pairwise(xs)):
+            raise ValueError(f"curve {name!r}: needs points with strictly increasing {x}, got {xs}")
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, points in curves.items():
+        rows = "".join(f"{int(s)}\t{float(v):.8g}\n" for s, v in points)
+        atomic_write_text(directory / f"{name}.tsv", f"{x}\t{name}\n{rows}")
+    for stale in directory.glob("*.tsv"):
+        if stale.stem not in curves:
+            stale.unlink()
 
 
 KINDS = ("k", "v")

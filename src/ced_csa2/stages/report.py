@@ -5,8 +5,10 @@
 Writes ``reports/results.md`` (group x PPL, ΔPPL %, GSM8K exact match with Wilson 95%
 interval, gold-solution NLL, KV bytes/token and compression, each with its protocol
 line; then one row per (group, training objective) of ``train.objectives`` next to the
-seed's ``kv_mse`` and ``share_plain``) and
-``reports/{ppl_by_group,adapter_cosine,bytes_vs_ppl}.png``.  Every figure names its model and data: the embedded default's numbers are SmolLM2-135M on a
+seed's ``kv_mse`` and ``share_plain``),
+``reports/{ppl_by_group,adapter_cosine,bytes_vs_ppl}.png`` and the headline numbers
+``metrics/summary.json`` (:func:`summary`: numbers only, for ``dvc metrics diff``).  Every
+figure names its model and data: the embedded default's numbers are SmolLM2-135M on a
 Wikipedia sample, not Qwen3.5-4B results.
 """
 
@@ -18,7 +20,8 @@ from pathlib import Path
 
 from ..config import Params
 from ..entry import run_stage
-from ..io_utils import atomic_write_text
+from ..io_utils import atomic_write_text, write_json
+from ..paths import SUMMARY
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,51 @@ def objective_table(ppl: dict, gsm: dict, projector: dict, adapters: dict, objec
             g = o["eval"]["groups"][group]
             row(group, name, g["ppl"], g["gold_nll"]["nll_per_token"], f"{wall:,.0f}", rate)
     return lines
+
+
+SUMMARY_BASIS = "decoder_attention"  # summary.json's KV bytes: bf16, the decoder's attention layers
+
+
+def summary(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], groups: list[str]) -> dict:
+    """``metrics/summary.json``: the headline numbers, numbers only, for `dvc metrics diff` / `dvc exp show`.
+
+    ``{group: {...}}`` for every runtime group of ``ppl.json``:
+
+    * ``ppl``, ``dppl_pct`` (ΔPPL % vs baseline) -- from ``ppl.json``;
+    * ``gold_nll`` (GSM8K gold-solution NLL per token), ``em_strict`` / ``em_flex`` (exact
+      match %, strict-match / flexible-extract) with ``_lo`` / ``_hi`` (Wilson 95% CI, %) --
+      from ``gsm8k.json``, for the groups it evaluated;
+    * ``kv_bytes`` (stored KV bytes per token) and ``kv_compression`` (× vs baseline), bf16 on
+      the ``decoder_attention`` basis -- from ``storage.json``;
+
+    plus ``{"<group>@<objective>": {"ppl", "dppl_pct", "gold_nll"}}`` for each ``train.eval_groups``
+    group under each tuned objective (``objectives[name]["eval"]`` = its ``eval.json``), ΔPPL
+    against ``ppl.json``'s baseline.  Values are copied (EM and CI scaled to %), never rounded.
+    """
+    out: dict[str, dict[str, float]] = {}
+    kv = storage["active_model"]["kv"]["bf16"][SUMMARY_BASIS]
+    for group, p in ppl["groups"].items():
+        row = {"ppl": p["ppl"]}
+        if "delta_pct" in p:
+            row["dppl_pct"] = p["delta_pct"]
+        g = gsm["groups"].get(group)
+        if g:
+            row["gold_nll"] = g["gold_nll"]["nll_per_token"]
+            for key, name in (("em_strict", "strict-match"), ("em_flex", "flexible-extract")):
+                lo, hi = g[name]["ci95"]
+                row |= {key: 100 * g[name]["exact_match"], f"{key}_lo": 100 * lo, f"{key}_hi": 100 * hi}
+        if group in kv:
+            row |= {"kv_bytes": kv[group]["bytes_per_token"], "kv_compression": kv[group]["compression_vs_baseline"]}
+        out[group] = row
+    base = ppl["groups"].get("baseline", {}).get("ppl")
+    for name, o in objectives.items():
+        for group in groups:
+            e = o["eval"]["groups"][group]
+            row = {"ppl": e["ppl"], "gold_nll": e["gold_nll"]["nll_per_token"]}
+            if base:
+                row["dppl_pct"] = 100 * (e["ppl"] - base) / base
+            out[f"{group}@{name}"] = row
+    return out
 
 
 def protocol_line(ppl: dict, gsm: dict) -> str:
@@ -203,7 +251,8 @@ def run(params: Params, workdir: Path = Path(".")) -> str:
     out = workdir / OUT
     plots(out, ppl, adapters, storage)
     atomic_write_text(out / "results.md", text)
-    log.info("wrote %s", out / "results.md")
+    write_json(workdir / SUMMARY, summary(ppl, gsm, storage, objectives, groups))
+    log.info("wrote %s and %s", out / "results.md", workdir / SUMMARY)
     return text
 
 

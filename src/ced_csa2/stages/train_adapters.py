@@ -17,8 +17,10 @@ in one loop, on the same batches:
 * validation (float32) on the held-out pairs before training -- which is the ridge
   solution's fit -- and after each epoch.
 
-Writes ``models/adapters.pt``, ``metrics/plots/adapters.csv`` (``layer, kind, epoch,
-train_loss, val_loss, val_cos``) and ``metrics/adapters.json``: per layer and K/V the
+Writes ``models/adapters.pt``, the curves
+``metrics/curves/train_adapters/layer{t}_{k,v}_{train_loss,val_loss,val_cos}.tsv`` (one
+series per adapter and metric, x = epoch; ``val_*`` from epoch 0, the ridge start) and
+``metrics/adapters.json``: per layer and K/V the
 r2, cos, rel_mse, mse of the trained adapter (``trained``), of the ridge-only start on
 the same pairs (``ridge``), and ``gain = trained - ridge`` (positive is better for r2
 and cos, negative for rel_mse and mse); plus run facts and wall time.
@@ -39,13 +41,12 @@ from ..entry import run_stage
 from ..io_utils import write_json
 from ..loader import load_rows
 from ..model_utils import resolve_device
-from ..paths import ADAPTERS_METRICS, ADAPTERS_PATH, DUMP_PATH, RIDGE_PATH
+from ..paths import ADAPTERS_CURVES, ADAPTERS_METRICS, ADAPTERS_PATH, DUMP_PATH, RIDGE_PATH
 from ..plan import LayerPlan, load_plan
-from ..training import KINDS, Head, TensorBatches, build_adapters, fit, pair_names, split_masks, write_plot
+from ..training import KINDS, Head, TensorBatches, build_adapters, fit, pair_names, split_masks, write_curves
 
 log = logging.getLogger(__name__)
 
-PLOT_PATH = Path("metrics/plots/adapters.csv")
 GAIN_KEYS = ("r2", "cos", "rel_mse", "mse")
 
 
@@ -100,7 +101,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     log.info("training adapters KV_%d -> KV_%s on %s: %d train pairs, %d val pairs, MLP width %d, %s autocast",
              plan.source, list(plan.targets), device, train.n_rows, val.n_rows, adapters.width, cfg.amp_dtype)
     heads = heads_for(adapters, kv)
-    rows, ridge, trained = fit(heads, optimizer_for(adapters, params), train, val, epochs=cfg.epochs,
+    curves, ridge, trained = fit(heads, optimizer_for(adapters, params), train, val, epochs=cfg.epochs,
                                device=device, amp_dtype=cfg.amp_dtype, desc="train_adapters")
 
     save_adapters(workdir / ADAPTERS_PATH, adapters.cpu(), checkpoint_meta(
@@ -117,7 +118,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
                 "val_pairs": val.n_rows, "width": adapters.width, "device": device.type,
                 "amp_dtype": cfg.amp_dtype, "wall_s": round(time.perf_counter() - t0, 3)},
     }
-    write_plot(workdir / PLOT_PATH, rows)
+    write_curves(workdir / ADAPTERS_CURVES, curves, x="epoch")
     write_json(workdir / ADAPTERS_METRICS, metrics)
     for t, m in layers.items():
         log.info("adapters KV_%d -> KV_%s: val R2 K %.4f (ridge %.4f), V %.4f (ridge %.4f)", plan.source, t,

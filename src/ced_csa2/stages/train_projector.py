@@ -16,9 +16,10 @@ one pass over the data per epoch:
   after each epoch.
 
 Writes ``models/projector_k{src}v{src}.pt`` (the source), ``models/projectors_extra.pt``
-(the extra sources; written, empty, for an ordinary plan), ``metrics/plots/projector.csv``
-(``layer, epoch, train_loss, val_loss, val_cos``; ``val_*`` are means of the K and V
-halves) and ``metrics/projector.json`` (per layer: r2, cos, rel_mse, mse for K and V,
+(the extra sources; written, empty, for an ordinary plan), the curves
+``metrics/curves/train_projector/layer{l}_{train_loss,val_loss,val_cos}.tsv`` (one series
+per file, x = epoch, ``val_*`` from epoch 0 = before training; ``val_*`` are means of the
+K and V halves) and ``metrics/projector.json`` (per layer: r2, cos, rel_mse, mse for K and V,
 and the val loss before and after training; plus run facts and wall time).
 """
 
@@ -36,14 +37,12 @@ from ..entry import run_stage
 from ..io_utils import write_json
 from ..loader import BlockLoader
 from ..model_utils import resolve_device
-from ..paths import DUMP_PATH, PROJECTOR_METRICS, PROJECTORS_EXTRA, projector_path
+from ..paths import DUMP_PATH, PROJECTOR_CURVES, PROJECTOR_METRICS, PROJECTORS_EXTRA, projector_path
 from ..plan import load_plan
 from ..projector import KVProjector, save_projector, save_projectors
-from ..training import Head, fit, split_masks, val_summary, warmup_cosine, write_plot
+from ..training import Head, fit, split_masks, val_summary, warmup_cosine, write_curves
 
 log = logging.getLogger(__name__)
-
-PLOT_PATH = Path("metrics/plots/projector.csv")
 
 
 def build_projectors(params: Params, layers: tuple[int, ...], hidden_size: int, kv_dim: int
@@ -87,7 +86,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     log.info("training projectors for layers %s from H_%d on %s: %d train rows, %d val rows, %d steps, %s autocast",
              list(plan.projected), plan.split, device, train.n_rows, val.n_rows, steps, cfg.amp_dtype)
     heads = heads_for(projectors, geo.kv_dim)
-    rows, initial, final = fit(heads, optimizer, train, val, epochs=cfg.epochs, device=device,
+    curves, initial, final = fit(heads, optimizer, train, val, epochs=cfg.epochs, device=device,
                                amp_dtype=cfg.amp_dtype, scheduler=scheduler, desc="train_projector")
     train.close()
     val.close()
@@ -105,7 +104,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
                 "device": device.type, "amp_dtype": cfg.amp_dtype,
                 "wall_s": round(time.perf_counter() - t0, 3)},
     }
-    write_plot(workdir / PLOT_PATH, rows)
+    write_curves(workdir / PROJECTOR_CURVES, curves, x="epoch")
     write_json(workdir / PROJECTOR_METRICS, metrics)
     for layer, m in metrics["layers"].items():
         log.info("projector H_%d -> KV_%s: val R2 K %.4f V %.4f, cos K %.4f V %.4f", plan.split, layer,

@@ -17,12 +17,17 @@ map and the adapters' ``k_{t}`` / ``v_{t}`` bases (MLPs at their zero start).
 Writes ``models/objectives/<objective>/{projector_k{s}v{s}.pt, adapters.pt}`` (the main
 branch's formats, so :func:`ced_csa2.ced_runtime.load_parts` reads them),
 ``metrics/objectives/<objective>/train.json`` (per phase: steps, tokens, wall time,
-tokens/s, held-out losses) and ``metrics/objectives/<objective>/curve.csv``.
+tokens/s, held-out losses) and, for the objectives that train, its curves
+``metrics/curves/tune/<objective>/<phase>_{loss,val_loss,val_kl}.tsv``: one series per
+file, x = the optimizer step counted across both phases (the ``csa2`` phase's steps
+continue after the ``ced`` phase's); ``loss`` per step, ``val_*`` the held-out values at
+the phase's first and last step.  ``ridge`` writes no curves (and removes stale ones).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -49,15 +54,13 @@ from ..objectives import (
     substituted_layers,
     teacher_pass,
 )
-from ..paths import RIDGE_PATH, objective_metrics, objective_models, projector_path
+from ..paths import RIDGE_PATH, objective_curves, objective_metrics, objective_models, projector_path
 from ..plan import LayerPlan, load_plan
 from ..projector import save_projector
 from ..records import batches
-from ..training import warmup_cosine, write_plot
+from ..training import warmup_cosine, write_curves
 
 log = logging.getLogger(__name__)
-
-CURVE_COLUMNS = ("phase", "step", "epoch", "loss")
 
 
 def held_out(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str, val: list[tuple],
@@ -78,8 +81,14 @@ def held_out(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str
 
 
 def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str, module: torch.nn.Module,
-                train_rows: list[list[int]], val: list[tuple], params: Params, pad_id: int, device) -> tuple:
-    """Train ``module`` (a part of ``parts``) under ``group``; returns ``(summary, curve rows)``."""
+                train_rows: list[list[int]], val: list[tuple], params: Params, pad_id: int, device,
+                first_step: int = 0) -> tuple[dict, dict[str, list[tuple[int, float]]]]:
+    """Train ``module`` (a part of ``parts``) under ``group``; returns ``(summary, curves)``.
+
+    ``curves`` are ``<group>_loss`` (one point per optimizer step, numbered from
+    ``first_step + 1``) and ``<group>_val_loss`` / ``<group>_val_kl`` (held out, at
+    ``first_step`` before training and at the phase's last step after it).
+    """
     cfg = params.train.online
     n_batches = -(-len(train_rows) // cfg.batch_size)
     steps = cfg.epochs * n_batches
@@ -89,7 +98,7 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     before = held_out(objective, model, parts, plan, group, val, cfg.temperature, cfg.kv_weight)
     log.info("%s / %s phase (layers %s): held-out loss %.5f, KL %.5f before %d steps", objective, group,
              list(substituted_layers(plan, group)), before["loss"], before["kl"], steps)
-    rows, tokens, t0 = [], 0, time.perf_counter()
+    losses, tokens, t0 = [], 0, time.perf_counter()
     bar = tqdm(total=steps, desc=f"tune {objective}/{group}", unit="step")
     for epoch in range(cfg.epochs):
         order = np.random.default_rng([params.seed, SAMPLE_STREAM, epoch]).permutation(len(train_rows))
@@ -100,7 +109,7 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
             optimizer.step()
             scheduler.step()
             tokens += int(mask.sum())
-            rows.append({"phase": group, "step": len(rows) + 1, "epoch": epoch, "loss": loss.item()})
+            losses.append((first_step + len(losses) + 1, loss.item()))
             bar.update()
             bar.set_postfix(loss=f"{loss.item():.4g}")
     bar.close()
@@ -111,7 +120,11 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     summary = {"layers": list(substituted_layers(plan, group)), "steps": steps, "tokens": tokens,
                "wall_s": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
                "val_before": before, "val_after": after}
-    return summary, rows
+    last_step = first_step + len(losses)
+    curves = {f"{group}_loss": losses} if losses else {}
+    for key in ("loss", "kl"):
+        curves[f"{group}_val_{key}"] = [(first_step, before[key])] + ([(last_step, after[key])] if losses else [])
+    return summary, curves
 
 
 def save_parts(workdir: Path, objective: str, parts: CEDParts, params: Params, plan: LayerPlan,
@@ -137,7 +150,7 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
     plan, geo = load_plan(params.plan, params.model)
     parts = ridge_parts(params, plan, geo, workdir / RIDGE_PATH)
     metrics: dict = {"objective": objective, "init": "ridge", "phases": {}}
-    curve: list[dict] = []
+    curves: dict[str, list[tuple[int, float]]] = {}
     if objective != "ridge":
         model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device("auto"))
         model.requires_grad_(False)
@@ -150,17 +163,22 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
                  len(train_rows), sum(map(len, train_rows)), len(val_rows), params.model.name,
                  str(model.dtype).removeprefix("torch."), device)
         torch.manual_seed(params.seed)
+        step = 0  # one optimizer-step counter across both phases
         for group, module in (("ced", parts.projector), ("csa2", parts.adapters)):
-            summary, rows = train_phase(objective, model, parts, plan, group, module, train_rows, val, params,
-                                        tok.pad_token_id, device)
+            summary, phase_curves = train_phase(objective, model, parts, plan, group, module, train_rows, val,
+                                                params, tok.pad_token_id, device, first_step=step)
             metrics["phases"][group] = summary
-            curve += rows
+            curves |= phase_curves
+            step += len(phase_curves.get(f"{group}_loss", []))
         metrics["protocol"] = {"model": params.model.name, "data": params.data.name,
                                "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
                                "threads": torch.get_num_threads(), **to_dict(params.train.online)}
     save_parts(workdir, objective, parts, params, plan, geo)
     metrics["wall_s"] = round(time.perf_counter() - t0, 3)
-    write_plot(workdir / objective_metrics(objective) / "curve.csv", curve, CURVE_COLUMNS)
+    if curves:
+        write_curves(workdir / objective_curves(objective), curves, x="step")
+    else:  # ridge trains nothing: no curve (an empty plot would read as a failed run)
+        shutil.rmtree(workdir / objective_curves(objective), ignore_errors=True)
     write_json(workdir / objective_metrics(objective) / "train.json", metrics)
     return metrics
 
