@@ -74,7 +74,8 @@ def ridge_curve(workdir: Path, params, plan, sizes: list[int]) -> tuple[list[dic
     return rows, maps
 
 
-def ci_curve(workdir: Path, params, plan, geo, maps: dict, sizes: list[int]) -> tuple[list[dict], dict]:
+def ci_curve(workdir: Path, params, plan, geo, maps: dict, sizes: list[int], groups: list[str]
+             ) -> tuple[list[dict], dict]:
     """Per-record NLL of every group (maps at the ridge solution) and the CI half-width per eval size."""
     with tempfile.TemporaryDirectory() as tmp:
         save_ridge(Path(tmp) / "ridge.pt", maps, {})
@@ -82,7 +83,7 @@ def ci_curve(workdir: Path, params, plan, geo, maps: dict, sizes: list[int]) -> 
     model, tok = load_model_and_tokenizer(params.model)
     ids = tokenize(tok, read_records(workdir / EVAL_JSONL), params.data.max_tokens)
     nll = {}
-    for group in GROUP_NAMES:
+    for group in ["baseline", *groups]:
         t0 = time.perf_counter()
         with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
             nll[group] = sequence_nll(model, ids, [0] * len(ids), 8, tok.pad_token_id).numpy()
@@ -92,7 +93,7 @@ def ci_curve(workdir: Path, params, plan, geo, maps: dict, sizes: list[int]) -> 
     for n in [s for s in sizes if s < len(ids)] + [len(ids)]:
         pick = np.sort(order[:n])
         row = {"eval_records": n, "eval_tokens": int(nll["baseline"][pick, 1].sum())}
-        for group in GROUP_NAMES[1:]:
+        for group in groups:
             ci = paired_bootstrap(nll[group][pick], nll["baseline"][pick], seed=params.seed)["ci95"]
             row[f"halfwidth_{group}"] = (ci[1] - ci[0]) / 2
         rows.append(row)
@@ -106,6 +107,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--ridge-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 192])
     ap.add_argument("--eval-sizes", type=int, nargs="+", default=[10, 20, 30, 40, 50, 60, 70, 80, 90])
+    ap.add_argument("--groups", nargs="+", default=["ced", "csa2"], choices=GROUP_NAMES[1:],
+                    help="groups whose ΔPPL CI is measured (each costs one pass over the eval records)")
     args = ap.parse_args()
     params = load_params(args.workdir / "params.yaml")
     plan, geo = load_plan(params.plan, params.model)
@@ -113,7 +116,7 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     ridge_rows, maps = ridge_curve(args.workdir, params, plan, args.ridge_sizes)
     write_tsv(OUT / "ridge_r2_vs_rows.tsv", ridge_rows)
-    ci_rows, scored = ci_curve(args.workdir, params, plan, geo, maps, args.eval_sizes)
+    ci_rows, scored = ci_curve(args.workdir, params, plan, geo, maps, args.eval_sizes, args.groups)
     write_tsv(OUT / "dppl_ci_vs_eval_tokens.tsv", ci_rows)
     protocol = {"model": params.model.name, "data": params.data.name, "dtype": scored["dtype"],
                 "plan": [plan.split, plan.source, list(plan.targets)], "kv_format": params.kv_format,

@@ -162,6 +162,7 @@ class CEDModeBRuntime:
         self.model, self.plan, self.group, self.parts, self.spec = model, plan, group, parts, spec
         self.fp4 = FP4_FORMATS[kv_format]() if spec.is_fp4 else None
         self._stack: ExitStack | None = None
+        self._store: dict | None = None
 
     @property
     def replaced_layers(self) -> tuple[int, ...]:
@@ -190,7 +191,7 @@ class CEDModeBRuntime:
         plan, parts, spec = self.plan, self.parts, self.spec
         uses_ced = spec.projected_source
         stack = ExitStack()
-        store = stack.enter_context(kv_hooks.capture(self.model, [plan.source], [plan.split]))
+        store = self._store = stack.enter_context(kv_hooks.capture(self.model, [plan.source], [plan.split]))
 
         def projected() -> KV:
             # Once per forward: every hook of one forward sees the same H_split.
@@ -231,7 +232,24 @@ class CEDModeBRuntime:
         self._stack = stack
         return self
 
+    def seed(self, *, h_split: torch.Tensor | None = None, source_kv: KV | None = None) -> None:
+        """Hand the hooks what they capture (``H_split``, the true source K/V) from a pass they did not see.
+
+        For a forward that starts above ``plan.split`` (or ``plan.source``) from a hidden
+        state a shared trunk computed (:func:`ced_csa2.scoring.multi_group_nll`): the
+        capture hooks of the skipped layers never fire, so the trunk's tensors stand in
+        for them -- exactly what they would have recorded.  Call inside the context,
+        before the forward; a no-op for ``baseline`` (no hooks).
+        """
+        if self._store is None:
+            return
+        if h_split is not None:
+            self._store["h"][self.plan.split] = h_split
+        if source_kv is not None:
+            self._store["k"][self.plan.source], self._store["v"][self.plan.source] = source_kv
+
     def __exit__(self, *exc) -> None:
+        self._store = None
         if self._stack is not None:
             self._stack.close()
             self._stack = None

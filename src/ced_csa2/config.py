@@ -213,8 +213,7 @@ class DataConfig(Section):
     hub_id: Optional[str] = None
     train: list[HubSplit] = field(default_factory=list)
     eval: Optional[HubSplit] = None
-    # tiny: number of synthetic training records; wiki_embedded: a seeded sample of this
-    # many training records (0 = all)
+    # tiny: synthetic records generated from the seed
     n_train: int = 0
 
     def __post_init__(self):
@@ -254,9 +253,11 @@ class DumpConfig(Section):
     storage_dtype: str = "float32"
     chunk_kib: int = 512  # target HDF5 chunk size (rows x full width)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    records: int = 0  # a seeded sample of this many train records (0 = all; more than there are = all)
 
     def __post_init__(self):
         _check(self.batch_size > 0, "dump.batch_size", f"must be positive, got {self.batch_size}")
+        _check(self.records >= 0, "dump.records", f"must be >= 0 (0 = all), got {self.records}")
         _check_device(self.device, "dump.device")
         _check(self.storage_dtype in DTYPES, "dump.storage_dtype", f"must be one of {DTYPES}")
         _check(64 <= self.chunk_kib <= 4096, "dump.chunk_kib", f"must be in [64, 4096], got {self.chunk_kib}")

@@ -17,7 +17,7 @@ import yaml
 
 from .ced_runtime import CEDModeBRuntime, CEDParts
 from .config import Params
-from .scoring import sequence_nll
+from .scoring import multi_group_nll, sequence_nll
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,19 @@ def gold_nll(model, pairs: list[tuple[list[int], int]], batch_size: int, pad_id:
     """Token-weighted NLL per gold-answer token (pads never counted)."""
     # Sorting by length keeps right-padding (and wasted compute) small; only sums are kept.
     pairs = sorted(pairs, key=lambda p: len(p[0]))
-    nll = sequence_nll(model, [p[0] for p in pairs], [p[1] for p in pairs], batch_size, pad_id)
+    return _per_token(sequence_nll(model, [p[0] for p in pairs], [p[1] for p in pairs], batch_size, pad_id))
+
+
+def groups_gold_nll(model, plan, groups: list[str], parts: CEDParts | None, pairs: list[tuple[list[int], int]],
+                    batch_size: int, pad_id: int, *, kv_format: str | None) -> dict[str, dict]:
+    """:func:`gold_nll` of every group under its Mode B runtime, bit for bit, with one shared trunk per batch."""
+    pairs = sorted(pairs, key=lambda p: len(p[0]))
+    nll = multi_group_nll(model, plan, groups, parts, [p[0] for p in pairs], [p[1] for p in pairs], batch_size,
+                          pad_id, kv_format=kv_format)
+    return {group: _per_token(v) for group, v in nll.items()}
+
+
+def _per_token(nll) -> dict:
     total, tokens = nll.sum(0).tolist()
     return {"nll_per_token": total / tokens, "tokens": int(tokens)}
 

@@ -19,7 +19,7 @@ from .ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts
 from .config import Params
 from .paths import EVAL_JSONL
 from .records import read_records
-from .scoring import sequence_nll
+from .scoring import multi_group_nll, sequence_nll
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,17 @@ def group_ppl(model, plan, group: str, parts: CEDParts, ids: list[list[int]], pa
     with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
         out = _ppl(sequence_nll(model, ids, [0] * len(ids), params.eval_ppl.batch_size, pad_id))
     log.info("%s: ppl %.4f", group, out["ppl"])
+    return out
+
+
+def groups_ppl(model, plan, groups: list[str], parts: CEDParts | None, ids: list[list[int]], params: Params,
+               pad_id: int) -> dict[str, dict]:
+    """:func:`group_ppl` of every group, bit for bit, with one shared trunk per batch (:func:`multi_group_nll`)."""
+    nll = multi_group_nll(model, plan, groups, parts, ids, [0] * len(ids), params.eval_ppl.batch_size, pad_id,
+                          kv_format=params.kv_format)
+    out = {group: _ppl(v) for group, v in nll.items()}
+    for group, v in out.items():
+        log.info("%s: ppl %.4f", group, v["ppl"])
     return out
 
 

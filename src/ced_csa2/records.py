@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -57,3 +58,13 @@ def batches(rows: list[list[int]], batch_size: int, pad_id: int, device, order=N
     return [tuple(t.to(device) for t in pad_batch(rows[s:s + batch_size], pad_id))
             for s in range(0, len(rows), batch_size)]
 
+
+def seeded_subset(n_items: int, n: int, seed: int, stream: int) -> list[int]:
+    """Indices of a seeded sample of ``n`` of ``n_items`` items, in their original order (0 = all).
+
+    ``stream`` tags the purpose (numpy seed sequence ``[seed, stream]``), so that one
+    sample never shifts another.
+    """
+    if n == 0 or n >= n_items:
+        return list(range(n_items))
+    return sorted(np.random.default_rng([seed, stream]).permutation(n_items)[:n].tolist())

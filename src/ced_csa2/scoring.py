@@ -1,11 +1,48 @@
-"""Teacher-forced negative log-likelihood of token sequences, batched without counting pads."""
+"""Teacher-forced negative log-likelihood of token sequences, batched without counting pads.
+
+:func:`sequence_nll` scores under whatever runtime hooks the caller installed;
+:func:`multi_group_nll` scores several Mode B groups on the same sequences with one shared
+trunk per batch (the layers below the first one a group changes run once), to the bit
+what :func:`sequence_nll` gives under each group's :class:`~ced_csa2.ced_runtime.CEDModeBRuntime`.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from . import kv_hooks
+from .ced_runtime import CEDModeBRuntime, CEDParts
+from .model_utils import decoder_layer
+from .plan import LayerPlan
+
+
+def _batches(sequences: Sequence[Sequence[int]], score_from: Sequence[int], batch_size: int,
+             pad_id: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(start, ids, attention mask, scored)`` per batch, right-padded to the batch's longest row."""
+    for start in range(0, len(sequences), batch_size):
+        rows = sequences[start:start + batch_size]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        scored = torch.zeros_like(ids, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(r)] = 1
+            scored[i, max(1, score_from[start + i]):len(r)] = True
+        yield start, ids, mask, scored
+
+
+def _score(out: torch.Tensor, start: int, logits: torch.Tensor, ids: torch.Tensor, scored: torch.Tensor) -> None:
+    """Write each row's summed NLL of its scored tokens and their count into ``out[start:]``."""
+    logits = logits.float()
+    # logits at position t-1 predict token t
+    nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:].to(logits.device), reduction="none").cpu()
+    keep = scored[:, 1:]
+    out[start:start + len(ids), 0] = (nll.double() * keep).sum(1)
+    out[start:start + len(ids), 1] = keep.sum(1)
 
 
 @torch.inference_mode()
@@ -34,20 +71,136 @@ def sequence_nll(model, sequences: Sequence[Sequence[int]], score_from: Sequence
     """
     device = next(model.parameters()).device
     out = torch.zeros(len(sequences), 2, dtype=torch.float64)
-    for start in range(0, len(sequences), batch_size):
-        rows = sequences[start:start + batch_size]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        scored = torch.zeros_like(ids, dtype=torch.bool)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(r)
-            mask[i, :len(r)] = 1
-            scored[i, max(1, score_from[start + i]):len(r)] = True
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-        # logits at position t-1 predict token t
-        nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:].to(device), reduction="none").cpu()
-        keep = scored[:, 1:]
-        out[start:start + len(rows), 0] = (nll.double() * keep).sum(1)
-        out[start:start + len(rows), 1] = keep.sum(1)
+    for start, ids, mask, scored in _batches(sequences, score_from, batch_size, pad_id):
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        _score(out, start, logits, ids, scored)
+    return out
+
+
+# ----------------------------------------------------------------------------- shared trunk
+
+class _StopTrunk(Exception):
+    """Raised by the trunk's hook once it has recorded the highest branch point."""
+
+
+def _layer_kinds(model) -> list[str]:
+    """Per decoder layer (0-based) the key the model's forward picks its mask by (``layer_types``)."""
+    cfg = model.model.config
+    n = len(model.model.layers)
+    return list(getattr(cfg, "layer_types", None) or ["decoder"] * n)[:n]
+
+
+def branch_point(runtime: CEDModeBRuntime, n_layers: int) -> int:
+    """First layer (1-based) whose output differs from the plain model's under ``runtime``.
+
+    The lowest layer whose K/V the group replaces (its source, its first target, or the
+    first attention layer for ``baseline_fp4``); ``n_layers + 1`` for ``baseline``.
+    """
+    return min(runtime.replaced_layers, default=n_layers + 1)
+
+
+@torch.inference_mode()
+def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDParts | None,
+                    sequences: Sequence[Sequence[int]], score_from: Sequence[int], batch_size: int,
+                    pad_id: int = 0, *, kv_format: str | None) -> dict[str, torch.Tensor]:
+    """:func:`sequence_nll` of every Mode B group in ``groups``, the shared trunk run once per batch.
+
+    Every group is the plain model below its :func:`branch_point`.  Per batch the plain
+    model runs once (the model's own forward, so its masks, position embeddings and, on
+    Qwen3.5, GatedDeltaNet layers are the model's own) up to the highest branch point
+    (to the end when a group is the plain model), recording the hidden state entering
+    each branch point, the arguments the forward passes each decoder layer, ``H_split``
+    and the true source K/V.  Each other group then runs only its layers from its branch
+    point on, under its :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (whose hooks are
+    handed the trunk's ``H_split``/source K/V when they sit below the branch point), on a
+    fresh cache, then the final norm and LM head -- as ``LlamaModel``/``Qwen3_5TextModel``
+    and their ``*ForCausalLM`` end a forward.  Same batches, same shapes, same ops: each
+    group's result equals :func:`sequence_nll` under its runtime exactly (fp32 and bf16
+    alike; checked in ``tests/test_shared_trunk.py``).
+
+    Parameters
+    ----------
+    model
+        A HF causal LM of the Llama or Qwen3.5 (text) family, with no runtime installed.
+    plan, parts, kv_format
+        As for :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (every group checked before scoring).
+    groups
+        Group names (:data:`ced_csa2.groups.GROUP_NAMES`).
+    sequences, score_from, batch_size, pad_id
+        As for :func:`sequence_nll`.
+
+    Returns
+    -------
+    dict
+        ``{group: (len(sequences), 2) float64 tensor}``: summed NLL and scored tokens per sequence.
+    """
+    runtimes = {g: CEDModeBRuntime(model, plan, g, parts, kv_format=kv_format) for g in dict.fromkeys(groups)}
+    if not runtimes:
+        return {}
+    layers, kinds = model.model.layers, _layer_kinds(model)
+    n = len(layers)
+    branch = {g: branch_point(rt, n) for g, rt in runtimes.items()}
+    points = sorted({b for b in branch.values() if b <= n})
+    plain = any(b > n for b in branch.values())
+    stop = None
+    if points and not plain:
+        # Stop the trunk at the highest branch point -- but only once every kind of layer
+        # above it has been seen (the arguments of a layer are recorded per kind).
+        first = {}
+        for i, kind in enumerate(kinds, 1):
+            first.setdefault(kind, i)
+        stop = max(points[-1], *(first[kinds[i - 1]] for i in range(points[-1], n + 1)))
+
+    device = next(model.parameters()).device
+    out = {g: torch.zeros(len(sequences), 2, dtype=torch.float64) for g in runtimes}
+    inputs: dict[int, torch.Tensor] = {}
+    layer_kwargs: dict[str, dict] = {}
+
+    def record(layer: int):
+        def hook(module, args, kwargs):
+            if len(args) != 1:
+                raise RuntimeError(f"decoder layer {layer} was called with {len(args)} positional arguments; "
+                                   "multi_group_nll supports the hidden state only")
+            if layer in points:
+                inputs[layer] = args[0]
+            kind, kw = kinds[layer - 1], dict(kwargs)
+            seen = layer_kwargs.setdefault(kind, kw)
+            if seen is not kw and (seen.keys() != kw.keys() or any(seen[k] is not kw[k] for k in kw)):
+                raise RuntimeError(f"decoder layer {layer} got other arguments than an earlier {kind!r} layer; "
+                                   "multi_group_nll cannot replay this model's forward")
+            if layer == stop:
+                raise _StopTrunk
+        return hook
+
+    def trunk_hooks():
+        return [decoder_layer(model, i).register_forward_pre_hook(record(i), with_kwargs=True)
+                for i in range(1, (stop or n) + 1)]
+
+    for start, ids, mask, scored in _batches(sequences, score_from, batch_size, pad_id):
+        inputs.clear()
+        layer_kwargs.clear()
+        with kv_hooks._installed(trunk_hooks), kv_hooks.capture(model, [plan.source], [plan.split]) as trunk:
+            try:
+                logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            except _StopTrunk:
+                pass
+            else:  # the plain model's groups: the trunk's own logits (freed before the branches run)
+                for g in (g for g, b in branch.items() if b > n):
+                    _score(out[g], start, logits, ids, scored)
+                del logits
+        for g, runtime in runtimes.items():
+            b = branch[g]
+            if b > n:
+                continue
+            with runtime:
+                runtime.seed(h_split=trunk["h"][plan.split] if plan.split < b else None,
+                             source_kv=(trunk["k"][plan.source], trunk["v"][plan.source]) if plan.source < b else None)
+                h, fresh = inputs[b], {}
+                for i in range(b, n + 1):
+                    kw = dict(layer_kwargs[kinds[i - 1]])
+                    for name in ("cache", "past_key_values"):  # a fresh cache per branch, as the forward makes one
+                        if kw.get(name) is not None:
+                            kw[name] = fresh.setdefault(name, type(kw[name])(config=model.model.config))
+                    h = kv_hooks._hidden(layers[i - 1](h, **kw))
+                _score(out[g], start, model.get_output_embeddings()(model.model.norm(h)), ids, scored)
     return out

@@ -34,9 +34,11 @@ from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device, tokenizer_hash
 from ..paths import DUMP_METRICS, DUMP_PARTIAL, DUMP_PATH, TRAIN_JSONL
 from ..plan import LayerPlan, load_plan
-from ..records import pad_batch, read_records, tokenize
+from ..records import pad_batch, read_records, seeded_subset, tokenize
 
 log = logging.getLogger(__name__)
+
+DUMP_SAMPLE_STREAM = 6  # numpy seed-sequence tag (loader.py uses 0-3, training.py 4, objectives.py 5)
 
 
 
@@ -45,7 +47,7 @@ def fingerprint(params: Params, corpus: Path, tok_hash: str) -> str:
     """What must match for a partial dump to be resumed."""
     h = hashlib.sha256(corpus.read_bytes())
     h.update(json.dumps([to_dict(params.model), to_dict(params.plan), to_dict(params.dump),
-                         params.data.max_tokens, tok_hash], sort_keys=True).encode())
+                         params.data.max_tokens, params.seed, tok_hash], sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -86,6 +88,7 @@ def run(params: Params, workdir: Path = Path("."), *, max_batches: int | None = 
     model_cfg, cfg = params.model, params.dump
     plan, geo = load_plan(params.plan, model_cfg)
     records = read_records(workdir / TRAIN_JSONL)
+    records = [records[i] for i in seeded_subset(len(records), cfg.records, params.seed, DUMP_SAMPLE_STREAM)]
     model, tok = load_model_and_tokenizer(model_cfg, device=resolve_device(cfg.device))
     ids = tokenize(tok, records, params.data.max_tokens)
     tok_hash = tokenizer_hash(tok)

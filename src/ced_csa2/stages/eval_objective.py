@@ -4,7 +4,7 @@
 
 Scores the maps of ``models/objectives/<objective>/`` (stage ``tune@<objective>``) for every
 group of ``train.eval_groups`` with exactly the main branch's protocols: the eval
-records' corpus-level perplexity (:func:`ced_csa2.perplexity.group_ppl`) and the gold-solution
+records' corpus-level perplexity (:func:`ced_csa2.perplexity.groups_ppl`) and the gold-solution
 NLL on the prompts ``eval_gsm8k`` saved (``data/gsm8k_gold.json``).  Exact-match accuracy
 is not re-run here (generation dominates GSM8K's cost and scores ~0 on the embedded
 model); the report takes ΔPPL against the main branch's baseline.
@@ -18,14 +18,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..ced_runtime import CEDModeBRuntime, CEDParts, load_parts
+from ..ced_runtime import CEDParts, load_parts
 from ..config import Params, require_listed
 from ..entry import objective_arg, run_stage
-from ..gsm8k import gold_nll, load_gold_pairs
+from ..gsm8k import groups_gold_nll, load_gold_pairs
 from ..io_utils import write_json
 from ..model_utils import Geometry, load_model_and_tokenizer, resolve_device
 from ..paths import GOLD_PATH, objective_metrics, objective_models
-from ..perplexity import eval_ids, group_ppl, protocol
+from ..perplexity import eval_ids, groups_ppl, protocol
 from ..plan import LayerPlan, load_plan
 
 
@@ -49,11 +49,12 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
     parts = load_objective_parts(workdir, objective, params, plan, geo, model.device)
     ids = eval_ids(params, tok, workdir)
-    groups = {}
-    for group in params.train.eval_groups:
-        groups[group] = group_ppl(model, plan, group, parts, ids, params, tok.pad_token_id)
-        with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
-            groups[group]["gold_nll"] = gold_nll(model, pairs, params.eval_gsm8k.batch_size, tok.pad_token_id)
+    # Every group at once on each batch (one shared trunk): the same figures as one group at a time.
+    eval_groups = params.train.eval_groups
+    ppl = groups_ppl(model, plan, eval_groups, parts, ids, params, tok.pad_token_id)
+    gold = groups_gold_nll(model, plan, eval_groups, parts, pairs, params.eval_gsm8k.batch_size, tok.pad_token_id,
+                           kv_format=params.kv_format)
+    groups = {group: {**ppl[group], "gold_nll": gold[group]} for group in eval_groups}
     metrics = {
         "objective": objective,
         "protocol": protocol(params, model, plan, ids, groups[params.train.eval_groups[0]]["tokens"]),

@@ -21,15 +21,13 @@ import logging
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 from ..ced_runtime import CEDParts, load_parts
 from ..config import Params
 from ..entry import run_stage
 from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..paths import PPL_METRICS
-from ..perplexity import delta_pct, eval_ids, group_ppl, mode_a_prefix, protocol
+from ..perplexity import delta_pct, eval_ids, groups_ppl, mode_a_prefix, protocol
 from ..plan import load_plan
 
 log = logging.getLogger(__name__)
@@ -52,9 +50,9 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     if parts is None:
         parts = load_parts(workdir / "models", params, plan, geo, device=device)
     ids = eval_ids(params, tok, workdir)
-    groups, t0 = {}, time.perf_counter()
-    for group in tqdm(cfg.groups, desc="eval_ppl groups"):
-        groups[group] = group_ppl(model, plan, group, parts, ids, params, tok.pad_token_id)
+    t0 = time.perf_counter()
+    # All groups at once: the layers below the first one a group changes run once per batch.
+    groups = groups_ppl(model, plan, cfg.groups, parts, ids, params, tok.pad_token_id)
     if "baseline" in groups:
         for g in groups.values():
             g["delta_pct"] = delta_pct(g["ppl"], groups["baseline"]["ppl"])

@@ -161,9 +161,6 @@ def wiki_embedded_records(data: DataConfig, budget: TokenBudget) -> tuple[list[R
     for a, article in enumerate(tqdm(articles, desc="pack articles", unit=" article", leave=False)):
         for k, (text, n) in enumerate(budget.pack(article.paragraphs)):
             (eval_pool if a in heldout else train).append(Record(f"enwiki-{a:03d}-{k:02d}", source, text, n))
-    if data.n_train:  # a seeded sample of the training records (0 = all of them)
-        log.info("sampling %d of %d train records (data.n_train)", data.n_train, len(train))
-        train = _sample(train, data.n_train, data.seed, "train")
     log.info("%d train records; sampling %d eval records from %d held-out records", len(train), data.n_eval,
              len(eval_pool))
     return train, _sample(eval_pool, data.n_eval, data.seed, "eval")

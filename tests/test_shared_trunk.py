@@ -1,0 +1,153 @@
+"""Shared-trunk scoring gives every group exactly what a separate pass under its runtime gives."""
+
+import pytest
+import torch
+from conftest import tiny_llama
+from test_ced_runtime import QWEN_PLAN, random_parts
+
+from ced_csa2.ced_runtime import CEDModeBRuntime
+from ced_csa2.groups import GROUP_NAMES
+from ced_csa2.model_utils import geometry
+from ced_csa2.plan import LayerPlan
+from ced_csa2.scoring import branch_point, multi_group_nll, sequence_nll
+
+LLAMA_PLAN = LayerPlan(2, 3, (5, 6))
+LENGTHS = (17, 9, 23, 4, 12, 20, 2)  # batch_size 3: right-padded batches of unequal lengths, a short last one
+
+
+def rows(vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
+    # gold-style cuts (some past the end: nothing scored) and whole-record scoring
+    return seqs, [0, 3, 11, 0, 12, 5, 1]
+
+
+def separate(model, plan, group, parts, seqs, cut, batch_size):
+    with CEDModeBRuntime(model, plan, group, parts, kv_format="nvfp4"):
+        return sequence_nll(model, seqs, cut, batch_size, pad_id=0)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+def check_exact(model, plan, groups, batch_size=3):
+    parts = random_parts(geometry(model.config), plan)
+    seqs, cut = rows(250)
+    shared = multi_group_nll(model, plan, groups, parts, seqs, cut, batch_size, 0, kv_format="nvfp4")
+    assert list(shared) == list(groups)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    for group in groups:
+        ref = separate(model, plan, group, parts, seqs, cut, batch_size)
+        assert torch.equal(shared[group], ref), (group, shared[group], ref)
+        assert ref[:, 1].tolist() == [max(0, n - max(1, c)) for n, c in zip(LENGTHS, cut)]
+    return shared
+
+
+def test_every_group_exact_on_hybrid_qwen3_5(tiny_model):
+    shared = check_exact(tiny_model[0], QWEN_PLAN, GROUP_NAMES)
+    # the maps are random: every group but baseline moves the NLL
+    assert all(not torch.equal(shared[g], shared["baseline"]) for g in GROUP_NAMES if g != "baseline")
+
+
+def test_every_group_exact_on_all_attention_llama(llama):
+    check_exact(llama, LLAMA_PLAN, GROUP_NAMES)
+
+
+@pytest.mark.parametrize("groups", [("ced", "csa2", "ced_csa2"), ("share_plain",), ("csa2_fp4", "baseline_fp4")])
+def test_groups_without_baseline_stop_the_trunk_early_and_stay_exact(llama, groups):
+    check_exact(llama, LLAMA_PLAN, groups, batch_size=4)
+
+
+def test_exact_in_bf16():
+    model = tiny_llama().to(torch.bfloat16)
+    check_exact(model, LLAMA_PLAN, ("baseline", "ced_csa2", "csa2", "baseline_fp4"))
+
+
+def test_branch_points():
+    model = tiny_llama()
+    parts = random_parts(geometry(model.config), LLAMA_PLAN)
+    got = {g: branch_point(CEDModeBRuntime(model, LLAMA_PLAN, g, parts, kv_format="nvfp4"), 6) for g in GROUP_NAMES}
+    assert got == {"baseline": 7, "share_plain": 5, "ced": 3, "csa2": 5, "ced_csa2": 3, "baseline_fp4": 1,
+                   "csa2_fp4": 3, "ced_csa2_fp4": 3}
+
+
+def test_the_trunk_runs_once_per_batch(tiny_model):
+    """Layer l runs once for the trunk plus once per group branching at or below l."""
+    model, _ = tiny_model
+    parts = random_parts(geometry(model.config), QWEN_PLAN)
+    calls = {}
+    handles = [layer.register_forward_hook(lambda m, i, o, l=l: calls.__setitem__(l, calls.get(l, 0) + 1))
+               for l, layer in enumerate(model.model.layers, 1)]
+    try:
+        multi_group_nll(model, QWEN_PLAN, ["baseline", "csa2", "ced"], parts, [[5] * 6, [7] * 4], [0, 0], 2,
+                        kv_format=None)
+    finally:
+        for h in handles:
+            h.remove()
+    # csa2 branches at 24 (its first target), ced at 20 (its source)
+    assert calls == {l: 1 + (l >= 20) + (l >= 24) for l in range(1, 33)}
+
+
+def test_unknown_group_or_missing_format_refused_before_scoring(llama):
+    with pytest.raises(ValueError, match="needs kv_format"):
+        multi_group_nll(llama, LLAMA_PLAN, ["baseline", "csa2_fp4"], random_parts(geometry(llama.config), LLAMA_PLAN),
+                        [[1, 2, 3]], [0], 1, kv_format=None)
+
+
+# ----------------------------------------------------------------------------- the stages that use it
+
+def test_eval_ppl_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny_model):
+    import dataclasses
+
+    from conftest import tiny_params
+    from test_eval_ppl import write_eval
+
+    from ced_csa2.config import PlanConfig
+    from ced_csa2.perplexity import eval_ids, group_ppl
+    from ced_csa2.stages import eval_ppl
+
+    model, tok = tiny_model
+    write_eval(tmp_path, tok)
+    plan = LayerPlan(16, 20, (24, 32))  # not covering: Mode A (slow on the DeltaNet fallback) is skipped
+    params = dataclasses.replace(tiny_params(eval_ppl={"groups": list(GROUP_NAMES), "batch_size": 3}),
+                                 plan=PlanConfig("partial", 16, 20, [24, 32]))
+    parts = random_parts(geometry(model.config), plan)
+    m = eval_ppl.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
+    ids = eval_ids(params, tok, tmp_path)
+    for group in GROUP_NAMES:
+        assert {k: v for k, v in m["groups"][group].items() if k != "delta_pct"} == \
+            group_ppl(model, plan, group, parts, ids, params, tok.pad_token_id), group
+
+
+def test_eval_objective_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny_model, monkeypatch):
+    from conftest import tiny_params
+    from test_eval_ppl import write_eval
+
+    from ced_csa2 import paths
+    from ced_csa2.gsm8k import gold_nll
+    from ced_csa2.io_utils import write_json
+    from ced_csa2.perplexity import eval_ids, group_ppl
+    from ced_csa2.plan import load_plan
+    from ced_csa2.stages import eval_objective
+
+    model, tok = tiny_model
+    params = tiny_params(eval_gsm8k={"batch_size": 2})
+    plan, geo = load_plan(params.plan, params.model)
+    parts = random_parts(geo, plan, seed=3)
+    monkeypatch.setattr(eval_objective, "load_objective_parts", lambda *args: parts)  # loading is tested elsewhere
+    write_eval(tmp_path, tok)
+    seqs, cut = rows(250, seed=1)
+    pairs = [(s, c) for s, c in zip(seqs, cut) if c < len(s)]
+    write_json(tmp_path / paths.GOLD_PATH, {"model": params.model.name, "num_fewshot": params.eval_gsm8k.num_fewshot,
+                                            "pairs": pairs})
+    m = eval_objective.run(params, "ridge", tmp_path, model_and_tok=(model, tok))
+
+    ids = eval_ids(params, tok, tmp_path)
+    assert list(m["groups"]) == params.train.eval_groups
+    for group in params.train.eval_groups:
+        want = group_ppl(model, plan, group, parts, ids, params, tok.pad_token_id)
+        with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
+            want["gold_nll"] = gold_nll(model, pairs, params.eval_gsm8k.batch_size, tok.pad_token_id)
+        assert m["groups"][group] == want, group
