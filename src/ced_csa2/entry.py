@@ -5,12 +5,14 @@
 also writes ``<dir>/<stage>.json``: the params keys and the project files the stage read
 (``tests/test_graph.py`` compares them with the stage's entry in ``dvc.yaml``).
 
-A bad input (params, a missing or corrupt artifact) ends the stage with one line,
-``error: <message>``, on stderr and exit status 2; ``CED_CSA2_DEBUG=1`` shows the traceback.
+A bad input (params, a missing or corrupt artifact) or a full/failing disk ends the stage
+with one line, ``error: <message>``, on stderr and exit status 2; ``CED_CSA2_DEBUG=1`` shows
+the traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -27,6 +29,8 @@ DEBUG_ENV = "CED_CSA2_DEBUG"  # =1: re-raise an input error with its traceback i
 # dvc.yaml deps are its import closure: see tests/test_graph.py).
 INPUT_ERRORS = (ValueError, FileNotFoundError)
 INPUT_ERROR_NAMES = {("ced_csa2.assets", "AssetError")}
+# The disk, not a bug: an OSError with one of these is one line too (it names the file).
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
 # Files under these folders are pipeline artifacts: a stage that reads one must declare it.
 ARTIFACT_DIRS = ("data", "models", "metrics", "reports")
 _FILES_READ: set[str] | None = None
@@ -63,7 +67,7 @@ def stage_name(run, args: tuple) -> str:
 
 def is_input_error(exc: BaseException) -> bool:
     """A bad input or a missing/corrupt artifact (one line, exit 2), not a bug (traceback)."""
-    return isinstance(exc, INPUT_ERRORS) or any(
+    return isinstance(exc, INPUT_ERRORS) or (isinstance(exc, OSError) and exc.errno in DISK_ERRNOS) or any(
         (cls.__module__, cls.__qualname__) in INPUT_ERROR_NAMES for cls in type(exc).__mro__)
 
 

@@ -18,6 +18,7 @@ import yaml
 from .ced_runtime import CEDModeBRuntime, CEDParts
 from .config import Params
 from .scoring import multi_group_nll, sequence_nll
+from .stats import paired_deltas
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +26,10 @@ log = logging.getLogger(__name__)
 TASK = "ced_csa2_gsm8k"
 
 
-
 FILTERS = ("strict-match", "flexible-extract")
 
 
-
 FEWSHOT_SOURCE = "lm-eval gsm8k-cot exemplars (first num_fewshot, in order), answers rewritten as '... #### N'"
-
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -58,12 +56,10 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-
 def _lm_eval_tasks_dir() -> Path:
     import lm_eval
 
     return Path(lm_eval.__file__).resolve().parent / "tasks" / "gsm8k"
-
 
 
 def fewshot_exemplars() -> list[dict]:
@@ -82,7 +78,6 @@ def fewshot_exemplars() -> list[dict]:
             raise ValueError(f"{path}: exemplar target does not end in 'The answer is N.': {s['target']!r}")
         out.append({"question": s["question"], "answer": f"{m[1]}\n#### {m[2]}"})
     return out
-
 
 
 def write_task_yaml(directory: Path, data_file: Path, num_fewshot: int) -> Path:
@@ -111,14 +106,12 @@ def write_task_yaml(directory: Path, data_file: Path, num_fewshot: int) -> Path:
     return path
 
 
-
 def _offline() -> None:
     # Both are read when datasets / huggingface_hub are first imported; run() sets them
     # before importing lm-eval, so in the stage's own process the local JSON never
     # waits on a hub lookup.
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
-
 
 
 def accuracy(results: dict) -> dict:
@@ -130,7 +123,6 @@ def accuracy(results: dict) -> dict:
         out[name] = {"exact_match": results["results"][TASK][f"exact_match,{name}"], "correct": correct, "n": n,
                      "ci95": list(wilson_interval(correct, n))}
     return out
-
 
 
 def gold_pairs(lm, results: dict) -> list[tuple[list[int], int]]:
@@ -150,7 +142,6 @@ def gold_pairs(lm, results: dict) -> list[tuple[list[int], int]]:
     return pairs
 
 
-
 def gold_nll(model, pairs: list[tuple[list[int], int]], batch_size: int, pad_id: int) -> dict:
     """Token-weighted NLL per gold-answer token (pads never counted)."""
     # Sorting by length keeps right-padding (and wasted compute) small; only sums are kept.
@@ -159,12 +150,19 @@ def gold_nll(model, pairs: list[tuple[list[int], int]], batch_size: int, pad_id:
 
 
 def groups_gold_nll(model, plan, groups: list[str], parts: CEDParts | None, pairs: list[tuple[list[int], int]],
-                    batch_size: int, pad_id: int, *, kv_format: str | None) -> dict[str, dict]:
-    """:func:`gold_nll` of every group under its Mode B runtime, bit for bit, with one shared trunk per batch."""
+                    batch_size: int, pad_id: int, *, kv_format: str | None, seed: int) -> dict[str, dict]:
+    """:func:`gold_nll` of every group under its Mode B runtime, bit for bit, with one shared trunk per batch.
+
+    When ``baseline`` is among ``groups`` every other group also gets ``delta`` (gold NLL per
+    token minus the baseline's, nats) and ``delta_ci95`` (paired bootstrap over problems).
+    """
     pairs = sorted(pairs, key=lambda p: len(p[0]))
     nll = multi_group_nll(model, plan, groups, parts, [p[0] for p in pairs], [p[1] for p in pairs], batch_size,
                           pad_id, kv_format=kv_format)
-    return {group: _per_token(v) for group, v in nll.items()}
+    out = {group: _per_token(v) for group, v in nll.items()}
+    for group, d in paired_deltas({g: v.numpy() for g, v in nll.items()}, "delta_nll", seed).items():
+        out[group].update(delta=d["value"], delta_ci95=d["ci95"])
+    return out
 
 
 def _per_token(nll) -> dict:
@@ -172,10 +170,9 @@ def _per_token(nll) -> dict:
     return {"nll_per_token": total / tokens, "tokens": int(tokens)}
 
 
-
-def evaluate_group(lm, model, plan, group: str, parts: CEDParts | None, task_manager, params: Params,
-                   pad_id: int) -> tuple[dict, list[tuple[list[int], int]]]:
-    """lm-eval accuracy and gold NLL of one group, all under the same Mode B runtime; and the gold pairs."""
+def evaluate_group(lm, model, plan, group: str, parts: CEDParts | None, task_manager, params: Params
+                   ) -> tuple[dict, list[tuple[list[int], int]]]:
+    """lm-eval exact match of one group (generation under its Mode B runtime), and the gold pairs."""
     from lm_eval import simple_evaluate
 
     cfg, seed = params.eval_gsm8k, params.seed
@@ -185,14 +182,10 @@ def evaluate_group(lm, model, plan, group: str, parts: CEDParts | None, task_man
             model=lm, tasks=[TASK], task_manager=task_manager, num_fewshot=cfg.num_fewshot,
             gen_kwargs={"max_gen_toks": cfg.max_gen_toks}, bootstrap_iters=0, log_samples=True,
             random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
-        t_gen = time.perf_counter() - t0
-        pairs = gold_pairs(lm, results)
-        gold = gold_nll(model, pairs, cfg.batch_size, pad_id)
     seconds = time.perf_counter() - t0
     n = len(results["samples"][TASK]) // len(FILTERS)
-    log.info("%s: generation %.1f s (%.2f s/problem), gold NLL %.1f s", group, t_gen, t_gen / n, seconds - t_gen)
-    return {**accuracy(results), "gold_nll": gold, "seconds": round(seconds, 1)}, pairs
-
+    log.info("%s: generation %.1f s (%.2f s/problem)", group, seconds, seconds / n)
+    return {**accuracy(results), "seconds": round(seconds, 1)}, gold_pairs(lm, results)
 
 
 def count_problems(path: Path) -> int:
@@ -203,7 +196,6 @@ def count_problems(path: Path) -> int:
     if n == 0:
         raise ValueError(f"{path} has no problems: rerun `dvc repro prepare`")
     return n
-
 
 
 def load_gold_pairs(path: Path, params: Params) -> list[tuple[list[int], int]]:

@@ -22,14 +22,34 @@ indexing.  Attributes record the model, plan, dtypes, injection point and tokeni
 The writer appends whole records and flushes after each append; the attribute
 ``n_records`` says how many are complete, so a killed run resumes at record
 granularity.  The file is written under a temporary name and renamed when complete.
+
+**Integrity.**  Every dataset carries the attribute ``checksums``: a ``uint64`` array
+``[rows covered, crc_0, crc_1, ...]`` where ``crc_j`` is the CRC32 of the bytes of rows
+``[j*B, (j+1)*B)`` (the last block may be shorter) and ``B`` is the file attribute
+``checksum_rows`` (= :attr:`DumpReader.block_rows`, the readers' unit, so verification
+costs no extra read).  The writer computes them from the arrays it is about to write
+and refuses non-finite values before writing anything (naming the dataset and rows);
+:class:`DumpReader` verifies each block the first time it is read (CRC, then
+finiteness) and raises :class:`DumpError` naming the file, the dataset and the rows,
+so corrupt bytes never reach a model.  A resumed partial file is verified up to its
+last complete record before anything is appended.
+
+**Failures.**  The writer keeps no chunk cache (a write error surfaces at the write,
+and HDF5 is never left holding dirty chunks it cannot flush -- that used to end in a
+segmentation fault at exit).  An I/O error (full disk, file-size limit) raises
+:class:`DumpWriteError`; the partial file is kept only if it still opens with its
+complete records (the next run verifies and resumes it), otherwise it is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -39,11 +59,102 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-block CRC32 checksums on every dataset (module docstring)
+CHECKSUM = "crc32"
+CHECKSUM_ATTR = "checksums"
+# Lower bound HDF5 1.8: dense attribute storage, so a checksum list may exceed the 64 KiB of a
+# compact attribute (a dump of more than ~8k blocks, e.g. the full profile's beyond ~1M rows).
+LIBVER = ("v108", "latest")
+# What h5py raises when the HDF5 library fails to read, write, flush or close.
+IO_ERRORS = (OSError, RuntimeError)
+_VERIFY_READ_BYTES = 32 << 20  # DumpReader.verify reads this much per call
 
 
 class DumpError(ValueError):
     """A dump file is missing, truncated, corrupt or does not match what was asked for."""
+
+
+class DumpWriteError(DumpError):
+    """Writing the dump failed (full disk, file-size limit, I/O error); the message says what was kept."""
+
+
+def os_reason(exc: BaseException) -> str:
+    """The OS error behind an h5py/OS exception on one line, e.g. ``[Errno 28] No space left on device``."""
+    code = getattr(exc, "errno", None)
+    if not code:
+        found = re.search(r"errno = (\d+)", str(exc))
+        code = int(found.group(1)) if found else None
+    if code:
+        return f"[Errno {code}] {os.strerror(code)}"
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
+def nonfinite_rows(a: np.ndarray, storage_dtype: str) -> np.ndarray:
+    """Indices of the rows of ``a`` (on-disk dtype; bf16 as uint16 bits) holding a NaN or ±Inf."""
+    if storage_dtype == "bfloat16":
+        bad = (a & 0x7F80) == 0x7F80  # exponent all ones
+        if not bad.any():
+            return np.zeros(0, np.int64)
+    else:
+        finite = np.isfinite(a)
+        if finite.all():
+            return np.zeros(0, np.int64)
+        bad = ~finite
+    return np.flatnonzero(bad.reshape(len(a), -1).any(axis=1))
+
+
+class BlockCrc:
+    """CRC32 per block of ``block`` rows of one dataset, appended to row by row.
+
+    ``crcs[j]`` covers rows ``[j*block, min((j+1)*block, rows))``; the last entry is the
+    running CRC of a block still being filled.  :meth:`encode` is the ``checksums``
+    attribute: ``[rows, crc_0, crc_1, ...]`` as ``uint64``.
+    """
+
+    def __init__(self, block: int, rows: int = 0, crcs=()):
+        self.block, self.rows, self.crcs = int(block), int(rows), [int(c) for c in crcs]
+
+    def update(self, data: np.ndarray) -> None:
+        data = np.ascontiguousarray(data)
+        i, n = 0, len(data)
+        while i < n:
+            offset = self.rows % self.block
+            take = min(n - i, self.block - offset)
+            piece = data[i:i + take]
+            if offset == 0:
+                self.crcs.append(zlib.crc32(piece))
+            else:
+                self.crcs[-1] = zlib.crc32(piece, self.crcs[-1])
+            self.rows += take
+            i += take
+
+    def encode(self) -> np.ndarray:
+        return np.array([self.rows, *self.crcs], dtype=np.uint64)
+
+    @staticmethod
+    def decode(value) -> tuple[int, np.ndarray]:
+        """``(rows covered, crcs)`` of a ``checksums`` attribute."""
+        value = np.asarray(value, dtype=np.uint64).ravel()
+        if value.size == 0:
+            raise ValueError("empty checksums attribute")
+        return int(value[0]), value[1:]
+
+
+def check_block(path, name: str, data: np.ndarray, want: int, first_row: int, storage_dtype: str | None) -> None:
+    """Raise :class:`DumpError` unless ``data`` (rows from ``first_row``) has CRC32 ``want`` and, when
+    ``storage_dtype`` is given (a float dataset), only finite values."""
+    got = zlib.crc32(np.ascontiguousarray(data))
+    rows = f"rows [{first_row}, {first_row + len(data)})"
+    if got != int(want):
+        raise DumpError(f"{path}: dataset '{name}' {rows} fail their {CHECKSUM} checksum (stored {int(want):08x}, "
+                        f"read {got:08x}): the file is corrupt; restore it (`dvc checkout -f`) or recompute it "
+                        f"(`dvc repro -f dump`)")
+    if storage_dtype is not None:
+        bad = nonfinite_rows(data, storage_dtype)
+        if bad.size:
+            raise DumpError(f"{path}: dataset '{name}' holds non-finite values (NaN/Inf) at rows "
+                            f"[{first_row + int(bad[0])}, {first_row + int(bad[-1]) + 1}); refusing to use it "
+                            f"(recompute it with `dvc repro -f dump`)")
 
 
 def chunk_rows(width: int, itemsize: int, chunk_kib: int) -> int:
@@ -88,22 +199,53 @@ class DumpWriter:
     attrs
         Attributes stored on the file; ``attrs["fingerprint"]`` decides whether an
         existing partial file can be resumed.
+
+    Raises
+    ------
+    DumpError
+        From :meth:`append`, for non-finite values (nothing is written and the partial
+        file is removed: the same inputs would produce them again).
+    DumpWriteError
+        From any method, when the file system fails (full disk, file-size limit, I/O
+        error); the partial file is kept when it still opens with its complete
+        records (the next run verifies and resumes it) and removed otherwise.
     """
 
     def __init__(self, final_path: Path, partial_path: Path, layout: DumpLayout, chunk_kib: int,
                  attrs: Mapping):
         self.final_path, self.partial_path, self.layout = Path(final_path), Path(partial_path), layout
-        self.f = self._resume(attrs) or self._create(attrs, chunk_kib)
+        self.f = None
+        self._names = [*layout.widths(), "input_ids", "record_offsets"]
+        with self._io("opening"):
+            self.f = self._resume(attrs) or self._create(attrs, chunk_kib)
+
+    def _open(self, mode: str):
+        # rdcc_nbytes=0: no chunk cache, so nothing is left dirty when a write fails.
+        return h5py.File(self.partial_path, mode, libver=LIBVER, rdcc_nbytes=0)
 
     def _resume(self, attrs):
         if not self.partial_path.exists():
             return None
         try:
-            f = h5py.File(self.partial_path, "r+")
-            same = f.attrs.get("fingerprint") == attrs["fingerprint"]
-            n = int(f.attrs["n_records"]) if same else 0
-        except (OSError, KeyError) as exc:
-            log.warning("partial dump %s is unreadable (%s); starting over", self.partial_path, exc)
+            f = self._open("r+")
+        except IO_ERRORS as exc:
+            log.warning("partial dump %s is unreadable (%s); starting over", self.partial_path, os_reason(exc))
+            self.partial_path.unlink()
+            return None
+        try:
+            same = (f.attrs.get("fingerprint") == attrs["fingerprint"]
+                    and f.attrs.get("format_version") == FORMAT_VERSION)
+            if same:
+                n = int(f.attrs["n_records"])
+                rows = int(f["record_offsets"][n])
+                self.block = int(f.attrs["checksum_rows"])
+                self._crc = {name: self._recover(f, name, n + 1 if name == "record_offsets" else rows)
+                             for name in self._names}
+        except (*IO_ERRORS, KeyError, ValueError, IndexError) as exc:  # DumpError is a ValueError
+            log.warning("partial dump %s is unreadable or fails its checksums (%s); starting over",
+                        self.partial_path, " ".join(str(exc).split())[:300])
+            with contextlib.suppress(*IO_ERRORS):
+                f.close()
             self.partial_path.unlink()
             return None
         if not same:
@@ -112,26 +254,58 @@ class DumpWriter:
             self.partial_path.unlink()
             return None
         # Drop rows of a record that was being written when the run stopped.
-        rows = int(f["record_offsets"][n])
         for name in [*self.layout.widths(), "input_ids"]:
             f[name].resize(rows, axis=0)
         f["record_offsets"].resize(n + 1, axis=0)
-        log.info("resuming %s after %d complete records (%d tokens)", self.partial_path, n, rows)
+        log.info("resuming %s after %d complete records (%d tokens, verified)", self.partial_path, n, rows)
         return f
+
+    def _recover(self, f, name: str, kept: int) -> BlockCrc:
+        """Verify the complete blocks of ``name``'s first ``kept`` rows; recompute the CRC of the last one.
+
+        The stored checksums may cover more rows than the last complete record (a kill after
+        they were written, before ``n_records``): blocks wholly below ``kept`` are verified
+        against them, the block ``kept`` falls in is recomputed from the file.
+        """
+        ds = f[name]
+        covered, crcs = BlockCrc.decode(ds.attrs[CHECKSUM_ATTR])
+        if ds.shape[0] < kept or covered > ds.shape[0]:
+            raise ValueError(f"dataset '{name}' has {ds.shape[0]} rows, its checksums cover {covered}, "
+                             f"{kept} are complete")
+        done = min(covered, kept) // self.block
+        dtype = self.layout.storage_dtype if name in self.layout.widths() else None
+        step = max(1, _VERIFY_READ_BYTES // max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:])) * self.block))
+        for j0 in range(0, done, step):
+            j1 = min(done, j0 + step)
+            data = ds[j0 * self.block:j1 * self.block]
+            for j in range(j0, j1):
+                check_block(self.partial_path, name, data[(j - j0) * self.block:(j - j0 + 1) * self.block],
+                            crcs[j], j * self.block, dtype)
+        state = BlockCrc(self.block, done * self.block, crcs[:done])
+        if kept > state.rows:
+            state.update(ds[state.rows:kept])
+        return state
 
     def _create(self, attrs, chunk_kib):
         self.partial_path.parent.mkdir(parents=True, exist_ok=True)
-        f = h5py.File(self.partial_path, "w")
+        f = self._open("w")
         dt = self.layout.np_dtype
+        rows = {name: chunk_rows(width, dt.itemsize, chunk_kib) for name, width in self.layout.widths().items()}
+        self.block = max(rows.values())  # DumpReader.block_rows: a multiple of every dataset's chunk rows
         for name, width in self.layout.widths().items():
-            f.create_dataset(name, shape=(0, width), maxshape=(None, width), dtype=dt,
-                             chunks=(chunk_rows(width, dt.itemsize, chunk_kib), width))
+            f.create_dataset(name, shape=(0, width), maxshape=(None, width), dtype=dt, chunks=(rows[name], width))
         f.create_dataset("input_ids", shape=(0,), maxshape=(None,), dtype=np.int32, chunks=(65536,))
         f.create_dataset("record_offsets", data=np.zeros(1, np.int64), maxshape=(None,), chunks=(4096,))
         for k, v in attrs.items():
             f.attrs[k] = v
         f.attrs["format_version"] = FORMAT_VERSION
         f.attrs["layout"] = json.dumps(self.layout.__dict__ | {"kv_layers": list(self.layout.kv_layers)})
+        f.attrs["checksum"] = CHECKSUM
+        f.attrs["checksum_rows"] = self.block
+        self._crc = {name: BlockCrc(self.block) for name in self._names}
+        self._crc["record_offsets"].update(np.zeros(1, np.int64))
+        for name in self._names:
+            f[name].attrs[CHECKSUM_ATTR] = self._crc[name].encode()
         f.attrs["n_records"] = 0
         f.attrs["complete"] = False
         return f
@@ -143,51 +317,145 @@ class DumpWriter:
     def append(self, arrays: Mapping[str, np.ndarray], input_ids: np.ndarray, lengths: list[int]) -> None:
         """Append whole records: ``arrays[name]`` is ``(sum(lengths), width)`` rows in record order."""
         n_rows = int(sum(lengths))
-        start = int(self.f["record_offsets"][-1])
+        old = self._crc["record_offsets"].rows  # = len(record_offsets): records so far + 1
+        start = self._crc["input_ids"].rows
+        # In the on-disk dtype first, so that the checks and the CRC see the bytes that are written.
+        arrays = {name: np.ascontiguousarray(arrays[name], dtype=self.layout.np_dtype) for name in self.layout.widths()}
+        input_ids = np.ascontiguousarray(input_ids, dtype=np.int32)
         for name in self.layout.widths():
-            ds = self.f[name]
-            ds.resize(start + n_rows, axis=0)
-            ds[start:] = arrays[name]
-        self.f["input_ids"].resize(start + n_rows, axis=0)
-        self.f["input_ids"][start:] = input_ids
-        offs = self.f["record_offsets"]
-        old = offs.shape[0]
-        offs.resize(old + len(lengths), axis=0)
-        offs[old:] = start + np.cumsum(lengths)
-        # The record count goes last: a kill before this line leaves the batch uncounted.
-        self.f.attrs["n_records"] = old - 1 + len(lengths)
-        self.f.flush()
+            bad = nonfinite_rows(arrays[name], self.layout.storage_dtype)
+            if bad.size:
+                ends = np.cumsum(lengths)
+                first, last = (old - 1 + int(np.searchsorted(ends, r, side="right")) for r in (bad[0], bad[-1]))
+                self.abort(discard=True)
+                raise DumpError(f"{self.final_path}: refusing to write non-finite values (NaN/Inf) to dataset "
+                                f"'{name}' at rows [{start + int(bad[0])}, {start + int(bad[-1]) + 1}) (records "
+                                f"{first}..{last}): the model produced them (an overflow in model.dtype?); nothing "
+                                f"was written and the partial dump {self.partial_path} was removed")
+        offsets = start + np.cumsum(lengths)
+        with self._io("writing"):
+            for name in self.layout.widths():
+                ds = self.f[name]
+                ds.resize(start + n_rows, axis=0)
+                ds[start:] = arrays[name]
+                self._crc[name].update(arrays[name])
+            self.f["input_ids"].resize(start + n_rows, axis=0)
+            self.f["input_ids"][start:] = input_ids
+            self._crc["input_ids"].update(input_ids)
+            offs = self.f["record_offsets"]
+            offs.resize(old + len(lengths), axis=0)
+            offs[old:] = offsets
+            self._crc["record_offsets"].update(offsets.astype(np.int64))
+            # Checksums before the record count: a kill in between leaves them covering rows that
+            # resume drops again (DumpWriter._recover recomputes that block).
+            for name in self._names:
+                self.f[name].attrs[CHECKSUM_ATTR] = self._crc[name].encode()
+            # The record count goes last: a kill before this line leaves the batch uncounted.
+            self.f.attrs["n_records"] = old - 1 + len(lengths)
+            self.f.flush()
 
     def finalize(self) -> Path:
-        self.f.attrs["complete"] = True
-        self.f.close()
-        self.final_path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(self.partial_path, self.final_path)
+        with self._io("finishing"):
+            self.f.attrs["complete"] = True
+            f, self.f = self.f, None
+            f.close()
+            with open(self.partial_path, "rb") as fh:
+                os.fsync(fh.fileno())
+            self.final_path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self.partial_path, self.final_path)
         return self.final_path
 
     def close(self) -> None:
         """Close without finalising (the partial file stays resumable)."""
-        self.f.close()
+        if self.f is not None:
+            f, self.f = self.f, None
+            f.close()
+
+    def abort(self, *, discard: bool = False) -> None:
+        """After a failure elsewhere: close quietly, keeping the partial file for a resume unless ``discard``."""
+        with contextlib.suppress(*IO_ERRORS):
+            self.close()
+        self.f = None
+        if discard:
+            with contextlib.suppress(FileNotFoundError):
+                self.partial_path.unlink()
+
+    @contextlib.contextmanager
+    def _io(self, doing: str):
+        """Turn a file-system failure inside the block into :class:`DumpWriteError`, after :meth:`_salvage`."""
+        try:
+            yield
+        except IO_ERRORS as exc:
+            kept = self._salvage()
+            raise DumpWriteError(f"{self.final_path}: {doing} {self.partial_path} failed: {os_reason(exc)}; "
+                                 f"{kept}") from None
+
+    def _salvage(self) -> str:
+        """Close after a failed write; keep the partial file only if it still opens with its complete records."""
+        closed = self.f is None
+        for _ in range(3):  # a close that failed to flush can succeed when retried (HDF5 gave up on the data)
+            if closed:
+                break
+            try:
+                self.f.close()
+                closed = True
+            except IO_ERRORS:
+                continue
+        self.f = None
+        n = committed_records(self.partial_path) if closed else None
+        if n is None:
+            with contextlib.suppress(FileNotFoundError):
+                self.partial_path.unlink()
+            return "the partial dump was unreadable after the failure and was removed (the next run starts over)"
+        return (f"the partial dump keeps {n} complete records (the next run verifies them and resumes there); "
+                f"free some space and re-run")
+
+
+def committed_records(path: Path) -> int | None:
+    """How many complete records a partial dump holds, or ``None`` when it does not open consistently."""
+    try:
+        with h5py.File(path, "r") as f:
+            n = int(f.attrs["n_records"])
+            offs = f["record_offsets"]
+            if offs.shape[0] < n + 1:
+                return None
+            rows = int(offs[n])
+            if any(f[name].shape[0] < rows for name in f if name != "record_offsets"):
+                return None
+            return n
+    except Exception:  # noqa: BLE001 -- any failure to read it back means it cannot be resumed
+        return None
 
 
 class DumpReader:
-    """A validated, read-only view of a complete dump file."""
+    """A validated, read-only view of a complete dump file.
 
-    def __init__(self, path: str | Path):
+    Opening checks the format, the record offsets and that every dataset has checksums
+    covering its rows, and verifies ``record_offsets`` and ``input_ids``; the float
+    datasets are verified block by block the first time :meth:`rows` reads them (CRC32,
+    then finiteness), or all at once by :meth:`verify`.  ``verify=False`` skips every
+    checksum (benchmarks only: it lets corrupt bytes through).
+    """
+
+    def __init__(self, path: str | Path, *, verify: bool = True):
         self.path = Path(path)
+        self.verify_reads = verify
         if not self.path.is_file():
             raise DumpError(f"{self.path}: dump file not found (run `dvc repro dump`)")
         try:
             sys.audit("ced_csa2.read", str(self.path))  # h5py opens in C: no "open" audit event
             self.f = h5py.File(self.path, "r")
-            attrs = dict(self.f.attrs)
-        except OSError as exc:
+        except IO_ERRORS as exc:
             raise DumpError(f"{self.path}: not a readable HDF5 file (truncated or corrupt?): {exc}") from None
         try:
-            self._validate(attrs)
+            self._validate(dict(self.f.attrs))
         except DumpError:
             self.f.close()
             raise
+        except (KeyError, TypeError, ValueError, *IO_ERRORS) as exc:  # HDF5 metadata that does not parse
+            self.f.close()
+            raise DumpError(f"{self.path}: not a readable dump (truncated or corrupt?): "
+                            f"{' '.join(str(exc).split())[:300]}") from None
 
     def _validate(self, attrs):
         if attrs.get("format_version") != FORMAT_VERSION:
@@ -199,15 +467,45 @@ class DumpReader:
         self.attrs = attrs
         try:
             offs = self.f["record_offsets"][:]
-            sizes = {name: self.f[name].shape for name in [*self.layout.widths(), "input_ids"]}
-        except (KeyError, OSError) as exc:
+            sizes = {name: self.f[name].shape for name in [*self.layout.widths(), "input_ids", "record_offsets"]}
+        except (KeyError, *IO_ERRORS) as exc:
             raise DumpError(f"{self.path}: a dataset is missing or unreadable: {exc}") from None
+        if attrs.get("checksum") != CHECKSUM or "checksum_rows" not in attrs:
+            raise DumpError(f"{self.path}: has no {CHECKSUM} checksums (attribute 'checksum'); recompute it "
+                            f"(`dvc repro -f dump`)")
+        self.checksum_rows = int(attrs["checksum_rows"])
+        self._n = {name: shape[0] for name, shape in sizes.items()}
+        self._crcs, self._verified = {}, {}
+        self._load_checksums("record_offsets")
+        if self.verify_reads:  # before trusting the offsets
+            for j in range(len(self._crcs["record_offsets"])):
+                lo = j * self.checksum_rows
+                check_block(self.path, "record_offsets", offs[lo:lo + self.checksum_rows],
+                            self._crcs["record_offsets"][j], lo, None)
+            self._verified["record_offsets"][:] = True
         if len(offs) != int(attrs["n_records"]) + 1 or offs[0] != 0 or np.any(np.diff(offs) <= 0):
             raise DumpError(f"{self.path}: record_offsets is inconsistent with n_records={attrs['n_records']}")
         for name, shape in sizes.items():
-            if shape[0] != offs[-1]:
+            if name != "record_offsets" and shape[0] != offs[-1]:
                 raise DumpError(f"{self.path}: dataset '{name}' has {shape[0]} rows, record_offsets says {offs[-1]}")
+        for name in [*self.layout.widths(), "input_ids"]:
+            self._load_checksums(name)
         self.record_offsets = offs
+        if self.verify_reads:
+            self.verify(["input_ids"])
+
+    def _load_checksums(self, name: str) -> None:
+        try:
+            covered, crcs = BlockCrc.decode(self.f[name].attrs[CHECKSUM_ATTR])
+        except (KeyError, ValueError, *IO_ERRORS):
+            raise DumpError(f"{self.path}: dataset '{name}' has no readable '{CHECKSUM_ATTR}' attribute; recompute "
+                            f"the dump (`dvc repro -f dump`)") from None
+        n, blocks = self._n[name], -(-self._n[name] // self.checksum_rows)
+        if covered != n or len(crcs) != blocks:
+            raise DumpError(f"{self.path}: dataset '{name}' has {n} rows but its checksums cover {covered} rows "
+                            f"in {len(crcs)} blocks (truncated or corrupt?)")
+        self._crcs[name] = crcs
+        self._verified[name] = np.zeros(blocks, dtype=bool)
 
     @property
     def n_records(self) -> int:
@@ -223,11 +521,56 @@ class DumpReader:
         return max(self.f[name].chunks[0] for name in self.layout.widths())
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows ``[start, stop)`` of dataset ``name`` as float32 (bf16 bits widened exactly)."""
-        a = self.f[name][start:stop]
+        """Rows ``[start, stop)`` of dataset ``name`` as float32 (bf16 bits widened exactly), verified."""
+        a = self._read(name, start, stop)
         if self.layout.storage_dtype == "bfloat16":
             return (a.astype(np.uint32) << 16).view(np.float32)
         return a.astype(np.float32, copy=False)
+
+    def _raw(self, name: str, start: int, stop: int) -> np.ndarray:
+        try:
+            return self.f[name][start:stop]
+        except (KeyError, *IO_ERRORS) as exc:
+            raise DumpError(f"{self.path}: dataset '{name}' rows [{start}, {stop}) cannot be read (corrupt file?): "
+                            f"{os_reason(exc)}") from None
+
+    def _read(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` in the on-disk dtype; blocks not yet verified are read whole and verified."""
+        n = self._n[name]
+        start, stop = min(max(int(start), 0), n), min(max(int(stop), 0), n)
+        stop = max(start, stop)
+        if not self.verify_reads:
+            return self._raw(name, start, stop)
+        return self._read_verified(name, start, stop)
+
+    def _read_verified(self, name: str, start: int, stop: int) -> np.ndarray:
+        n = self._n[name]
+        if start >= stop:
+            return self._raw(name, start, stop)
+        B, done = self.checksum_rows, self._verified[name]
+        b0, b1 = start // B, -(-stop // B)
+        if done[b0:b1].all():
+            return self._raw(name, start, stop)
+        lo = b0 * B
+        data = self._raw(name, lo, min(b1 * B, n))
+        dtype = self.layout.storage_dtype if name in self.layout.widths() else None
+        for j in range(b0, b1):
+            if not done[j]:
+                check_block(self.path, name, data[j * B - lo:(j + 1) * B - lo], self._crcs[name][j], j * B, dtype)
+                done[j] = True
+        return data[start - lo:stop - lo]
+
+    def verify(self, names=None) -> "DumpReader":
+        """Verify every block of ``names`` (default: every dataset) now; raise :class:`DumpError` at the first bad one."""
+        for name in self._n if names is None else names:
+            if name not in self._n:
+                raise DumpError(f"{self.path}: has no dataset '{name}'")
+            ds = self.f[name]
+            row_bytes = ds.dtype.itemsize * int(np.prod(ds.shape[1:]))
+            step = self.checksum_rows * max(1, _VERIFY_READ_BYTES // max(1, row_bytes * self.checksum_rows))
+            for start in range(0, self._n[name], step):
+                self._read_verified(name, start, min(start + step, self._n[name]))
+        return self
 
     def check(self, *, kv_layers=None, hidden_size=None, kv_dim=None) -> "DumpReader":
         """Raise naming both values when the dump does not hold what a stage needs."""

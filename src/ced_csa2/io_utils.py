@@ -18,7 +18,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via ``.<name>.tmp<pid>`` + fsync + ``os.replace``.
 
     On any failure, ``KeyboardInterrupt`` included, the temporary file is removed and
-    ``path`` is untouched.
+    ``path`` is untouched.  An ``OSError`` that names no file (a full disk at ``write`` or
+    ``fsync``) is re-raised naming ``path``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -29,9 +30,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
+            raise type(exc)(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from exc
         raise
 
 

@@ -52,3 +52,13 @@ def paired_bootstrap(group: np.ndarray, base: np.ndarray, statistic: str = "delt
     low, high = np.percentile(draws, [tail, 100 - tail])
     value = fn(group[:, 0].sum(), base[:, 0].sum(), base[:, 1].sum())
     return {"value": float(value), "ci95": [float(low), float(high)], "n_records": len(group), "n_boot": n_boot}
+
+
+def paired_deltas(nll: dict, statistic: str, seed: int, base: str = "baseline") -> dict[str, dict]:
+    """:func:`paired_bootstrap` of every group of ``nll`` (``{group: (R, 2)}``) against ``base``.
+
+    Empty when ``base`` was not scored; ``base`` itself is left out.
+    """
+    if base not in nll:
+        return {}
+    return {g: paired_bootstrap(v, nll[base], statistic, seed=seed) for g, v in nll.items() if g != base}

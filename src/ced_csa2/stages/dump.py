@@ -10,8 +10,10 @@ layer the plan needs; stores only real tokens in ``data/dump/dump.h5`` (format i
 
 The file grows under ``data/dump.partial.h5`` and is renamed when complete.  If the
 process is killed, the next run resumes after the last complete batch of records
-(when model, tokenizer, corpus and params are unchanged) and ends with the same
-datasets as an uninterrupted run.
+(when model, tokenizer, corpus and params are unchanged, and the partial file passes
+its checksums) and ends with the same datasets as an uninterrupted run.  Non-finite
+activations and file-system failures (full disk, file-size limit) end the stage with
+one line naming the file (:class:`~ced_csa2.h5store.DumpError`, exit 2).
 """
 
 from __future__ import annotations
@@ -108,18 +110,24 @@ def run(params: Params, workdir: Path = Path("."), *, max_batches: int | None = 
              len(ids) - start, start, model_cfg.name, list(plan.kv_layers), plan.split, attrs["compute_dtype"],
              cfg.storage_dtype)
     n_tokens, t0 = 0, time.perf_counter()
-    for b, batch in enumerate(tqdm(batches, desc="dump", unit="batch")):
-        if max_batches is not None and b >= max_batches:
-            writer.close()
-            return None
-        rows = [ids[i] for i in batch]
-        x, mask = pad_batch(rows, tok.pad_token_id)
-        arrays = forward_batch(model, plan, x, mask, cfg.storage_dtype)
-        flat = np.fromiter((t for r in rows for t in r), dtype=np.int32)
-        writer.append(arrays, flat, [len(r) for r in rows])
-        n_tokens += len(flat)
-    seconds = time.perf_counter() - t0
-    path = writer.finalize()
+    try:
+        for b, batch in enumerate(tqdm(batches, desc="dump", unit="batch")):
+            if max_batches is not None and b >= max_batches:
+                writer.close()
+                return None
+            rows = [ids[i] for i in batch]
+            x, mask = pad_batch(rows, tok.pad_token_id)
+            arrays = forward_batch(model, plan, x, mask, cfg.storage_dtype)
+            flat = np.fromiter((t for r in rows for t in r), dtype=np.int32)
+            writer.append(arrays, flat, [len(r) for r in rows])
+            n_tokens += len(flat)
+        seconds = time.perf_counter() - t0
+        path = writer.finalize()
+    except BaseException:
+        # Interrupted or failed: close the partial file cleanly (it stays resumable; the writer has
+        # already removed it when it cannot be resumed) instead of leaving HDF5 to close it at exit.
+        writer.abort()
+        raise
     metrics = {
         "records": len(ids), "tokens": int(sum(len(r) for r in ids)), "bytes": path.stat().st_size,
         "tokens_this_run": n_tokens, "seconds_this_run": round(seconds, 3),

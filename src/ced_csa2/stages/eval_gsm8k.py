@@ -14,18 +14,22 @@ lm-eval's inline ``gsm8k-cot`` exemplars, rewritten into GSM8K's ``... \\n#### N
 format.  No chat template.  Generation stops after ``eval_gsm8k.max_gen_toks`` tokens.
 Everything runs offline (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``).
 
-For each group of ``eval_gsm8k.groups`` the model runs inside
-:class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (Mode B substitution; the ``*_fp4``
-groups store K/V in ``kv_format``, recorded in the protocol) and the stage reports:
+The model runs inside :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (Mode B
+substitution; the ``*_fp4`` groups store K/V in ``kv_format``, recorded in the protocol).
+For each group of ``eval_gsm8k.generate`` (generation is what GSM8K costs) the stage reports
 
 * per filter (``strict-match``, ``flexible-extract``): ``exact_match``, ``correct``,
-  ``n`` and ``ci95`` (Wilson score interval, z = 1.96);
-* ``gold_nll`` (``nll_per_token``, ``tokens``): teacher-forced negative log-likelihood
-  per token of the gold ``answer`` (after lm-eval's target delimiter ``" "``) given the
-  exact prompt lm-eval generated from (few-shot context included), token-weighted over
-  all problems and tokenised as lm-eval's loglikelihood requests are.  On a small
-  model, accuracy is near zero for every group; this is the signal that still moves;
-* ``seconds``: wall time of the group (generation + gold NLL).
+  ``n`` and ``ci95`` (Wilson score interval, z = 1.96), and ``seconds`` of generation;
+
+and for each group of ``eval_gsm8k.groups`` (a superset)
+
+* ``gold_nll`` (``nll_per_token``, ``tokens``; ``delta`` and its paired-bootstrap
+  ``delta_ci95`` against baseline): teacher-forced negative log-likelihood per token of
+  the gold ``answer`` (after lm-eval's target delimiter ``" "``) given the exact prompt
+  lm-eval generated from (few-shot context included), token-weighted over all problems
+  and tokenised as lm-eval's loglikelihood requests are.  On a small model, accuracy is
+  near zero for every group; this is the signal that still moves.  All groups are scored
+  at once with a shared trunk (:func:`ced_csa2.scoring.multi_group_nll`).
 
 Writes ``metrics/gsm8k.json``: ``{"protocol": {...}, "groups": {group: {...}}}``, and
 ``data/gsm8k_gold.json``: the tokenised gold pairs (``[ids, context_length]`` per
@@ -37,37 +41,22 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from pathlib import Path
 
 from ..ced_runtime import CEDParts, load_parts
 from ..config import Params
 from ..entry import run_stage
-from ..gsm8k import (
-    FEWSHOT_SOURCE,
-    _offline,
-    count_problems,
-    evaluate_group,
-    write_task_yaml,
-)
+from ..groups import GROUPS
+from ..gsm8k import FEWSHOT_SOURCE, _offline, count_problems, evaluate_group, groups_gold_nll, write_task_yaml
 from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device
+from ..paths import GOLD_PATH, GSM8K_JSONL
+from ..paths import GSM8K_METRICS as METRICS_PATH
 from ..plan import load_plan
 
 log = logging.getLogger(__name__)
 
-GSM8K_JSONL = Path("data/gsm8k.jsonl")
-METRICS_PATH = Path("metrics/gsm8k.json")
-GOLD_PATH = Path("data/gsm8k_gold.json")
-
-
-
-# ----------------------------------------------------------------------------- the lm-eval task
-
-
-# ----------------------------------------------------------------------------- one group
-
-
-# ----------------------------------------------------------------------------- stage
 
 
 def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = None,
@@ -96,37 +85,43 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     n = count_problems(data_file)
     plan, geo = load_plan(params.plan, params.model)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(cfg.device))
-    if parts is None and any(g != "baseline" for g in cfg.groups):
+    if parts is None and any(GROUPS[g].uses_maps for g in cfg.groups):
         parts = load_parts(workdir / "models", params, plan, geo, device=model.device)
     lm = HFLM(pretrained=model, tokenizer=tok, batch_size=cfg.batch_size)
-    log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d) for groups %s", params.data.math.label, n,
-             cfg.num_fewshot, cfg.max_gen_toks, list(cfg.groups))
+    log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d): generation for %s, gold NLL for %s",
+             params.data.math.label, n, cfg.num_fewshot, cfg.max_gen_toks, list(cfg.generate), list(cfg.groups))
 
-    groups, pairs = {}, None
+    groups, pairs = {g: {} for g in cfg.groups}, None
     with tempfile.TemporaryDirectory(prefix="ced_csa2_gsm8k_") as tmp:
         write_task_yaml(Path(tmp), data_file, cfg.num_fewshot)
         # The task includes gsm8k.yaml by absolute path: lm-eval's index of its
         # built-in tasks (thousands of YAML files) is not needed.
         task_manager = TaskManager(include_path=tmp, include_defaults=False)
-        for i, group in enumerate(cfg.groups, 1):
-            log.info("group %d/%d: %s", i, len(cfg.groups), group)
-            groups[group], group_pairs = evaluate_group(lm, model, plan, group, parts, task_manager, params,
-                                                        tok.pad_token_id)
+        for i, group in enumerate(cfg.generate, 1):
+            log.info("generation %d/%d: %s", i, len(cfg.generate), group)
+            groups[group], group_pairs = evaluate_group(lm, model, plan, group, parts, task_manager, params)
             if pairs is not None and group_pairs != pairs:
-                raise RuntimeError(f"lm-eval built different prompts for group {group!r} than for {cfg.groups[0]!r}")
+                raise RuntimeError(f"lm-eval built different prompts for group {group!r} than for {cfg.generate[0]!r}")
             pairs = group_pairs
             g = groups[group]
             if g["strict-match"]["n"] != n:
                 raise RuntimeError(f"lm-eval evaluated {g['strict-match']['n']} problems, expected all {n}")
-            log.info("%s: strict-match %d/%d, flexible-extract %d/%d, gold NLL %.4f/token", group,
-                     g["strict-match"]["correct"], n, g["flexible-extract"]["correct"], n,
-                     g["gold_nll"]["nll_per_token"])
+            log.info("%s: strict-match %d/%d, flexible-extract %d/%d", group, g["strict-match"]["correct"], n,
+                     g["flexible-extract"]["correct"], n)
+    # Gold NLL of every group on the prompts lm-eval built, all groups at once (shared trunk).
+    t0 = time.perf_counter()
+    gold = groups_gold_nll(model, plan, list(cfg.groups), parts, pairs, cfg.batch_size, tok.pad_token_id,
+                           kv_format=params.kv_format, seed=params.seed)
+    for group in cfg.groups:
+        groups[group]["gold_nll"] = gold[group]
+        log.info("%s: gold NLL %.4f/token", group, gold[group]["nll_per_token"])
+    log.info("gold NLL of %d groups: %.1f s", len(cfg.groups), time.perf_counter() - t0)
 
     metrics = {
         "protocol": {
             "model": params.model.name, "math_set": params.data.math.label, "n": n,
             "num_fewshot": cfg.num_fewshot, "fewshot_source": FEWSHOT_SOURCE if cfg.num_fewshot else None,
-            "max_gen_toks": cfg.max_gen_toks, "dtype": str(model.dtype).removeprefix("torch."),
+            "max_gen_toks": cfg.max_gen_toks, "generated_groups": list(cfg.generate), "dtype": str(model.dtype).removeprefix("torch."),
             "device": str(model.device), "lm_eval": lm_eval_version, "task": "lm-eval gsm8k.yaml on local data",
             "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
             "kv_format": params.kv_format,
@@ -137,7 +132,6 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
                                       "num_fewshot": cfg.num_fewshot, "pairs": pairs})
     write_json(workdir / METRICS_PATH, metrics)
     return metrics
-
 
 
 def main() -> None:

@@ -50,10 +50,12 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
     parts = load_objective_parts(workdir, objective, params, plan, geo, model.device)
     ids = eval_ids(params, tok, workdir)
     # Every group at once on each batch (one shared trunk): the same figures as one group at a time.
+    # The baseline rides along (one more branch of the trunk) for the paired ΔPPL / Δ gold NLL intervals.
     eval_groups = params.train.eval_groups
-    ppl = groups_ppl(model, plan, eval_groups, parts, ids, params, tok.pad_token_id)
-    gold = groups_gold_nll(model, plan, eval_groups, parts, pairs, params.eval_gsm8k.batch_size, tok.pad_token_id,
-                           kv_format=params.kv_format)
+    scored = ["baseline", *eval_groups]
+    ppl = groups_ppl(model, plan, scored, parts, ids, params, tok.pad_token_id)
+    gold = groups_gold_nll(model, plan, scored, parts, pairs, params.eval_gsm8k.batch_size, tok.pad_token_id,
+                           kv_format=params.kv_format, seed=params.seed)
     groups = {group: {**ppl[group], "gold_nll": gold[group]} for group in eval_groups}
     metrics = {
         "objective": objective,

@@ -27,7 +27,7 @@ from ..entry import run_stage
 from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..paths import PPL_METRICS
-from ..perplexity import delta_pct, eval_ids, groups_ppl, mode_a_prefix, protocol
+from ..perplexity import eval_ids, groups_ppl, mode_a_prefix, protocol
 from ..plan import load_plan
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,6 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     t0 = time.perf_counter()
     # All groups at once: the layers below the first one a group changes run once per batch.
     groups = groups_ppl(model, plan, cfg.groups, parts, ids, params, tok.pad_token_id)
-    if "baseline" in groups:
-        for g in groups.values():
-            g["delta_pct"] = delta_pct(g["ppl"], groups["baseline"]["ppl"])
     mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, cfg.batch_size, tok.pad_token_id)
     metrics = {
         "protocol": protocol(params, model, plan, ids, groups[cfg.groups[0]]["tokens"]),

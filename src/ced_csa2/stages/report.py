@@ -43,17 +43,27 @@ def _em(g: dict, key: str) -> str:
     return f"{100 * m['exact_match']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
+def _delta(d: dict, key: str, fmt: str) -> str:
+    """``+1.23 [+0.45, +2.01]``: a change with its paired-bootstrap 95% interval (``–`` for the baseline)."""
+    if key not in d:
+        return "–"
+    lo, hi = d[f"{key}_ci95"]
+    return f"{fmt.format(d[key])} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
 def results_table(ppl: dict, gsm: dict, storage: dict) -> list[str]:
     """Markdown rows: one per runtime group."""
     kv = storage["active_model"]["kv"]["bf16"]
-    head = ["group", "PPL", "ΔPPL %", "GSM8K strict EM % [95% CI]", "flexible EM % [95% CI]", "gold NLL/token"]
+    head = ["group", "PPL", "ΔPPL % [95% CI]", "GSM8K strict EM % [95% CI]", "flexible EM % [95% CI]",
+            "gold NLL/token", "Δ gold NLL [95% CI]"]
     head += [f"B/token bf16 ({b})" for b in BASES] + [f"compression ({b})" for b in BASES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for group, p in ppl["groups"].items():
         g = gsm["groups"].get(group)
-        cells = [group, f"{p['ppl']:.3f}", f"{p.get('delta_pct', 0.0):+.2f}"]
-        cells += [_em(g, "strict-match"), _em(g, "flexible-extract"), f"{g['gold_nll']['nll_per_token']:.4f}"] \
-            if g else ["–"] * 3
+        cells = [group, f"{p['ppl']:.3f}", _delta(p, "delta_pct", "{:+.2f}")]
+        cells += [_em(g, "strict-match"), _em(g, "flexible-extract")] if g and "strict-match" in g else ["–"] * 2
+        cells += [f"{g['gold_nll']['nll_per_token']:.4f}", _delta(g["gold_nll"], "delta", "{:+.4f}")] \
+            if g else ["–"] * 2
         cells += [f"{kv[b][group]['bytes_per_token']:,.1f}" for b in BASES]
         cells += [f"{kv[b][group]['compression_vs_baseline']:.3f}×" for b in BASES]
         lines.append("| " + " | ".join(cells) + " |")
@@ -81,23 +91,22 @@ def objective_table(ppl: dict, gsm: dict, projector: dict, adapters: dict, objec
 
     ``objectives[name] = {"train": tune's train.json, "eval": eval_objective's eval.json}``.
     """
-    base_ppl, base_nll = ppl["groups"]["baseline"]["ppl"], gsm["groups"]["baseline"]["gold_nll"]["nll_per_token"]
     for name, o in objectives.items():
         if o["eval"]["protocol"]["tokens_scored"] != ppl["protocol"]["tokens_scored"]:
             raise ValueError(f"metrics/objectives/{name}/eval.json scored {o['eval']['protocol']['tokens_scored']} "
                              f"tokens, metrics/ppl.json {ppl['protocol']['tokens_scored']}: rerun the pipeline")
     kv_mse_wall = projector["run"]["wall_s"] + adapters["run"]["wall_s"]
-    head = ["group", "objective", "PPL", "ΔPPL %", "gold NLL/token", "Δ gold NLL", "train wall s", "train tok/s"]
+    head = ["group", "objective", "PPL", "ΔPPL % [95% CI]", "gold NLL/token", "Δ gold NLL [95% CI]", "train wall s",
+            "train tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
-    def row(group, objective, p, nll, wall="–", rate="–"):
-        gold = [f"{nll:.4f}", f"{nll - base_nll:+.4f}"] if nll is not None else ["–", "–"]
-        lines.append("| " + " | ".join([group, objective, f"{p:.3f}", f"{100 * (p - base_ppl) / base_ppl:+.2f}",
-                                        *gold, wall, rate]) + " |")
+    def row(group, objective, p: dict, gold: dict | None, wall="–", rate="–"):
+        cells = [f"{gold['nll_per_token']:.4f}", _delta(gold, "delta", "{:+.4f}")] if gold else ["–", "–"]
+        lines.append("| " + " | ".join([group, objective, f"{p['ppl']:.3f}", _delta(p, "delta_pct", "{:+.2f}"),
+                                        *cells, wall, rate]) + " |")
 
     def main_branch(group):
-        g = gsm["groups"].get(group)
-        return ppl["groups"][group]["ppl"], g["gold_nll"]["nll_per_token"] if g else None
+        return ppl["groups"][group], gsm["groups"].get(group, {}).get("gold_nll")
 
     for group in ("baseline", "share_plain"):
         if group in ppl["groups"]:
@@ -110,7 +119,7 @@ def objective_table(ppl: dict, gsm: dict, projector: dict, adapters: dict, objec
             wall = sum(ph["wall_s"] for ph in phases)
             rate = f"{sum(ph['tokens'] for ph in phases) / wall:,.0f}" if wall else "–"
             g = o["eval"]["groups"][group]
-            row(group, name, g["ppl"], g["gold_nll"]["nll_per_token"], f"{wall:,.0f}", rate)
+            row(group, name, g, g["gold_nll"], f"{wall:,.0f}", rate)
     return lines
 
 
@@ -122,41 +131,48 @@ def summary(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], gr
 
     ``{group: {...}}`` for every runtime group of ``ppl.json``:
 
-    * ``ppl``, ``dppl_pct`` (ΔPPL % vs baseline) -- from ``ppl.json``;
-    * ``gold_nll`` (GSM8K gold-solution NLL per token), ``em_strict`` / ``em_flex`` (exact
-      match %, strict-match / flexible-extract) with ``_lo`` / ``_hi`` (Wilson 95% CI, %) --
-      from ``gsm8k.json``, for the groups it evaluated;
+    * ``ppl``, ``dppl_pct`` (ΔPPL % vs baseline) with ``_lo`` / ``_hi`` (paired bootstrap
+      95% CI over records) -- from ``ppl.json``;
+    * ``gold_nll`` (GSM8K gold-solution NLL per token), ``dgold_nll`` (minus the baseline's)
+      with ``_lo`` / ``_hi``; ``em_strict`` / ``em_flex`` (exact match %, strict-match /
+      flexible-extract) with ``_lo`` / ``_hi`` (Wilson 95% CI, %) for the groups lm-eval
+      generated for -- from ``gsm8k.json``;
     * ``kv_bytes`` (stored KV bytes per token) and ``kv_compression`` (× vs baseline), bf16 on
       the ``decoder_attention`` basis -- from ``storage.json``;
 
-    plus ``{"<group>@<objective>": {"ppl", "dppl_pct", "gold_nll"}}`` for each ``train.eval_groups``
-    group under each tuned objective (``objectives[name]["eval"]`` = its ``eval.json``), ΔPPL
-    against ``ppl.json``'s baseline.  Values are copied (EM and CI scaled to %), never rounded.
+    plus ``{"<group>@<objective>": {"ppl", "dppl_pct", "gold_nll", "dgold_nll", ...}}`` (with
+    their CIs) for each ``train.eval_groups`` group under each tuned objective
+    (``objectives[name]["eval"]`` = its ``eval.json``, which scores its own baseline).  Values are copied (EM and CI scaled to %), never rounded.
     """
     out: dict[str, dict[str, float]] = {}
     kv = storage["active_model"]["kv"]["bf16"][SUMMARY_BASIS]
     for group, p in ppl["groups"].items():
-        row = {"ppl": p["ppl"]}
-        if "delta_pct" in p:
-            row["dppl_pct"] = p["delta_pct"]
+        row = {"ppl": p["ppl"], **_deltas(p, "dppl_pct", "delta_pct")}
         g = gsm["groups"].get(group)
         if g:
-            row["gold_nll"] = g["gold_nll"]["nll_per_token"]
+            row |= {"gold_nll": g["gold_nll"]["nll_per_token"], **_deltas(g["gold_nll"], "dgold_nll", "delta")}
+        if g and "strict-match" in g:  # the groups lm-eval generated for (eval_gsm8k.generate)
             for key, name in (("em_strict", "strict-match"), ("em_flex", "flexible-extract")):
                 lo, hi = g[name]["ci95"]
                 row |= {key: 100 * g[name]["exact_match"], f"{key}_lo": 100 * lo, f"{key}_hi": 100 * hi}
         if group in kv:
             row |= {"kv_bytes": kv[group]["bytes_per_token"], "kv_compression": kv[group]["compression_vs_baseline"]}
         out[group] = row
-    base = ppl["groups"].get("baseline", {}).get("ppl")
     for name, o in objectives.items():
         for group in groups:
             e = o["eval"]["groups"][group]
-            row = {"ppl": e["ppl"], "gold_nll": e["gold_nll"]["nll_per_token"]}
-            if base:
-                row["dppl_pct"] = 100 * (e["ppl"] - base) / base
-            out[f"{group}@{name}"] = row
+            out[f"{group}@{name}"] = {"ppl": e["ppl"], **_deltas(e, "dppl_pct", "delta_pct"),
+                                      "gold_nll": e["gold_nll"]["nll_per_token"],
+                                      **_deltas(e["gold_nll"], "dgold_nll", "delta")}
     return out
+
+
+def _deltas(d: dict, name: str, key: str) -> dict:
+    """``{name, name_lo, name_hi}`` from a change and its paired-bootstrap interval (empty for the baseline)."""
+    if key not in d:
+        return {}
+    lo, hi = d[f"{key}_ci95"]
+    return {name: d[key], f"{name}_lo": lo, f"{name}_hi": hi}
 
 
 def protocol_line(ppl: dict, gsm: dict) -> str:
