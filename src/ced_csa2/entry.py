@@ -16,12 +16,15 @@ import errno
 import json
 import logging
 import os
+import resource
 import sys
+import time
 from pathlib import Path
 
 from .config import load_params, record_reads
 
 RECORD_ENV = "CED_CSA2_RECORD_READS"
+PROFILE_ENV = "CED_CSA2_PROFILE"  # <dir>: each stage writes <dir>/<stage>.json {wall_s, peak_rss_mib}
 DEBUG_ENV = "CED_CSA2_DEBUG"  # =1: re-raise an input error with its traceback instead of one line
 # Input errors: a stage that raises one of these exits 2 with one line on stderr, no traceback.
 # ParamsError, PlanError, CheckpointError and DumpError are ValueErrors; AssetError (a
@@ -99,18 +102,27 @@ def _run_stage(run, *args) -> None:
     global _FILES_READ
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    record_dir = os.environ.get(RECORD_ENV)
+    t0 = time.perf_counter()
+    record_dir, profile_dir = os.environ.get(RECORD_ENV), os.environ.get(PROFILE_ENV)
     params = load_params()
     if not record_dir:
         run(params, *args)
-        return
-    _FILES_READ = set()
-    sys.addaudithook(_audit)
-    with record_reads() as keys:
-        run(params, *args)
-    out = Path(record_dir) / f"{stage_name(run, args)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"params": sorted(keys), "files": sorted(_FILES_READ)}, indent=1))
+    else:
+        _FILES_READ = set()
+        sys.addaudithook(_audit)
+        with record_reads() as keys:
+            run(params, *args)
+        _write(Path(record_dir) / f"{stage_name(run, args)}.json",
+               {"params": sorted(keys), "files": sorted(_FILES_READ)})
+    if profile_dir:  # wall time of the stage (its module imports before run_stage not included), peak RSS
+        _write(Path(profile_dir) / f"{stage_name(run, args)}.json", {
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)})
+
+
+def _write(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1))
 
 
 def objective_arg(stage: str) -> str:

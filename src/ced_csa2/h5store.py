@@ -458,8 +458,11 @@ class DumpReader:
                             f"{' '.join(str(exc).split())[:300]}") from None
 
     def _validate(self, attrs):
-        if attrs.get("format_version") != FORMAT_VERSION:
-            raise DumpError(f"{self.path}: format_version {attrs.get('format_version')!r}, expected {FORMAT_VERSION}")
+        version = attrs.get("format_version")
+        if version != FORMAT_VERSION:
+            shown = version.item() if hasattr(version, "item") else version  # numpy scalar -> plain
+            raise DumpError(f"{self.path}: format_version {shown!r}, expected {FORMAT_VERSION} (written by another "
+                            f"version of ced_csa2; recompute it: `dvc repro -f dump`)")
         if not attrs.get("complete"):
             raise DumpError(f"{self.path}: dump is incomplete (the writing run did not finish)")
         lay = json.loads(attrs["layout"])
@@ -560,7 +563,7 @@ class DumpReader:
                 done[j] = True
         return data[start - lo:stop - lo]
 
-    def verify(self, names=None) -> "DumpReader":
+    def verify(self, names=None) -> DumpReader:
         """Verify every block of ``names`` (default: every dataset) now; raise :class:`DumpError` at the first bad one."""
         for name in self._n if names is None else names:
             if name not in self._n:

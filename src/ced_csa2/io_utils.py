@@ -2,16 +2,41 @@
 
 A stage killed half-way never leaves a truncated output under the real name, and a write
 that fails (full disk, read-only folder, Ctrl-C) removes its temporary file and leaves the
-destination as it was.  JSON is strict: NaN and Infinity are refused, naming the key.
+destination as it was; the temporary file of a writer that was killed (SIGKILL cannot be
+caught) is removed by the next write of the same file.  JSON is strict: NaN and Infinity
+are refused, naming the key.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import math
 import os
 from pathlib import Path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Remove ``.<name>.tmp<pid>`` siblings of ``path`` whose writer process no longer exists."""
+    removed = []
+    for tmp in Path(path).parent.glob(f".{glob.escape(Path(path).name)}.tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+                removed.append(tmp)
+    return removed
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -23,6 +48,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
