@@ -2,6 +2,9 @@
 
 import dataclasses
 import itertools
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +75,18 @@ def read_curves(directory) -> dict[str, tuple[str, list[tuple[int, float]]]]:
         assert all(b > a for a, b in itertools.pairwise(xs)), (path, xs)
         out[path.stem] = (header[0], points)
     return out
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def project_copy(dst: Path) -> Path:
+    """The project's files (tracked and untracked-not-ignored; no results, no dvc.lock) in a new git repo."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for rel in files:
+        if (ROOT / rel).is_file() and not rel.startswith(("metrics/", "reports/", "dvc.lock")):
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, dst / rel)
+    subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
+    return dst

@@ -5,7 +5,6 @@ import json
 import math
 
 import pytest
-
 import torch
 from conftest import tiny_params
 from test_ced_runtime import random_parts

@@ -46,7 +46,7 @@ import h5py
 import numpy as np
 import pytest
 import yaml
-from conftest import TINY_OVERRIDES, tiny_params
+from conftest import TINY_OVERRIDES, project_copy, tiny_params
 
 from ced_csa2 import assets, io_utils
 from ced_csa2.assets import AssetError, fetch_member
@@ -1050,14 +1050,7 @@ def test_dvc_cache_survives_in_place_edits_of_outputs(tmp_path):
     """Outputs are copies (``cache.type = reflink,copy``), not hard links into ``.dvc/cache``: patching the dump
     and truncating a checkpoint in place leave the cache intact, ``dvc status`` reports both and
     ``dvc checkout -f`` restores the good bytes."""
-    repo = tmp_path / "repo"
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for rel in files:
-        if (ROOT / rel).is_file() and not rel.startswith(("metrics/", "reports/", "dvc.lock")):
-            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, repo / rel)
-    sh(repo, "git", "init", "-q")
+    repo = project_copy(tmp_path / "repo")
     sh(repo, sys.executable, "-m", "ced_csa2.compose", *TINY_OVERRIDES)
     sh(repo, "dvc", "repro", "ridge")  # prepare, dump, ridge
     outs = [DUMP_PATH, RIDGE_PATH]

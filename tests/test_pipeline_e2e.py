@@ -2,14 +2,13 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import read_curves
+from conftest import project_copy, read_curves
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -36,14 +35,7 @@ def stages_run(output: str) -> set[str]:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     """The project's files (tracked and untracked-not-ignored) in a fresh git repo, tiny profile."""
-    dst = tmp_path_factory.mktemp("repo")
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for rel in files:
-        if (ROOT / rel).is_file() and not rel.startswith(("metrics/", "reports/", "dvc.lock")):
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, dst / rel)
-    sh(dst, "git", "init", "-q")
+    dst = project_copy(tmp_path_factory.mktemp("repo"))
     sh(dst, "git", "config", "user.email", "ci@example.com")
     sh(dst, "git", "config", "user.name", "ci")
     sh(dst, sys.executable, "-m", "ced_csa2.compose", *OVERRIDES)
