@@ -200,6 +200,23 @@ def test_editing_a_param_marks_exactly_the_stages_that_read_it(repo, reads, key)
     assert expected and marked == expected
 
 
+def test_a_key_no_stage_reads_is_still_refused_by_dvc_repro(repo):
+    path = repo / "params.yaml"
+    before = path.read_text()
+    path.write_text(before + "ridge_lambda: 10.0\n")  # meant: ridge.lambda
+    try:
+        out = sh(repo, "dvc", "status", "--json")
+        assert set(json.loads(next(line for line in out.splitlines() if line.startswith("{")))) == {"check_params"}
+        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                   DVC_NO_ANALYTICS="1", PYTHONPATH=str(ROOT / "src"))
+        proc = subprocess.run(["dvc", "repro"], cwd=repo, env=env, capture_output=True, text=True)
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+        assert proc.returncode != 0 and stages_run(proc.stdout) == {"check_params"}
+        assert len(errors) == 1 and "'ridge_lambda'" in errors[0] and "Traceback" not in proc.stderr
+    finally:
+        path.write_text(before)
+
+
 def test_lambda_ablation_reruns_only_what_depends_on_it(repo):
     sh(repo, "git", "add", "-A")
     sh(repo, "git", "commit", "-qm", "tiny run")
@@ -220,7 +237,7 @@ def test_dropping_an_objective_reruns_only_the_report(repo):
     sh(repo, "dvc", "repro")  # settle the previous test's ablation
     params = repo / "params.yaml"
     params.write_text(params.read_text().replace("  - ridge\n  - attn_out\n  - distill\n", "  - ridge\n"))
-    assert stages_run(sh(repo, "dvc", "repro")) == {"report"}
+    assert stages_run(sh(repo, "dvc", "repro")) == {"check_params", "report"}  # check_params: any edit
     table = (repo / "reports/results.md").read_text().split("## Training objectives")[1].split("##")[0]
     objectives = {line.split("|")[2].strip() for line in table.splitlines() if line.startswith("| ced |")}
     assert objectives == {"kv_mse (seed)", "ridge"}
