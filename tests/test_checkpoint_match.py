@@ -111,7 +111,7 @@ def test_the_eval_gsm8k_stage_refuses_adapters_for_another_model(tmp_path, tiny_
     (tmp_path / paths.GSM8K_JSONL).write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
     with pytest.raises(CheckpointError, match=r"adapters\.pt: 'model' is 'other_model' in the checkpoint"):
         # one short group, so that without the check the test fails in seconds, not minutes
-        eval_gsm8k.run(tiny_params(eval_gsm8k={"groups": ["csa2"], "max_gen_toks": 2}), tmp_path,
+        eval_gsm8k.run(tiny_params(eval_gsm8k={"groups": ["csa2"], "generate": ["csa2"], "max_gen_toks": 2}), tmp_path,
                        model_and_tok=tiny_model)
 
 

@@ -136,8 +136,8 @@ STAGE_CASES = [
      ["params.yaml", "'train_projector.lr'", "must be a number, got '1e-3'", "write 1.0e-3"]),
     ("wrong-type", "storage", edit("  batch_size: 8\n  storage_dtype", "  batch_size: eight\n  storage_dtype"),
      ["params.yaml", "'dump.batch_size'", "must be of type int, got 'eight'"]),
-    ("int-as-quoted-string", "storage", edit("  epochs: 12\n", "  epochs: '12'\n"),
-     ["params.yaml", "'train_projector.epochs'", "must be of type int, got '12'", "write 12 without quotes"]),
+    ("int-as-quoted-string", "storage", edit("  epochs: 96\n", "  epochs: '96'\n"),
+     ["params.yaml", "'train_projector.epochs'", "must be of type int, got '96'", "write 96 without quotes"]),
     # keys
     ("unknown-top-level-key", "storage", edit("\nseed: 0\n", "\nseed: 0\nridgee:\n  lambda: 2.0\n"),
      ["params.yaml", "'ridgee'", "is not a known top-level section", "did you mean 'ridge'"]),
@@ -985,7 +985,7 @@ def test_dump_killed_at_three_seeded_points_resumes_to_the_same_datasets(dumped_
 
 def test_train_projector_killed_mid_epoch_keeps_the_old_checkpoint_then_writes_the_same_bytes(dumped_workdir,
                                                                                                tmp_path):
-    anchor = "  epochs: 12\n  batch_size: 4096\n"
+    anchor = "  epochs: 96\n  batch_size: 4096\n"  # train_projector (budget cpu)
     base, ref, work = tmp_path / "base", tmp_path / "ref", tmp_path / "work"
     shutil.copytree(dumped_workdir, base)
     edit(anchor, "  epochs: 1\n  batch_size: 4096\n")(base)

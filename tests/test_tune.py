@@ -41,7 +41,8 @@ def write_inputs(workdir, params, tok, n_records=40, seed=0):
 
 
 def with_online(params, **changes):
-    train = dataclasses.replace(params.train, online=dataclasses.replace(ONLINE, **changes))
+    train = dataclasses.replace(params.train, online=dataclasses.replace(ONLINE, **changes),
+                                objectives=["ridge", "attn_out", "distill"])
     return dataclasses.replace(params, train=train)
 
 
