@@ -21,12 +21,10 @@ from pathlib import Path
 from ..config import Params
 from ..entry import run_stage
 from ..io_utils import atomic_write_text, write_json
-from ..paths import SUMMARY
+from ..paths import METRICS, REPORTS, SUMMARY
 
 log = logging.getLogger(__name__)
 
-METRICS = Path("metrics")
-OUT = Path("reports")
 BASES = ("decoder_attention", "all_attention", "all_attention_amortised_32k")
 
 
@@ -264,7 +262,7 @@ def run(params: Params, workdir: Path = Path(".")) -> str:
         f"_{storage['note']}_", "",
         "![PPL by group](ppl_by_group.png) ![adapter cosine](adapter_cosine.png) ![bytes vs PPL](bytes_vs_ppl.png)", "",
     ])
-    out = workdir / OUT
+    out = workdir / REPORTS
     plots(out, ppl, adapters, storage)
     atomic_write_text(out / "results.md", text)
     write_json(workdir / SUMMARY, summary(ppl, gsm, storage, objectives, groups))
