@@ -104,6 +104,65 @@ def test_block_loader_order_per_epoch_and_seed(dump):
     assert torch.equal(ordered, torch.arange(len(mask), dtype=torch.float32))
 
 
+def reference_order(mask, block_rows, batch_size, buffer_blocks, seed, epoch):
+    """The documented order, written out plainly: rows (by index) of each batch of an epoch."""
+    blocks = np.flatnonzero([mask[s:s + block_rows].any() for s in range(0, len(mask), block_rows)])
+    blocks = np.random.default_rng([seed, 2, epoch]).permutation(blocks)  # loader's _ORDER_STREAM
+    rng = np.random.default_rng([seed, 3, epoch, 0])  # _BUFFER_STREAM, worker 0
+    batches, carry = [], []
+    for i in range(0, len(blocks), buffer_blocks):
+        rows = carry + [r for b in blocks[i:i + buffer_blocks]
+                        for r in range(b * block_rows, min((b + 1) * block_rows, len(mask))) if mask[r]]
+        rows = [rows[j] for j in rng.permutation(len(rows))]
+        n_full = len(rows) - len(rows) % batch_size
+        batches += [rows[s:s + batch_size] for s in range(0, n_full, batch_size)]
+        carry = rows[n_full:]
+    return batches + ([carry] if carry else [])
+
+
+@pytest.mark.parametrize("preload_bytes", [0, None], ids=["streamed", "preloaded"])
+@pytest.mark.parametrize("batch_size,buffer_blocks", [(50, 3), (64, 1), (7, 2)])
+def test_batches_follow_the_documented_order_streamed_or_preloaded(dump, batch_size, buffer_blocks, preload_bytes):
+    with DumpReader(dump) as r:
+        mask = row_mask(r.record_offsets, record_split(r.n_records, 0.2, 0)[0], 16, seed=1)
+        unit, k3 = r.block_rows, r.rows("k_3", 0, r.n_tokens)
+    loader = BlockLoader(dump, ["h_split"], ["k_3"], mask, batch_size, shuffle=True, seed=5,
+                         buffer_blocks=buffer_blocks, preload_bytes=preload_bytes)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        got = list(loader)
+        want = reference_order(mask, unit, batch_size, buffer_blocks, 5, epoch)
+        assert [x[:, 0].long().tolist() for x, _ in got] == want
+        assert all(torch.equal(y, torch.from_numpy(k3[rows])) for (_, y), rows in zip(got, want))
+
+
+def test_preloaded_loader_reads_the_file_once_and_matches_streaming(dump, monkeypatch):
+    reads = []
+    original = DumpReader.rows
+    monkeypatch.setattr(DumpReader, "rows", lambda self, *a: reads.append(a) or original(self, *a))
+    with DumpReader(dump) as r:
+        mask = row_mask(r.record_offsets, [0, 2, 3, 11, 17, 30], 0, 0)
+    make = {name: BlockLoader(dump, ["h_split", "k_5"], ["k_3"], mask, 20, shuffle=shuffle, seed=0, preload_bytes=p)
+            for name, p, shuffle in [("mem", None, True), ("disk", 0, True), ("mem_plain", None, False)]}
+    epochs = {name: [] for name in make}
+    for epoch in range(3):
+        for name, loader in make.items():
+            loader.set_epoch(epoch)
+            before = len(reads)
+            epochs[name].append(_epoch(loader)[:2])
+            if name.startswith("mem"):
+                assert (len(reads) > before) == (epoch == 0)  # read on the first epoch only
+    for (xm, ym), (xd, yd) in zip(epochs["mem"], epochs["disk"]):
+        assert torch.equal(xm, xd) and torch.equal(ym, yd)
+    assert torch.equal(epochs["mem_plain"][2][0][:, 0].long(), torch.from_numpy(np.flatnonzero(mask)))
+    too_big = BlockLoader(dump, ["h_split"], ["k_3"], mask, 20, shuffle=True, seed=0,
+                          preload_bytes=int(mask.sum()) * 4 * (HIDDEN + KV_DIM) - 1)
+    _epoch(too_big)
+    before = len(reads)
+    _epoch(too_big)
+    assert len(reads) > before  # over the limit: streamed every epoch
+
+
 def test_reads_are_chunk_aligned_blocks(dump, monkeypatch):
     reads = []
     original = DumpReader.rows

@@ -251,16 +251,17 @@ def tokenizer_hash(tok) -> str:
 
 
 def fast_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 where it is native (CUDA; CPUs with AMX or AVX512-BF16), else float32.
+    """bfloat16 where reduced-precision matmuls pay off (CUDA; CPUs with AMX), else float32.
 
-    On an AVX2-only CPU bf16 matmuls are emulated and run many times *slower* than
-    float32 (measured 60x for a 4096x576x1536 matmul on such a host), so "auto"
-    must not assume bf16 helps.
+    Measured on a 2-core Xeon with AVX512-BF16 but no AMX (``benchmarks/dtype_speed.py``):
+    the SmolLM2-135M forward runs 1.65x *slower* in bf16 than in float32 (484 vs 800 tok/s
+    at 8 x 512 tokens), and on an AVX2-only CPU bf16 matmuls are emulated (60x slower for a
+    4096x576x1536 matmul).  Only AMX tiles make CPU bf16 faster than float32, so ``auto``
+    picks bf16 on a CPU only when AMX is present.
     """
     if device.type == "cuda":
         return torch.bfloat16
-    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    return torch.bfloat16 if native else torch.float32
+    return torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

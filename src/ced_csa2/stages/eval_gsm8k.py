@@ -51,7 +51,7 @@ from ..groups import GROUPS
 from ..gsm8k import FEWSHOT_SOURCE, _offline, count_problems, evaluate_group, groups_gold_nll, write_task_yaml
 from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device
-from ..paths import GOLD_PATH, GSM8K_JSONL
+from ..paths import GOLD_PATH, GSM8K_JSONL, MODELS
 from ..paths import GSM8K_METRICS as METRICS_PATH
 from ..plan import load_plan
 
@@ -86,7 +86,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     plan, geo = load_plan(params.plan, params.model)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(cfg.device))
     if parts is None and any(GROUPS[g].uses_maps for g in cfg.groups):
-        parts = load_parts(workdir / "models", params, plan, geo, device=model.device)
+        parts = load_parts(workdir / MODELS, params, plan, geo, device=model.device)
     lm = HFLM(pretrained=model, tokenizer=tok, batch_size=cfg.batch_size)
     log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d): generation for %s, gold NLL for %s",
              params.data.math.label, n, cfg.num_fewshot, cfg.max_gen_toks, list(cfg.generate), list(cfg.groups))

@@ -26,7 +26,7 @@ from ..config import Params
 from ..entry import run_stage
 from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device
-from ..paths import PPL_METRICS
+from ..paths import MODELS, PPL_METRICS
 from ..perplexity import eval_ids, groups_ppl, mode_a_prefix, protocol
 from ..plan import load_plan
 
@@ -48,7 +48,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     device = resolve_device(cfg.device)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
     if parts is None:
-        parts = load_parts(workdir / "models", params, plan, geo, device=device)
+        parts = load_parts(workdir / MODELS, params, plan, geo, device=device)
     ids = eval_ids(params, tok, workdir)
     t0 = time.perf_counter()
     # All groups at once: the layers below the first one a group changes run once per batch.
