@@ -27,7 +27,7 @@ from ced_csa2.h5store import DumpReader
 from ced_csa2.loader import BlockLoader, load_rows, record_split
 from ced_csa2.model_utils import resolve_device
 from ced_csa2.plan import LayerPlan
-from ced_csa2.stages.train_projector import build_projectors, heads_for
+from ced_csa2.projector_training import build_projectors, heads_for
 from ced_csa2.training import TensorBatches, train_epoch
 
 DUMP = "data/dump/dump.h5"
@@ -35,7 +35,7 @@ DUMP = "data/dump/dump.h5"
 
 def epoch_seconds(params, plan, geo_dims, batches, epochs, device) -> list[float]:
     """Train fresh projectors for ``epochs`` over ``batches``; wall seconds of each epoch."""
-    projectors = build_projectors(params, plan.projected, *geo_dims)
+    projectors = build_projectors(params, (plan.source,), *geo_dims)
     heads = heads_for(projectors, geo_dims[1])
     opt = torch.optim.AdamW([p for pr in projectors.values() for p in pr.parameters()],
                             lr=params.train_projector.lr, weight_decay=params.train_projector.weight_decay)
@@ -66,7 +66,7 @@ def main() -> None:
         for r in train:
             mask[offs[r]:offs[r + 1]] = True
         dims = (reader.layout.hidden_size, reader.layout.kv_dim)
-    y = [f"{kind}_{layer}" for layer in plan.projected for kind in "kv"]
+    y = [f"{kind}_{plan.source}" for kind in "kv"]
     bs = params.train_projector.batch_size
 
     t = time.perf_counter()

@@ -10,6 +10,7 @@ from conftest import tiny_params
 from test_ced_runtime import random_parts
 
 from ced_csa2 import gsm8k, paths
+from ced_csa2.ced_runtime import CEDModeARuntime
 from ced_csa2.model_utils import geometry
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.stages import eval_gsm8k, prepare
@@ -122,6 +123,25 @@ def test_stage_end_to_end_two_groups(tmp_path, tiny_model):
     other = tiny_params(eval_gsm8k={"num_fewshot": 2})
     with pytest.raises(ValueError, match=r"gsm8k_gold.json was written for .*num_fewshot"):
         gsm8k.load_gold_pairs(tmp_path / paths.GOLD_PATH, other)
+
+    # Mode A (the plan covers): lm-eval's task through the prefill skip, gold NLL paired with the baseline.
+    a = m["mode_a"]
+    assert a["covered"] and "zero state" in a["note"]
+    assert all(a[name]["n"] == len(PROBLEMS) for name in gsm8k.FILTERS)
+    runtime = CEDModeARuntime(model, LayerPlan(16, 20, (24, 28, 32)), geometry(model.config), parts)
+    total = 0.0
+    for ids, c in pairs:  # independent: the runtime's own logits for each gold answer
+        x = torch.tensor([ids])
+        logp = torch.log_softmax(runtime.continuation_logits(x[:, :c], x[:, c:])[0].float(), -1)
+        total -= logp.gather(-1, x[0, c:, None]).sum().item()
+    assert a["gold_nll"]["tokens"] == tokens
+    assert math.isclose(a["gold_nll"]["nll_per_token"], total / tokens, rel_tol=1e-5)
+    assert a["gold_nll"]["delta"] == pytest.approx(a["gold_nll"]["nll_per_token"] - base["nll_per_token"])
+    assert a["gold_nll"]["delta_ci95"][0] <= a["gold_nll"]["delta"] <= a["gold_nll"]["delta_ci95"][1]
+
+    off = eval_gsm8k.run(dataclasses.replace(params, eval_gsm8k=dataclasses.replace(params.eval_gsm8k, mode_a=False)),
+                         tmp_path, parts=parts, model_and_tok=(model, tok))
+    assert off["mode_a"] == {"covered": None, "note": "eval_gsm8k.mode_a is false"}
 
 
 # ----------------------------------------------------------------------------- exact match through lm-eval's filters

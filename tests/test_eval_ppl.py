@@ -48,7 +48,26 @@ def test_ppl_groups_and_mode_a(tmp_path, tiny_model):
         assert d["delta_pct"] == pytest.approx(100 * (d["ppl"] / m["groups"]["baseline"]["ppl"] - 1))
         assert d["delta_pct_ci95"][0] <= d["delta_pct"] <= d["delta_pct_ci95"][1]
     assert all(m["groups"][g]["ppl"] != m["groups"]["baseline"]["ppl"] for g in ("ced", "csa2", "ced_csa2"))
-    assert m["mode_a"]["covered"] and "zero state" in m["mode_a"]["note"]
+    for g in ("ced", "csa2", "ced_csa2"):  # agreement with the baseline, each inside its interval
+        d = m["groups"][g]
+        assert 0 < d["kl_ci95"][0] <= d["kl"] <= d["kl_ci95"][1]
+        assert 0 <= d["top1_pct_ci95"][0] <= d["top1_pct"] <= d["top1_pct_ci95"][1] <= 100
+    a = m["mode_a"]
+    assert a["covered"] and "zero state" in a["note"] and a["records"] == len(TEXTS)
+    # The plain arm: each record's tokens after its prompt, scored in one plain pass per record.
+    total, n = 0.0, 0
+    for text in TEXTS:
+        ids = tok(text, truncation=True, max_length=params.data.max_tokens, return_tensors="pt")["input_ids"]
+        cut = max(2, int(ids.shape[1] * params.eval_ppl.prefix_fraction))
+        with torch.no_grad():
+            logits = model(ids).logits[0, cut - 1:-1]
+        total += torch.nn.functional.cross_entropy(logits, ids[0, cut:], reduction="sum").item()
+        n += ids.shape[1] - cut
+    assert a["baseline"]["tokens"] == a["mode_a"]["tokens"] == n
+    assert math.isclose(a["baseline"]["ppl"], math.exp(total / n), rel_tol=1e-5)
+    assert a["delta_pct"] == pytest.approx(100 * (a["mode_a"]["ppl"] / a["baseline"]["ppl"] - 1))
+    assert a["delta_pct_ci95"][0] <= a["delta_pct"] <= a["delta_pct_ci95"][1] and a["kl"] > 0
+    assert a["prefill_seconds"]["plain"] > 0 and a["prefill_speedup"] > 0
     assert m["protocol"]["records"] == len(TEXTS)
     assert json.loads((tmp_path / paths.PPL_METRICS).read_text()) == json.loads(json.dumps(m))
 

@@ -2,13 +2,14 @@
 
 import pytest
 
-from ced_csa2.stages.report import objective_table, summary
+from ced_csa2.stages.report import mode_a_table, objective_table, summary
 
 
 def metrics(tokens=1000):
     ppl = {"protocol": {"tokens_scored": tokens},
            "groups": {"baseline": {"ppl": 20.0}, "share_plain": {"ppl": 30.0, **delta("delta_pct", 50.0, 40.0, 61.0)},
-                      "ced": {"ppl": 25.0, **delta("delta_pct", 25.0, 20.5, 30.25)}}}
+                      "ced": {"ppl": 25.0, **delta("delta_pct", 25.0, 20.5, 30.25), **delta("kl", 0.5, 0.25, 0.75),
+                              **delta("top1_pct", 80.0, 75.5, 85.0)}}}
     gsm = {"groups": {"baseline": {"gold_nll": {"nll_per_token": 1.5}},
                       "ced": {"gold_nll": {"nll_per_token": 2.0, **delta("delta", 0.5, 0.25, 0.75)}}}}
     run = {"run": {"wall_s": 10.0}}
@@ -35,12 +36,14 @@ def test_rows_per_group_and_objective():
     rows = cells(objective_table(*metrics(), groups=["ced"]))
     assert list(rows) == [("baseline", "— (no maps)"), ("share_plain", "— (no maps)"), ("ced", "kv_mse (seed)"),
                           ("ced", "distill")]
-    assert rows[("baseline", "— (no maps)")] == ["20.000", "–", "1.5000", "–", "–", "–"]
-    assert rows[("share_plain", "— (no maps)")] == ["30.000", "+50.00 [+40.00, +61.00]", "–", "–", "–", "–"]
-    assert rows[("ced", "kv_mse (seed)")] == ["25.000", "+25.00 [+20.50, +30.25]", "2.0000",
-                                              "+0.5000 [+0.2500, +0.7500]", "20", "–"]
-    assert rows[("ced", "distill")] == ["22.000", "+10.00 [+8.00, +12.00]", "1.7500", "+0.2500 [+0.1250, +0.5000]",
-                                        "10", "60"]
+    assert rows[("baseline", "— (no maps)")] == ["20.000", "–", "–", "–", "1.5000", "–", "–", "–"]
+    assert rows[("share_plain", "— (no maps)")] == ["30.000", "+50.00 [+40.00, +61.00]", "–", "–", "–", "–", "–",
+                                                    "–"]
+    assert rows[("ced", "kv_mse (seed)")] == ["25.000", "+25.00 [+20.50, +30.25]", "0.5000 [0.2500, 0.7500]",
+                                              "80.00 [75.50, 85.00]", "2.0000", "+0.5000 [+0.2500, +0.7500]", "20",
+                                              "–"]
+    assert rows[("ced", "distill")] == ["22.000", "+10.00 [+8.00, +12.00]", "–", "–", "1.7500",
+                                        "+0.2500 [+0.1250, +0.5000]", "10", "60"]
 
 
 def test_objective_scored_on_other_tokens_is_refused():
@@ -54,8 +57,13 @@ def summary_inputs():
     """Two groups with GSM8K, one (share_plain) without; KV bytes on two bases; one tuned objective."""
     ppl = {"protocol": {"model": "m"}, "groups": {
         "baseline": {"ppl": 20.0, "nll_per_token": 3.0, "tokens": 10},
-        "csa2": {"ppl": 22.5, **delta("delta_pct", 12.5, 10.0, 15.0), "nll_per_token": 3.1, "tokens": 10},
-        "share_plain": {"ppl": 30.0, **delta("delta_pct", 50.0, 45.0, 55.0), "nll_per_token": 3.4, "tokens": 10}}}
+        "csa2": {"ppl": 22.5, **delta("delta_pct", 12.5, 10.0, 15.0), "nll_per_token": 3.1, "tokens": 10,
+                 **delta("kl", 0.125, 0.1, 0.15), **delta("top1_pct", 90.0, 88.0, 92.0)},
+        "share_plain": {"ppl": 30.0, **delta("delta_pct", 50.0, 45.0, 55.0), "nll_per_token": 3.4, "tokens": 10}},
+        "mode_a": {"covered": True, "prefix_fraction": 0.5, "records": 4, "baseline": {"ppl": 19.0},
+                   "mode_a": {"ppl": 38.0}, **delta("delta_pct", 100.0, 90.0, 110.0), **delta("kl", 1.5, 1.25, 1.75),
+                   **delta("top1_pct", 50.0, 45.0, 55.0), "prefill_seconds": {"plain": 2.0, "mode_a": 1.25},
+                   "prefill_speedup": 1.6, "note": "zero state"}}
 
     def em(correct, lo, hi):
         return {"exact_match": correct / 100, "ci95": [lo, hi], "correct": correct, "n": 100}
@@ -66,7 +74,9 @@ def summary_inputs():
         "csa2": {"strict-match": em(0, 0.0, 0.037), "flexible-extract": em(2, 0.0055, 0.07),
                  "gold_nll": {"nll_per_token": 1.5, "tokens": 50, **delta("delta", 0.25, 0.2, 0.3)}, "seconds": 1.0},
         # gold NLL only: not among eval_gsm8k.generate
-        "share_plain": {"gold_nll": {"nll_per_token": 2.0, "tokens": 50, **delta("delta", 0.75, 0.5, 1.0)}}}}
+        "share_plain": {"gold_nll": {"nll_per_token": 2.0, "tokens": 50, **delta("delta", 0.75, 0.5, 1.0)}}},
+        "mode_a": {"covered": True, "strict-match": em(1, 0.002, 0.054), "flexible-extract": em(4, 0.016, 0.098),
+                   "gold_nll": {"nll_per_token": 2.5, "tokens": 50, **delta("delta", 1.25, 1.0, 1.5)}}}
     kv = {"decoder_attention": {"baseline": {"bytes_per_token": 1000.0, "compression_vs_baseline": 1.0},
                                 "csa2": {"bytes_per_token": 800.0, "compression_vs_baseline": 1.25},
                                 "share_plain": {"bytes_per_token": 800.0, "compression_vs_baseline": 1.25}},
@@ -89,10 +99,11 @@ def numbers_only(obj):
 def test_summary_holds_the_headline_per_group_and_objective():
     ppl, gsm, storage, tuned = summary_inputs()
     s = summary(ppl, gsm, storage, tuned, groups=["csa2"])
-    assert numbers_only(s) and all(len(v) <= 17 for v in s.values())  # flat and short
-    assert list(s) == ["baseline", "csa2", "share_plain", "csa2@distill"]
+    assert numbers_only(s) and all(len(v) <= 22 for v in s.values())  # flat and short
+    assert list(s) == ["baseline", "csa2", "share_plain", "csa2@distill", "mode_a"]
     assert s["csa2"] == pytest.approx({
-        "ppl": 22.5, "dppl_pct": 12.5, "dppl_pct_lo": 10.0, "dppl_pct_hi": 15.0, "gold_nll": 1.5, "dgold_nll": 0.25,
+        "ppl": 22.5, "dppl_pct": 12.5, "dppl_pct_lo": 10.0, "dppl_pct_hi": 15.0, "kl": 0.125, "kl_lo": 0.1,
+        "kl_hi": 0.15, "top1": 90.0, "top1_lo": 88.0, "top1_hi": 92.0, "gold_nll": 1.5, "dgold_nll": 0.25,
         "dgold_nll_lo": 0.2, "dgold_nll_hi": 0.3, "em_strict": 0.0, "em_strict_lo": 0.0, "em_strict_hi": 3.7,
         "em_flex": 2.0, "em_flex_lo": 0.55, "em_flex_hi": 7.0, "kv_bytes": 800.0, "kv_compression": 1.25})
     assert s["baseline"] == pytest.approx({  # the baseline has no change, so no delta keys
@@ -107,3 +118,23 @@ def test_summary_holds_the_headline_per_group_and_objective():
                                                "gold_nll": 1.375, "dgold_nll": 0.125, "dgold_nll_lo": 0.0625,
                                                "dgold_nll_hi": 0.25})
 
+    assert s["mode_a"] == pytest.approx({
+        "ppl": 38.0, "dppl_pct": 100.0, "dppl_pct_lo": 90.0, "dppl_pct_hi": 110.0, "kl": 1.5, "kl_lo": 1.25,
+        "kl_hi": 1.75, "top1": 50.0, "top1_lo": 45.0, "top1_hi": 55.0, "prefill_speedup": 1.6, "em_strict": 1.0,
+        "em_strict_lo": 0.2, "em_strict_hi": 5.4, "em_flex": 4.0, "em_flex_lo": 1.6, "em_flex_hi": 9.8,
+        "gold_nll": 2.5, "dgold_nll": 1.25, "dgold_nll_lo": 1.0, "dgold_nll_hi": 1.5})
+
+
+def test_mode_a_table_sets_the_skip_against_the_full_prefill():
+    ppl, gsm, _, _ = summary_inputs()
+    lines = mode_a_table(ppl, gsm)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines[2:4]}
+    assert rows["baseline (full prefill)"] == ["19.000", "–", "–", "–", "3.0 [1.0, 8.5]", "7.0 [3.4, 13.7]", "1.2500",
+                                               "–", "2.00", "1×"]
+    assert rows["mode_a (prefill skip)"] == ["38.000", "+100.00 [+90.00, +110.00]", "1.5000 [1.2500, 1.7500]",
+                                             "50.00 [45.00, 55.00]", "1.0 [0.2, 5.4]", "4.0 [1.6, 9.8]", "2.5000",
+                                             "+1.2500 [+1.0000, +1.5000]", "1.25", "1.60×"]
+    assert "zero state" in lines[-1] and "4 eval records" in lines[-1]
+    ppl["mode_a"] = {"covered": False, "uncovered_attention_layers": [16, 17]}
+    assert mode_a_table(ppl, gsm) == ["Mode A: not run — the plan does not cover attention layers [16, 17] above the "
+                                      "cut (use a covering plan)."]

@@ -96,6 +96,55 @@ def test_unknown_group_or_missing_format_refused_before_scoring(llama):
                         [[1, 2, 3]], [0], 1, kv_format=None)
 
 
+def independent_agreement(model, plan, group, parts, seq, cut):
+    """KL(baseline ‖ group) summed over the scored tokens of one sequence, and agreeing argmaxes."""
+    x = torch.tensor([seq])
+    with torch.no_grad():
+        base = torch.log_softmax(model(x).logits[0, :-1].float(), -1)[max(1, cut) - 1:]
+        with CEDModeBRuntime(model, plan, group, parts, kv_format="nvfp4"):
+            got = torch.log_softmax(model(x).logits[0, :-1].float(), -1)[max(1, cut) - 1:]
+    return (base.exp() * (base - got)).sum().item(), int((base.argmax(-1) == got.argmax(-1)).sum())
+
+
+@pytest.mark.parametrize("model_name", ["qwen3_5", "llama"])
+def test_agreement_with_the_baseline_matches_an_independent_computation(model_name, tiny_model, llama):
+    model, plan = (tiny_model[0], QWEN_PLAN) if model_name == "qwen3_5" else (llama, LLAMA_PLAN)
+    parts = random_parts(geometry(model.config), plan)
+    seqs, cut = rows(250)
+    groups = ("baseline", "ced", "csa2_fp4", "share_plain")
+    # batch_size 1: the same shapes as the one-sequence passes below, so the logits are bit-identical
+    shared = multi_group_nll(model, plan, groups, parts, seqs, cut, 1, 0, kv_format="nvfp4", agreement=True)
+    base = shared["baseline"]
+    assert (base[:, 2] == 0).all() and torch.equal(base[:, 3], base[:, 1])  # the baseline against itself
+    for group in groups[1:]:
+        assert torch.equal(shared[group][:, :2], separate(model, plan, group, parts, seqs, cut, 1))
+        want = torch.tensor([independent_agreement(model, plan, group, parts, s, c) for s, c in zip(seqs, cut)],
+                            dtype=torch.float64)
+        # fp32 reductions over the vocabulary in another order: ~1e-7 nats per token apart
+        torch.testing.assert_close(shared[group][:, 2], want[:, 0], rtol=1e-4, atol=1e-5)
+        assert torch.equal(shared[group][:, 3], want[:, 1])
+        assert shared[group][:, 2].sum() > 0  # random maps move the distribution
+
+
+def test_identity_maps_agree_fully_with_the_baseline(tiny_model):
+    from test_ced_runtime import identity_parts
+
+    model, _ = tiny_model
+    x = torch.randint(0, 250, (3, 21), generator=torch.Generator().manual_seed(2))
+    parts = identity_parts(model, x, QWEN_PLAN)  # maps that return the true K/V of exactly this batch
+    groups = ("baseline", "ced", "csa2", "ced_csa2")
+    shared = multi_group_nll(model, QWEN_PLAN, groups, parts, x.tolist(), [0, 4, 9], 3, 0, kv_format="nvfp4",
+                             agreement=True)
+    for group in groups:
+        assert (shared[group][:, 2] == 0).all() and torch.equal(shared[group][:, 3], shared[group][:, 1]), group
+
+
+def test_agreement_needs_the_baseline(llama):
+    with pytest.raises(ValueError, match="against 'baseline', which is not among"):
+        multi_group_nll(llama, LLAMA_PLAN, ["ced"], random_parts(geometry(llama.config), LLAMA_PLAN), [[1, 2, 3]],
+                        [0], 1, kv_format="nvfp4", agreement=True)
+
+
 # ----------------------------------------------------------------------------- the stages that use it
 
 def test_eval_ppl_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny_model):
@@ -117,7 +166,7 @@ def test_eval_ppl_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny
     m = eval_ppl.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
     ids = eval_ids(params, tok, tmp_path)
     for group in GROUP_NAMES:
-        assert {k: v for k, v in m["groups"][group].items() if not k.startswith("delta_pct")} == \
+        assert {k: v for k, v in m["groups"][group].items() if not k.startswith(("delta_pct", "kl", "top1"))} == \
             group_ppl(model, plan, group, parts, ids, params, tok.pad_token_id), group
 
 
@@ -152,6 +201,6 @@ def test_eval_objective_gives_each_group_what_one_group_at_a_time_gives(tmp_path
             want["gold_nll"] = gold_nll(model, pairs, params.eval_gsm8k.batch_size, tok.pad_token_id)
         got = m["groups"][group]  # plus the paired changes against the baseline eval_objective scores too
         got_gold = {k: v for k, v in got["gold_nll"].items() if not k.startswith("delta")}
-        assert {k: v for k, v in got.items() if not k.startswith("delta") and k != "gold_nll"} == \
+        assert {k: v for k, v in got.items() if not k.startswith(("delta", "kl", "top1")) and k != "gold_nll"} == \
             {k: v for k, v in want.items() if k != "gold_nll"}, group
         assert got_gold == want["gold_nll"] and got["delta_pct_ci95"][0] <= got["delta_pct"], group

@@ -15,7 +15,8 @@ from ced_csa2.csa2 import load_adapters
 from ced_csa2.h5store import DumpError, DumpLayout, DumpWriter
 from ced_csa2.plan import load_plan
 from ced_csa2.projector import load_projector, load_projectors
-from ced_csa2.stages import ridge, train_adapters, train_projector
+from ced_csa2.ridge import load_ridge
+from ced_csa2.stages import extra_projectors, ridge, train_adapters, train_projector
 from ced_csa2.training import write_curves
 
 HIDDEN, KV = 64, 32  # the tiny Qwen3.5 profile (2 kv heads x 16)
@@ -116,8 +117,7 @@ def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
     expect = expected_meta(p, *load_plan(p.plan, p.model))  # what every consumer checks
     proj, meta = load_projector(workdir / "models/projector_k20v20.pt", expect=expect["projector"])
     assert (meta["split"], meta["layer"], meta["hidden_size"], meta["kv_dim"]) == (16, 20, HIDDEN, KV)
-    # the plan has no extra sources
-    assert load_projectors(workdir / paths.PROJECTORS_EXTRA, expect=expect["projectors"])[0] == {}
+    assert not (workdir / paths.PROJECTORS_EXTRA).exists()  # the extra_projectors stage's
 
     again = tmp_path_factory.mktemp("again")
     shutil.copytree(workdir / "data", again / "data")
@@ -154,6 +154,36 @@ def test_adapters_improve_on_ridge_and_rerun_identically(workdir, tmp_path_facto
     shutil.copytree(workdir / "data", again / "data")
     shutil.copytree(workdir / "models", again / "models")
     assert without_wall_time(train_adapters.run(p, again)) == without_wall_time(m)
+
+
+def covering(p):
+    """The tiny plan with layer 32 as an extra source instead of a target."""
+    return dataclasses.replace(p, plan=dataclasses.replace(p.plan, targets=[24, 28], extra_sources=[32]))
+
+
+def test_extra_projectors_are_the_ridge_maps_or_trained(workdir, tmp_path):
+    p = covering(params())
+    fits = ridge.run(p, workdir)
+    m = extra_projectors.run(p, workdir)
+    expect = expected_meta(p, *load_plan(p.plan, p.model))["projectors"]
+    extra, meta = load_projectors(workdir / paths.PROJECTORS_EXTRA, expect=expect)
+    assert list(extra) == [32] and meta["maps"] == "ridge"
+    maps, _ = load_ridge(workdir / paths.RIDGE_PATH)
+    W, b = maps["proj_32"]["W"], maps["proj_32"]["b"]
+    assert torch.equal(extra[32].proj.weight, W.T.half().float()) and torch.equal(extra[32].proj.bias, b.half().float())
+    got = m["layers"]["32"]
+    assert got["maps"] == "ridge" and got["k"]["n"] == m["run"]["val_rows"]
+    for kind in "kv":  # the same maps on the same held-out rows as the ridge stage measured (before FP16 storage)
+        assert got[kind]["r2"] == pytest.approx(fits[f"proj_32_{kind}"]["r2"], abs=1e-3)
+
+    trained = dataclasses.replace(p, extra_projectors="trained")
+    m = extra_projectors.run(trained, workdir)
+    assert m["layers"]["32"]["maps"] == "trained" and m["layers"]["32"]["val_loss"] < m["layers"]["32"]["val_loss_init"]
+    assert load_projectors(workdir / paths.PROJECTORS_EXTRA, expect=expect)[1]["maps"] == "trained"
+
+    # A plan without extra sources reads nothing and writes an empty file.
+    assert extra_projectors.run(params(), tmp_path)["layers"] == {}
+    assert load_projectors(tmp_path / paths.PROJECTORS_EXTRA)[0] == {}
 
 
 def test_stages_check_their_inputs_before_training(workdir):

@@ -265,6 +265,32 @@ def _rope_fn(attn: nn.Module):
     return sys.modules[type(attn).__module__].apply_rotary_pos_emb
 
 
+@torch.inference_mode()
+def plain_prefill(model: nn.Module, input_ids: torch.Tensor):
+    """The unmodified model's cache for ``input_ids`` ``(B, T)``: what Mode A's prefill replaces."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    model.model(input_ids=input_ids, cache=cache, use_cache=True)
+    return cache
+
+
+@torch.inference_mode()
+def continue_from(model: nn.Module, cache, prompt_ids: torch.Tensor, continuation_ids: torch.Tensor) -> torch.Tensor:
+    """Logits ``(B, C, vocab)`` predicting ``continuation_ids`` ``(B, C)``, through all layers.
+
+    ``cache`` holds ``prompt_ids[:, :-1]`` (from :func:`plain_prefill` or
+    :meth:`CEDModeARuntime.prefill`); the prompt's last token makes the first prediction.
+    """
+    x = torch.cat([prompt_ids[:, -1:], continuation_ids[:, :-1]], dim=1)
+    return model(input_ids=x, cache=cache, use_cache=True).logits
+
+
+ZERO_STATE_NOTE = ("Mode A: prompt tokens run through layers 1..split only; attention layers above the cut get "
+                   "K/V from the projector/adapters; non-attention layers above the cut start from a zero state "
+                   "(an approximation; none on an all-attention model).")
+
+
 class CEDModeARuntime:
     """Prefill skip: prompt through layers ``1..split``, K/V above the cut from the maps.
 
@@ -332,17 +358,21 @@ class CEDModeARuntime:
         The prompt's last token runs through all layers (it makes the first prediction),
         so the skip covers ``prompt_ids[:, :-1]``.  Returns ``(B, C, vocab)``.
         """
-        cache = self.prefill(prompt_ids[:, :-1])
-        x = torch.cat([prompt_ids[:, -1:], continuation_ids[:, :-1]], dim=1)
-        return self.model(input_ids=x, cache=cache, use_cache=True).logits
+        return continue_from(self.model, self.prefill(prompt_ids[:, :-1]), prompt_ids, continuation_ids)
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy decoding after a skip prefill; returns the new tokens ``(B, max_new_tokens)``."""
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int,
+                 stop: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
+        """Greedy decoding after a skip prefill; the new tokens ``(B, n <= max_new_tokens)``.
+
+        ``stop(new_tokens)`` is asked after each step and ends decoding when true.
+        """
         cache = self.prefill(prompt_ids[:, :-1])
         x, out = prompt_ids[:, -1:], []
         for _ in range(max_new_tokens):
             logits = self.model(input_ids=x, cache=cache, use_cache=True).logits
             x = logits[:, -1:].argmax(-1)
             out.append(x)
+            if stop is not None and stop(torch.cat(out, dim=1)):
+                break
         return torch.cat(out, dim=1)

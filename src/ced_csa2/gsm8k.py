@@ -13,6 +13,7 @@ import re
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 from .ced_runtime import CEDModeBRuntime, CEDParts
@@ -150,15 +151,19 @@ def gold_nll(model, pairs: list[tuple[list[int], int]], batch_size: int, pad_id:
 
 
 def groups_gold_nll(model, plan, groups: list[str], parts: CEDParts | None, pairs: list[tuple[list[int], int]],
-                    batch_size: int, pad_id: int, *, kv_format: str | None, seed: int) -> dict[str, dict]:
+                    batch_size: int, pad_id: int, *, kv_format: str | None, seed: int,
+                    more: dict[str, torch.Tensor] | None = None) -> dict[str, dict]:
     """:func:`gold_nll` of every group under its Mode B runtime, bit for bit, with one shared trunk per batch.
 
-    When ``baseline`` is among ``groups`` every other group also gets ``delta`` (gold NLL per
-    token minus the baseline's, nats) and ``delta_ci95`` (paired bootstrap over problems).
+    ``more`` adds arms scored elsewhere (Mode A): ``{name: (len(pairs), 2)}`` rows in the
+    order of ``pairs``.  When ``baseline`` is among ``groups`` every other group and arm also
+    gets ``delta`` (gold NLL per token minus the baseline's, nats) and ``delta_ci95`` (paired
+    bootstrap over problems).
     """
-    pairs = sorted(pairs, key=lambda p: len(p[0]))
-    nll = multi_group_nll(model, plan, groups, parts, [p[0] for p in pairs], [p[1] for p in pairs], batch_size,
-                          pad_id, kv_format=kv_format)
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]))  # little right-padding
+    nll = multi_group_nll(model, plan, groups, parts, [pairs[i][0] for i in order], [pairs[i][1] for i in order],
+                          batch_size, pad_id, kv_format=kv_format)
+    nll.update({name: rows[order] for name, rows in (more or {}).items()})
     out = {group: _per_token(v) for group, v in nll.items()}
     for group, d in paired_deltas({g: v.numpy() for g, v in nll.items()}, "delta_nll", seed).items():
         out[group].update(delta=d["value"], delta_ci95=d["ci95"])
@@ -173,19 +178,30 @@ def _per_token(nll) -> dict:
 def evaluate_group(lm, model, plan, group: str, parts: CEDParts | None, task_manager, params: Params
                    ) -> tuple[dict, list[tuple[list[int], int]]]:
     """lm-eval exact match of one group (generation under its Mode B runtime), and the gold pairs."""
+    with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
+        return evaluate_lm(lm, task_manager, params, group)
+
+
+def evaluate_lm(lm, task_manager, params: Params, label: str) -> tuple[dict, list[tuple[list[int], int]]]:
+    """lm-eval exact match of ``lm`` as it is (Mode A: :class:`~ced_csa2.mode_a_lm.ModeALM`), and the gold pairs."""
     from lm_eval import simple_evaluate
 
     cfg, seed = params.eval_gsm8k, params.seed
     t0 = time.perf_counter()
-    with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
-        results = simple_evaluate(
-            model=lm, tasks=[TASK], task_manager=task_manager, num_fewshot=cfg.num_fewshot,
-            gen_kwargs={"max_gen_toks": cfg.max_gen_toks}, bootstrap_iters=0, log_samples=True,
-            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    results = simple_evaluate(
+        model=lm, tasks=[TASK], task_manager=task_manager, num_fewshot=cfg.num_fewshot,
+        gen_kwargs={"max_gen_toks": cfg.max_gen_toks}, bootstrap_iters=0, log_samples=True,
+        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
     seconds = time.perf_counter() - t0
     n = len(results["samples"][TASK]) // len(FILTERS)
-    log.info("%s: generation %.1f s (%.2f s/problem)", group, seconds, seconds / n)
+    log.info("%s: generation %.1f s (%.2f s/problem)", label, seconds, seconds / n)
     return {**accuracy(results), "seconds": round(seconds, 1)}, gold_pairs(lm, results)
+
+
+def mode_a_gold_rows(lm, pairs: list[tuple[list[int], int]]) -> torch.Tensor:
+    """Summed NLL and token count of each gold answer given its prompt, through ``lm`` (a ``ModeALM``), ``(R, 2)``."""
+    answers = lm._loglikelihood_tokens([(None, ids[:c], ids[c:]) for ids, c in pairs])
+    return torch.tensor([[-ll, len(ids) - c] for (ll, _), (ids, c) in zip(answers, pairs)], dtype=torch.float64)
 
 
 def count_problems(path: Path) -> int:

@@ -27,6 +27,7 @@ RIDGE_PATH = MODELS / "ridge.pt"
 RIDGE_METRICS = METRICS / "ridge.json"
 PROJECTORS_EXTRA = MODELS / "projectors_extra.pt"
 PROJECTOR_METRICS = METRICS / "projector.json"
+EXTRA_METRICS = METRICS / "extra_projectors.json"
 ADAPTERS_PATH = MODELS / "adapters.pt"
 ADAPTERS_METRICS = METRICS / "adapters.json"
 CURVES = METRICS / "curves"  # one series per file: curves/<stage>/<series>.tsv

@@ -10,26 +10,24 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from .ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts
+from .ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_from, plain_prefill
 from .config import Params
 from .paths import EVAL_JSONL
 from .records import read_records, seeded_subset
-from .scoring import multi_group_nll, sequence_nll
-from .stats import paired_deltas
+from .scoring import multi_group_nll, score_logits, sequence_nll
+from .stats import paired_bootstrap, paired_deltas, ratio_bootstrap
 
 log = logging.getLogger(__name__)
 
 EVAL_SAMPLE_STREAM = 7  # numpy seed-sequence tag (dump.py uses 6)
 
 
-ZERO_STATE_NOTE = ("Mode A: prompt tokens run through layers 1..split only; attention layers above the cut get "
-                   "K/V from the projector/adapters; non-attention layers above the cut start from a zero state "
-                   "(an approximation; none on an all-attention model).")
 
 
 def _ppl(nll_and_count: torch.Tensor) -> dict:
@@ -53,41 +51,70 @@ def groups_ppl(model, plan, groups: list[str], parts: CEDParts | None, ids: list
                pad_id: int) -> dict[str, dict]:
     """:func:`group_ppl` of every group, bit for bit, with one shared trunk per batch (:func:`multi_group_nll`).
 
-    When ``baseline`` is among ``groups`` every other group also gets ``delta_pct`` (ΔPPL %)
-    and ``delta_pct_ci95``: the paired bootstrap 95% interval over records (seed ``seed``).
+    When ``baseline`` is among ``groups`` every other group also gets, each with its paired
+    bootstrap 95% interval over records (seed ``seed``: the same resampled records for all):
+    ``delta_pct`` (ΔPPL %), ``kl`` (mean per-token KL(baseline ‖ group), nats) and
+    ``top1_pct`` (% of scored tokens whose argmax is the baseline's).
     """
     nll = multi_group_nll(model, plan, groups, parts, ids, [0] * len(ids), params.eval_ppl.batch_size, pad_id,
-                          kv_format=params.kv_format)
-    out = {group: _ppl(v) for group, v in nll.items()}
-    for group, d in paired_deltas({g: v.numpy() for g, v in nll.items()}, "delta_ppl_pct", params.seed).items():
-        out[group].update(delta_pct=d["value"], delta_pct_ci95=d["ci95"])
+                          kv_format=params.kv_format, agreement="baseline" in groups)
+    out = {group: _ppl(v[:, :2]) for group, v in nll.items()}
+    for group, d in paired_deltas({g: v[:, :2].numpy() for g, v in nll.items()}, "delta_ppl_pct",
+                                  params.seed).items():
+        out[group].update(delta_pct=d["value"], delta_pct_ci95=d["ci95"], **agreement(nll[group], params.seed))
     for group, v in out.items():
-        log.info("%s: ppl %.4f (ΔPPL %s)", group, v["ppl"],
-                 f"{v['delta_pct']:+.2f}% [{v['delta_pct_ci95'][0]:+.2f}, {v['delta_pct_ci95'][1]:+.2f}]"
-                 if "delta_pct" in v else "-")
+        log.info("%s: ppl %.4f%s", group, v["ppl"], f" (ΔPPL {_ci(v, 'delta_pct')}%, KL {_ci(v, 'kl')}, "
+                 f"top-1 {_ci(v, 'top1_pct')}%)" if "kl" in v else "")
     return out
 
 
-def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fraction: float, batch_size: int,
-                  pad_id: int) -> dict:
-    """Prefix-conditioned perplexity of the plain model vs the prefill skip."""
+def agreement(scores: torch.Tensor, seed: int) -> dict:
+    """``kl``/``top1_pct`` and their 95% intervals from :func:`multi_group_nll`'s agreement columns, ``(R, 4)``."""
+    s = scores.numpy()
+    kl, top1 = ratio_bootstrap(s[:, 2], s[:, 1], seed=seed), ratio_bootstrap(s[:, 3], s[:, 1], scale=100, seed=seed)
+    return {"kl": kl["value"], "kl_ci95": kl["ci95"], "top1_pct": top1["value"], "top1_pct_ci95": top1["ci95"]}
+
+
+def _ci(v: dict, key: str) -> str:
+    low, high = v[f"{key}_ci95"]
+    return f"{v[key]:+.4g} [{low:+.4g}, {high:+.4g}]"
+
+
+def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fraction: float, seed: int) -> dict:
+    """Prefix-conditioned perplexity, KL and top-1 of the prefill skip against the plain prefill.
+
+    Each record's first ``fraction`` is the prompt and the rest is scored.  Both arms run the
+    same continuation through all layers from a cache holding the prompt (but its last
+    token): the plain model's own prefill, or Mode A's (:class:`CEDModeARuntime`).  One
+    record at a time (the skip prefill has no padding support), so the two prefills are
+    also timed on exactly these prompts: ``prefill_speedup`` = plain seconds / Mode A seconds.
+    ``delta_pct``, ``kl`` and ``top1_pct`` carry paired bootstrap 95% intervals over records.
+    """
     missing = plan.uncovered(geo)
     if missing:
         return {"covered": False, "uncovered_attention_layers": missing,
                 "note": f"plan {plan} does not cover every attention layer above the cut; Mode A not run"}
-    cut = [max(2, int(len(r) * fraction)) for r in ids]
-    plain = sequence_nll(model, ids, cut, batch_size, pad_id)
     runtime = CEDModeARuntime(model, plan, geo, parts)
-    skip = torch.zeros(len(ids), 2, dtype=torch.float64)
-    for i, (row, c) in enumerate(tqdm(list(zip(ids, cut)), desc="mode A", unit="record")):
-        # One record at a time: the skip prefill has no padding support.
-        x = torch.tensor([row], device=next(model.parameters()).device)
-        logits = runtime.continuation_logits(x[:, :c], x[:, c:]).float()
-        nll = torch.nn.functional.cross_entropy(logits[0], x[0, c:], reduction="sum")
-        skip[i] = torch.tensor([nll.item(), len(row) - c], dtype=torch.float64)
-    base, ced = _ppl(plain), _ppl(skip)
-    return {"covered": True, "prefix_fraction": fraction, "baseline": base, "mode_a": ced,
-            "delta_pct": delta_pct(ced["ppl"], base["ppl"]), "note": ZERO_STATE_NOTE}
+    device = next(model.parameters()).device
+    plain, skip = torch.zeros(len(ids), 4, dtype=torch.float64), torch.zeros(len(ids), 4, dtype=torch.float64)
+    seconds = {"plain": 0.0, "mode_a": 0.0}
+    for i, row in enumerate(tqdm(ids, desc="mode A", unit="record")):
+        x, cut = torch.tensor([row], device=device), max(2, int(len(row) * fraction))
+        prompt, cont = x[:, :cut], x[:, cut:]
+        caches = {}
+        for arm, prefill in (("plain", lambda p: plain_prefill(model, p)), ("mode_a", runtime.prefill)):
+            t0 = time.perf_counter()
+            caches[arm] = prefill(prompt[:, :-1])
+            seconds[arm] += time.perf_counter() - t0
+        keep = torch.ones_like(cont, dtype=torch.bool)
+        reference = score_logits(plain, i, continue_from(model, caches["plain"], prompt, cont), cont, keep)
+        score_logits(skip, i, continue_from(model, caches["mode_a"], prompt, cont), cont, keep, reference)
+    base, ced = _ppl(plain[:, :2]), _ppl(skip[:, :2])
+    delta = paired_bootstrap(skip[:, :2].numpy(), plain[:, :2].numpy(), "delta_ppl_pct", seed=seed)
+    return {"covered": True, "prefix_fraction": fraction, "records": len(ids), "baseline": base, "mode_a": ced,
+            "delta_pct": delta["value"], "delta_pct_ci95": delta["ci95"], **agreement(skip, seed),
+            "prefill_seconds": {k: round(v, 2) for k, v in seconds.items()},
+            "prefill_speedup": seconds["plain"] / seconds["mode_a"], "note": ZERO_STATE_NOTE}
 
 
 def eval_ids(params: Params, tok, workdir: Path) -> list[list[int]]:

@@ -78,7 +78,7 @@ class LayerPlan:
         if missing:
             raise PlanError(f"plan does not cover attention layers {missing} above split layer {self.split}; "
                             "Mode A needs every one of them as source, target or extra source "
-                            "(e.g. plan=smollm2_135m_covering for the embedded model)")
+                            "(as conf/plan/smollm2_135m.yaml does for the embedded model)")
         return self
 
 

@@ -3,6 +3,9 @@
 * :func:`paired_bootstrap` -- 95% interval of a change between two groups scored on the
   same records (ΔPPL %, Δ NLL/token), resampling *records* (the unit the corpus is made
   of; tokens inside a record are not independent) with the same draw for both groups.
+* :func:`ratio_bootstrap` -- 95% interval of a per-token mean over records (KL to the
+  baseline, top-1 agreement): the same resampling, so with the same seed the same
+  records are drawn as for the Δs.
 """
 
 from __future__ import annotations
@@ -46,13 +49,46 @@ def paired_bootstrap(group: np.ndarray, base: np.ndarray, statistic: str = "delt
     if not np.array_equal(group[:, 1], base[:, 1]):
         raise ValueError("paired_bootstrap: group and baseline were scored on different tokens")
     fn = DELTAS[statistic]
-    idx = np.random.default_rng(seed).integers(0, len(group), size=(n_boot, len(group)))
-    draws = fn(group[idx, 0].sum(1), base[idx, 0].sum(1), base[idx, 1].sum(1))
-    tail = 100 * (1 - level) / 2
-    low, high = np.percentile(draws, [tail, 100 - tail])
-    value = fn(group[:, 0].sum(), base[:, 0].sum(), base[:, 1].sum())
-    return {"value": float(value), "ci95": [float(low), float(high)], "n_records": len(group), "n_boot": n_boot}
+    return _bootstrap(lambda idx: fn(group[idx, 0].sum(-1), base[idx, 0].sum(-1), base[idx, 1].sum(-1)),
+                      len(group), n_boot, seed, level)
 
+
+def ratio_bootstrap(num: np.ndarray, den: np.ndarray, *, scale: float = 1.0, n_boot: int = 2000, seed: int = 0,
+                    level: float = 0.95) -> dict:
+    """``scale * sum(num) / sum(den)`` over records and its percentile interval.
+
+    Parameters
+    ----------
+    num, den : np.ndarray, shape (R,)
+        Per record: a summed per-token quantity (KL nats, agreeing tokens) and its token count.
+    scale
+        Multiplier of the ratio (100 for a percentage).
+    n_boot, seed, level
+        As for :func:`paired_bootstrap` (the same seed draws the same records).
+
+    Returns
+    -------
+    dict
+        ``{"value", "ci95": [low, high], "n_records", "n_boot"}``.
+    """
+    num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+    if num.shape != den.shape or num.ndim != 1 or len(num) == 0 or den.sum() <= 0:
+        raise ValueError(f"ratio_bootstrap needs two (R,) arrays of the same R > 0 with tokens, got {num.shape}, "
+                         f"{den.shape}")
+    return _bootstrap(lambda idx: scale * num[idx].sum(-1) / den[idx].sum(-1), len(num), n_boot, seed, level)
+
+
+def _bootstrap(statistic: Callable[[np.ndarray], np.ndarray], n_records: int, n_boot: int, seed: int,
+               level: float) -> dict:
+    """Value on all records and percentile interval over ``n_boot`` record resamples.
+
+    ``statistic`` maps an ``(m, R)`` array of record indices to ``m`` values (``m`` resamples).
+    """
+    idx = np.random.default_rng(seed).integers(0, n_records, size=(n_boot, n_records))
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(statistic(idx), [tail, 100 - tail])
+    value = statistic(np.arange(n_records)[None])[0]
+    return {"value": float(value), "ci95": [float(low), float(high)], "n_records": n_records, "n_boot": n_boot}
 
 def paired_deltas(nll: dict, statistic: str, seed: int, base: str = "baseline") -> dict[str, dict]:
     """:func:`paired_bootstrap` of every group of ``nll`` (``{group: (R, 2)}``) against ``base``.

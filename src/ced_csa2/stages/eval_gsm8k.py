@@ -31,7 +31,12 @@ and for each group of ``eval_gsm8k.groups`` (a superset)
   near zero for every group; this is the signal that still moves.  All groups are scored
   at once with a shared trunk (:func:`ced_csa2.scoring.multi_group_nll`).
 
-Writes ``metrics/gsm8k.json``: ``{"protocol": {...}, "groups": {group: {...}}}``, and
+Mode A (``eval_gsm8k.mode_a``, when the plan covers every attention layer above the cut):
+the same lm-eval task through :class:`~ced_csa2.mode_a_lm.ModeALM` -- each prompt
+prefilled by the prefill skip, the answer generated (exact match) or scored (gold NLL,
+paired against the baseline) through all layers -- one problem at a time.
+
+Writes ``metrics/gsm8k.json``: ``{"protocol": {...}, "groups": {group: {...}}, "mode_a": {...}}``, and
 ``data/gsm8k_gold.json``: the tokenised gold pairs (``[ids, context_length]`` per
 problem; the same for every group), so that other stages score gold NLL on exactly
 these prompts without re-running lm-eval.
@@ -44,11 +49,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..ced_runtime import CEDParts, load_parts
+import torch
+
+from ..ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDParts, load_parts
 from ..config import Params
 from ..entry import run_stage
 from ..groups import GROUPS
-from ..gsm8k import FEWSHOT_SOURCE, _offline, count_problems, evaluate_group, groups_gold_nll, write_task_yaml
+from ..gsm8k import (FEWSHOT_SOURCE, _offline, count_problems, evaluate_group, evaluate_lm, groups_gold_nll,
+                     mode_a_gold_rows, write_task_yaml)
 from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..paths import GOLD_PATH, GSM8K_JSONL, MODELS
@@ -85,7 +93,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     n = count_problems(data_file)
     plan, geo = load_plan(params.plan, params.model)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(cfg.device))
-    if parts is None and any(GROUPS[g].uses_maps for g in cfg.groups):
+    if parts is None and (any(GROUPS[g].uses_maps for g in cfg.groups) or (cfg.mode_a and not plan.uncovered(geo))):
         parts = load_parts(workdir / MODELS, params, plan, geo, device=model.device)
     lm = HFLM(pretrained=model, tokenizer=tok, batch_size=cfg.batch_size)
     log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d): generation for %s, gold NLL for %s",
@@ -108,14 +116,17 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
                 raise RuntimeError(f"lm-eval evaluated {g['strict-match']['n']} problems, expected all {n}")
             log.info("%s: strict-match %d/%d, flexible-extract %d/%d", group, g["strict-match"]["correct"], n,
                      g["flexible-extract"]["correct"], n)
+        mode_a, more = mode_a_arm(params, model, tok, plan, geo, parts, task_manager, pairs)
     # Gold NLL of every group on the prompts lm-eval built, all groups at once (shared trunk).
     t0 = time.perf_counter()
     gold = groups_gold_nll(model, plan, list(cfg.groups), parts, pairs, cfg.batch_size, tok.pad_token_id,
-                           kv_format=params.kv_format, seed=params.seed)
+                           kv_format=params.kv_format, seed=params.seed, more=more)
     for group in cfg.groups:
         groups[group]["gold_nll"] = gold[group]
         log.info("%s: gold NLL %.4f/token", group, gold[group]["nll_per_token"])
     log.info("gold NLL of %d groups: %.1f s", len(cfg.groups), time.perf_counter() - t0)
+    if more:
+        mode_a["gold_nll"] = gold["mode_a"]
 
     metrics = {
         "protocol": {
@@ -127,11 +138,38 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
             "kv_format": params.kv_format,
         },
         "groups": groups,
+        "mode_a": mode_a,
     }
     write_json(workdir / GOLD_PATH, {"model": params.model.name, "math_set": params.data.math.label,
                                       "num_fewshot": cfg.num_fewshot, "pairs": pairs})
     write_json(workdir / METRICS_PATH, metrics)
     return metrics
+
+
+def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, task_manager, pairs
+               ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Exact match and gold-answer rows of Mode A through :class:`~ced_csa2.mode_a_lm.ModeALM`.
+
+    Returns the metrics entry (``covered: false`` and why, when it does not run) and
+    ``{"mode_a": (n, 2) rows}`` for :func:`~ced_csa2.gsm8k.groups_gold_nll` (empty when not run).
+    """
+    if not params.eval_gsm8k.mode_a:
+        return {"covered": None, "note": "eval_gsm8k.mode_a is false"}, {}
+    missing = plan.uncovered(geo)
+    if missing:
+        return {"covered": False, "uncovered_attention_layers": missing,
+                "note": f"plan {plan} does not cover every attention layer above the cut; Mode A not run"}, {}
+    from ..mode_a_lm import ModeALM
+
+    lm = ModeALM(CEDModeARuntime(model, plan, geo, parts), tok)
+    log.info("Mode A: generation and gold NLL through the prefill skip, one problem at a time")
+    entry, mode_a_pairs = evaluate_lm(lm, task_manager, params, "mode_a")
+    if mode_a_pairs != pairs:
+        raise RuntimeError("lm-eval built different prompts for Mode A than for the Mode B groups")
+    t0 = time.perf_counter()
+    rows = mode_a_gold_rows(lm, pairs)
+    log.info("Mode A gold NLL: %.1f s", time.perf_counter() - t0)
+    return {"covered": True, **entry, "note": ZERO_STATE_NOTE}, {"mode_a": rows}
 
 
 def main() -> None:

@@ -9,10 +9,13 @@ default, WikiText-2 test lines on the full profile), each truncated to
 scored once.
 
 * Mode B: one figure per group in ``eval_ppl.groups`` and its change against baseline.
+* Mode B agreement: ``kl`` (mean per-token KL(baseline ‖ group)) and ``top1_pct`` (tokens
+  whose argmax is the baseline's) on the same scored tokens, with paired CIs.
 * Mode A: prompt = first ``prefix_fraction`` of each record, scored on the rest, for the
   plain model and for the prefill skip (non-attention layers above the cut start from
-  a zero state).  Needs a covering plan; otherwise an explicit "not covered" entry
-  names the uncovered attention layers.
+  a zero state): prefix PPL, ΔPPL, KL and top-1 against the plain prefill, and the
+  prefill speed-up timed on the same prompts.  Needs a covering plan; otherwise an
+  explicit "not covered" entry names the uncovered attention layers.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     t0 = time.perf_counter()
     # All groups at once: the layers below the first one a group changes run once per batch.
     groups = groups_ppl(model, plan, cfg.groups, parts, ids, params, tok.pad_token_id)
-    mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, cfg.batch_size, tok.pad_token_id)
+    mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, params.seed)
     metrics = {
         "protocol": protocol(params, model, plan, ids, groups[cfg.groups[0]]["tokens"]),
         "groups": groups,

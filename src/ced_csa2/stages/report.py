@@ -2,10 +2,11 @@
 
     python -m ced_csa2.stages.report            # what `dvc repro report` runs
 
-Writes ``reports/results.md`` (group x PPL, ΔPPL %, GSM8K exact match with Wilson 95%
-interval, gold-solution NLL, KV bytes/token and compression, each with its protocol
-line; then one row per (group, training objective) of ``train.objectives`` next to the
-seed's ``kv_mse`` and ``share_plain``),
+Writes ``reports/results.md`` (group x PPL, ΔPPL %, KL to the baseline and top-1 agreement,
+GSM8K exact match with Wilson 95% interval, gold-solution NLL, KV bytes/token and
+compression, each with its protocol line; Mode A against the plain prefill with its
+prefill speed-up; then one row per (group, training objective) of ``train.objectives``
+next to the seed's ``kv_mse`` and ``share_plain``),
 ``reports/{ppl_by_group,adapter_cosine,bytes_vs_ppl}.png`` and the headline numbers
 ``metrics/summary.json`` (:func:`summary`: numbers only, for ``dvc metrics diff``).  Every
 figure names its model and data: the embedded default's numbers are SmolLM2-135M on a
@@ -52,13 +53,13 @@ def _delta(d: dict, key: str, fmt: str) -> str:
 def results_table(ppl: dict, gsm: dict, storage: dict) -> list[str]:
     """Markdown rows: one per runtime group."""
     kv = storage["active_model"]["kv"]["bf16"]
-    head = ["group", "PPL", "ΔPPL % [95% CI]", "GSM8K strict EM % [95% CI]", "flexible EM % [95% CI]",
-            "gold NLL/token", "Δ gold NLL [95% CI]"]
+    head = ["group", "PPL", "ΔPPL % [95% CI]", *AGREEMENT_HEAD, "GSM8K strict EM % [95% CI]",
+            "flexible EM % [95% CI]", "gold NLL/token", "Δ gold NLL [95% CI]"]
     head += [f"B/token bf16 ({b})" for b in BASES] + [f"compression ({b})" for b in BASES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for group, p in ppl["groups"].items():
         g = gsm["groups"].get(group)
-        cells = [group, f"{p['ppl']:.3f}", _delta(p, "delta_pct", "{:+.2f}")]
+        cells = [group, f"{p['ppl']:.3f}", _delta(p, "delta_pct", "{:+.2f}"), *_agreement(p)]
         cells += [_em(g, "strict-match"), _em(g, "flexible-extract")] if g and "strict-match" in g else ["–"] * 2
         cells += [f"{g['gold_nll']['nll_per_token']:.4f}", _delta(g["gold_nll"], "delta", "{:+.4f}")] \
             if g else ["–"] * 2
@@ -66,6 +67,39 @@ def results_table(ppl: dict, gsm: dict, storage: dict) -> list[str]:
         cells += [f"{kv[b][group]['compression_vs_baseline']:.3f}×" for b in BASES]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+AGREEMENT_HEAD = ("KL(base ‖ group) nats/token [95% CI]", "top-1 agreement % [95% CI]")
+
+
+def _agreement(d: dict) -> list[str]:
+    """KL to the baseline and top-1 agreement cells (``–`` for the baseline)."""
+    return [_delta(d, "kl", "{:.4f}"), _delta(d, "top1_pct", "{:.2f}")]
+
+
+def mode_a_table(ppl: dict, gsm: dict) -> list[str]:
+    """Mode A (prefill skip) against the plain prefill: quality, GSM8K through lm-eval, speed-up."""
+    a, g = ppl["mode_a"], gsm.get("mode_a", {})
+    if not a["covered"]:
+        return [f"Mode A: not run — the plan does not cover attention layers {a['uncovered_attention_layers']} "
+                "above the cut (use a covering plan)."]
+    head = ["arm", "prefix PPL", "ΔPPL % [95% CI]", *AGREEMENT_HEAD, "GSM8K strict EM % [95% CI]",
+            "flexible EM % [95% CI]", "gold NLL/token", "Δ gold NLL [95% CI]", "prefill s", "prefill speed-up"]
+    gen = [_em(g, "strict-match"), _em(g, "flexible-extract")] if g.get("covered") else ["–"] * 2
+    gold = g.get("gold_nll")
+    base_em = gsm["groups"].get("baseline", {})
+    rows = [["baseline (full prefill)", f"{a['baseline']['ppl']:.3f}", "–", "–", "–",
+             *([_em(base_em, "strict-match"), _em(base_em, "flexible-extract")] if "strict-match" in base_em
+               else ["–"] * 2),
+             f"{gsm['groups']['baseline']['gold_nll']['nll_per_token']:.4f}" if "baseline" in gsm["groups"] else "–",
+             "–", f"{a['prefill_seconds']['plain']:.2f}", "1×"],
+            ["mode_a (prefill skip)", f"{a['mode_a']['ppl']:.3f}", _delta(a, "delta_pct", "{:+.2f}"), *_agreement(a),
+             *gen, f"{gold['nll_per_token']:.4f}" if gold else "–", _delta(gold, "delta", "{:+.4f}") if gold else "–",
+             f"{a['prefill_seconds']['mode_a']:.2f}", f"{a['prefill_speedup']:.2f}×"]]
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows),
+            "", f"Prompt = first {100 * a['prefix_fraction']:.0f}% of each of the {a['records']} eval records, scored "
+            "on the rest; prefill seconds summed over those prompts, one record at a time, in this run. "
+            f"GSM8K: the same lm-eval task, each prompt prefilled by the skip (lm-eval `ModeALM`). {a['note']}"]
 
 
 def fit_table(ridge: dict, projector: dict, adapters: dict) -> list[str]:
@@ -94,14 +128,14 @@ def objective_table(ppl: dict, gsm: dict, projector: dict, adapters: dict, objec
             raise ValueError(f"metrics/objectives/{name}/eval.json scored {o['eval']['protocol']['tokens_scored']} "
                              f"tokens, metrics/ppl.json {ppl['protocol']['tokens_scored']}: rerun the pipeline")
     kv_mse_wall = projector["run"]["wall_s"] + adapters["run"]["wall_s"]
-    head = ["group", "objective", "PPL", "ΔPPL % [95% CI]", "gold NLL/token", "Δ gold NLL [95% CI]", "train wall s",
-            "train tok/s"]
+    head = ["group", "objective", "PPL", "ΔPPL % [95% CI]", *AGREEMENT_HEAD, "gold NLL/token", "Δ gold NLL [95% CI]",
+            "train wall s", "train tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def row(group, objective, p: dict, gold: dict | None, wall="–", rate="–"):
         cells = [f"{gold['nll_per_token']:.4f}", _delta(gold, "delta", "{:+.4f}")] if gold else ["–", "–"]
         lines.append("| " + " | ".join([group, objective, f"{p['ppl']:.3f}", _delta(p, "delta_pct", "{:+.2f}"),
-                                        *cells, wall, rate]) + " |")
+                                        *_agreement(p), *cells, wall, rate]) + " |")
 
     def main_branch(group):
         return ppl["groups"][group], gsm["groups"].get(group, {}).get("gold_nll")
@@ -129,8 +163,9 @@ def summary(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], gr
 
     ``{group: {...}}`` for every runtime group of ``ppl.json``:
 
-    * ``ppl``, ``dppl_pct`` (ΔPPL % vs baseline) with ``_lo`` / ``_hi`` (paired bootstrap
-      95% CI over records) -- from ``ppl.json``;
+    * ``ppl``, ``dppl_pct`` (ΔPPL % vs baseline), ``kl`` (mean per-token KL(baseline ‖ group),
+      nats) and ``top1`` (% of tokens whose argmax is the baseline's), each with ``_lo`` /
+      ``_hi`` (paired bootstrap 95% CI over records) -- from ``ppl.json``;
     * ``gold_nll`` (GSM8K gold-solution NLL per token), ``dgold_nll`` (minus the baseline's)
       with ``_lo`` / ``_hi``; ``em_strict`` / ``em_flex`` (exact match %, strict-match /
       flexible-extract) with ``_lo`` / ``_hi`` (Wilson 95% CI, %) for the groups lm-eval
@@ -138,31 +173,53 @@ def summary(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], gr
     * ``kv_bytes`` (stored KV bytes per token) and ``kv_compression`` (× vs baseline), bf16 on
       the ``decoder_attention`` basis -- from ``storage.json``;
 
-    plus ``{"<group>@<objective>": {"ppl", "dppl_pct", "gold_nll", "dgold_nll", ...}}`` (with
-    their CIs) for each ``train.eval_groups`` group under each tuned objective
-    (``objectives[name]["eval"]`` = its ``eval.json``, which scores its own baseline).  Values are copied (EM and CI scaled to %), never rounded.
+    plus ``{"<group>@<objective>": {"ppl", "dppl_pct", "kl", "top1", "gold_nll", "dgold_nll", ...}}``
+    (with their CIs) for each ``train.eval_groups`` group under each tuned objective
+    (``objectives[name]["eval"]`` = its ``eval.json``, which scores its own baseline), and
+    ``mode_a`` (when the plan covers): prefix ``ppl``, ``dppl_pct``, ``kl``, ``top1`` against
+    the plain prefill, ``em_*``, ``gold_nll``, ``dgold_nll`` (vs the baseline) and
+    ``prefill_speedup`` (a timing: it varies between runs).  Values are copied (EM and CI
+    scaled to %), never rounded.
     """
     out: dict[str, dict[str, float]] = {}
     kv = storage["active_model"]["kv"]["bf16"][SUMMARY_BASIS]
     for group, p in ppl["groups"].items():
-        row = {"ppl": p["ppl"], **_deltas(p, "dppl_pct", "delta_pct")}
+        row = {"ppl": p["ppl"], **_deltas(p, "dppl_pct", "delta_pct"), **_agreements(p)}
         g = gsm["groups"].get(group)
         if g:
             row |= {"gold_nll": g["gold_nll"]["nll_per_token"], **_deltas(g["gold_nll"], "dgold_nll", "delta")}
         if g and "strict-match" in g:  # the groups lm-eval generated for (eval_gsm8k.generate)
-            for key, name in (("em_strict", "strict-match"), ("em_flex", "flexible-extract")):
-                lo, hi = g[name]["ci95"]
-                row |= {key: 100 * g[name]["exact_match"], f"{key}_lo": 100 * lo, f"{key}_hi": 100 * hi}
+            row |= _exact_match(g)
         if group in kv:
             row |= {"kv_bytes": kv[group]["bytes_per_token"], "kv_compression": kv[group]["compression_vs_baseline"]}
         out[group] = row
     for name, o in objectives.items():
         for group in groups:
             e = o["eval"]["groups"][group]
-            out[f"{group}@{name}"] = {"ppl": e["ppl"], **_deltas(e, "dppl_pct", "delta_pct"),
+            out[f"{group}@{name}"] = {"ppl": e["ppl"], **_deltas(e, "dppl_pct", "delta_pct"), **_agreements(e),
                                       "gold_nll": e["gold_nll"]["nll_per_token"],
                                       **_deltas(e["gold_nll"], "dgold_nll", "delta")}
+    a, g = ppl["mode_a"], gsm.get("mode_a", {})
+    if a["covered"]:
+        out["mode_a"] = {"ppl": a["mode_a"]["ppl"], **_deltas(a, "dppl_pct", "delta_pct"), **_agreements(a),
+                         "prefill_speedup": a["prefill_speedup"]}
+        if g.get("covered"):
+            out["mode_a"] |= {**_exact_match(g), "gold_nll": g["gold_nll"]["nll_per_token"],
+                              **_deltas(g["gold_nll"], "dgold_nll", "delta")}
     return out
+
+
+def _agreements(d: dict) -> dict:
+    return {**_deltas(d, "kl", "kl"), **_deltas(d, "top1", "top1_pct")}
+
+
+def _exact_match(g: dict) -> dict:
+    """``em_strict`` / ``em_flex`` and their Wilson 95% bounds, in %."""
+    row = {}
+    for key, name in (("em_strict", "strict-match"), ("em_flex", "flexible-extract")):
+        lo, hi = g[name]["ci95"]
+        row |= {key: 100 * g[name]["exact_match"], f"{key}_lo": 100 * lo, f"{key}_hi": 100 * hi}
+    return row
 
 
 def _deltas(d: dict, name: str, key: str) -> dict:
@@ -237,15 +294,10 @@ def run(params: Params, workdir: Path = Path(".")) -> str:
     objectives = {o: {part: _load(workdir, Path("objectives") / o / part) for part in ("train", "eval")}
                   for o in params.train.objectives}
     groups = params.train.eval_groups
-    mode_a = ppl["mode_a"]
-    mode_a_line = (f"Mode A (prefill skip, prompt = first {100 * mode_a['prefix_fraction']:.0f}% of each record): "
-                   f"prefix PPL {mode_a['baseline']['ppl']:.3f} → {mode_a['mode_a']['ppl']:.3f} "
-                   f"({mode_a['delta_pct']:+.2f}%). {mode_a['note']}" if mode_a["covered"] else
-                   f"Mode A: not run — the plan does not cover attention layers "
-                   f"{mode_a['uncovered_attention_layers']} above the cut (use a covering plan).")
     text = "\n".join([
         "# Results", "", protocol_line(ppl, gsm), "",
-        *results_table(ppl, gsm, storage), "", mode_a_line, "",
+        *results_table(ppl, gsm, storage), "",
+        "## Mode A: true CED (prefill skip)", "", *mode_a_table(ppl, gsm), "",
         "## Training objectives", "",
         "Same PPL and gold-NLL protocols as above; Δ against the baseline. `kv_mse (seed)` is the main "
         "branch (projector from random init, adapters from ridge, K/V MSE); every other objective starts from "
