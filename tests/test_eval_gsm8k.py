@@ -94,7 +94,7 @@ def test_stage_end_to_end_two_groups(tmp_path, tiny_model):
     model, tok = tiny_model
     write_problems(tmp_path)
     params = tiny_params(eval_gsm8k={"groups": ["baseline", "ced"], "generate": ["baseline", "ced"],
-                                     "max_gen_toks": 8, "batch_size": 4})
+                                     "max_gen_toks": 8, "batch_size": 4, "mode_a": "generate"})
     parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 28, 32)))
     m = eval_gsm8k.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
 
@@ -139,9 +139,14 @@ def test_stage_end_to_end_two_groups(tmp_path, tiny_model):
     assert a["gold_nll"]["delta"] == pytest.approx(a["gold_nll"]["nll_per_token"] - base["nll_per_token"])
     assert a["gold_nll"]["delta_ci95"][0] <= a["gold_nll"]["delta"] <= a["gold_nll"]["delta_ci95"][1]
 
-    off = eval_gsm8k.run(dataclasses.replace(params, eval_gsm8k=dataclasses.replace(params.eval_gsm8k, mode_a=False)),
-                         tmp_path, parts=parts, model_and_tok=(model, tok))
-    assert off["mode_a"] == {"covered": None, "note": "eval_gsm8k.mode_a is false"}
+    def with_mode_a(setting):
+        return eval_gsm8k.run(dataclasses.replace(params, eval_gsm8k=dataclasses.replace(params.eval_gsm8k,
+                                                                                           mode_a=setting)),
+                              tmp_path, parts=parts, model_and_tok=(model, tok))
+
+    gold_only = with_mode_a("gold_nll")["mode_a"]
+    assert gold_only["gold_nll"] == a["gold_nll"] and not set(gsm8k.FILTERS) & set(gold_only)
+    assert with_mode_a("off")["mode_a"] == {"covered": None, "note": "eval_gsm8k.mode_a is off"}
 
 
 # ----------------------------------------------------------------------------- exact match through lm-eval's filters

@@ -189,12 +189,14 @@ def test_stage_fits_exact_linear_maps(tmp_path, monkeypatch):
     metrics = json.loads((tmp_path / paths.RIDGE_METRICS).read_text())
     maps, meta = load_ridge(tmp_path / paths.RIDGE_PATH)
     src, targets = plan.source, plan.targets
-    expected = {f"proj_{src}", f"proj_{src}_k", f"proj_{src}_v", *[f"{kv}_{t}" for t in targets for kv in "kv"]}
+    expected = {f"proj_{layer}{part}" for layer in plan.projected for part in ("", "_k", "_v")}
+    expected |= {f"{kv}_{t}" for t in targets for kv in "kv"}
+    assert f"proj_{src}" in expected
     assert set(metrics) == expected | {"run"}
     for name in expected:
         assert metrics[name]["r2"] > 0.9999 and metrics[name]["cos"] > 0.9999, (name, metrics[name])
         assert metrics[name]["rel_mse"] < 1e-4 and metrics[name]["n_val"] == metrics["run"]["n_val_rows"]
-    assert set(maps) == {f"proj_{src}", *[f"{kv}_{t}" for t in targets for kv in "kv"]}
+    assert set(maps) == {*[f"proj_{layer}" for layer in plan.projected], *[f"{kv}_{t}" for t in targets for kv in "kv"]}
     assert maps[f"proj_{src}"]["W"].shape == (HIDDEN, 2 * KV_DIM) and maps[f"k_{targets[0]}"]["W"].shape == (8, 8)
     assert all(m["W"].dtype == torch.float32 and m["b"].dtype == torch.float32 for m in maps.values())
     with DumpReader(tmp_path / paths.DUMP_PATH) as r:

@@ -401,10 +401,10 @@ class EvalGSM8KConfig(Section):
     max_gen_toks: int = 256
     batch_size: int = 16
     device: str = "auto"
-    mode_a: bool = True  # also generate and score gold NLL through the prefill skip (covering plans)
+    # Mode A through lm-eval's ModeALM (covering plans): off | gold_nll | generate (gold NLL and exact match)
+    mode_a: Literal["off", "gold_nll", "generate"] = "generate"
 
     def __post_init__(self):
-        _check(isinstance(self.mode_a, bool), "eval_gsm8k.mode_a", f"must be true or false, got {self.mode_a!r}")
         bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
         _check(not bad, "eval_gsm8k.groups", f"has unknown group(s) {bad}; known: {list(RUNTIME_GROUPS)}")
         extra = [g for g in self.generate if g not in self.groups]

@@ -39,10 +39,17 @@ def delta_pct(value: float, base: float) -> float:
     return 100.0 * (value - base) / base
 
 
+def by_length(ids: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+    """``ids`` sorted by length (less right-padding per batch) and the permutation back to record order."""
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    return [ids[i] for i in order], torch.argsort(torch.tensor(order, dtype=torch.long))
+
+
 def group_ppl(model, plan, group: str, parts: CEDParts, ids: list[list[int]], params: Params, pad_id: int) -> dict:
     """Corpus-level perplexity of ``ids`` (every token after the first) under one Mode B group."""
+    sorted_ids, back = by_length(ids)
     with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
-        out = _ppl(sequence_nll(model, ids, [0] * len(ids), params.eval_ppl.batch_size, pad_id))
+        out = _ppl(sequence_nll(model, sorted_ids, [0] * len(ids), params.eval_ppl.batch_size, pad_id)[back])
     log.info("%s: ppl %.4f", group, out["ppl"])
     return out
 
@@ -56,8 +63,12 @@ def groups_ppl(model, plan, groups: list[str], parts: CEDParts | None, ids: list
     ``delta_pct`` (ΔPPL %), ``kl`` (mean per-token KL(baseline ‖ group), nats) and
     ``top1_pct`` (% of scored tokens whose argmax is the baseline's).
     """
-    nll = multi_group_nll(model, plan, groups, parts, ids, [0] * len(ids), params.eval_ppl.batch_size, pad_id,
+    # Scored in order of length (9% fewer padded positions on the embedded default's 40
+    # records), reported in record order (the bootstrap's unit).
+    sorted_ids, back = by_length(ids)
+    nll = multi_group_nll(model, plan, groups, parts, sorted_ids, [0] * len(ids), params.eval_ppl.batch_size, pad_id,
                           kv_format=params.kv_format, agreement="baseline" in groups)
+    nll = {g: v[back] for g, v in nll.items()}
     out = {group: _ppl(v[:, :2]) for group, v in nll.items()}
     for group, d in paired_deltas({g: v[:, :2].numpy() for g, v in nll.items()}, "delta_ppl_pct",
                                   params.seed).items():

@@ -85,7 +85,7 @@ def mode_a_table(ppl: dict, gsm: dict) -> list[str]:
                 "above the cut (use a covering plan)."]
     head = ["arm", "prefix PPL", "ΔPPL % [95% CI]", *AGREEMENT_HEAD, "GSM8K strict EM % [95% CI]",
             "flexible EM % [95% CI]", "gold NLL/token", "Δ gold NLL [95% CI]", "prefill s", "prefill speed-up"]
-    gen = [_em(g, "strict-match"), _em(g, "flexible-extract")] if g.get("covered") else ["–"] * 2
+    gen = [_em(g, "strict-match"), _em(g, "flexible-extract")] if "strict-match" in g else ["–"] * 2
     gold = g.get("gold_nll")
     base_em = gsm["groups"].get("baseline", {})
     rows = [["baseline (full prefill)", f"{a['baseline']['ppl']:.3f}", "–", "–", "–",
@@ -99,7 +99,9 @@ def mode_a_table(ppl: dict, gsm: dict) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows),
             "", f"Prompt = first {100 * a['prefix_fraction']:.0f}% of each of the {a['records']} eval records, scored "
             "on the rest; prefill seconds summed over those prompts, one record at a time, in this run. "
-            f"GSM8K: the same lm-eval task, each prompt prefilled by the skip (lm-eval `ModeALM`). {a['note']}"]
+            f"GSM8K: the same lm-eval task, each prompt prefilled by the skip (lm-eval `ModeALM`)"
+            f"{'' if 'strict-match' in g else '; exact match not generated here (eval_gsm8k.mode_a: gold_nll)'}. "
+            f"{a['note']}"]
 
 
 def fit_table(ridge: dict, projector: dict, adapters: dict) -> list[str]:
@@ -203,9 +205,11 @@ def summary(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], gr
     if a["covered"]:
         out["mode_a"] = {"ppl": a["mode_a"]["ppl"], **_deltas(a, "dppl_pct", "delta_pct"), **_agreements(a),
                          "prefill_speedup": a["prefill_speedup"]}
-        if g.get("covered"):
-            out["mode_a"] |= {**_exact_match(g), "gold_nll": g["gold_nll"]["nll_per_token"],
-                              **_deltas(g["gold_nll"], "dgold_nll", "delta")}
+        if "strict-match" in g:  # eval_gsm8k.mode_a: generate
+            out["mode_a"] |= _exact_match(g)
+        if "gold_nll" in g:
+            gold = g["gold_nll"]
+            out["mode_a"] |= {"gold_nll": gold["nll_per_token"], **_deltas(gold, "dgold_nll", "delta")}
     return out
 
 
