@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..config import Params
 from ..entry import run_stage
+from ..groups import GROUP_NAMES
 from ..io_utils import atomic_write_text, write_json
 from ..paths import METRICS, REPORTS, SUMMARY
 
@@ -57,8 +58,8 @@ def results_table(ppl: dict, gsm: dict, storage: dict) -> list[str]:
             "flexible EM % [95% CI]", "gold NLL/token", "Δ gold NLL [95% CI]"]
     head += [f"B/token bf16 ({b})" for b in BASES] + [f"compression ({b})" for b in BASES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for group, p in ppl["groups"].items():
-        g = gsm["groups"].get(group)
+    for group in sorted(ppl["groups"], key=GROUP_NAMES.index):  # the registry's order, not JSON's sorted keys
+        p, g = ppl["groups"][group], gsm["groups"].get(group)
         cells = [group, f"{p['ppl']:.3f}", _delta(p, "delta_pct", "{:+.2f}"), *_agreement(p)]
         cells += [_em(g, "strict-match"), _em(g, "flexible-extract")] if g and "strict-match" in g else ["–"] * 2
         cells += [f"{g['gold_nll']['nll_per_token']:.4f}", _delta(g["gold_nll"], "delta", "{:+.4f}")] \
