@@ -36,9 +36,9 @@ from .loader import record_split
 from .model_utils import Geometry, attention, decoder_layer
 from .paths import TRAIN_JSONL
 from .plan import LayerPlan
-from .projector import KVProjector
+from .projector_training import ridge_projectors
 from .records import read_records, tokenize
-from .training import build_adapters, ridge_maps
+from .training import build_adapters
 
 KV = tuple[torch.Tensor, torch.Tensor]
 PHASE_GROUPS = ("ced", "csa2")
@@ -206,9 +206,7 @@ SAMPLE_STREAM = 5  # numpy seed-sequence tag (loader.py uses 0-3, training.py 4)
 
 def ridge_parts(params: Params, plan: LayerPlan, geo: Geometry, ridge_path: Path) -> CEDParts:
     """Projector and adapters at the ridge solution (seeded, float32)."""
-    m = ridge_maps(ridge_path, [f"proj_{plan.source}"])[f"proj_{plan.source}"]
-    projector = KVProjector(geo.hidden_size, geo.kv_dim)
-    projector.init_from_ridge(m["W"], m["b"])
+    projector = ridge_projectors(ridge_path, [plan.source], geo)[plan.source]
     return CEDParts(projector, build_adapters(params, plan, geo.kv_dim, ridge_path))
 
 
