@@ -51,10 +51,10 @@ def maps(models_dir: Path, plan: LayerPlan, geo, params, model) -> tuple[CEDPart
     device = next(model.parameters()).device
     files = [models_dir / f"projector_k{plan.source}v{plan.source}.pt", models_dir / "adapters.pt"]
     if all(f.is_file() for f in files):
-        return load_parts(models_dir, plan, device=device, dtype=dtype), f"trained maps from {models_dir}/"
+        return load_parts(models_dir, params, plan, geo, device=device, dtype=dtype), f"trained maps from {models_dir}/"
     cfg = params.train_adapters
     adapters = CSA2Adapters(plan.targets, geo.kv_dim, width_mult=cfg.width_mult, activation=cfg.activation,
-                            device=device, dtype=dtype)
+                            input=cfg.input, device=device, dtype=dtype)
     projector = KVProjector(geo.hidden_size, geo.kv_dim, device=device, dtype=dtype)
     return CEDParts(projector, adapters), f"RANDOM maps (no {files[0].name} + {files[1].name} in {models_dir}/)"
 

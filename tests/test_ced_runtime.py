@@ -13,6 +13,7 @@ from ced_csa2.groups import GROUP_NAMES as GROUPS
 from ced_csa2.model_utils import attention, geometry
 from ced_csa2.plan import LayerPlan, PlanError
 from ced_csa2.projector import KVProjector
+from ced_csa2.xkv import XKVBasis
 
 QWEN_PLAN = LayerPlan(16, 20, (24, 28, 32))
 
@@ -48,7 +49,18 @@ def random_parts(geo, plan, seed=0):
     for p in adapters.parameters():  # the MLP's last layer starts at zero; make it count here
         nn.init.normal_(p, std=0.05)
     return CEDParts(KVProjector(geo.hidden_size, geo.kv_dim), adapters,
-                    {e: KVProjector(geo.hidden_size, geo.kv_dim) for e in plan.extra_sources})
+                    {e: KVProjector(geo.hidden_size, geo.kv_dim) for e in plan.extra_sources},
+                    xkv=random_xkv(geo, plan))
+
+
+def random_xkv(geo, plan, rank=None):
+    """xKV bases of random orthonormal columns (rank kv_dim by default: not lossless)."""
+    layers = (plan.source, *plan.targets)
+    basis = XKVBasis(layers, geo.kv_dim, rank or geo.kv_dim)
+    with torch.no_grad():
+        for U in (basis.k, basis.v):
+            U.copy_(torch.linalg.qr(torch.randn(U.shape[0], U.shape[0]))[0][:, :U.shape[1]])
+    return basis
 
 
 @pytest.mark.parametrize("group", ["baseline", "ced", "csa2", "ced_csa2"])

@@ -117,8 +117,13 @@ def test_the_eval_gsm8k_stage_refuses_adapters_for_another_model(tmp_path, tiny_
 
 def test_eval_objective_refuses_another_objective_s_or_another_layer_s_maps(tmp_path):
     folder = tmp_path / paths.objective_models("ridge")
-    save_maps(folder, also={"objective": "ridge"}, only=("projector", "adapters"))
-    assert eval_objective.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu").adapters is not None
+    for sub in (folder, folder / "ced_csa2"):  # the ced/csa2 pair and ced_csa2's own pair
+        save_maps(sub, also={"objective": "ridge"}, only=("projector", "adapters"))
+    assert eval_objective.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")["csa2"].adapters is not None
+    save_maps(folder / "ced_csa2", also={"objective": "distill"}, only=("adapters",))
+    with pytest.raises(CheckpointError, match=r"ced_csa2/adapters\.pt: 'objective' is 'distill' in the checkpoint"):
+        eval_objective.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")
+    save_maps(folder / "ced_csa2", also={"objective": "ridge"}, only=("adapters",))
     save_maps(folder, also={"objective": "distill"}, only=("adapters",))
     with pytest.raises(CheckpointError, match=r"adapters\.pt: 'objective' is 'distill' in the checkpoint, "
                                               r"expected 'ridge'"):

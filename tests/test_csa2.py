@@ -21,12 +21,13 @@ def trained_like(layers=(24, 28), kv=32, seed=0):
     return a
 
 
-def test_parameter_count_of_one_target_layer_on_qwen3_5_4b_geometry():
+@pytest.mark.parametrize("input, count", [("own", 8_395_776), ("kv", 13_638_656)])
+def test_parameter_count_of_one_target_layer_on_qwen3_5_4b_geometry(input, count):
     assert mlp_width(1024, 1.5) == 1536
     with torch.device("meta"):
-        a = CSA2Adapters([24], 1024)
+        a = CSA2Adapters([24], 1024, input=input)
     assert a.width == 1536
-    assert sum(t.numel() for t in a.parameters()) == 8_395_776
+    assert sum(t.numel() for t in a.parameters()) == count
 
 
 def test_fresh_adapter_is_exactly_the_ridge_prediction():
@@ -56,8 +57,14 @@ def test_residual_mlp_starts_at_zero_and_has_a_gradient():
 def test_forward_applies_the_layer_s_k_and_v_adapters():
     a = trained_like()
     k, v = torch.randn(5, 32), torch.randn(5, 32)
-    out_k, out_v = a(28, k, v)
-    assert torch.equal(out_k, a.k["28"](k)) and torch.equal(out_v, a.v["28"](v))
+    out_k, out_v = a(28, k, v)  # input "kv": both read the whole stored entry [K ‖ V]
+    kv = torch.cat([k, v], dim=-1)
+    assert torch.equal(out_k, a.k["28"](kv)) and torch.equal(out_v, a.v["28"](kv))
+    own = CSA2Adapters((28,), 32, input="own")
+    out_k, out_v = own(28, k, v)
+    assert torch.equal(out_k, own.k["28"](k)) and torch.equal(out_v, own.v["28"](v))
+    with pytest.raises(ValueError, match="unknown adapter input 'q'"):
+        CSA2Adapters((28,), 32, input="q")
     with pytest.raises(KeyError, match="no adapters for layer 32"):
         a(32, k, v)
 
@@ -66,7 +73,8 @@ def test_round_trip_is_bit_exact_in_fp16(tmp_path):
     a = trained_like()
     path = save_adapters(tmp_path / "adapters.pt", a, META)
     half = load_adapters(path, device="cpu", dtype=torch.float16)
-    assert half.meta == {**META, "layers": [24, 28], "kv_dim": 32, "width": 48, "activation": "gelu"}
+    assert half.meta == {**META, "layers": [24, 28], "kv_dim": 32, "width": 48, "activation": "gelu",
+                         "input": "kv"}
     for name, t in a.state_dict().items():
         assert torch.equal(half.state_dict()[name], t.half()), name
     full = load_adapters(path)

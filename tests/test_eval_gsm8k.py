@@ -223,14 +223,17 @@ def test_exact_match_through_lm_eval_filters(tmp_path, tiny_model, reply, strict
 
 # ----------------------------------------------------------------------------- kv_format end to end
 
-FP4_GROUPS = ("baseline_fp4", "csa2_fp4", "ced_csa2_fp4")
+FP4_GROUPS = ("baseline_fp4", "csa2_fp4", "ced_csa2_fp4", "baseline_fp4_rot", "csa2_fp4_rot", "ced_csa2_fp4_rot")
 
 
 def test_stage_passes_kv_format_to_every_fp4_group(tmp_path, tiny_model):
-    """nvfp4 vs mxfp4 moves the FP4 groups' gold NLL, leaves baseline bit-identical, and is recorded."""
+    """nvfp4 vs mxfp4 moves the FP4 groups' gold NLL, leaves baseline bit-identical, and is recorded.
+
+    A rotated FP4 group also generates (lm-eval, cached decoding under its runtime).
+    """
     model, tok = tiny_model
     write_problems(tmp_path, PROBLEMS[:2])
-    params = tiny_params(eval_gsm8k={"groups": ["baseline", *FP4_GROUPS], "generate": ["baseline"],
+    params = tiny_params(eval_gsm8k={"groups": ["baseline", *FP4_GROUPS], "generate": ["baseline", "csa2_fp4_rot"],
                                      "max_gen_toks": 1, "batch_size": 2})
     parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 28, 32)))
     nll = {}

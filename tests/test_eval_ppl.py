@@ -83,7 +83,7 @@ def test_mode_a_not_covered_is_explicit(tmp_path, tiny_model):
                            "note": m["mode_a"]["note"]} and "not cover" in m["mode_a"]["note"]
 
 
-FP4_GROUPS = ("baseline_fp4", "csa2_fp4", "ced_csa2_fp4")
+FP4_GROUPS = ("baseline_fp4", "csa2_fp4", "ced_csa2_fp4", "baseline_fp4_rot", "csa2_fp4_rot", "ced_csa2_fp4_rot")
 
 
 def test_kv_format_reaches_every_fp4_group(tmp_path, tiny_model):

@@ -27,7 +27,11 @@ def module_file(module: str) -> Path:
 def project_imports(module: str) -> set[str]:
     """``ced_csa2`` modules imported anywhere in ``module`` (function-level imports included)."""
     file = module_file(module)
-    package = module if file.name == "__init__.py" else module.rsplit(".", 1)[0]
+    return file_imports(file, module if file.name == "__init__.py" else module.rsplit(".", 1)[0])
+
+
+def file_imports(file: Path, package: str = "") -> set[str]:
+    """``ced_csa2`` modules imported anywhere in ``file`` (relative imports resolved in ``package``)."""
     found = set()
     for node in ast.walk(ast.parse(file.read_text())):
         if isinstance(node, ast.ImportFrom):
@@ -44,9 +48,9 @@ def project_imports(module: str) -> set[str]:
     return found
 
 
-def import_closure(module: str) -> set[str]:
-    """Repository paths of every project module ``module`` can import, itself included."""
-    seen, todo = set(), [module]
+def import_closure(*modules: str) -> set[str]:
+    """Repository paths of every project module ``modules`` can import, themselves included."""
+    seen, todo = set(), list(modules)
     while todo:
         m = todo.pop()
         if m not in seen:
@@ -83,6 +87,18 @@ def test_code_deps_are_exactly_the_import_closure(stage):
 def test_stages_import_only_library_modules(stage):
     others = {m for m in project_imports(f"ced_csa2.stages.{stage}") if m.startswith("ced_csa2.stages")}
     assert not others, f"stage {stage} imports another stage: {sorted(others)}"
+
+
+def test_study_code_deps_are_exactly_the_import_closure():
+    """studies/dvc.yaml (outside the default target) declares what its scripts import, as the stages do."""
+    stages = yaml.safe_load((ROOT / "studies" / "dvc.yaml").read_text())["stages"]
+    for name, spec in stages.items():
+        script = spec["cmd"].split()[1]
+        assert script in spec["deps"], f"studies/dvc.yaml stage '{name}' must declare its script {script}"
+        declared = {d for d in spec["deps"] if d.startswith("src/")}
+        closure = import_closure(*file_imports(ROOT / script))
+        assert declared == closure, (f"studies/dvc.yaml stage '{name}': add {sorted(closure - declared)}, "
+                                     f"remove {sorted(declared - closure)}")
 
 
 def test_library_never_imports_a_stage():

@@ -125,16 +125,18 @@ def test_unknown_group_or_basis_is_a_clear_error():
 
 
 def test_adapter_params_on_qwen3_5_4b():
-    assert kb.adapter_params_per_target(1024, 1536) == 8395776
-    assert kb.adapter_params(QWEN_PLAN, "csa2", 1024, 1536) == 3 * 8395776 == 25187328
-    assert kb.adapter_params(QWEN_PLAN, "ced_csa2", 1024, 1536) == 25187328
+    assert kb.adapter_params_per_target(1024, 1536, "own") == 8395776
+    assert kb.adapter_params_per_target(1024, 1536, "kv") == 13638656
+    assert kb.adapter_params(QWEN_PLAN, "csa2", 1024, 1536, "own") == 3 * 8395776 == 25187328
+    assert kb.adapter_params(QWEN_PLAN, "ced_csa2", 1024, 1536, "kv") == 3 * 13638656
     for group in ("baseline", "ced", "share_plain"):
-        assert kb.adapter_params(QWEN_PLAN, group, 1024, 1536) == 0
+        assert kb.adapter_params(QWEN_PLAN, group, 1024, 1536, "kv") == 0
 
 
-def test_parameter_formulas_match_the_real_modules(tiny_model):
-    adapters = CSA2Adapters([24, 28, 32], kv_dim=32, width=48)
-    assert sum(p.numel() for p in adapters.parameters()) == kb.adapter_params(QWEN_PLAN, "csa2", 32, 48)
+@pytest.mark.parametrize("input", ["kv", "own"])
+def test_parameter_formulas_match_the_real_modules(tiny_model, input):
+    adapters = CSA2Adapters([24, 28, 32], kv_dim=32, width=48, input=input)
+    assert sum(p.numel() for p in adapters.parameters()) == kb.adapter_params(QWEN_PLAN, "csa2", 32, 48, input)
     projector = KVProjector(64, 32)
     assert sum(p.numel() for p in projector.parameters()) == kb.projector_params(64, 32)
     model, _ = tiny_model

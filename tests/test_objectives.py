@@ -15,7 +15,7 @@ from ced_csa2.objectives import (
     teacher_pass,
 )
 
-PHASES = {"ced": "projector", "csa2": "adapters"}
+PHASES = {"ced": ("projector",), "csa2": ("adapters",), "ced_csa2": ("projector", "adapters")}
 
 
 def batch(seed=0):
@@ -52,12 +52,12 @@ def test_distill_without_substitution_is_zero_and_reaches_nothing(frozen, group)
 
 
 @pytest.mark.parametrize("objective", ["distill", "attn_out"])
-@pytest.mark.parametrize("group", ["ced", "csa2"])
+@pytest.mark.parametrize("group", list(PHASES))
 def test_gradients_reach_only_the_trained_maps(frozen, group, objective):
     model, _ = frozen
     parts = random_parts(geometry(model.config), QWEN_PLAN)
-    trained = getattr(parts, PHASES[group])
-    other = getattr(parts, PHASES["csa2" if group == "ced" else "ced"])
+    trained = torch.nn.ModuleList([getattr(parts, name) for name in PHASES[group]])
+    other = [p for name in {"projector", "adapters"} - set(PHASES[group]) for p in getattr(parts, name).parameters()]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     maps_before = [p.detach().clone() for p in trained.parameters()]
     opt = torch.optim.AdamW(trained.parameters(), lr=1e-2)
@@ -69,14 +69,14 @@ def test_gradients_reach_only_the_trained_maps(frozen, group, objective):
     opt.step()
 
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trained.parameters() if p.dim() == 2)
-    assert all(p.grad is None for p in other.parameters())
+    assert all(p.grad is None for p in other)
     assert all(not p.requires_grad and p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert any(not torch.equal(a, b) for a, b in zip(maps_before, trained.parameters()))
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
-@pytest.mark.parametrize("group", ["ced", "csa2"])
+@pytest.mark.parametrize("group", list(PHASES))
 def test_attn_out_and_kv_losses_vanish_for_true_kv(frozen, group):
     model, _ = frozen
     ids = batch()[0]
@@ -106,4 +106,5 @@ def test_attn_out_teacher_stops_after_the_last_substituted_layer(frozen, group):
 
 def test_phase_groups_are_checked():
     with pytest.raises(ValueError, match="training phase group must be one of"):
-        substituted_layers(QWEN_PLAN, "ced_csa2")
+        substituted_layers(QWEN_PLAN, "share_plain")
+    assert substituted_layers(QWEN_PLAN, "ced_csa2") == (QWEN_PLAN.source, *QWEN_PLAN.targets)

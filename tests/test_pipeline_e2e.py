@@ -70,7 +70,7 @@ def test_full_pipeline_writes_every_metric_and_the_report(repo, reads):
         assert {(group, o) for o in ("kv_mse (seed)", "ridge", "attn_out", "distill")} <= objective_rows
     for objective in ("attn_out", "distill"):
         phases = json.loads((repo / f"metrics/objectives/{objective}/train.json").read_text())["phases"]
-        assert set(phases) == {"ced", "csa2"} and all(p["tokens"] > 0 for p in phases.values())
+        assert set(phases) == {"ced", "csa2", "ced_csa2"} and all(p["tokens"] > 0 for p in phases.values())
     for png in ("ppl_by_group", "adapter_cosine", "bytes_vs_ppl"):
         assert (repo / f"reports/{png}.png").stat().st_size > 1000
     assert stages_run(sh(repo, "dvc", "repro")) == set()
@@ -193,7 +193,7 @@ def test_editing_a_param_marks_exactly_the_stages_that_read_it(repo, reads, key)
     section[leaf] = EDITS[key]
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     try:
-        out = sh(repo, "dvc", "status", "--json")
+        out = sh(repo, "dvc", "status", "--json", "dvc.yaml")  # the default target (not studies/dvc.yaml)
         marked = set(json.loads(next(line for line in out.splitlines() if line.startswith("{"))))
     finally:
         path.write_text(before)
@@ -205,7 +205,7 @@ def test_a_key_no_stage_reads_is_still_refused_by_dvc_repro(repo):
     before = path.read_text()
     path.write_text(before + "ridge_lambda: 10.0\n")  # meant: ridge.lambda
     try:
-        out = sh(repo, "dvc", "status", "--json")
+        out = sh(repo, "dvc", "status", "--json", "dvc.yaml")  # the default target (not studies/dvc.yaml)
         assert set(json.loads(next(line for line in out.splitlines() if line.startswith("{")))) == {"check_params"}
         env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                    DVC_NO_ANALYTICS="1", PYTHONPATH=str(ROOT / "src"))
@@ -224,7 +224,8 @@ def test_lambda_ablation_reruns_only_what_depends_on_it(repo):
     params.write_text(params.read_text().replace("lambda: 1.0", "lambda: 100.0"))
     ran = stages_run(sh(repo, "dvc", "repro"))
     assert {"ridge", "train_adapters", "tune@ridge", "tune@distill", "eval_objective@ridge"} <= ran
-    assert not ran & {"prepare", "dump", "train_projector", "storage"}
+    # train_projector declares models/ridge.pt (its start under train_projector.init: ridge), so it re-runs
+    assert not ran & {"prepare", "dump", "storage"}
     diff = json.loads(sh(repo, "dvc", "metrics", "diff", "--json"))
     assert set(diff) == {"metrics/ridge.json", "metrics/summary.json"}
     assert diff["metrics/ridge.json"]["k_24.r2"]["diff"] != 0

@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import types
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from ced_csa2.fit_metrics import FitStats
 from ced_csa2.h5store import DumpError, DumpLayout, DumpReader, DumpWriter
 from ced_csa2.loader import aligned_block_rows, iter_blocks, load_rows, record_split, row_mask
 from ced_csa2.plan import LayerPlan
-from ced_csa2.ridge import RidgeAccumulator, load_ridge
+from ced_csa2.ridge import RidgeAccumulator, fit_maps, load_ridge, map_groups, projected_groups
 from ced_csa2.stages import ridge as ridge_stage
 
 HIDDEN, KV_DIM = 24, 8
@@ -190,14 +191,19 @@ def test_stage_fits_exact_linear_maps(tmp_path, monkeypatch):
     maps, meta = load_ridge(tmp_path / paths.RIDGE_PATH)
     src, targets = plan.source, plan.targets
     expected = {f"proj_{layer}{part}" for layer in plan.projected for part in ("", "_k", "_v")}
-    expected |= {f"{kv}_{t}" for t in targets for kv in "kv"}
+    # the adapters' maps from the source's own kind and from [K ‖ V]; ced_csa2's, from the projected
+    # source (exactly linear too); and csa2's fed the projected source
+    adapter_maps = {f"{kv}_{t}{suffix}" for t in targets for kv in "kv" for suffix in ("", "_from_kv")}
+    expected |= adapter_maps | {f"ced_{m}" for m in adapter_maps} | {f"{m}_on_ced" for m in adapter_maps}
     assert f"proj_{src}" in expected
     assert set(metrics) == expected | {"run"}
     for name in expected:
         assert metrics[name]["r2"] > 0.9999 and metrics[name]["cos"] > 0.9999, (name, metrics[name])
         assert metrics[name]["rel_mse"] < 1e-4 and metrics[name]["n_val"] == metrics["run"]["n_val_rows"]
-    assert set(maps) == {*[f"proj_{layer}" for layer in plan.projected], *[f"{kv}_{t}" for t in targets for kv in "kv"]}
+    assert set(maps) == {*[f"proj_{layer}" for layer in plan.projected], *adapter_maps,
+                         *[f"ced_{m}" for m in adapter_maps]}
     assert maps[f"proj_{src}"]["W"].shape == (HIDDEN, 2 * KV_DIM) and maps[f"k_{targets[0]}"]["W"].shape == (8, 8)
+    assert maps[f"ced_v_{targets[0]}_from_kv"]["W"].shape == (16, 8)
     assert all(m["W"].dtype == torch.float32 and m["b"].dtype == torch.float32 for m in maps.values())
     with DumpReader(tmp_path / paths.DUMP_PATH) as r:
         n_val = int(row_mask(r.record_offsets, record_split(r.n_records, 0.2, params.seed)[1], 0, 0).sum())
@@ -205,6 +211,40 @@ def test_stage_fits_exact_linear_maps(tmp_path, monkeypatch):
     assert meta["lambda"] == 1.0 and meta["dump"]["model"] == "synthetic" and meta["plan"]["source"] == src
     assert meta["params_hash"] == params_hash(params.plan, params.split, params.ridge)
     assert not list(tmp_path.rglob(".*tmp*"))  # atomic writes left no temporaries
+
+
+def noisy_source(rng, n):
+    """Source K/V a noisy linear map of h_split (so projecting it is not exact); target 2 from the true source."""
+    h = (rng.standard_normal((n, HIDDEN)) * np.linspace(0.5, 3, HIDDEN) + 1.0).astype(np.float32)
+    A = np.random.default_rng(5).standard_normal((HIDDEN, 2 * KV_DIM))
+    src = h @ A + 0.8 * rng.standard_normal((n, 2 * KV_DIM))
+    C = np.random.default_rng(6).standard_normal((2, KV_DIM, KV_DIM))
+    out = {"h_split": h, "k_1": src[:, :KV_DIM], "v_1": src[:, KV_DIM:]}
+    out["k_2"], out["v_2"] = np.tanh(out["k_1"] @ C[0]) + 0.2, out["v_1"] @ C[1] - 0.3
+    return {k: v.astype(np.float32) for k, v in out.items()}
+
+
+def test_projected_source_maps_equal_sklearn_on_the_projected_inputs(tmp_path):
+    """ced_{k,v}_t: ridge from proj(h_split), the source K/V ced_csa2's targets read, to the true target K/V."""
+    path = write_dump(tmp_path / "dump.h5", [1, 2], noisy_source)
+    plan = types.SimpleNamespace(source=1, targets=(2,), projected=(1,))
+    with DumpReader(path) as r:
+        mask = row_mask(r.record_offsets, record_split(r.n_records, 0.2, 0)[0], 0, 0)
+        maps = fit_maps(r, map_groups(plan)[:1], mask, aligned_block_rows(r, 64), 1.0)
+        groups, derive = projected_groups(plan, maps["proj_1"])
+        maps |= fit_maps(r, groups, mask, aligned_block_rows(r, 64), 3.0, derive)
+    H = load_rows(path, ["h_split"], mask, torch.float64).numpy()
+    projected = H @ maps["proj_1"]["W"].double().numpy() + maps["proj_1"]["b"].double().numpy()
+    for kind, cols in (("k", slice(0, KV_DIM)), ("v", slice(KV_DIM, 2 * KV_DIM))):
+        ref = Ridge(alpha=3.0, solver="cholesky").fit(projected[:, cols],
+                                                      load_rows(path, [f"{kind}_2"], mask, torch.float64).numpy())
+        assert rel_err(maps[f"ced_{kind}_2"]["W"], ref.coef_.T) < 1e-5
+        assert rel_err(maps[f"ced_{kind}_2"]["b"], ref.intercept_) < 1e-5
+    ref = Ridge(alpha=3.0, solver="cholesky").fit(projected, load_rows(path, ["v_2"], mask, torch.float64).numpy())
+    assert rel_err(maps["ced_v_2_from_kv"]["W"], ref.coef_.T) < 1e-5  # from the whole projected entry [K ‖ V]
+    true_src = Ridge(alpha=3.0).fit(load_rows(path, ["k_1"], mask, torch.float64).numpy(),
+                                    load_rows(path, ["k_2"], mask, torch.float64).numpy())
+    assert rel_err(maps["ced_k_2"]["W"], true_src.coef_.T) > 1e-2  # a different map than csa2's
 
 
 def test_stage_rejects_a_dump_without_the_plans_layers(tmp_path):

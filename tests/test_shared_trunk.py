@@ -55,14 +55,15 @@ def test_every_group_exact_on_all_attention_llama(llama):
     check_exact(llama, LLAMA_PLAN, GROUP_NAMES)
 
 
-@pytest.mark.parametrize("groups", [("ced", "csa2", "ced_csa2"), ("share_plain",), ("csa2_fp4", "baseline_fp4")])
+@pytest.mark.parametrize("groups", [("ced", "csa2", "ced_csa2"), ("share_plain",), ("csa2_fp4", "baseline_fp4"),
+                                    ("xkv",), ("xkv", "ced")])
 def test_groups_without_baseline_stop_the_trunk_early_and_stay_exact(llama, groups):
     check_exact(llama, LLAMA_PLAN, groups, batch_size=4)
 
 
 def test_exact_in_bf16():
     model = tiny_llama().to(torch.bfloat16)
-    check_exact(model, LLAMA_PLAN, ("baseline", "ced_csa2", "csa2", "baseline_fp4"))
+    check_exact(model, LLAMA_PLAN, ("baseline", "ced_csa2", "csa2", "baseline_fp4", "xkv"))
 
 
 def test_branch_points():
@@ -70,7 +71,8 @@ def test_branch_points():
     parts = random_parts(geometry(model.config), LLAMA_PLAN)
     got = {g: branch_point(CEDModeBRuntime(model, LLAMA_PLAN, g, parts, kv_format="nvfp4"), 6) for g in GROUP_NAMES}
     assert got == {"baseline": 7, "share_plain": 5, "ced": 3, "csa2": 5, "ced_csa2": 3, "baseline_fp4": 1,
-                   "csa2_fp4": 3, "ced_csa2_fp4": 3}
+                   "csa2_fp4": 3, "ced_csa2_fp4": 3, "xkv": 3, "baseline_fp4_rot": 1, "csa2_fp4_rot": 3,
+                   "ced_csa2_fp4_rot": 3}
 
 
 def test_the_trunk_runs_once_per_batch(tiny_model):

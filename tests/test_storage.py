@@ -15,7 +15,8 @@ from ced_csa2.paths import STORAGE_METRICS as METRICS_PATH
 from ced_csa2.stages.storage import qwen3_5_4b_geometry, run
 
 ROOT = Path(__file__).resolve().parents[1]
-GROUPS = {"baseline", "ced", "csa2", "ced_csa2", "share_plain", "baseline_fp4", "csa2_fp4", "ced_csa2_fp4"}
+GROUPS = {"baseline", "ced", "csa2", "ced_csa2", "share_plain", "baseline_fp4", "csa2_fp4", "ced_csa2_fp4", "xkv",
+          "baseline_fp4_rot", "csa2_fp4_rot", "ced_csa2_fp4_rot"}
 BASES = {"decoder_attention", "all_attention", "all_attention_amortised_4k", "all_attention_amortised_32k",
          "all_attention_amortised_128k"}
 
@@ -49,8 +50,9 @@ def test_qwen3_5_4b_section_reproduces_spec_section_6(written):
     assert everything["baseline"]["bytes_per_token"] == 32768
     assert everything["csa2"]["bytes_per_token"] == 20480 and everything["csa2"]["compression_vs_baseline"] == 1.6
     assert qwen["stored_layers"]["decoder_attention"]["csa2"] == [20]
-    assert qwen["weights"]["adapter_params_per_target"] == 8395776
-    assert qwen["weights"]["adapter_params"]["csa2"] == 25187328
+    assert qwen["weights"]["adapter_input"] == "kv"  # train_adapters.input: the adapters read [K ‖ V]
+    assert qwen["weights"]["adapter_params_per_target"] == 13638656
+    assert qwen["weights"]["adapter_params"]["csa2"] == 3 * 13638656
     assert qwen["weights"]["adapter_params"]["share_plain"] == 0
     assert qwen["weights"]["projector_params_per_layer"] == 2560 * 2048 + 2048  # design §2: 5.24M
     # fp32 doubles every KV byte
@@ -66,6 +68,20 @@ def test_fp4_groups_count_packed_entries(written):
     # evaluates them: layers 4..16 keep their bf16 entries (4 x 4,096 B).
     assert qwen["all_attention"]["ced_csa2_fp4"]["bytes_per_token"] == 4 * 4096 + 2 * 576
     assert qwen["decoder_attention"]["csa2_fp4"]["compression_vs_baseline"] == 16384 / 1152
+
+
+def test_rotated_fp4_groups_cost_their_plain_twins_bytes(written):
+    # The rotation is weights built from a seed (listed, in no basis): every per-token figure is the twin's.
+    for section in ("active_model", "qwen3_5_4b"):
+        metrics = written[1][section]
+        for table in metrics["kv"].values():
+            for rows in table.values():
+                for twin in ("baseline_fp4", "csa2_fp4", "ced_csa2_fp4"):
+                    assert rows[f"{twin}_rot"] == rows[twin]
+        weights = metrics["weights"]
+        assert weights["rotation_params"]["baseline_fp4"] == 0 and "seed" in weights["rotation_counting"]
+    qwen = written[1]["qwen3_5_4b"]["weights"]["rotation_params"]  # head_dim 256; 8 FP4 layers, or the source
+    assert qwen["baseline_fp4_rot"] == 8 * 256 ** 2 and qwen["csa2_fp4_rot"] == 256 ** 2
 
 
 def test_every_figure_carries_its_basis_and_dtype(written):
@@ -86,8 +102,8 @@ def test_amortised_rows_add_the_adapter_weights(written, context, tokens):
     qwen = written[1]["qwen3_5_4b"]
     for dtype, nbytes in (("bf16", 2), ("fp32", 4)):
         table = qwen["kv"][dtype]
-        for group in GROUPS:
-            adapters = qwen["weights"]["adapter_params"][group]
+        for group in GROUPS:  # adapter weights, or xkv's bases (each group has at most one of them)
+            adapters = qwen["weights"]["adapter_params"][group] + qwen["weights"]["xkv_basis_params"][group]
             expected = table["all_attention"][group]["bytes_per_token"] + adapters * nbytes / tokens
             row = table[f"all_attention_amortised_{context}"][group]
             assert row["bytes_per_token"] == pytest.approx(expected, rel=1e-12)
@@ -102,7 +118,7 @@ def test_active_section_is_the_tiny_model(written):
     # decoder's four attention layers, K and V of 32 channels in bf16
     assert active["kv"]["bf16"]["decoder_attention"]["baseline"]["bytes_per_token"] == 4 * 2 * 32 * 2
     assert active["weights"]["adapter_width"] == 48  # 1.5 * 32
-    assert active["weights"]["adapter_params"]["csa2"] == 3 * 2 * (32 * 32 + 32 + 32 * 48 + 48 + 48 * 32 + 32)
+    assert active["weights"]["adapter_params"]["csa2"] == 3 * 2 * (64 * 32 + 32 + 64 * 48 + 48 + 48 * 32 + 32)
 
 
 def test_deepseek_reference_and_note(written):
@@ -122,7 +138,7 @@ def test_deepseek_reference_and_note(written):
 def test_width_mult_reaches_both_sections(tmp_path):
     metrics = run(tiny_params(train_adapters={"width_mult": 1.0}), tmp_path)
     d = 1024
-    assert metrics["qwen3_5_4b"]["weights"]["adapter_params_per_target"] == 2 * (3 * d * d + 3 * d)
+    assert metrics["qwen3_5_4b"]["weights"]["adapter_params_per_target"] == 2 * (5 * d * d + 3 * d)  # n = 2d
     assert metrics["active_model"]["weights"]["adapter_width"] == 32
 
 def test_command_line_entry_point(tmp_path):

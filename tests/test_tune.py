@@ -26,8 +26,9 @@ def write_inputs(workdir, params, tok, n_records=40, seed=0):
                                      "b": 4 * torch.randn(2 * geo.kv_dim, generator=g)}}
     for t in plan.targets:
         for kind in "kv":
-            maps[f"{kind}_{t}"] = {"W": 0.2 * torch.randn(geo.kv_dim, geo.kv_dim, generator=g),
-                                   "b": torch.zeros(geo.kv_dim)}
+            for prefix in ("", "ced_"):  # ced_*: the maps fitted on the projected source
+                maps[f"{prefix}{kind}_{t}_from_kv"] = {  # train_adapters.input: kv reads [K ‖ V]
+                    "W": 0.2 * torch.randn(2 * geo.kv_dim, geo.kv_dim, generator=g), "b": torch.zeros(geo.kv_dim)}
     save_ridge(workdir / "models/ridge.pt", maps, {})
     words = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "tau"]
     lines = []
@@ -46,9 +47,11 @@ def with_online(params, **changes):
     return dataclasses.replace(params, train=train)
 
 
-def test_ridge_objective_exports_the_closed_form_maps(tmp_path, tiny_model):
+@pytest.mark.parametrize("start", ["csa2", "projected"])
+def test_ridge_objective_exports_the_closed_form_maps(tmp_path, tiny_model, start):
     model, tok = tiny_model
     params = tiny_params()
+    params = dataclasses.replace(params, train=dataclasses.replace(params.train, ced_csa2_start=start))
     maps = write_inputs(tmp_path, params, tok)
     stale = tmp_path / paths.objective_curves("ridge")
     stale.mkdir(parents=True)
@@ -60,16 +63,21 @@ def test_ridge_objective_exports_the_closed_form_maps(tmp_path, tiny_model):
     assert not (tmp_path / paths.objective_metrics("ridge") / "curve.csv").exists()
 
     plan, geo = load_plan(params.plan, params.model)
-    parts = eval_objective.load_objective_parts(tmp_path, "ridge", params, plan, geo, "cpu")
+    served = eval_objective.load_objective_parts(tmp_path, "ridge", params, plan, geo, "cpu")
+    assert set(served) == set(params.train.eval_groups) and served["ced"] is served["csa2"]
     ridge = maps[f"proj_{plan.source}"]
-    # Checkpoints hold FP16 weights: the exported map is the ridge map rounded to FP16.
-    assert torch.equal(parts.projector.proj.weight, ridge["W"].T.half().float())
-    assert torch.equal(parts.projector.proj.bias, ridge["b"].half().float())
-    for t in plan.targets:
-        adapter: KVAdapter = parts.adapters.adapter("v", t)
-        assert torch.equal(adapter.base.weight, maps[f"v_{t}"]["W"].T.half().float())
-        x = torch.randn(5, geo.kv_dim)
-        assert torch.equal(adapter(x), adapter.base(x))  # the MLP starts at exactly zero
+    # csa2's adapters are the ridge maps fitted on the true source; ced_csa2's own pair starts
+    # from them or from the maps fitted on the projected source (ced_*); one ridge projector.
+    for group, prefix in (("csa2", ""), ("ced_csa2", "ced_" if start == "projected" else "")):
+        parts = served[group]
+        # Checkpoints hold FP16 weights: the exported map is the ridge map rounded to FP16.
+        assert torch.equal(parts.projector.proj.weight, ridge["W"].T.half().float())
+        assert torch.equal(parts.projector.proj.bias, ridge["b"].half().float())
+        for t in plan.targets:
+            adapter: KVAdapter = parts.adapters.adapter("v", t)
+            assert torch.equal(adapter.base.weight, maps[f"{prefix}v_{t}_from_kv"]["W"].T.half().float())
+            x = torch.randn(5, 2 * geo.kv_dim)  # train_adapters.input: kv
+            assert torch.equal(adapter(x), adapter.base(x))  # the MLP starts at exactly zero
 
 
 def test_objectives_outside_the_list_are_refused(tmp_path):
@@ -89,21 +97,24 @@ def test_a_short_distillation_lowers_the_held_out_kl(tmp_path, frozen):
     m = tune.run(params, "distill", tmp_path, model_and_tok=(model, tok))
 
     # On the random-init tiny model H_16 -> KV_20 has little to gain (3 random GatedDeltaNet
-    # layers in between); the adapters' KL drops by a good fraction in 9 steps.
-    for group, factor in (("ced", 1.0), ("csa2", 0.8)):
+    # layers in between); the adapters' KL drops by a good fraction in 9 steps, and the joint
+    # ced_csa2 phase (projector and ced_csa2's own adapters) lowers its group's KL too.
+    for group, factor in (("ced", 1.0), ("csa2", 0.8), ("ced_csa2", 1.0)):
         phase = m["phases"][group]
         assert phase["steps"] == ONLINE.epochs * 3 and phase["tokens"] > 0
         assert phase["val_after"]["kl"] < factor * phase["val_before"]["kl"], phase
     saved = json.loads((tmp_path / paths.objective_metrics("distill") / "train.json").read_text())
     assert saved == json.loads(json.dumps(m))
-    # one file per phase and series, one optimizer-step counter across the two phases
+    # one file per phase and series, one optimizer-step counter across the three phases
     curves = read_curves(tmp_path / paths.objective_curves("distill"))
-    assert sorted(curves) == sorted(f"{g}_{s}" for g in ("ced", "csa2") for s in ("loss", "val_loss", "val_kl"))
+    phases = ("ced", "csa2", "ced_csa2")
+    assert sorted(curves) == sorted(f"{g}_{s}" for g in phases for s in ("loss", "val_loss", "val_kl"))
     assert {x for x, _ in curves.values()} == {"step"}
     n = ONLINE.epochs * 3
     steps = {name: [s for s, _ in points] for name, (_, points) in curves.items()}
-    assert steps["ced_loss"] == list(range(1, n + 1)) and steps["csa2_loss"] == list(range(n + 1, 2 * n + 1))
-    for group, (first, last) in (("ced", (0, n)), ("csa2", (n, 2 * n))):
+    for i, group in enumerate(phases):
+        assert steps[f"{group}_loss"] == list(range(i * n + 1, (i + 1) * n + 1))
+    for group, (first, last) in (("ced", (0, n)), ("csa2", (n, 2 * n)), ("ced_csa2", (2 * n, 3 * n))):
         phase = m["phases"][group]
         for key in ("loss", "kl"):
             (s0, before), (s1, after) = curves[f"{group}_val_{key}"][1]

@@ -21,11 +21,16 @@ target still applies its own k_norm), ``ced`` (source K/V from ``projector(H_spl
 ``adapters(projected KV_source)``, source projected too).  FP4 groups store K/V in FP4
 (``kv_format``): ``baseline_fp4`` (every attention layer's own K/V), ``csa2_fp4`` and
 ``ced_csa2_fp4`` (the one shared source entry) -- so the cost of FP4 and of sharing can
-be told apart.
+be told apart; their ``*_fp4_rot`` twins rotate each FP4 entry per head by a fixed
+randomised Hadamard matrix before FP4 and back after reading (:mod:`ced_csa2.rotation`).
+``xkv`` (the training-free low-rank baseline, :mod:`ced_csa2.xkv`): source
+and targets read their blocks of the cross-layer SVD reconstruction of the *clean* K/V
+(a compressed clean prefill), teacher-forced only -- a forward with a KV cache is refused.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -35,12 +40,14 @@ from typing import TYPE_CHECKING, Callable, Mapping
 import torch
 from torch import nn
 
-from . import kv_hooks
+from . import kv_hooks, rotation
 from .checkpoint import expected_meta
 from .fp4 import FORMATS as FP4_FORMATS
 from .groups import group as lookup_group
 from .model_utils import Geometry, attention, decoder_layer, geometry
 from .plan import LayerPlan
+from .rotation import HeadRotation, fp4_round_trip, layer_rotation
+from .xkv import XKVBasis, load_xkv
 
 if TYPE_CHECKING:
     from .config import Params
@@ -60,11 +67,15 @@ class CEDParts:
         ``adapters(layer, k_src, v_src) -> (k, v)`` for every target layer.
     extra
         ``{layer: projector}`` for the extra sources of a covering plan (Mode A only).
+    xkv
+        The cross-layer bases of the ``xkv`` group (:class:`~ced_csa2.xkv.XKVBasis`):
+        ``xkv({layer: k}, {layer: v}) -> {layer: (k̂, v̂)}`` over ``(source, *targets)``.
     """
 
     projector: Callable[[torch.Tensor], KV] | None = None
     adapters: Callable[[int, torch.Tensor, torch.Tensor], KV] | None = None
     extra: dict[int, Callable[[torch.Tensor], KV]] = field(default_factory=dict)
+    xkv: XKVBasis | None = None
 
     def project(self, layer: int, plan: LayerPlan, h: torch.Tensor) -> KV:
         fn = self.projector if layer == plan.source else self.extra[layer]
@@ -83,7 +94,7 @@ def _run(owner, fn, *xs: torch.Tensor) -> KV:
 
 
 def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geometry, *, device=None, dtype=None,
-               also: Mapping | None = None, extra_sources: bool = True) -> CEDParts:
+               also: Mapping | None = None, extra_sources: bool = True, low_rank: bool = False) -> CEDParts:
     """Load the maps of ``plan`` from ``models_dir``, each refused unless it was made for them.
 
     Parameters
@@ -100,6 +111,8 @@ def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geo
     extra_sources
         Load ``projectors_extra.pt`` when the plan has extra sources (Mode A); ``False``
         for a folder that holds none (``tune@<objective>``).
+    low_rank
+        Also load ``xkv.pt``, the ``xkv`` group's cross-layer bases (stage ``fit_xkv``).
 
     Raises
     ------
@@ -119,7 +132,17 @@ def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geo
     if plan.extra_sources and extra_sources:
         extra, _ = load_projectors(models_dir / "projectors_extra.pt", expect=expect["projectors"], device=device,
                                    dtype=dtype)
-    return CEDParts(projector, adapters, extra)
+    xkv = load_xkv(models_dir / "xkv.pt", device=device, dtype=dtype, expect=expect["xkv"]) if low_rank else None
+    return CEDParts(projector, adapters, extra, xkv)
+
+
+def parts_for(parts: CEDParts | Mapping[str, CEDParts] | None, group: str) -> CEDParts | None:
+    """The maps ``group`` runs with: ``parts`` itself, or ``parts[group]`` for maps per group.
+
+    Per-group maps (``{group: CEDParts}``) let each group be scored with the maps trained
+    for it (``tune``'s ``ced_csa2`` pair); a group missing from the mapping gets ``None``.
+    """
+    return parts.get(group) if isinstance(parts, Mapping) else parts
 
 
 def require_parts(group: str, parts: CEDParts) -> None:
@@ -129,6 +152,8 @@ def require_parts(group: str, parts: CEDParts) -> None:
         raise ValueError(f"group {group!r} needs a projector")
     if spec.adapters and parts.adapters is None:
         raise ValueError(f"group {group!r} needs adapters")
+    if spec.low_rank and parts.xkv is None:
+        raise ValueError(f"group {group!r} needs the cross-layer bases of models/xkv.pt (stage fit_xkv)")
 
 
 class CEDModeBRuntime:
@@ -147,7 +172,10 @@ class CEDModeBRuntime:
     kv_format
         FP4 format of the ``*_fp4`` groups (``nvfp4`` | ``mxfp4``; required for them, no
         default): the stored K/V are quantised and read back, pre-k_norm and pre-RoPE like
-        the shared store keeps them.  Ignored (pass ``None``) for the other groups.
+        the shared store keeps them.  Ignored (pass ``None``) for the other groups.  The
+        ``*_fp4_rot`` groups rotate each FP4 entry's streams of
+        :data:`ced_csa2.rotation.ROTATED_STREAMS` per head first (``Rᵀ dequant(FP4(R x))``),
+        with layer ``l``'s fixed matrix :func:`ced_csa2.rotation.layer_rotation`.
     """
 
     def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None = None, *,
@@ -159,8 +187,19 @@ class CEDModeBRuntime:
             # No default: an FP4 group must be told its format (params.yaml kv_format).
             raise ValueError(f"group {group!r} stores FP4 and needs kv_format in {list(FP4_FORMATS)}, "
                              f"got {kv_format!r}")
+        if spec.low_rank and tuple(parts.xkv.layers) != (plan.source, *plan.targets):
+            raise ValueError(f"group {group!r}: the xkv bases span layers {list(parts.xkv.layers)}, the plan's source "
+                             f"and targets are {[plan.source, *plan.targets]}")
         self.model, self.plan, self.group, self.parts, self.spec = model, plan, group, parts, spec
         self.fp4 = FP4_FORMATS[kv_format]() if spec.is_fp4 else None
+        # {(layer, "k" | "v"): R} of the rotated FP4 entries; built once here (cheap:
+        # head_dim x head_dim per layer), so every forward of this runtime uses the same R.
+        self.rotations: dict[tuple[int, str], HeadRotation] = {}
+        if spec.rotate:  # rotation.ROTATED_STREAMS read now, as a module attribute (a study may set it)
+            geo = geometry(model.config)
+            for layer in spec.fp4_layers(geo.attention_layers, plan.source):
+                r = layer_rotation(geo.head_dim, layer)
+                self.rotations.update({(layer, kind): r for kind in rotation.ROTATED_STREAMS})
         self._stack: ExitStack | None = None
         self._store: dict | None = None
 
@@ -173,17 +212,20 @@ class CEDModeBRuntime:
 
     @property
     def _stored_source(self) -> tuple[int, ...]:
-        """The source, when its K/V are replaced by what the store holds (projected and/or FP4)."""
-        return (self.plan.source,) if self.spec.projected_source or self.fp4 else ()
+        """The source, when its K/V are replaced by what the store holds (projected, FP4 or xKV)."""
+        return (self.plan.source,) if self.spec.projected_source or self.fp4 or self.spec.low_rank else ()
 
     @property
     def _read_targets(self) -> tuple[int, ...]:
-        """Targets that read the source's stored K/V (adapted, or verbatim for share_plain)."""
-        return self.plan.targets if self.spec.shares_source_kv else ()
+        """Targets that read the stored entry (the source's K/V adapted or verbatim; xKV coefficients)."""
+        return self.plan.targets if self.spec.shares_source_kv or self.spec.low_rank else ()
 
-    def _fake_quant(self, x: torch.Tensor) -> torch.Tensor:
-        """What reading ``x`` back from FP4 storage gives (quantise, then dequantise)."""
-        return self.fp4.dequantize(self.fp4.quantize(x), dtype=x.dtype)
+    def _fake_quant(self, x: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
+        """What reading layer ``layer``'s ``kind`` (``"k"``/``"v"``) entry ``x`` ``(..., kv_dim)`` back from FP4 gives.
+
+        Quantise, then dequantise; for a rotated entry ``Rᵀ dequant(FP4(R x))``.
+        """
+        return fp4_round_trip(self.fp4, x, self.rotations.get((layer, kind)))
 
     def __enter__(self) -> "CEDModeBRuntime":
         if not self.replaced_layers:  # baseline
@@ -191,6 +233,11 @@ class CEDModeBRuntime:
         plan, parts, spec = self.plan, self.parts, self.spec
         uses_ced = spec.projected_source
         stack = ExitStack()
+        if spec.low_rank:  # xKV: no capture of the modified pass; a clean pass of its own
+            self._store = {"k": {}, "v": {}, "h": {}}
+            stack.enter_context(kv_hooks.inject(self.model, self._low_rank_replacements(stack, self._store)))
+            self._stack = stack
+            return self
         store = self._store = stack.enter_context(kv_hooks.capture(self.model, [plan.source], [plan.split]))
 
         def projected() -> KV:
@@ -206,7 +253,7 @@ class CEDModeBRuntime:
             raw = projected()["kv".index(kind)] if uses_ced else store[kind][plan.source]
             memo = store.setdefault(("stored", kind), [None, None])
             if memo[0] is not raw:
-                memo[:] = [raw, self._fake_quant(raw) if self.fp4 else raw]
+                memo[:] = [raw, self._fake_quant(raw, plan.source, kind) if self.fp4 else raw]
             return memo[1]
 
         def adapted(layer: int) -> KV:
@@ -219,7 +266,8 @@ class CEDModeBRuntime:
         repl: dict = {}
         if spec.fp4 == "every_layer":  # baseline_fp4: every attention layer's own K/V, FP4-rounded
             for layer in self.replaced_layers:
-                repl[(layer, "k")] = repl[(layer, "v")] = self._fake_quant
+                for kind in "kv":
+                    repl[(layer, kind)] = lambda out, layer=layer, kind=kind: self._fake_quant(out, layer, kind)
         else:
             for layer in self._stored_source:
                 repl[(layer, "k")] = lambda out: stored("k")
@@ -232,14 +280,75 @@ class CEDModeBRuntime:
         self._stack = stack
         return self
 
-    def seed(self, *, h_split: torch.Tensor | None = None, source_kv: KV | None = None) -> None:
+    def _low_rank_replacements(self, stack: ExitStack, store: dict) -> dict:
+        """xKV's replacements: each group layer reads its block of the reconstruction of the *clean* K/V.
+
+        xKV compresses the cache of a finished prefill, which the unmodified model wrote;
+        so the reconstruction is of the K/V of a clean pass, not of the (already modified)
+        pass the replacements sit in.  A pre-hook on the decoder stack (``model.model``)
+        runs that clean pass first, nested, with the replacements inactive, capturing the
+        source's and targets' ``k_proj``/``v_proj`` outputs (:func:`kv_hooks.capture`) and
+        stopping once the top layer's are in; a forward that starts above the source gets
+        them from :meth:`seed` instead (``clean_kv``).  Installs the pre-hook on ``stack``.
+        """
+        model, basis, group = self.model, self.parts.xkv, self.group
+        layers, top = basis.layers, max(basis.layers)
+        state = {"clean_pass": False}
+
+        def stop_when_complete(clean: dict):
+            def stop(mod, inp, out):
+                if top in clean["k"] and top in clean["v"]:
+                    raise _StopForward  # nothing above the top layer's K/V is needed
+            attn = attention(model, top)
+            return [attn.k_proj.register_forward_hook(stop), attn.v_proj.register_forward_hook(stop)]
+
+        def clean_pass(module, args, kwargs):
+            if state["clean_pass"]:
+                return  # the nested call below
+            if _cache_argument(module, args, kwargs) is not None:
+                raise NotImplementedError(
+                    f"group {group!r} compresses the K/V of a finished clean prefill (xKV) and supports "
+                    "teacher-forced passes only, not a forward with a KV cache (cached generation)")
+            state["clean_pass"] = True
+            try:
+                with torch.no_grad(), kv_hooks.capture(model, layers) as clean, \
+                        kv_hooks._installed(lambda: stop_when_complete(clean)):
+                    try:
+                        module(*args, **kwargs)  # the same call, so the same K/V as a plain forward
+                    except _StopForward:
+                        pass
+            finally:
+                state["clean_pass"] = False
+            store["clean"] = clean
+
+        def read(layer: int) -> KV:
+            clean = store.get("clean")
+            if clean is None:
+                raise RuntimeError(f"group {group!r} reads the reconstruction of the clean K/V, and none was "
+                                   "captured: call the model inside the runtime, or seed(clean_kv=...)")
+            if store.get("recon_of") is not clean:  # once per forward, shared by every layer of the group
+                store["recon_of"], store["recon"] = clean, basis(clean["k"], clean["v"])
+            return store["recon"][layer]
+
+        stack.enter_context(kv_hooks._installed(
+            lambda: [model.model.register_forward_pre_hook(clean_pass, with_kwargs=True)]))
+        repl = {}
+        for layer in layers:
+            repl[(layer, "k")] = lambda out, layer=layer: out if state["clean_pass"] else read(layer)[0]
+            repl[(layer, "v")] = lambda out, layer=layer: out if state["clean_pass"] else read(layer)[1]
+        return repl
+
+    def seed(self, *, h_split: torch.Tensor | None = None, source_kv: KV | None = None,
+             clean_kv: Mapping[int, KV] | None = None) -> None:
         """Hand the hooks what they capture (``H_split``, the true source K/V) from a pass they did not see.
 
         For a forward that starts above ``plan.split`` (or ``plan.source``) from a hidden
         state a shared trunk computed (:func:`ced_csa2.scoring.multi_group_nll`): the
         capture hooks of the skipped layers never fire, so the trunk's tensors stand in
-        for them -- exactly what they would have recorded.  Call inside the context,
-        before the forward; a no-op for ``baseline`` (no hooks).
+        for them -- exactly what they would have recorded.  ``clean_kv`` (``xkv``): the
+        clean ``{layer: (K, V)}`` of the source and every target, each ``(B, T, kv_dim)``,
+        which the nested clean pass would have captured.  Call inside the context, before
+        the forward; a no-op for ``baseline`` (no hooks).
         """
         if self._store is None:
             return
@@ -247,6 +356,9 @@ class CEDModeBRuntime:
             self._store["h"][self.plan.split] = h_split
         if source_kv is not None:
             self._store["k"][self.plan.source], self._store["v"][self.plan.source] = source_kv
+        if clean_kv is not None:
+            self._store["clean"] = {"k": {l: kv[0] for l, kv in clean_kv.items()},
+                                    "v": {l: kv[1] for l, kv in clean_kv.items()}}
 
     def __exit__(self, *exc) -> None:
         self._store = None
@@ -256,7 +368,18 @@ class CEDModeBRuntime:
 
 
 class _StopForward(Exception):
-    """Raised by a hook to end a forward pass after the split layer."""
+    """Raised by a hook to end a forward pass early (after the split layer; xKV's clean pass)."""
+
+
+def _cache_argument(module: nn.Module, args: tuple, kwargs: dict):
+    """The KV cache a decoder-stack call was given (``cache`` / ``past_key_values``), or ``None``."""
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        bound = dict(kwargs)
+    extra = bound.get("kwargs") or {}
+    found = [bound.get(name, extra.get(name)) for name in ("cache", "past_key_values")]
+    return next((c for c in found if c is not None), None)
 
 
 def _rope_fn(attn: nn.Module):

@@ -72,10 +72,11 @@ def expected_meta(params: Params, plan: LayerPlan, geo: Geometry) -> dict[str, d
     -------
     dict
         ``{kind: {meta key: value}}`` for the kinds ``"projector"`` (``projector_k{s}v{s}.pt``),
-        ``"projectors"`` (``projectors_extra.pt``) and ``"adapters"`` (``adapters.pt``), keys
-        in the order they are checked: ``model``; the layers the file maps (``layer`` =
-        ``plan.source``; ``layers`` = ``plan.extra_sources``; ``source`` and ``layers`` =
-        ``plan.targets``); ``hidden_size`` and ``kv_dim``; ``plan`` (``split``, ``source``,
+        ``"projectors"`` (``projectors_extra.pt``), ``"adapters"`` (``adapters.pt``) and
+        ``"xkv"`` (``xkv.pt``), keys in the order they are checked: ``model``; the layers the
+        file maps (``layer`` = ``plan.source``; ``layers`` = ``plan.extra_sources``; ``source``
+        and ``layers`` = ``plan.targets``; ``layers`` = ``[plan.source, *plan.targets]``);
+        ``hidden_size`` and ``kv_dim``; ``plan`` (``split``, ``source``,
         ``targets``, ``extra_sources`` as lists).  Writers store the same dicts
         (:func:`checkpoint_meta`), so a file always matches the plan it was made for.
     """
@@ -83,7 +84,8 @@ def expected_meta(params: Params, plan: LayerPlan, geo: Geometry) -> dict[str, d
     model = {"model": params.model.name}
     return {"projector": {**model, "layer": plan.source, **fit},
             "projectors": {**model, "layers": list(plan.extra_sources), **fit},
-            "adapters": {**model, "source": plan.source, "layers": list(plan.targets), **fit}}
+            "adapters": {**model, "source": plan.source, "layers": list(plan.targets), **fit},
+            "xkv": {**model, "layers": [plan.source, *plan.targets], **fit}}
 
 
 def checkpoint_meta(params: Params, plan: LayerPlan, geo: Geometry, *sections) -> dict[str, dict]:

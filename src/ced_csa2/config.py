@@ -28,7 +28,7 @@ from typing import Any, Iterator, Literal, Optional
 
 import yaml
 
-from .groups import GROUP_NAMES, MAP_GROUPS
+from .groups import GROUP_NAMES, LOW_RANK_GROUPS, MAP_GROUPS
 
 DTYPES = ("float32", "bfloat16", "float16")
 COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: bf16 where native (CUDA, AMX/AVX512-BF16 CPUs), else fp32
@@ -288,10 +288,26 @@ class RidgeConfig(Section):
 
 
 @dataclass(frozen=True)
+class XKVConfig(Section):
+    """The xKV baseline (stage ``fit_xkv``): one cross-layer SVD basis for K and one for V."""
+
+    rank: int = 0  # coefficients stored per token for K (and as many for V); 0 = kv_dim, CSA2's bytes
+
+    def __post_init__(self):
+        _check(self.rank >= 0, "xkv.rank", f"must be >= 0 (0 = kv_dim), got {self.rank}")
+
+    def rank_for(self, kv_dim: int) -> int:
+        """The rank in effect on a model of this ``kv_dim`` (``rank: 0`` means ``kv_dim``)."""
+        return self.rank or kv_dim
+
+
+@dataclass(frozen=True)
 class ProjectorConfig(Section):
     lr: float = 2e-3
     epochs: int = 12
-    batch_size: int = 4096
+    batch_size: int = 256
+    # random: PyTorch's default init, as the seed; ridge: the ridge stage's closed-form map
+    init: Literal["random", "ridge"] = "random"
     warmup_fraction: float = 0.02
     weight_decay: float = 0.01
     amp_dtype: str = "auto"
@@ -313,6 +329,7 @@ class AdaptersConfig(Section):
     momentum: float = 0.9
     width_mult: float = 1.5  # ResidualMLP hidden width = width_mult * kv_dim
     activation: Literal["gelu", "silu", "relu"] = "gelu"
+    input: Literal["kv", "own"] = "kv"  # adapters read the whole stored entry [K ‖ V], or K from K and V from V
     amp_dtype: str = "auto"
 
     def __post_init__(self):
@@ -362,6 +379,9 @@ class TrainConfig(Section):
 
     objectives: list[str] = field(default_factory=lambda: list(TUNE_OBJECTIVES))
     eval_groups: list[str] = field(default_factory=lambda: ["ced", "csa2", "ced_csa2"])
+    # ced_csa2's own adapters start from csa2's ridge maps (fitted on the true source K/V) or from
+    # the maps fitted on the projected source its targets read (the ridge stage's ced_* maps).
+    ced_csa2_start: Literal["csa2", "projected"] = "csa2"
     online: OnlineConfig = field(default_factory=OnlineConfig)
 
     def __post_init__(self):
@@ -396,7 +416,8 @@ class EvalPPLConfig(Section):
 @dataclass(frozen=True)
 class EvalGSM8KConfig(Section):
     groups: list[str] = field(default_factory=lambda: list(RUNTIME_GROUPS))  # gold-solution NLL
-    generate: list[str] = field(default_factory=lambda: list(RUNTIME_GROUPS))  # lm-eval generation (EM), of groups
+    # lm-eval generation (EM), of groups; never a low-rank group (it compresses a finished prefill, no cached decoding)
+    generate: list[str] = field(default_factory=lambda: [g for g in RUNTIME_GROUPS if g not in LOW_RANK_GROUPS])
     num_fewshot: int = 0
     max_gen_toks: int = 256
     batch_size: int = 16
@@ -411,6 +432,10 @@ class EvalGSM8KConfig(Section):
         _check(bool(self.generate) and not extra, "eval_gsm8k.generate",
                f"must be a non-empty subset of eval_gsm8k.groups {self.groups} (the gold prompts come from "
                f"the first generated group), got {self.generate}")
+        low_rank = [g for g in self.generate if g in LOW_RANK_GROUPS]
+        _check(not low_rank, "eval_gsm8k.generate",
+               f"cannot generate with {low_rank}: xKV compresses the K/V of a finished prefill and does not "
+               f"support cached generation (its gold NLL is scored through eval_gsm8k.groups)")
         _check_device(self.device, "eval_gsm8k.device")
         _check(0 <= self.num_fewshot <= 8, "eval_gsm8k.num_fewshot", "must be in [0, 8]")
         _check_positive(self, "eval_gsm8k", "max_gen_toks", "batch_size")
@@ -426,6 +451,7 @@ class Params(Section):
     dump: DumpConfig
     split: SplitConfig
     ridge: RidgeConfig
+    xkv: XKVConfig
     train_projector: ProjectorConfig
     train_adapters: AdaptersConfig
     train: TrainConfig

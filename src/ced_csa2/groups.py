@@ -15,7 +15,26 @@ group                   projector  targets read     adapters  FP4 entries
 ``baseline_fp4``        no         no               no        every layer
 ``csa2_fp4``            no         yes              yes       shared source
 ``ced_csa2_fp4``        yes        yes              yes       shared source
+``baseline_fp4_rot``    no         no               no        every layer [#rot]_
+``csa2_fp4_rot``        no         yes              yes       shared source [#rot]_
+``ced_csa2_fp4_rot``    yes        yes              yes       shared source [#rot]_
+``xkv`` (low rank)      no         no [#xkv]_       no        none
 ======================  =========  ===============  ========  ==============
+
+.. [#xkv] ``low_rank``: source and targets store one entry of ``xkv.rank`` cross-layer
+   SVD coefficients per token for K and one for V (rank ``kv_dim``: csa2's bytes) and read
+   their blocks of its reconstruction; the bases (``models/xkv.pt``) are weights.
+.. [#rot] ``rotate``: as the plain twin (same entries in FP4, same bytes per token), but
+   each FP4 entry is rotated per head by a fixed randomised Hadamard matrix before FP4 and
+   rotated back after reading (:mod:`ced_csa2.rotation`): ``read = Rᵀ dequant(FP4(R x))``,
+   K and V both (:data:`ced_csa2.rotation.ROTATED_STREAMS`).  ``R`` is derived from a
+   fixed seed per layer: weights, never stored per token.  Measured (embedded default,
+   32 eval records; ΔPPL % vs baseline, then rotated vs plain, paired, with its 95% CI):
+   ``baseline_fp4`` 6.88% → 4.35% with NVFP4
+   (−2.37 [−3.44, −1.38]; K alone −2.08, V on top −0.30 [−0.83, +0.29]: no measurable
+   effect) and 14.92% → 7.97% with MXFP4 (−6.05 [−7.03, −5.05]; V on top of K −1.81
+   [−2.65, −0.96]); ``csa2_fp4`` +0.07 [−0.10, +0.24] (NVFP4: the one FP4 entry costs csa2
+   only +0.5 points) and −0.87 [−1.21, −0.52] (MXFP4).  So K and V are rotated.
 """
 
 from __future__ import annotations
@@ -46,6 +65,15 @@ class Group:
         layer's own K/V; ``shared_source`` -- the one shared source entry only.
     doc
         One line for the report and ``metrics/storage.json``.
+    low_rank
+        xKV (:mod:`ced_csa2.xkv`): the source and targets store nothing of their own; one
+        entry of ``xkv.rank`` coefficients per token for K and one for V (cross-layer SVD
+        bases, ``models/xkv.pt``) stands for all of them, and each of these layers reads its
+        block of the reconstruction of the *clean* K/V (a compressed clean prefill).
+    rotate
+        The FP4 entries are rotated per head by a fixed orthogonal matrix before FP4 and
+        rotated back after reading (:mod:`ced_csa2.rotation`; FP4 groups only).  Same bytes
+        per token as the group without it.
     """
 
     name: str
@@ -54,12 +82,19 @@ class Group:
     adapters: bool
     fp4: FP4Scope
     doc: str
+    low_rank: bool = False
+    rotate: bool = False
 
     def __post_init__(self):
         if self.adapters and not self.shares_source_kv:
             raise ValueError(f"group {self.name!r}: adapters read the shared source entry, so they need sharing")
         if self.fp4 == "shared_source" and not self.shares_source_kv:
             raise ValueError(f"group {self.name!r}: 'shared_source' FP4 needs a shared source entry")
+        if self.low_rank and (self.projected_source or self.shares_source_kv or self.is_fp4):
+            # The basis spans the true K/V of source and targets: nothing to combine it with yet.
+            raise ValueError(f"group {self.name!r}: low_rank (xKV) combines with no projection, sharing or FP4")
+        if self.rotate and not self.is_fp4:
+            raise ValueError(f"group {self.name!r}: rotate applies to FP4 entries, and the group stores none")
 
     @property
     def uses_maps(self) -> bool:
@@ -92,11 +127,25 @@ GROUPS: dict[str, Group] = {g.name: g for g in (
           "as csa2, the one shared source entry in FP4 (the other layers' entries as in csa2)"),
     Group("ced_csa2_fp4", True, True, True, "shared_source",
           "as ced_csa2, the one shared source entry in FP4 (the other layers' entries as in ced_csa2)"),
+    Group("baseline_fp4_rot", False, False, False, "every_layer",
+          "as baseline_fp4 (same bytes), each FP4 entry's K and V rotated per head by a fixed randomised "
+          "Hadamard matrix before FP4 and back after reading", rotate=True),
+    Group("csa2_fp4_rot", False, True, True, "shared_source",
+          "as csa2_fp4 (same bytes), the shared source entry's K and V rotated per head by a fixed randomised "
+          "Hadamard matrix before FP4 and back after reading", rotate=True),
+    Group("ced_csa2_fp4_rot", True, True, True, "shared_source",
+          "as ced_csa2_fp4 (same bytes), the shared source entry's K and V rotated per head by a fixed "
+          "randomised Hadamard matrix before FP4 and back after reading", rotate=True),
+    Group("xkv", False, False, False, "none",
+          "training-free xKV baseline: source and targets store xkv.rank cross-layer SVD coefficients per token "
+          "for K and for V (rank kv_dim: csa2's bytes), plus the bases as weights", low_rank=True),
 )}
 GROUP_NAMES = tuple(GROUPS)
 MAP_GROUPS = tuple(name for name, g in GROUPS.items() if g.uses_maps)
 # Groups whose targets read the source's stored KV (a SharedKVCache serves the dense ones).
 SHARED_GROUPS = tuple(name for name, g in GROUPS.items() if g.shares_source_kv and not g.is_fp4)
+# Groups that read a compressed clean prefill (xKV): teacher-forced only, no cached generation.
+LOW_RANK_GROUPS = tuple(name for name, g in GROUPS.items() if g.low_rank)
 
 
 def group(name: str) -> Group:

@@ -12,6 +12,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Mapping
 
 import torch
 import yaml
@@ -150,9 +151,9 @@ def gold_nll(model, pairs: list[tuple[list[int], int]], batch_size: int, pad_id:
     return _per_token(sequence_nll(model, [p[0] for p in pairs], [p[1] for p in pairs], batch_size, pad_id))
 
 
-def groups_gold_nll(model, plan, groups: list[str], parts: CEDParts | None, pairs: list[tuple[list[int], int]],
-                    batch_size: int, pad_id: int, *, kv_format: str | None, seed: int,
-                    more: dict[str, torch.Tensor] | None = None) -> dict[str, dict]:
+def groups_gold_nll(model, plan, groups: list[str], parts: CEDParts | Mapping[str, CEDParts] | None,
+                    pairs: list[tuple[list[int], int]], batch_size: int, pad_id: int, *, kv_format: str | None,
+                    seed: int, more: dict[str, torch.Tensor] | None = None) -> dict[str, dict]:
     """:func:`gold_nll` of every group under its Mode B runtime, bit for bit, with one shared trunk per batch.
 
     ``more`` adds arms scored elsewhere (Mode A): ``{name: (len(pairs), 2)}`` rows in the

@@ -13,9 +13,9 @@ amortised over a whole context (``tokens_per_entry`` = context length).
 Two parts:
 
 * this project's groups (``baseline``, ``ced``, ``csa2``, ``ced_csa2``,
-  ``share_plain``) on a :class:`~ced_csa2.model_utils.Geometry` and a
+  ``share_plain``, ``xkv``, ...) on a :class:`~ced_csa2.model_utils.Geometry` and a
   :class:`~ced_csa2.plan.LayerPlan`, on the bases ``decoder_attention`` and
-  ``all_attention`` (plus adapter weights amortised over a context);
+  ``all_attention`` (plus adapter weights or xKV bases amortised over a context);
 * the DeepSeek-V4.1 reference accounting of seed 003, the test vectors of docs/design.md §6
   (288 / 68 / 890 / 3,514.25 B, the chain 3514.25 → 652 → 1630 → 890).
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from .csa2 import input_dim
 from .groups import group as _group
 from .model_utils import Geometry
 from .plan import LayerPlan
@@ -105,38 +106,70 @@ def basis_layers(geo: Geometry, plan: LayerPlan, basis: str) -> tuple[int, ...]:
 
 
 def stored_layers(geo: Geometry, plan: LayerPlan, group: str, basis: str) -> tuple[int, ...]:
-    """The layers of ``basis`` that hold a K/V cache in ``group`` (CSA2 targets hold none)."""
-    dropped = set(plan.targets) if _group(group).shares_source_kv else set()
+    """The layers of ``basis`` that hold a K/V cache in ``group`` (CSA2 and xKV targets hold none).
+
+    Under ``xkv`` the source's cache holds the group's one entry of coefficients (see :func:`kv_copies`).
+    """
+    spec = _group(group)
+    dropped = set(plan.targets) if spec.shares_source_kv or spec.low_rank else set()
     return tuple(layer for layer in basis_layers(geo, plan, basis) if layer not in dropped)
 
 
 def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_bytes: int,
-              fp4_group: int = 16) -> list[StoredCopy]:
+              fp4_group: int = 16, rank: int | None = None) -> list[StoredCopy]:
     """One K and one V copy (``kv_dim`` channels, one entry per token) per storing layer.
 
     Qwen3.5-4B in bf16: ``2 · 1024 · 2 = 4,096`` B/token per attention layer (design §6).
     The group's FP4 entries (:meth:`~ced_csa2.groups.Group.fp4_layers`: every layer, or only
     the shared source) cost ``fp4_entry_bytes(kv_dim, fp4_group)`` whatever the dtype.
+    Under a ``low_rank`` group (``xkv``) the source's K and V copies hold the group's
+    ``rank`` cross-layer coefficients instead (default ``rank = kv_dim``: csa2's bytes).
     """
-    fp4 = _group(group).fp4_layers(geo.attention_layers, plan.source)
+    spec = _group(group)
+    fp4 = spec.fp4_layers(geo.attention_layers, plan.source)
     fp4_bytes, dense = fp4_entry_bytes(geo.kv_dim, fp4_group), dense_entry_bytes(geo.kv_dim, dtype_bytes)
-    return [StoredCopy(f"{kind}{layer}", fp4_bytes if layer in fp4 else dense)
+    coefficients = dense_entry_bytes(geo.kv_dim if rank is None else rank, dtype_bytes)
+
+    def entry(layer: int) -> int:
+        if spec.low_rank and layer == plan.source:
+            return coefficients
+        return fp4_bytes if layer in fp4 else dense
+
+    return [StoredCopy(f"{kind}{layer}", entry(layer))
             for layer in stored_layers(geo, plan, group, basis) for kind in ("K", "V")]
 
 
-def adapter_params_per_target(kv_dim: int, width: int) -> int:
-    """Parameters of one target's K and V adapters: ``2 · (d·d + d + d·w + w + w·d + d)``.
+def adapter_params_per_target(kv_dim: int, width: int, input: str) -> int:
+    """Parameters of one target's K and V adapters: ``2 · (n·d + d + n·w + w + w·d + d)``.
 
-    Each of K and V is ``Linear(d, d)`` + ``Linear(d, w)`` + ``Linear(w, d)``, with biases
-    (design §2; 8,395,776 for ``d = 1024, w = 1536``).
+    Each of K and V is ``Linear(n, d)`` + ``Linear(n, w)`` + ``Linear(w, d)``, with biases,
+    ``n`` the input width (``2d`` for ``input="kv"``, ``d`` for ``"own"``; design §2):
+    8,395,776 (``own``) or 13,638,656 (``kv``) for ``d = 1024, w = 1536``.
     """
-    d, w = kv_dim, width
-    return 2 * (d * d + d + d * w + w + w * d + d)
+    d, w, n = kv_dim, width, input_dim(kv_dim, input)
+    return 2 * (n * d + d + n * w + w + w * d + d)
 
 
-def adapter_params(plan: LayerPlan, group: str, kv_dim: int, width: int) -> int:
+def adapter_params(plan: LayerPlan, group: str, kv_dim: int, width: int, input: str) -> int:
     """All adapter parameters a group holds: one K+V pair per target, or 0."""
-    return len(plan.targets) * adapter_params_per_target(kv_dim, width) if _group(group).adapters else 0
+    return len(plan.targets) * adapter_params_per_target(kv_dim, width, input) if _group(group).adapters else 0
+
+
+def xkv_basis_params(plan: LayerPlan, group: str, kv_dim: int, rank: int) -> int:
+    """The ``xkv`` group's bases: ``2 · L · kv_dim · rank`` (K and V, ``L = 1 + len(targets)``), or 0."""
+    return 2 * (1 + len(plan.targets)) * kv_dim * rank if _group(group).low_rank else 0
+
+
+def rotation_params(geo: Geometry, plan: LayerPlan, group: str) -> int:
+    """A rotated FP4 group's matrices (``*_fp4_rot``): ``head_dim²`` per FP4 layer, or 0.
+
+    One ``(head_dim, head_dim)`` matrix per layer whose entry is FP4, shared by its heads, K
+    and V (:mod:`ced_csa2.rotation`).  Weights, never per token: a rotated group's
+    :func:`kv_copies` are its plain twin's.  Built from a fixed seed per layer, so nothing
+    needs storing; this is what they would take as dense matrices.
+    """
+    spec = _group(group)
+    return len(spec.fp4_layers(geo.attention_layers, plan.source)) * geo.head_dim ** 2 if spec.rotate else 0
 
 
 def projector_params(hidden_size: int, kv_dim: int) -> int:

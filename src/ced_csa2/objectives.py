@@ -14,8 +14,9 @@ and logits are recomputed per batch, never stored.
   only); loss = ``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` per real
   token, plus ``kv_weight`` times the relative K/V MSE of the substituted layers.
 
-A *phase* trains one kind of map under one group: the projector under ``ced``, the
-adapters under ``csa2`` (the groups ``ced_csa2`` then combines).
+A *phase* trains maps under one group: the projector under ``ced``, the adapters under
+``csa2``, and both at once under ``ced_csa2`` (its own projector and adapters, from the
+ridge start: the maps of the group they serve).
 """
 
 from __future__ import annotations
@@ -41,26 +42,30 @@ from .records import read_records, tokenize
 from .training import build_adapters
 
 KV = tuple[torch.Tensor, torch.Tensor]
-PHASE_GROUPS = ("ced", "csa2")
+PHASE_GROUPS = ("ced", "csa2", "ced_csa2")
 
 
 def substituted_layers(plan: LayerPlan, group: str) -> tuple[int, ...]:
-    """Layers whose K/V a training phase replaces: the source (``ced``) or the targets (``csa2``)."""
+    """Layers whose K/V a training phase replaces: the source (``ced``), the targets (``csa2``) or both."""
     if group not in PHASE_GROUPS:
         raise ValueError(f"training phase group must be one of {PHASE_GROUPS}, got {group!r}")
-    return (plan.source,) if group == "ced" else tuple(plan.targets)
+    return {"ced": (plan.source,), "csa2": tuple(plan.targets), "ced_csa2": (plan.source, *plan.targets)}[group]
 
 
 def predicted_kv(parts: CEDParts, plan: LayerPlan, group: str, store: dict) -> dict[int, KV]:
     """The maps' K/V ``{layer: (k, v)}``, each ``(B, T, kv_dim)``, from the true inputs in ``store``.
 
     ``store`` is a :func:`ced_csa2.kv_hooks.capture` store holding ``H_split`` and the
-    source's K/V of a teacher pass.
+    source's K/V of a teacher pass.  Under ``ced_csa2`` the targets read the projected
+    source, as the group runs.
     """
-    if group == "ced":
-        return {plan.source: parts.project(plan.source, plan, store["h"][plan.split])}
-    k_src, v_src = store["k"][plan.source], store["v"][plan.source]
-    return {t: parts.adapt(t, k_src, v_src) for t in plan.targets}
+    out = {}
+    if group != "csa2":
+        out[plan.source] = parts.project(plan.source, plan, store["h"][plan.split])
+    if group != "ced":
+        k_src, v_src = out[plan.source] if group == "ced_csa2" else (store["k"][plan.source], store["v"][plan.source])
+        out |= {t: parts.adapt(t, k_src, v_src) for t in plan.targets}
+    return out
 
 
 def relative_mse(pred: torch.Tensor, true: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -204,10 +209,14 @@ SAMPLE_STREAM = 5  # numpy seed-sequence tag (loader.py uses 0-3, training.py 4)
 
 
 
-def ridge_parts(params: Params, plan: LayerPlan, geo: Geometry, ridge_path: Path) -> CEDParts:
-    """Projector and adapters at the ridge solution (seeded, float32)."""
+def ridge_parts(params: Params, plan: LayerPlan, geo: Geometry, ridge_path: Path, projected: bool = False) -> CEDParts:
+    """Projector and adapters at the ridge solution (seeded, float32).
+
+    The adapters' maps are fitted on the true source K/V, or (``projected``) on the
+    source K/V the ridge projector predicts (the ridge stage's ``ced_*`` maps).
+    """
     projector = ridge_projectors(ridge_path, [plan.source], geo)[plan.source]
-    return CEDParts(projector, build_adapters(params, plan, geo.kv_dim, ridge_path))
+    return CEDParts(projector, build_adapters(params, plan, geo.kv_dim, ridge_path, projected=projected))
 
 
 

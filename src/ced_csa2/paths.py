@@ -34,6 +34,10 @@ CURVES = METRICS / "curves"  # one series per file: curves/<stage>/<series>.tsv
 PROJECTOR_CURVES = CURVES / "train_projector"
 ADAPTERS_CURVES = CURVES / "train_adapters"
 
+# fit_xkv (the cross-layer low-rank baseline)
+XKV_PATH = MODELS / "xkv.pt"
+XKV_METRICS = METRICS / "xkv.json"
+
 # evaluation, storage, report
 PPL_METRICS = METRICS / "ppl.json"
 GSM8K_METRICS = METRICS / "gsm8k.json"

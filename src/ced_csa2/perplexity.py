@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from tqdm import tqdm
@@ -54,8 +55,8 @@ def group_ppl(model, plan, group: str, parts: CEDParts, ids: list[list[int]], pa
     return out
 
 
-def groups_ppl(model, plan, groups: list[str], parts: CEDParts | None, ids: list[list[int]], params: Params,
-               pad_id: int) -> dict[str, dict]:
+def groups_ppl(model, plan, groups: list[str], parts: CEDParts | Mapping[str, CEDParts] | None, ids: list[list[int]],
+               params: Params, pad_id: int) -> dict[str, dict]:
     """:func:`group_ppl` of every group, bit for bit, with one shared trunk per batch (:func:`multi_group_nll`).
 
     When ``baseline`` is among ``groups`` every other group also gets, each with its paired

@@ -33,8 +33,8 @@ def build_projectors(params: Params, layers: tuple[int, ...], hidden_size: int, 
                      ) -> dict[int, KVProjector]:
     """Seeded fresh projectors (PyTorch's default init, as in the seed), in ``layers`` order.
 
-    The ridge stage's ``proj_*`` maps are the closed-form baseline they are compared
-    with, not their initialisation: that keeps training independent of ``ridge.lambda``.
+    ``train_projector.init: random``: training is then independent of ``ridge.lambda``
+    (the ridge maps are only the closed-form baseline it is compared with).
     """
     torch.manual_seed(params.seed)
     return {layer: KVProjector(hidden_size, kv_dim) for layer in layers}
@@ -69,13 +69,18 @@ class Fitted:
 
 
 def train_projectors(params: Params, dump: Path, layers: tuple[int, ...], geo: Geometry, train_mask: np.ndarray,
-                     val_mask: np.ndarray, desc: str) -> Fitted:
+                     val_mask: np.ndarray, desc: str, ridge: Path) -> Fitted:
     """The seed's recipe (``train_projector``: MSE, AdamW, warm-up + cosine, autocast) for ``layers``.
 
-    Validation (float32) on every row of ``val_mask`` before training and after each epoch.
+    Starts from PyTorch's default init (``init: random``, the seed's) or from the ridge
+    maps in ``ridge`` (``init: ridge``).  Validation (float32) on every row of ``val_mask``
+    before training and after each epoch.
     """
     cfg = params.train_projector
-    projectors = build_projectors(params, layers, geo.hidden_size, geo.kv_dim)
+    if cfg.init == "ridge":
+        projectors = ridge_projectors(ridge, list(layers), geo)
+    else:
+        projectors = build_projectors(params, layers, geo.hidden_size, geo.kv_dim)
     device = resolve_device("auto")
     for p in projectors.values():
         p.to(device)
@@ -94,8 +99,8 @@ def train_projectors(params: Params, dump: Path, layers: tuple[int, ...], geo: G
     val.close()
     fitted = {layer: {**res, "val_loss": val_summary(res)[0], "val_loss_init": val_summary(init)[0], "maps": "trained"}
               for layer, res, init in zip(layers, final, initial)}
-    run = {"epochs": cfg.epochs, "steps": steps, "train_rows": train.n_rows, "val_rows": val.n_rows,
-           "device": device.type, "amp_dtype": cfg.amp_dtype}
+    run = {"init": cfg.init, "epochs": cfg.epochs, "batch_size": cfg.batch_size, "steps": steps,
+           "train_rows": train.n_rows, "val_rows": val.n_rows, "device": device.type, "amp_dtype": cfg.amp_dtype}
     return Fitted({layer: p.cpu() for layer, p in projectors.items()}, fitted, curves, run)
 
 

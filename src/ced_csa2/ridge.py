@@ -6,8 +6,13 @@ streams the training rows once and fits, with ``λ = ridge.lambda`` and an unpen
 
 * ``proj_{l}`` for each projected layer ``l``: ``h_split → [k_l ‖ v_l]``, the linear
   baseline of the CED projector;
-* ``k_{t}``: ``k_{source} → k_t`` and ``v_{t}``: ``v_{source} → v_t`` for each target
-  ``t``, the base of the CSA2 adapters (separate K and V maps, as the adapters have).
+* the bases of the CSA2 adapters, for each target ``t`` (separate K and V maps, as the
+  adapters have): ``k_{t}``: ``k_{source} → k_t`` and ``v_{t}``: ``v_{source} → v_t``
+  (``train_adapters.input: own``), and ``k_{t}_from_kv`` / ``v_{t}_from_kv`` from the
+  whole stored entry ``[k_{source} ‖ v_{source}]`` (``input: kv``);
+* ``ced_`` + each of those, fitted from the *projected* source K/V (``proj_{source}``
+  applied to ``h_split``) in a second pass once ``proj_{source}`` is solved -- the adapters
+  the ``ced_csa2`` group reads with (its targets never see the true source K/V).
 
 A second streaming pass over the validation records measures each map with
 :class:`~ced_csa2.fit_metrics.FitStats` (``proj_{l}`` also per K and V half, as
@@ -27,6 +32,7 @@ import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -152,44 +158,97 @@ class MapGroup:
     ``maps[name]`` lists the datasets concatenated into that map's output.
     """
 
-    x: str
+    x: str | tuple[str, ...]  # one dataset, or several concatenated along features
     maps: dict[str, tuple[str, ...]]
+
+    @property
+    def xs(self) -> tuple[str, ...]:
+        return (self.x,) if isinstance(self.x, str) else self.x
 
     @property
     def y(self) -> list[str]:
         return [n for ys in self.maps.values() for n in ys]
 
 
+def adapter_map(kind: str, target: int, input: str, projected: bool = False) -> str:
+    """Name of the ridge map a target's ``kind`` adapter starts from.
+
+    ``input``: ``"own"`` (from the source's ``kind``) or ``"kv"`` (from ``[K ‖ V]``, suffix
+    ``_from_kv``); ``projected``: fitted on the projected source (prefix ``ced_``).
+    """
+    return f"{'ced_' if projected else ''}{kind}_{target}{'_from_kv' if input == 'kv' else ''}"
+
+
+def _adapter_groups(plan: LayerPlan, k_src: str, v_src: str, projected: bool) -> list[MapGroup]:
+    """The adapters' maps from source inputs ``k_src``/``v_src``: from each kind alone and from both."""
+    kinds = {"k": k_src, "v": v_src}
+    return [*(MapGroup(x, {adapter_map(kind, t, "own", projected): (f"{kind}_{t}",) for t in plan.targets})
+              for kind, x in kinds.items()),
+            MapGroup((k_src, v_src), {adapter_map(kind, t, "kv", projected): (f"{kind}_{t}",)
+                                      for t in plan.targets for kind in kinds})]
+
+
 def map_groups(plan: LayerPlan) -> list[MapGroup]:
-    """The ridge maps of a plan, grouped by input: projector baselines, K adapters, V adapters."""
-    return [
-        MapGroup("h_split", {f"proj_{l}": (f"k_{l}", f"v_{l}") for l in plan.projected}),
-        MapGroup(f"k_{plan.source}", {f"k_{t}": (f"k_{t}",) for t in plan.targets}),
-        MapGroup(f"v_{plan.source}", {f"v_{t}": (f"v_{t}",) for t in plan.targets}),
-    ]
+    """The ridge maps of a plan, grouped by input: projector baselines, then the adapters' bases."""
+    return [MapGroup("h_split", {f"proj_{layer}": (f"k_{layer}", f"v_{layer}") for layer in plan.projected}),
+            *_adapter_groups(plan, f"k_{plan.source}", f"v_{plan.source}", projected=False)]
 
 
-def _datasets(groups: list[MapGroup]) -> list[str]:
-    return list(dict.fromkeys(n for g in groups for n in [g.x, *g.y]))
+@dataclass(frozen=True)
+class Derive:
+    """Inputs computed from each block: ``fn(block)`` adds ``widths``' names, reading ``needs``."""
+
+    widths: dict[str, int]
+    needs: tuple[str, ...]
+    fn: Callable[[dict[str, np.ndarray]], None]
+
+
+def projected_groups(plan: LayerPlan, proj: dict[str, torch.Tensor]) -> tuple[list[MapGroup], Derive]:
+    """The adapter maps of ``ced_csa2``: from the source K/V that ``proj`` (``proj_{source}``) predicts.
+
+    Returns the map groups (inputs ``ced_k_{s}``, ``ced_v_{s}``, the projector's K and V
+    halves; outputs the targets' true K/V) and what adds those inputs to a block read from
+    the dump.
+    """
+    s = plan.source
+    k_in, v_in = f"ced_k_{s}", f"ced_v_{s}"
+
+    def derive(block: dict[str, np.ndarray]) -> None:
+        kv = torch.from_numpy(block["h_split"]) @ proj["W"] + proj["b"]
+        block[k_in], block[v_in] = (x.numpy() for x in kv.chunk(2, dim=1))
+
+    width = proj["W"].shape[1] // 2
+    return _adapter_groups(plan, k_in, v_in, projected=True), Derive({k_in: width, v_in: width}, ("h_split",), derive)
+
+
+def _blocks(reader: DumpReader, groups: list[MapGroup], mask: np.ndarray, block_rows: int,
+            derive: Derive | None) -> Iterator[dict[str, np.ndarray]]:
+    """The masked rows of every dataset ``groups`` read, block by block, with the derived inputs added."""
+    made = derive.widths if derive else {}
+    names = [n for g in groups for n in [*g.xs, *g.y] if n not in made] + list(derive.needs if derive else ())
+    for block in iter_blocks(reader, list(dict.fromkeys(names)), mask, block_rows):
+        if derive:
+            derive.fn(block)
+        yield block
 
 
 def fit_maps(reader: DumpReader, groups: list[MapGroup], mask: np.ndarray, block_rows: int,
-             lam: float) -> dict[str, dict[str, torch.Tensor]]:
-    """Fit every map on the masked rows in one pass over the file.
+             lam: float, derive: Derive | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Fit every map on the masked rows in one pass over the file (``derive``: computed inputs).
 
     Returns
     -------
     dict
         ``{name: {"W": (d_in, d_out) float32, "b": (d_out,) float32}}``.
     """
-    widths = reader.layout.widths()
-    accs = [RidgeAccumulator(widths[g.x], sum(widths[n] for n in g.y), name=f"{g.x} -> {', '.join(g.maps)}")
-            for g in groups]
+    widths = {**reader.layout.widths(), **(derive.widths if derive else {})}
+    accs = [RidgeAccumulator(sum(widths[n] for n in g.xs), sum(widths[n] for n in g.y),
+                             name=f"{' ‖ '.join(g.xs)} -> {', '.join(g.maps)}") for g in groups]
     with tqdm(total=int(mask.sum()), desc="ridge fit", unit="row", unit_scale=True) as bar:
-        for block in iter_blocks(reader, _datasets(groups), mask, block_rows):
+        for block in _blocks(reader, groups, mask, block_rows, derive):
             for g, acc in zip(groups, accs):
-                acc.update(torch.from_numpy(block[g.x]), torch.from_numpy(cat_features(block, g.y)))
-            bar.update(len(block[groups[0].x]))
+                acc.update(torch.from_numpy(cat_features(block, g.xs)), torch.from_numpy(cat_features(block, g.y)))
+            bar.update(len(block[groups[0].xs[0]]))
     maps = {}
     for g, acc in zip(groups, accs):
         W, b = acc.solve(lam)
@@ -202,8 +261,8 @@ def fit_maps(reader: DumpReader, groups: list[MapGroup], mask: np.ndarray, block
 
 
 def evaluate_maps(reader: DumpReader, groups: list[MapGroup], maps: dict, mask: np.ndarray,
-                  block_rows: int) -> dict[str, dict]:
-    """Held-out fit of the stored (float32) maps on the masked rows, in one pass.
+                  block_rows: int, derive: Derive | None = None) -> dict[str, dict]:
+    """Held-out fit of the stored (float32) maps on the masked rows, in one pass (``derive``: as :func:`fit_maps`).
 
     Returns
     -------
@@ -213,9 +272,9 @@ def evaluate_maps(reader: DumpReader, groups: list[MapGroup], maps: dict, mask: 
     """
     stats: dict[str, FitStats] = {}
     with tqdm(total=int(mask.sum()), desc="ridge val", unit="row", unit_scale=True) as bar:
-        for block in iter_blocks(reader, _datasets(groups), mask, block_rows):
+        for block in _blocks(reader, groups, mask, block_rows, derive):
             for g in groups:
-                X = torch.from_numpy(block[g.x])
+                X = torch.from_numpy(cat_features(block, g.xs))
                 for name, ys in g.maps.items():
                     P = X @ maps[name]["W"] + maps[name]["b"]
                     Y = torch.from_numpy(cat_features(block, ys))
@@ -227,7 +286,7 @@ def evaluate_maps(reader: DumpReader, groups: list[MapGroup], maps: dict, mask: 
                             part = f"{name}_{y.split('_')[0]}"
                             stats.setdefault(part, FitStats()).update(P[:, col:col + width], Y[:, col:col + width])
                             col += width
-            bar.update(len(block[groups[0].x]))
+            bar.update(len(block[groups[0].xs[0]]))
     out = {}
     for name, s in stats.items():
         r = s.result()

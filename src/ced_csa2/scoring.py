@@ -8,13 +8,13 @@ what :func:`sequence_nll` gives under each group's :class:`~ced_csa2.ced_runtime
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from . import kv_hooks
-from .ced_runtime import CEDModeBRuntime, CEDParts
+from .ced_runtime import CEDModeBRuntime, CEDParts, parts_for
 from .model_utils import decoder_layer
 from .plan import LayerPlan
 
@@ -136,7 +136,7 @@ def branch_point(runtime: CEDModeBRuntime, n_layers: int) -> int:
 
 
 @torch.inference_mode()
-def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDParts | None,
+def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDParts | Mapping[str, CEDParts] | None,
                     sequences: Sequence[Sequence[int]], score_from: Sequence[int], batch_size: int,
                     pad_id: int = 0, *, kv_format: str | None, agreement: bool = False) -> dict[str, torch.Tensor]:
     """:func:`sequence_nll` of every Mode B group in ``groups``, the shared trunk run once per batch.
@@ -146,7 +146,8 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
     Qwen3.5, GatedDeltaNet layers are the model's own) up to the highest branch point
     (to the end when a group is the plain model), recording the hidden state entering
     each branch point, the arguments the forward passes each decoder layer, ``H_split``
-    and the true source K/V.  Each other group then runs only its layers from its branch
+    and the true source K/V (with an ``xkv`` group, the clean K/V of the source and every
+    target, running at least through the top target).  Each other group then runs only its layers from its branch
     point on, under its :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (whose hooks are
     handed the trunk's ``H_split``/source K/V when they sit below the branch point), on a
     fresh cache, then the final norm and LM head -- as ``LlamaModel``/``Qwen3_5TextModel``
@@ -159,7 +160,8 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
     model
         A HF causal LM of the Llama or Qwen3.5 (text) family, with no runtime installed.
     plan, parts, kv_format
-        As for :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (every group checked before scoring).
+        As for :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (every group checked before
+        scoring); ``parts`` may also map each group to its own maps (:func:`~ced_csa2.ced_runtime.parts_for`).
     groups
         Group names (:data:`ced_csa2.groups.GROUP_NAMES`).
     sequences, score_from, batch_size, pad_id
@@ -176,7 +178,8 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
         number of scored tokens (``c = 2``), then the summed KL and agreeing tokens (``c = 4``
         with ``agreement``).
     """
-    runtimes = {g: CEDModeBRuntime(model, plan, g, parts, kv_format=kv_format) for g in dict.fromkeys(groups)}
+    runtimes = {g: CEDModeBRuntime(model, plan, g, parts_for(parts, g), kv_format=kv_format)
+                for g in dict.fromkeys(groups)}
     if not runtimes:
         return {}
     if agreement and "baseline" not in runtimes:
@@ -194,6 +197,11 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
         for i, kind in enumerate(kinds, 1):
             first.setdefault(kind, i)
         stop = max(points[-1], *(first[kinds[i - 1]] for i in range(points[-1], n + 1)))
+    # xkv groups read the clean K/V of the source and every target (a compressed clean
+    # prefill): the trunk, which is that clean pass, captures them, so it runs through the top target.
+    clean_layers = (plan.source, *plan.targets) if any(rt.spec.low_rank for rt in runtimes.values()) else ()
+    if clean_layers and stop is not None:
+        stop = max(stop, max(clean_layers) + 1) if max(clean_layers) < n else None
 
     device = next(model.parameters()).device
     out = {g: torch.zeros(len(sequences), 4 if agreement else 2, dtype=torch.float64) for g in runtimes}
@@ -224,7 +232,8 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
         inputs.clear()
         layer_kwargs.clear()
         reference = None  # the baseline's log-probabilities of this batch (agreement)
-        with kv_hooks._installed(trunk_hooks), kv_hooks.capture(model, [plan.source], [plan.split]) as trunk:
+        with kv_hooks._installed(trunk_hooks), \
+                kv_hooks.capture(model, list(dict.fromkeys((plan.source, *clean_layers))), [plan.split]) as trunk:
             try:
                 logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
             except _StopTrunk:
@@ -239,7 +248,9 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
                 continue
             with runtime:
                 runtime.seed(h_split=trunk["h"][plan.split] if plan.split < b else None,
-                             source_kv=(trunk["k"][plan.source], trunk["v"][plan.source]) if plan.source < b else None)
+                             source_kv=(trunk["k"][plan.source], trunk["v"][plan.source]) if plan.source < b else None,
+                             clean_kv={l: (trunk["k"][l], trunk["v"][l]) for l in clean_layers}
+                             if runtime.spec.low_rank else None)
                 h, fresh = inputs[b], {}
                 for i in range(b, n + 1):
                     kw = dict(layer_kwargs[kinds[i - 1]])

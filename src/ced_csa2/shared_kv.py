@@ -336,8 +336,11 @@ class SharedKVCache(DynamicCache):
     def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None = None,
                  storage: str = "bf16"):
         if group not in SHARED_GROUPS:
+            spec = GROUPS.get(group)
+            fp4 = ("; an FP4 group is its dense twin with storage='nvfp4'/'mxfp4', and the rotated *_fp4_rot "
+                   "groups run in CEDModeBRuntime only (no rotated store here)") if spec and spec.is_fp4 else ""
             raise ValueError(f"group {group!r} has no shared store (SharedKVCache serves {list(SHARED_GROUPS)}); "
-                             "use a DynamicCache for baseline/ced, or FP4KVCache for FP4 without sharing")
+                             f"use a DynamicCache for baseline/ced, or FP4KVCache for FP4 without sharing{fp4}")
         parts = parts or CEDParts()
         require_parts(group, parts)
         fmt = _format(storage)
@@ -395,18 +398,32 @@ class FP4KVCache(DynamicCache):
 
 # ----------------------------------------------------------------------------- accounting
 
-def accounted_copies(geo: Geometry, plan: LayerPlan, group: str, storage: str, dtype_bytes: int) -> list[StoredCopy]:
+def accounted_copies(geo: Geometry, plan: LayerPlan, group: str, storage: str, dtype_bytes: int,
+                     rank: int | None = None) -> list[StoredCopy]:
     """What a cache should hold per token on the ``all_attention`` basis (:mod:`ced_csa2.kv_bytes`).
 
     ``group`` ``baseline`` with an FP4 ``storage`` is :class:`FP4KVCache` (every layer in
-    FP4); a shared group with an FP4 ``storage`` stores only the source in FP4.
+    FP4); a shared group with an FP4 ``storage`` stores only the source in FP4.  ``xkv``
+    (dense storage only) holds ``rank`` coefficients (default ``kv_dim``) for K and for V
+    per token in place of the source's and targets' entries.  An FP4 group (``*_fp4``,
+    ``*_fp4_rot``) needs its ``kv_format`` as ``storage`` and holds its own FP4 entries
+    (:meth:`~ced_csa2.groups.Group.fp4_layers`); a rotation adds no per-token bytes.
     """
     fmt = _format(storage)
-    copies = kv_copies(geo, plan, group, "all_attention", dtype_bytes)
+    copies = kv_copies(geo, plan, group, "all_attention", dtype_bytes, rank=rank)  # refuses an unknown group
+    spec = GROUPS[group]
+    if spec.is_fp4 and fmt is None:
+        raise ValueError(f"group {group!r} stores FP4 entries: give its kv_format as storage ({list(FORMATS)}), "
+                         f"got {storage!r}")
     if fmt is None:
         return copies
+    if GROUPS[group].low_rank:
+        raise ValueError(f"group {group!r} stores dense cross-layer coefficients; FP4 storage {storage!r} is not defined")
     fp4 = fp4_entry_bytes(geo.kv_dim, fmt.group)
-    fp4_names = {f"{kind}{plan.source}" for kind in "KV"} if group in SHARED_GROUPS else {c.name for c in copies}
+    if spec.is_fp4:  # the group's own FP4 entries (its rotation, if any, is weights: no bytes per token)
+        fp4_names = {f"{kind}{layer}" for layer in spec.fp4_layers(geo.attention_layers, plan.source) for kind in "KV"}
+    else:
+        fp4_names = {f"{kind}{plan.source}" for kind in "KV"} if group in SHARED_GROUPS else {c.name for c in copies}
     return [StoredCopy(c.name, fp4) if c.name in fp4_names else c for c in copies]
 
 

@@ -40,7 +40,7 @@ from .io_utils import atomic_write_text
 from .loader import record_split, row_mask
 from .model_utils import Geometry, resolve_dtype
 from .plan import LayerPlan
-from .ridge import load_ridge
+from .ridge import adapter_map, load_ridge
 
 log = logging.getLogger(__name__)
 
@@ -360,15 +360,19 @@ def pair_names(plan: LayerPlan) -> tuple[list[str], list[str]]:
 
 
 
-def build_adapters(params: Params, plan: LayerPlan, kv_dim: int, ridge_path: Path) -> CSA2Adapters:
-    """Seeded adapters whose bases hold the ridge maps ``k_{t}``, ``v_{t}`` (MLPs at their zero start)."""
+def build_adapters(params: Params, plan: LayerPlan, kv_dim: int, ridge_path: Path,
+                   projected: bool = False) -> CSA2Adapters:
+    """Seeded adapters (``train_adapters.input``) whose bases hold their ridge maps (MLPs at their zero start).
+
+    ``projected``: the maps fitted on the projected source (``ced_csa2``'s adapters).
+    """
     cfg = params.train_adapters
-    maps = ridge_maps(ridge_path, pair_names(plan)[1])
+    names = {(kind, t): adapter_map(kind, t, cfg.input, projected) for t in plan.targets for kind in KINDS}
+    maps = ridge_maps(ridge_path, list(names.values()))
     torch.manual_seed(params.seed)
-    adapters = CSA2Adapters(plan.targets, kv_dim, width_mult=cfg.width_mult, activation=cfg.activation)
-    for t in plan.targets:
-        for kind in KINDS:
-            m = maps[f"{kind}_{t}"]
-            adapters.adapter(kind, t).init_from_ridge(m["W"], m["b"])
+    adapters = CSA2Adapters(plan.targets, kv_dim, width_mult=cfg.width_mult, activation=cfg.activation,
+                            input=cfg.input)
+    for (kind, t), name in names.items():
+        adapters.adapter(kind, t).init_from_ridge(maps[name]["W"], maps[name]["b"])
     return adapters
 

@@ -56,8 +56,16 @@ from ..ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDParts, load_parts
 from ..config import Params
 from ..entry import run_stage
 from ..groups import GROUPS
-from ..gsm8k import (FEWSHOT_SOURCE, _offline, count_problems, evaluate_group, evaluate_lm, groups_gold_nll,
-                     mode_a_gold_rows, write_task_yaml)
+from ..gsm8k import (
+    FEWSHOT_SOURCE,
+    _offline,
+    count_problems,
+    evaluate_group,
+    evaluate_lm,
+    groups_gold_nll,
+    mode_a_gold_rows,
+    write_task_yaml,
+)
 from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..paths import GOLD_PATH, GSM8K_JSONL, MODELS
@@ -94,9 +102,10 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     n = count_problems(data_file)
     plan, geo = load_plan(params.plan, params.model)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(cfg.device))
-    if parts is None and (any(GROUPS[g].uses_maps for g in cfg.groups) or
+    low_rank = any(GROUPS[g].low_rank for g in cfg.groups)  # xkv: models/xkv.pt
+    if parts is None and (any(GROUPS[g].uses_maps for g in cfg.groups) or low_rank or
                           (cfg.mode_a != "off" and not plan.uncovered(geo))):
-        parts = load_parts(workdir / MODELS, params, plan, geo, device=model.device)
+        parts = load_parts(workdir / MODELS, params, plan, geo, device=model.device, low_rank=low_rank)
     lm = HFLM(pretrained=model, tokenizer=tok, batch_size=cfg.batch_size)
     log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d): generation for %s, gold NLL for %s",
              params.data.math.label, n, cfg.num_fewshot, cfg.max_gen_toks, list(cfg.generate), list(cfg.groups))

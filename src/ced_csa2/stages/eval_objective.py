@@ -2,7 +2,8 @@
 
     python -m ced_csa2.stages.eval_objective distill     # what `dvc repro eval_objective@distill` runs
 
-Scores the maps of ``models/objectives/<objective>/`` (stage ``tune@<objective>``) for every
+Scores the maps of ``models/objectives/<objective>/`` (stage ``tune@<objective>``; the
+``ced_csa2*`` groups with the pair in its ``ced_csa2/`` folder, trained for them) for every
 group of ``train.eval_groups`` with exactly the main branch's protocols: the eval
 records' corpus-level perplexity (:func:`ced_csa2.perplexity.groups_ppl`) and the gold-solution
 NLL on the prompts ``eval_gsm8k`` saved (``data/gsm8k_gold.json``).  Exact-match accuracy
@@ -21,6 +22,7 @@ from pathlib import Path
 from ..ced_runtime import CEDParts, load_parts
 from ..config import Params, require_listed
 from ..entry import objective_arg, run_stage
+from ..groups import GROUPS
 from ..gsm8k import groups_gold_nll, load_gold_pairs
 from ..io_utils import write_json
 from ..model_utils import Geometry, load_model_and_tokenizer, resolve_device
@@ -30,14 +32,19 @@ from ..plan import LayerPlan, load_plan
 
 
 def load_objective_parts(workdir: Path, objective: str, params: Params, plan: LayerPlan, geo: Geometry,
-                         device) -> CEDParts:
-    """The projector and adapters ``tune@<objective>`` wrote (no extra sources: Mode B only).
+                         device) -> dict[str, CEDParts]:
+    """The maps ``tune@<objective>`` wrote, per group: ``{group: CEDParts}`` for ``train.eval_groups``.
 
-    Checked as :func:`ced_csa2.ced_runtime.load_parts` checks the main branch's maps (model,
-    layer(s), ``hidden_size``/``kv_dim``, plan), plus ``objective``.
+    The groups that project the source *and* adapt it (``ced_csa2*``) get the pair trained
+    for them (``.../ced_csa2/``); the others the ``ced``/``csa2`` pair.  No extra sources
+    (Mode B only).  Checked as :func:`ced_csa2.ced_runtime.load_parts` checks the main
+    branch's maps (model, layer(s), ``hidden_size``/``kv_dim``, plan), plus ``objective``.
     """
-    return load_parts(workdir / objective_models(objective), params, plan, geo, device=device,
-                      also={"objective": objective}, extra_sources=False)
+    folder = workdir / objective_models(objective)
+    pairs = {sub: load_parts(folder / sub, params, plan, geo, device=device, also={"objective": objective},
+                             extra_sources=False) for sub in ("", "ced_csa2")}
+    return {g: pairs["ced_csa2" if GROUPS[g].projected_source and GROUPS[g].adapters else ""]
+            for g in params.train.eval_groups}
 
 
 def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_tok=None) -> dict:

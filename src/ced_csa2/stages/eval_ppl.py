@@ -27,6 +27,7 @@ from pathlib import Path
 from ..ced_runtime import CEDParts, load_parts
 from ..config import Params
 from ..entry import run_stage
+from ..groups import LOW_RANK_GROUPS
 from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..paths import MODELS, PPL_METRICS
@@ -51,7 +52,8 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     device = resolve_device(cfg.device)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
     if parts is None:
-        parts = load_parts(workdir / MODELS, params, plan, geo, device=device)
+        parts = load_parts(workdir / MODELS, params, plan, geo, device=device,
+                           low_rank=any(g in LOW_RANK_GROUPS for g in cfg.groups))  # models/xkv.pt
     ids = eval_ids(params, tok, workdir)
     t0 = time.perf_counter()
     # All groups at once: the layers below the first one a group changes run once per batch.

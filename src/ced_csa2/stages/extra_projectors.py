@@ -51,7 +51,8 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     if layers:
         train_mask, val_mask = split_masks(dump, params, plan, geo, layers, tokens_per_record=0)
         if params.extra_projectors == "trained":
-            fitted = train_projectors(params, dump, layers, geo, train_mask, val_mask, desc="extra_projectors")
+            fitted = train_projectors(params, dump, layers, geo, train_mask, val_mask, desc="extra_projectors",
+                                      ridge=workdir / RIDGE_PATH)
         else:
             fitted = ridge_fitted(params, dump, workdir / RIDGE_PATH, list(layers), geo, val_mask, val_batch)
     trained = (recipe,) if params.extra_projectors == "trained" else ()

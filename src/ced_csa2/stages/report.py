@@ -28,6 +28,8 @@ from ..paths import METRICS, REPORTS, SUMMARY
 log = logging.getLogger(__name__)
 
 BASES = ("decoder_attention", "all_attention", "all_attention_amortised_32k")
+CED_CSA2_START = {"csa2": "csa2's ridge maps, fitted on the true source K/V",
+                  "projected": "ridge maps fitted on the projected source K/V its targets read"}
 
 
 def _load(workdir: Path, name: str | Path) -> dict:
@@ -117,6 +119,16 @@ def fit_table(ridge: dict, projector: dict, adapters: dict) -> list[str]:
         lines.append(f"| adapter KV_src → KV_{layer} | " + " | ".join(
             f"{m[kind]['ridge'][stat]:.4f} → {m[kind]['trained'][stat]:.4f}" for kind in "kv"
             for stat in ("cos", "r2")) + " |")
+    return lines
+
+
+def served_fit_table(ridge: dict, targets: list[str]) -> list[str]:
+    """Ridge adapters fed the projected source: csa2's (fitted on the true source) vs ced_csa2's own."""
+    lines = ["| adapter fed proj(H) → KV_t | K R² csa2's map → ced_csa2's map | V R² csa2's map → ced_csa2's map |",
+             "|---|---|---|"]
+    for t in targets:
+        lines.append(f"| KV_{t} | " + " | ".join(
+            f"{ridge[f'{kind}_{t}_on_ced']['r2']:.4f} → {ridge[f'ced_{kind}_{t}']['r2']:.4f}" for kind in "kv") + " |")
     return lines
 
 
@@ -305,13 +317,18 @@ def run(params: Params, workdir: Path = Path(".")) -> str:
         "## Mode A: true CED (prefill skip)", "", *mode_a_table(ppl, gsm), "",
         "## Training objectives", "",
         "Same PPL and gold-NLL protocols as above; Δ against the baseline. `kv_mse (seed)` is the main "
-        "branch (projector from random init, adapters from ridge, K/V MSE); every other objective starts from "
-        "the ridge maps (`ridge` = that start, untrained). Train wall s: for `kv_mse` the whole "
-        "train_projector + train_adapters stages, for the online objectives their two training loops "
-        "(model loading and held-out evaluation excluded; see metrics/objectives/*/train.json), on this "
-        "run's device.", "",
+        f"branch (projector from {projector['run'].get('init', 'random')} init, batch "
+        f"{projector['run'].get('batch_size', '?')}, {projector['run']['steps']:,} AdamW steps; adapters from "
+        "ridge on the true source K/V; K/V MSE); every other objective starts from the ridge maps (`ridge` = "
+        "that start, untrained) and gives each group the maps made for it: `ced_csa2` gets its own projector "
+        f"and adapters (starting from {CED_CSA2_START[params.train.ced_csa2_start]}), trained jointly under "
+        "`ced_csa2` by the online objectives. Train wall s: for `kv_mse` the whole "
+        "train_projector + train_adapters stages, for the online objectives their training loops (phases "
+        "ced, csa2, ced_csa2; model loading and held-out evaluation excluded; see "
+        "metrics/objectives/*/train.json), on this run's device.", "",
         *objective_table(ppl, gsm, projector, adapters, objectives, groups), "",
         "## Fit of the maps (held-out tokens)", "", *fit_table(ridge, projector, adapters), "",
+        *served_fit_table(ridge, list(adapters["layers"])), "",
         "Qwen3.5-4B geometry (computed from its config, no weights): "
         + ", ".join(f"{b}: baseline {storage['qwen3_5_4b']['kv']['bf16'][b]['baseline']['bytes_per_token']:,.0f} → "
                     f"csa2 {storage['qwen3_5_4b']['kv']['bf16'][b]['csa2']['bytes_per_token']:,.0f} B/token"

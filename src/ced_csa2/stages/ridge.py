@@ -3,7 +3,9 @@
     python -m ced_csa2.stages.ridge      # what `dvc repro ridge` runs
 
 Reads ``params.yaml`` and ``data/dump/dump.h5``; fits the maps of
-:mod:`ced_csa2.ridge` on the train records and measures them on the validation records.
+:mod:`ced_csa2.ridge` on the train records and measures them on the validation records
+(``ced_{k,v}_{t}``: the adapters' maps from the projected source, and ``{k,v}_{t}_on_ced``:
+the true-source maps fed the projected source, what ``ced_csa2`` gets without them).
 Writes ``models/ridge.pt`` and ``metrics/ridge.json``.
 """
 
@@ -20,7 +22,7 @@ from ..io_utils import write_json
 from ..loader import aligned_block_rows, record_split, row_mask
 from ..paths import DUMP_PATH, RIDGE_METRICS, RIDGE_PATH
 from ..plan import LayerPlan
-from ..ridge import DUMP_ATTRS, evaluate_maps, fit_maps, map_groups, save_ridge
+from ..ridge import DUMP_ATTRS, MapGroup, evaluate_maps, fit_maps, map_groups, projected_groups, save_ridge
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,15 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
                  lam, reader.path, len(train), train_mask.sum(), len(val), val_mask.sum(), block_rows)
         maps = fit_maps(reader, groups, train_mask, block_rows, lam)
         fits = evaluate_maps(reader, groups, maps, val_mask, block_rows)
+        # ced_csa2's adapters, fitted on the source K/V its targets will read: the projected ones.
+        ced_groups, derive = projected_groups(plan, maps[f"proj_{plan.source}"])
+        maps |= fit_maps(reader, ced_groups, train_mask, block_rows, lam, derive)
+        # ... and, for comparison, csa2's maps (fitted on the true source) fed the projected one.
+        on_ced = [MapGroup(g.x, {f"{name.removeprefix('ced_')}_on_ced": ys for name, ys in g.maps.items()})
+                  for g in ced_groups]
+        fits |= evaluate_maps(reader, ced_groups + on_ced,
+                              maps | {f"{n}_on_ced": maps[n] for g in groups[1:] for n in g.maps},
+                              val_mask, block_rows, derive)
         dump_attrs = {k: str(reader.attrs[k]) for k in DUMP_ATTRS if k in reader.attrs}
     for name, f in fits.items():
         log.info("%-12s val R2 %.4f  cos %.4f  rel_mse %.4g", name, f["r2"], f["cos"], f["rel_mse"])

@@ -7,12 +7,13 @@ Reads ``params.yaml`` and the active model's config (no weights), and writes
 (built locally, no download; plan 16 / 20 / 24, 28, 32):
 
 * ``kv.<dtype>.<basis>.<group>``: ``bytes_per_token`` and ``compression_vs_baseline``
-  for dtype ``bf16`` / ``fp32``, groups ``baseline``, ``ced``, ``csa2``, ``ced_csa2``,
-  ``share_plain`` and bases ``decoder_attention`` (attention layers above the split),
-  ``all_attention`` (every attention layer) and ``all_attention_amortised_{4k,32k,128k}``
-  (``all_attention`` plus the adapter weights spread over a context of that length);
-* ``stored_layers`` and ``weights`` (adapter and projector parameter counts, and how
-  each is counted);
+  for dtype ``bf16`` / ``fp32``, every group of the registry (``xkv`` at ``xkv.rank``
+  coefficients, ``0`` = ``kv_dim``) and bases ``decoder_attention`` (attention layers above
+  the split), ``all_attention`` (every attention layer) and
+  ``all_attention_amortised_{4k,32k,128k}`` (``all_attention`` plus the adapter weights,
+  or xkv's bases, spread over a context of that length);
+* ``stored_layers`` and ``weights`` (adapter, xkv basis, FP4 rotation and projector parameter counts,
+  and how each is counted);
 
 plus the DeepSeek-V4.1 reference figures of seed 003 (``deepseek_v4_1``) and a note on
 the seed's unexplained 3.44×.  All arithmetic lives in :mod:`ced_csa2.kv_bytes`.
@@ -45,12 +46,14 @@ from ..kv_bytes import (
     kv_copies,
     kv_proj_params,
     projector_params,
+    rotation_params,
     stored_layers,
     v4_entry_bytes,
     v41_chain,
     v41_indexer_entry_bytes,
     v41_main_kv_entry_bytes,
     weight_copy,
+    xkv_basis_params,
 )
 from ..model_utils import QWEN3_5_4B_ID, Geometry, geometry
 from ..paths import STORAGE_METRICS
@@ -64,8 +67,8 @@ QWEN3_5_4B_PLAN = LayerPlan(split=16, source=20, targets=(24, 28, 32))
 BASIS_DOC = {
     "decoder_attention": "K+V caches of the attention layers above the split layer",
     "all_attention": "K+V caches of every attention layer",
-    **{f"all_attention_amortised_{name}": f"all_attention plus the group's adapter weights (at the same dtype) "
-                                          f"amortised over a {n}-token context"
+    **{f"all_attention_amortised_{name}": f"all_attention plus the group's adapter weights or xkv bases (at the "
+                                          f"same dtype) amortised over a {n}-token context"
        for name, n in CONTEXTS.items()},
 }
 GROUP_DOC = {name: g.doc for name, g in GROUPS.items()}
@@ -73,8 +76,17 @@ PROJECTOR_COUNTING = (
     "the projector is not in any amortised basis: it replaces the projected layer's k_proj/v_proj "
     "(bias-free, 2 * hidden * kv_dim), weights the base model holds anyway; its net extra is its bias, 2 * kv_dim")
 ADAPTER_COUNTING = (
-    "adapter weights are counted gross, 2 * (d*d + d + d*w + w + w*d + d) per target (w = MLP width), "
+    "adapter weights are counted gross, 2 * (n*d + d + n*w + w + w*d + d) per target (w = MLP width, n = input "
+    "width: 2d when adapters read [K ‖ V], d when K reads K and V reads V), "
     "not netted against the targets' own k_proj/v_proj, which a shared store no longer needs either")
+XKV_COUNTING = (
+    "xkv stores per token one entry of xkv_rank coefficients for K and one for V (in place of the source's and "
+    "targets' entries); its bases, 2 * L * kv_dim * xkv_rank parameters (L = source + targets), are counted "
+    "as weights in the amortised bases")
+ROTATION_COUNTING = (
+    "the *_fp4_rot groups' rotations (one head_dim x head_dim matrix per FP4 layer, shared by its heads, K and V) "
+    "are built from a fixed seed per layer, so they are not stored and are in no basis: a rotated group's bytes per "
+    "token are its plain FP4 twin's; rotation_params is their size as dense matrices")
 
 
 def qwen3_5_4b_geometry() -> Geometry:
@@ -91,21 +103,26 @@ def qwen3_5_4b_geometry() -> Geometry:
     return geometry(config)
 
 
-def basis_copies(geo: Geometry, plan: LayerPlan, group: str, dtype_bytes: int, width: int,
-                 fp4_group: int) -> dict[str, list]:
-    """The stored copies of ``group`` on every basis (amortised bases add one adapter-weights copy)."""
-    copies = {basis: kv_copies(geo, plan, group, basis, dtype_bytes, fp4_group) for basis in BASES}
-    weights = adapter_params(plan, group, geo.kv_dim, width)
+def basis_copies(geo: Geometry, plan: LayerPlan, group: str, dtype_bytes: int, width: int, adapter_input: str,
+                 fp4_group: int, rank: int) -> dict[str, list]:
+    """The stored copies of ``group`` on every basis (amortised bases add one adapter-weights copy,
+    and for ``xkv`` one copy of its bases; ``rank``: xkv's coefficients per token)."""
+    copies = {basis: kv_copies(geo, plan, group, basis, dtype_bytes, fp4_group, rank) for basis in BASES}
+    weights = adapter_params(plan, group, geo.kv_dim, width, adapter_input)
+    bases = xkv_basis_params(plan, group, geo.kv_dim, rank)
     for name, context in CONTEXTS.items():
-        copies[f"all_attention_amortised_{name}"] = [*copies["all_attention"],
-                                                      weight_copy("adapters", weights, dtype_bytes, context)]
+        copies[f"all_attention_amortised_{name}"] = [
+            *copies["all_attention"], weight_copy("adapters", weights, dtype_bytes, context),
+            *([weight_copy("xkv_bases", bases, dtype_bytes, context)] if bases else [])]
     return copies
 
 
-def kv_table(geo: Geometry, plan: LayerPlan, dtype_bytes: int, width: int, fp4_group: int) -> dict:
+def kv_table(geo: Geometry, plan: LayerPlan, dtype_bytes: int, width: int, adapter_input: str, fp4_group: int,
+             rank: int) -> dict:
     """``{basis: {group: {"bytes_per_token", "compression_vs_baseline"}}}`` at one dtype."""
     per_group = {g: {basis: bytes_per_token(c)
-                     for basis, c in basis_copies(geo, plan, g, dtype_bytes, width, fp4_group).items()}
+                     for basis, c in basis_copies(geo, plan, g, dtype_bytes, width, adapter_input, fp4_group,
+                                                               rank).items()}
                  for g in GROUPS}
     return {basis: {g: {"bytes_per_token": per_group[g][basis],
                         "compression_vs_baseline": per_group["baseline"][basis] / per_group[g][basis]}
@@ -113,9 +130,12 @@ def kv_table(geo: Geometry, plan: LayerPlan, dtype_bytes: int, width: int, fp4_g
             for basis in per_group["baseline"]}
 
 
-def model_section(model: str, geo: Geometry, plan: LayerPlan, width_mult: float, fp4_group: int) -> dict:
-    """Every storage figure of one model geometry and plan."""
+def model_section(model: str, geo: Geometry, plan: LayerPlan, width_mult: float, adapter_input: str, fp4_group: int,
+                  xkv_rank: int = 0) -> dict:
+    """Every storage figure of one model geometry and plan (``xkv_rank`` as params' ``xkv.rank``: 0 = kv_dim;
+    ``adapter_input`` as ``train_adapters.input``)."""
     width = mlp_width(geo.kv_dim, width_mult)
+    rank = xkv_rank or geo.kv_dim
     return {
         "model": model,
         "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets),
@@ -125,16 +145,23 @@ def model_section(model: str, geo: Geometry, plan: LayerPlan, width_mult: float,
         "stored_layers": {basis: {g: list(stored_layers(geo, plan, g, basis)) for g in GROUPS} for basis in BASES},
         "weights": {
             "adapter_width": width,
-            "adapter_params_per_target": adapter_params_per_target(geo.kv_dim, width),
-            "adapter_params": {g: adapter_params(plan, g, geo.kv_dim, width) for g in GROUPS},
+            "adapter_input": adapter_input,
+            "adapter_params_per_target": adapter_params_per_target(geo.kv_dim, width, adapter_input),
+            "adapter_params": {g: adapter_params(plan, g, geo.kv_dim, width, adapter_input) for g in GROUPS},
             "adapter_counting": ADAPTER_COUNTING,
+            "xkv_rank": rank,
+            "xkv_basis_params": {g: xkv_basis_params(plan, g, geo.kv_dim, rank) for g in GROUPS},
+            "xkv_counting": XKV_COUNTING,
+            "rotation_params": {g: rotation_params(geo, plan, g) for g in GROUPS},
+            "rotation_counting": ROTATION_COUNTING,
             "projected_layers": list(plan.projected),
             "projector_params_per_layer": projector_params(geo.hidden_size, geo.kv_dim),
             "replaced_kv_proj_params_per_layer": kv_proj_params(geo.hidden_size, geo.kv_dim),
             "projector_counting": PROJECTOR_COUNTING,
         },
         "fp4_group": fp4_group,
-        "kv": {dtype: kv_table(geo, plan, nbytes, width, fp4_group) for dtype, nbytes in DTYPE_BYTES.items()},
+        "kv": {dtype: kv_table(geo, plan, nbytes, width, adapter_input, fp4_group, rank)
+               for dtype, nbytes in DTYPE_BYTES.items()},
     }
 
 
@@ -162,14 +189,16 @@ def seed_ratio_note(qwen: dict) -> str:
 def run(params: Params, workdir: Path = Path(".")) -> dict:
     """Compute every storage figure and write ``metrics/storage.json`` under ``workdir``; returns it."""
     plan, geo = load_plan(params.plan, params.model)
-    width_mult = params.train_adapters.width_mult
+    width_mult, adapter_input = params.train_adapters.width_mult, params.train_adapters.input
     fp4_group = FP4_FORMATS[params.kv_format]().group
     qwen_geo = qwen3_5_4b_geometry()
-    qwen = model_section(QWEN3_5_4B_ID, qwen_geo, QWEN3_5_4B_PLAN.validate(qwen_geo), width_mult, fp4_group)
+    xkv_rank = params.xkv.rank  # 0 = each geometry's own kv_dim
+    qwen = model_section(QWEN3_5_4B_ID, qwen_geo, QWEN3_5_4B_PLAN.validate(qwen_geo), width_mult, adapter_input,
+                         fp4_group, xkv_rank)
     metrics = {
         "bases": BASIS_DOC,
         "groups": GROUP_DOC,
-        "active_model": model_section(params.model.name, geo, plan, width_mult, fp4_group),
+        "active_model": model_section(params.model.name, geo, plan, width_mult, adapter_input, fp4_group, xkv_rank),
         "qwen3_5_4b": qwen,
         "deepseek_v4_1": deepseek_section(),
         "note": seed_ratio_note(qwen),

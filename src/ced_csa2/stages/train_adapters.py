@@ -60,13 +60,13 @@ def load_pairs(dump: Path, plan: LayerPlan, mask, kv_dim: int) -> tuple[torch.Te
 
 
 def heads_for(adapters: CSA2Adapters, kv_dim: int) -> list[Head]:
-    """One head per (target, kind), reading its half of ``X`` and predicting its block of ``Y``."""
+    """One head per (target, kind), reading ``X`` (all of it, or its kind's half) and predicting its block of ``Y``."""
     heads = []
     for i, t in enumerate(adapters.layers):
         for j, kind in enumerate(KINDS):
             col = (2 * i + j) * kv_dim
-            heads.append(Head({"layer": t, "kind": kind}, adapters.adapter(kind, t),
-                              x=slice(j * kv_dim, (j + 1) * kv_dim), y=slice(col, col + kv_dim),
+            x = slice(None) if adapters.input == "kv" else slice(j * kv_dim, (j + 1) * kv_dim)
+            heads.append(Head({"layer": t, "kind": kind}, adapters.adapter(kind, t), x=x, y=slice(col, col + kv_dim),
                               parts={kind: slice(None)}))
     return heads
 

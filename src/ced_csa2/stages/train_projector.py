@@ -2,14 +2,17 @@
 
     python -m ced_csa2.stages.train_projector     # what `dvc repro train_projector` runs
 
-Reads ``params.yaml`` and ``data/dump/dump.h5``.  Validates the plan and the dump first;
-splits the records as the ridge stage does (:func:`ced_csa2.loader.record_split`) and trains
-one :class:`~ced_csa2.projector.KVProjector` on every token of the training records
+Reads ``params.yaml``, ``data/dump/dump.h5`` and (``init: ridge``) ``models/ridge.pt``.
+Validates the plan and the dump first; splits the records as the ridge stage does
+(:func:`ced_csa2.loader.record_split`) and trains one :class:`~ced_csa2.projector.KVProjector`
+on every token of the training records
 (:func:`ced_csa2.projector_training.train_projectors`):
 
 * loss: MSE on ``K ‖ V``; AdamW (``lr``, ``weight_decay``); linear warm-up over
   ``warmup_fraction`` of the steps, then cosine decay to 0; ``torch.autocast`` in
   ``amp_dtype`` (none for float32); ``epochs`` passes of ``batch_size`` rows;
+* start: PyTorch's default init (``init: random``, the seed's) or the ridge stage's
+  closed-form ``proj_{src}`` map (``init: ridge``);
 * seeded (``params.seed``): initial weights, shuffling, split;
 * validation (float32) on every token of the held-out records, before training and
   after each epoch.
@@ -33,7 +36,7 @@ from ..checkpoint import checkpoint_meta
 from ..config import Params
 from ..entry import run_stage
 from ..io_utils import write_json
-from ..paths import DUMP_PATH, PROJECTOR_CURVES, PROJECTOR_METRICS, projector_path
+from ..paths import DUMP_PATH, PROJECTOR_CURVES, PROJECTOR_METRICS, RIDGE_PATH, projector_path
 from ..plan import load_plan
 from ..projector import save_projector
 from ..projector_training import train_projectors
@@ -48,7 +51,8 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     plan, geo = load_plan(params.plan, params.model)
     dump = workdir / DUMP_PATH
     train_mask, val_mask = split_masks(dump, params, plan, geo, [plan.source], tokens_per_record=0)
-    fitted = train_projectors(params, dump, (plan.source,), geo, train_mask, val_mask, desc="train_projector")
+    fitted = train_projectors(params, dump, (plan.source,), geo, train_mask, val_mask, desc="train_projector",
+                               ridge=workdir / RIDGE_PATH)
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.train_projector)
     save_projector(workdir / projector_path(plan.source), fitted.projectors[plan.source], meta["projector"])
     metrics = {"layers": {str(layer): m for layer, m in fitted.layers.items()},

@@ -6,21 +6,29 @@ One pipeline branch per entry of ``train.objectives`` (``dvc.yaml`` loops over i
 starting from the closed-form maps of ``models/ridge.pt``: the projector's ``proj_{source}``
 map and the adapters' ``k_{t}`` / ``v_{t}`` bases (MLPs at their zero start).
 
-* ``ridge``: the start itself, untrained -- the reference every objective must beat.
-* ``attn_out`` / ``distill`` (:mod:`ced_csa2.objectives`): two phases through the frozen
-  model, on ``train.online.records`` records of the train split (the ridge stage's split),
-  cropped to ``seq_len`` tokens: first the projector under the ``ced`` substitution, then
-  the adapters under ``csa2`` (true source K/V, as ``csa2`` is evaluated).  AdamW with
-  warm-up + cosine; held-out objective loss and KL (T = 1) on ``val_records`` records of
-  the validation split before and after each phase.
+Each group is served by maps trained for it: ``ced`` and ``csa2`` by one projector and
+one set of adapters (fitted on the true source K/V, as ``csa2`` reads them), ``ced_csa2``
+by its own pair from the ridge start -- its adapters from ``csa2``'s maps or
+(``train.ced_csa2_start: projected``) from the maps fitted on the *projected* source (the
+ridge stage's ``ced_{k,v}_{t}*`` maps).
 
-Writes ``models/objectives/<objective>/{projector_k{s}v{s}.pt, adapters.pt}`` (the main
-branch's formats, so :func:`ced_csa2.ced_runtime.load_parts` reads them),
+* ``ridge``: the start itself, untrained -- the reference every objective must beat.
+* ``attn_out`` / ``distill`` (:mod:`ced_csa2.objectives`): three phases through the frozen
+  model, on ``train.online.records`` records of the train split (the ridge stage's split),
+  cropped to ``seq_len`` tokens: the projector under the ``ced`` substitution, the
+  adapters under ``csa2`` (true source K/V), then ``ced_csa2``'s projector and adapters
+  jointly under ``ced_csa2``.  AdamW (``projector_lr`` /
+  ``adapters_lr`` per kind of map) with warm-up + cosine; held-out objective loss and KL
+  (T = 1) on ``val_records`` records of the validation split before and after each phase.
+
+Writes ``models/objectives/<objective>/{projector_k{s}v{s}.pt, adapters.pt}`` and the same
+pair in ``.../ced_csa2/`` (the main branch's formats, so
+:func:`ced_csa2.ced_runtime.load_parts` reads them),
 ``metrics/objectives/<objective>/train.json`` (per phase: steps, tokens, wall time,
 tokens/s, held-out losses) and, for the objectives that train, its curves
 ``metrics/curves/tune/<objective>/<phase>_{loss,val_loss,val_kl}.tsv``: one series per
-file, x = the optimizer step counted across both phases (the ``csa2`` phase's steps
-continue after the ``ced`` phase's); ``loss`` per step, ``val_*`` the held-out values at
+file, x = the optimizer step counted across the phases (each phase's steps continue
+after the previous one's); ``loss`` per step, ``val_*`` the held-out values at
 the phase's first and last step.  ``ridge`` writes no curves (and removes stale ones).
 """
 
@@ -43,6 +51,7 @@ from ..entry import objective_arg, run_stage
 from ..io_utils import write_json
 from ..model_utils import Geometry, load_model_and_tokenizer, resolve_device
 from ..objectives import (
+    PHASE_GROUPS,
     SAMPLE_STREAM,
     attn_out_loss,
     distill_loss,
@@ -80,10 +89,24 @@ def held_out(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str
     return {"loss": loss / len(val), "kl": kl / len(val)}
 
 
-def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str, module: torch.nn.Module,
+def phase_optimizer(parts: CEDParts, group: str, cfg) -> torch.optim.AdamW:
+    """AdamW over the maps a phase trains, each kind at its own learning rate.
+
+    ``ced``: the projector (``projector_lr``); ``csa2``: the adapters (``adapters_lr``);
+    ``ced_csa2``: both, jointly.
+    """
+    groups = []
+    if group != "csa2":
+        groups.append({"params": list(parts.projector.parameters()), "lr": cfg.projector_lr})
+    if group != "ced":
+        groups.append({"params": list(parts.adapters.parameters()), "lr": cfg.adapters_lr})
+    return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+
+
+def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str,
                 train_rows: list[list[int]], val: list[tuple], params: Params, pad_id: int, device,
                 first_step: int = 0) -> tuple[dict, dict[str, list[tuple[int, float]]]]:
-    """Train ``module`` (a part of ``parts``) under ``group``; returns ``(summary, curves)``.
+    """Train the maps of ``parts`` that ``group`` substitutes; returns ``(summary, curves)``.
 
     ``curves`` are ``<group>_loss`` (one point per optimizer step, numbered from
     ``first_step + 1``) and ``<group>_val_loss`` / ``<group>_val_kl`` (held out, at
@@ -92,8 +115,7 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     cfg = params.train.online
     n_batches = -(-len(train_rows) // cfg.batch_size)
     steps = cfg.epochs * n_batches
-    lr = cfg.projector_lr if group == "ced" else cfg.adapters_lr
-    optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+    optimizer = phase_optimizer(parts, group, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, cfg.warmup_fraction))
     before = held_out(objective, model, parts, plan, group, val, cfg.temperature, cfg.kv_weight)
     log.info("%s / %s phase (layers %s): held-out loss %.5f, KL %.5f before %d steps", objective, group,
@@ -127,9 +149,9 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     return summary, curves
 
 
-def save_parts(workdir: Path, objective: str, parts: CEDParts, params: Params, plan: LayerPlan,
+def save_parts(out: Path, objective: str, parts: CEDParts, params: Params, plan: LayerPlan,
                geo: Geometry) -> None:
-    """Both maps in the main branch's checkpoint formats, marked with their objective.
+    """Both maps in folder ``out``, in the main branch's checkpoint formats, marked with their objective.
 
     The metadata is :func:`ced_csa2.checkpoint.checkpoint_meta`'s (model, layers, geometry,
     plan, provenance) plus ``objective``: what ``eval_objective`` checks on loading.
@@ -137,7 +159,6 @@ def save_parts(workdir: Path, objective: str, parts: CEDParts, params: Params, p
     # The ridge export does not depend on the online budget: same params, same bytes.
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
                            *([params.train.online] if objective != "ridge" else []))
-    out = workdir / objective_models(objective)
     save_projector(out / projector_path(plan.source).name, parts.projector.cpu(),
                    {**meta["projector"], "objective": objective})
     save_adapters(out / "adapters.pt", parts.adapters.cpu(), {**meta["adapters"], "objective": objective})
@@ -148,32 +169,42 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
     workdir, t0 = Path(workdir), time.perf_counter()
     require_listed(params, objective)
     plan, geo = load_plan(params.plan, params.model)
-    parts = ridge_parts(params, plan, geo, workdir / RIDGE_PATH)
+    # The maps of ced and csa2, and ced_csa2's own pair, each trained under the group it serves.
+    served = {"csa2": ridge_parts(params, plan, geo, workdir / RIDGE_PATH),
+              "ced_csa2": ridge_parts(params, plan, geo, workdir / RIDGE_PATH,
+                                      projected=params.train.ced_csa2_start == "projected")}
+    parts = served["csa2"]
     metrics: dict = {"objective": objective, "init": "ridge", "phases": {}}
     curves: dict[str, list[tuple[int, float]]] = {}
     if objective != "ridge":
         model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device("auto"))
         model.requires_grad_(False)
         device = next(model.parameters()).device
-        parts.projector.to(device)
-        parts.adapters.to(device)
+        for p in served.values():
+            p.projector.to(device)
+            p.adapters.to(device)
         train_rows, val_rows = online_records(params, tok, workdir)
         val = batches(val_rows, params.train.online.batch_size, tok.pad_token_id, device)
         log.info("%s: %d train records (%d tokens), %d held-out records, model %s in %s on %s", objective,
                  len(train_rows), sum(map(len, train_rows)), len(val_rows), params.model.name,
                  str(model.dtype).removeprefix("torch."), device)
         torch.manual_seed(params.seed)
-        step = 0  # one optimizer-step counter across both phases
-        for group, module in (("ced", parts.projector), ("csa2", parts.adapters)):
-            summary, phase_curves = train_phase(objective, model, parts, plan, group, module, train_rows, val,
-                                                params, tok.pad_token_id, device, first_step=step)
+        step = 0  # one optimizer-step counter across the phases
+        # The joint phase starts from the ridge projector, not the ced phase's: the ced phase may
+        # move the source K/V along what the source layer's attention cannot see (a shift
+        # shared by all keys leaves its softmax unchanged), which the targets' adapters read.
+        for group in PHASE_GROUPS:
+            summary, phase_curves = train_phase(objective, model, served.get(group, parts), plan, group,
+                                                train_rows, val, params, tok.pad_token_id, device, first_step=step)
             metrics["phases"][group] = summary
             curves |= phase_curves
             step += len(phase_curves.get(f"{group}_loss", []))
         metrics["protocol"] = {"model": params.model.name, "data": params.data.name,
                                "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
                                "threads": torch.get_num_threads(), **to_dict(params.train.online)}
-    save_parts(workdir, objective, parts, params, plan, geo)
+    out = workdir / objective_models(objective)
+    save_parts(out, objective, parts, params, plan, geo)
+    save_parts(out / "ced_csa2", objective, served["ced_csa2"], params, plan, geo)
     metrics["wall_s"] = round(time.perf_counter() - t0, 3)
     if curves:
         write_curves(workdir / objective_curves(objective), curves, x="step")

@@ -1,0 +1,142 @@
+"""``fit_xkv`` stage: the xKV baseline's cross-layer SVD bases, fitted in closed form on the dump.
+
+    python -m ced_csa2.stages.fit_xkv      # what `dvc repro fit_xkv` runs
+
+Reads ``params.yaml`` and ``data/dump/dump.h5``.  On the ridge stage's train records (the
+same record split and masks, :func:`ced_csa2.training.split_masks`, every token) it streams
+the K of the group's layers ``(source, *targets)``, stacked along channels, into a float64
+Gram matrix (likewise V), keeps the ``xkv.rank`` leading eigenvectors of each (``0`` =
+``kv_dim``: per token exactly the bytes of CSA2's one shared entry) and measures the stored
+(FP16) bases on the validation records (:mod:`ced_csa2.xkv`).
+
+Writes ``models/xkv.pt`` and ``metrics/xkv.json``:
+
+* ``layers.{k,v}_{layer}``: held-out ``rel_err`` (``Σ‖x_l - x̂_l‖² / Σ‖x_l‖²``, the
+  reconstruction error relative to the layer's K (V) energy), ``r2``, ``cos``, ``n_val``;
+* ``energy.{k,v}``: captured energy ``Σ‖U_rᵀx‖² / Σ‖x‖²`` of the stacked rows, ``train``
+  (from the eigenvalues) and ``val``;
+* ``run``: rank, kv_dim, layers, rows and records on each side, wall time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..checkpoint import SAVE_DTYPE, checkpoint_meta
+from ..config import Params
+from ..entry import run_stage
+from ..fit_metrics import FitStats
+from ..h5store import DumpReader
+from ..io_utils import write_json
+from ..loader import aligned_block_rows, cat_features, iter_blocks
+from ..paths import DUMP_PATH, XKV_METRICS, XKV_PATH
+from ..plan import load_plan
+from ..ridge import DUMP_ATTRS
+from ..training import split_masks
+from ..xkv import KINDS, GramAccumulator, XKVBasis, group_layers, save_xkv, top_eigenvectors
+
+log = logging.getLogger(__name__)
+
+# Rows per read (rounded up to the dump's block): memory is O(rows * L * kv_dim) per read
+# plus the two (L*kv_dim)² Grams, whatever the number of rows; the sums do not depend on it
+# beyond float64 rounding.
+BLOCK_ROWS = 8192
+
+
+def names(kind: str, layers: tuple[int, ...]) -> list[str]:
+    """The dump's datasets of one kind, in stacking order (``k_20``, ``k_24``, ...)."""
+    return [f"{kind}_{layer}" for layer in layers]
+
+
+def accumulate(reader: DumpReader, layers: tuple[int, ...], mask: np.ndarray, block_rows: int
+               ) -> dict[str, GramAccumulator]:
+    """``{kind: GramAccumulator}`` of the stacked K (V) rows of ``layers`` over the masked rows, one pass."""
+    width = reader.layout.widths()[f"k_{layers[0]}"] * len(layers)
+    accs = {kind: GramAccumulator(width, f"xkv {kind} Gram of layers {list(layers)}") for kind in KINDS}
+    with tqdm(total=int(mask.sum()), desc="xkv fit", unit="row", unit_scale=True) as bar:
+        for block in iter_blocks(reader, names("k", layers) + names("v", layers), mask, block_rows):
+            for kind, acc in accs.items():
+                acc.update(torch.from_numpy(cat_features(block, names(kind, layers))))
+            bar.update(len(block[f"k_{layers[0]}"]))
+    return accs
+
+
+def evaluate(reader: DumpReader, basis: XKVBasis, mask: np.ndarray, block_rows: int) -> dict:
+    """Held-out fit of ``basis`` on the masked rows: per layer and kind FitStats, and captured energy."""
+    layers = basis.layers
+    stats = {f"{kind}_{layer}": FitStats() for kind in KINDS for layer in layers}
+    kept = {kind: 0.0 for kind in KINDS}
+    total = {kind: 0.0 for kind in KINDS}
+    with tqdm(total=int(mask.sum()), desc="xkv val", unit="row", unit_scale=True) as bar:
+        for block in iter_blocks(reader, names("k", layers) + names("v", layers), mask, block_rows):
+            for kind in KINDS:
+                rows = {layer: torch.from_numpy(block[f"{kind}_{layer}"]) for layer in layers}
+                c = basis.compress(kind, rows)
+                for layer, x_hat in basis.reconstruct(kind, c).items():
+                    stats[f"{kind}_{layer}"].update(x_hat, rows[layer])
+                kept[kind] += float(c.double().square().sum())
+                total[kind] += float(basis.stack(rows).double().square().sum())
+            bar.update(len(block[f"k_{layers[0]}"]))
+    out = {}
+    for name, s in stats.items():
+        r = s.result()
+        out[name] = {"rel_err": r["rel_mse"], "r2": r["r2"], "cos": r["cos"], "n_val": r["n"]}
+    return {"layers": out, "energy_val": {kind: kept[kind] / total[kind] for kind in KINDS}}
+
+
+def run(params: Params, workdir: Path = Path(".")) -> dict:
+    """Fit, validate and write the xKV bases; returns the metrics written to ``metrics/xkv.json``."""
+    workdir, t0 = Path(workdir), time.perf_counter()
+    plan, geo = load_plan(params.plan, params.model)
+    layers = group_layers(plan)
+    rank, width = params.xkv.rank_for(geo.kv_dim), len(layers) * geo.kv_dim
+    if rank > width:
+        raise ValueError(f"params key 'xkv.rank' is {rank}, above the {width} channels the basis spans "
+                         f"(layers {list(layers)} x kv_dim {geo.kv_dim})")
+    dump = workdir / DUMP_PATH
+    train_mask, val_mask = split_masks(dump, params, plan, geo, layers, 0)  # the ridge stage's masks
+    with DumpReader(dump) as reader:
+        block_rows = aligned_block_rows(reader, BLOCK_ROWS)
+        log.info("xkv rank %d of %d (layers %s, kv_dim %d) on %s: %d train rows, %d val rows", rank, width,
+                 list(layers), geo.kv_dim, reader.path, train_mask.sum(), val_mask.sum())
+        accs = accumulate(reader, layers, train_mask, block_rows)
+        fitted = XKVBasis.from_grams({kind: acc.gram for kind, acc in accs.items()}, layers, geo.kv_dim, rank)
+        # Measure what the file will hold: the FP16-rounded bases.
+        stored = fitted.to(SAVE_DTYPE).float()
+        fit = evaluate(reader, stored, val_mask, block_rows)
+        dump_attrs = {k: str(reader.attrs[k]) for k in DUMP_ATTRS if k in reader.attrs}
+    energy = {}
+    for kind, acc in accs.items():
+        evals = top_eigenvectors(acc.gram, rank)[1]
+        energy[kind] = {"train": float(evals[:rank].sum() / evals.sum()), "val": fit["energy_val"][kind]}
+    for name, f in fit["layers"].items():
+        log.info("%-6s val rel_err %.4f  R2 %.4f  cos %.4f", name, f["rel_err"], f["r2"], f["cos"])
+    log.info("captured energy: %s", {k: {s: round(v, 4) for s, v in e.items()} for k, e in energy.items()})
+    n_train, n_val = int(train_mask.sum()), int(val_mask.sum())
+    meta = {**checkpoint_meta(params, plan, geo, params.plan, params.xkv)["xkv"],
+            "val_fraction": params.split.val_fraction, "n_train_rows": n_train, "dump": dump_attrs,
+            "energy_train": {kind: e["train"] for kind, e in energy.items()}}
+    save_xkv(workdir / XKV_PATH, stored, meta)
+    metrics = {
+        "layers": fit["layers"],
+        "energy": energy,
+        "run": {"rank": rank, "kv_dim": geo.kv_dim, "layers": list(layers), "width": width,
+                "n_train_rows": n_train, "n_val_rows": n_val, "wall_s": round(time.perf_counter() - t0, 3)},
+    }
+    write_json(workdir / XKV_METRICS, metrics)
+    log.info("wrote %s and %s", workdir / XKV_PATH, workdir / XKV_METRICS)
+    return metrics
+
+
+def main() -> None:
+    run_stage(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""xKV, the training-free cross-layer low-rank baseline: fit, stage, runtime, scoring, bytes, refusals."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_params
+from test_ced_runtime import QWEN_PLAN, random_parts, true_kv
+
+from ced_csa2 import kv_bytes as kb
+from ced_csa2 import paths
+from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_parts
+from ced_csa2.checkpoint import CheckpointError, checkpoint_meta, expected_meta
+from ced_csa2.config import ParamsError, load_params
+from ced_csa2.h5store import DumpLayout, DumpWriter
+from ced_csa2.loader import record_split, row_mask
+from ced_csa2.model_utils import attention, geometry
+from ced_csa2.plan import LayerPlan, load_plan
+from ced_csa2.scoring import multi_group_nll, sequence_nll
+from ced_csa2.stages import fit_xkv
+from ced_csa2.xkv import GramAccumulator, XKVBasis, load_xkv, save_xkv, top_eigenvectors
+
+PARAMS = tiny_params()
+PLAN, GEO = load_plan(PARAMS.plan, PARAMS.model)  # source 20, targets 24/28/32; hidden 64, kv_dim 32
+LAYERS = (PLAN.source, *PLAN.targets)
+FULL = len(LAYERS) * GEO.kv_dim  # 128
+
+
+# ----------------------------------------------------------------------------- the fit, in float64
+
+def stacked_rows(n=600, layers=4, d=8, seed=0):
+    """Rows ``(n, layers * d)`` with offsets and very uneven directions (a K-like spectrum)."""
+    g = np.random.default_rng(seed)
+    return g.standard_normal((n, layers * d)) * np.geomspace(5.0, 0.01, layers * d) @ \
+        np.linalg.qr(g.standard_normal((layers * d, layers * d)))[0] + 0.7
+
+
+def test_streamed_gram_is_xtx_and_the_basis_spans_the_top_right_singular_vectors():
+    X = stacked_rows()
+    acc = GramAccumulator(X.shape[1])
+    for s in range(0, len(X), 37):  # uneven blocks
+        acc.update(torch.from_numpy(X[s:s + 37]).float() if s == 0 else torch.from_numpy(X[s:s + 37]))
+    X[:37] = X[:37].astype(np.float32)  # the first block went in as float32, as dump rows do
+    assert acc.n == len(X) and acc.gram.dtype == torch.float64
+    np.testing.assert_allclose(acc.gram.numpy(), X.T @ X, rtol=1e-12, atol=1e-9)
+    _, S, Vt = np.linalg.svd(X, full_matrices=False)
+    for rank in (1, 10, 32):
+        U, evals = top_eigenvectors(acc.gram, rank)
+        np.testing.assert_allclose(evals.numpy(), S ** 2, rtol=1e-9, atol=1e-9)  # eigenvalues = σ², descending
+        np.testing.assert_allclose(U.T.numpy() @ U.numpy(), np.eye(rank), atol=1e-12)
+        # the same subspace as numpy's top-r right singular vectors (projectors agree)
+        np.testing.assert_allclose(U.numpy() @ U.numpy().T, Vt[:rank].T @ Vt[:rank], atol=1e-9)
+        assert (U.abs().argmax(0) == U.argmax(0)).all()  # each column's largest entry is positive
+
+
+def test_full_rank_reconstructs_the_true_kv_and_lower_ranks_are_the_svd_truncation():
+    layers, d = (3, 5, 7, 9), 8
+    X = {kind: stacked_rows(seed=i) for i, kind in enumerate("kv")}
+    grams = {kind: torch.from_numpy(x.T @ x) for kind, x in X.items()}
+    rows = {kind: {l: torch.from_numpy(x[:, i * d:(i + 1) * d]) for i, l in enumerate(layers)} for kind, x in X.items()}
+    full = XKVBasis.from_grams(grams, layers, d, len(layers) * d, dtype=torch.float64)
+    out = full(rows["k"], rows["v"])
+    for l in layers:
+        for j, kind in enumerate("kv"):
+            np.testing.assert_allclose(out[l][j].numpy(), rows[kind][l].numpy(), rtol=0, atol=1e-10)
+    rank = 6
+    low = XKVBasis.from_grams(grams, layers, d, rank, dtype=torch.float64)
+    c = low.compress("k", rows["k"])
+    assert c.shape == (600, rank)  # r coefficients per token: the stored entry
+    U, S, Vt = np.linalg.svd(X["k"], full_matrices=False)
+    best = (U[:, :rank] * S[:rank]) @ Vt[:rank]  # Eckart-Young: the best rank-r approximation
+    got = torch.cat([low(rows["k"], rows["v"])[l][0] for l in layers], 1).numpy()
+    np.testing.assert_allclose(got, best, atol=1e-9)
+
+
+def test_rank_out_of_range_is_refused():
+    with pytest.raises(ValueError, match=r"xkv rank must be in \[1, 16\]"):
+        XKVBasis((1, 2), 8, 17)
+
+
+# ----------------------------------------------------------------------------- the stage
+
+def write_tiny_dump(path, n_records=24, seed=0):
+    """A dump of the tiny plan's widths whose K/V rows are rank-16 plus a little noise."""
+    rng = np.random.default_rng(seed)
+    mix = {kind: rng.standard_normal((16, FULL)) for kind in "kv"}
+    lengths = [int(n) for n in rng.integers(20, 60, n_records)]
+    w = DumpWriter(path, path.with_suffix(".partial.h5"), DumpLayout(GEO.hidden_size, GEO.kv_dim, LAYERS),
+                   chunk_kib=64, attrs={"fingerprint": "test", "model": PARAMS.model.name, "tokenizer_sha256": "x"})
+    for i in range(0, n_records, 4):
+        n = sum(lengths[i:i + 4])
+        rows = {"h_split": rng.standard_normal((n, GEO.hidden_size))}
+        for kind in "kv":
+            x = rng.standard_normal((n, 16)) @ mix[kind] + 0.01 * rng.standard_normal((n, FULL)) + 0.5
+            for j, layer in enumerate(LAYERS):
+                rows[f"{kind}_{layer}"] = x[:, j * GEO.kv_dim:(j + 1) * GEO.kv_dim]
+        w.append({k: v.astype(np.float32) for k, v in rows.items()}, np.zeros(n, np.int32), lengths[i:i + 4])
+    return w.finalize()
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("xkv")
+    (workdir / paths.DUMP_PATH).parent.mkdir(parents=True)
+    write_tiny_dump(workdir / paths.DUMP_PATH)
+    return workdir
+
+
+@pytest.mark.parametrize("rank,rel_err_below", [(0, 1e-3), (17, 1e-3), (FULL, 1e-5), (4, 1.0)])
+def test_stage_writes_the_bases_and_their_held_out_fit(dumped, rank, rel_err_below):
+    params = tiny_params(xkv={"rank": rank}, split={"val_fraction": 0.2})
+    metrics = fit_xkv.run(params, dumped)
+    assert json.loads((dumped / paths.XKV_METRICS).read_text()) == json.loads(json.dumps(metrics))
+    run = metrics["run"]
+    assert run["rank"] == (rank or GEO.kv_dim) and run["layers"] == list(LAYERS) and run["width"] == FULL
+    from ced_csa2.h5store import DumpReader
+    with DumpReader(dumped / paths.DUMP_PATH) as r:  # the ridge stage's record split, every token
+        train, val = record_split(r.n_records, 0.2, params.seed)
+        assert run["n_train_rows"] == int(row_mask(r.record_offsets, train, 0, params.seed).sum())
+        assert run["n_val_rows"] == int(row_mask(r.record_offsets, val, 0, params.seed).sum())
+        assert run["n_train_rows"] + run["n_val_rows"] == r.n_tokens
+    assert set(metrics["layers"]) == {f"{kind}_{layer}" for kind in "kv" for layer in LAYERS}
+    for name, fit in metrics["layers"].items():
+        assert fit["rel_err"] < rel_err_below and fit["n_val"] == run["n_val_rows"], (name, fit)
+    for kind in "kv":
+        energy = metrics["energy"][kind]
+        assert 0 < energy["val"] <= 1 + 1e-6 and 0 < energy["train"] <= 1 + 1e-12
+        if rank != 4:  # the rows: rank 16, plus the offset (uncentred: one more direction), plus 1% noise
+            assert energy["train"] > 0.999 and energy["val"] > 0.999
+    basis = load_xkv(dumped / paths.XKV_PATH, expect=expected_meta(params, PLAN, GEO)["xkv"])
+    assert basis.layers == LAYERS and basis.rank == run["rank"] and basis.k.dtype == torch.float32
+    assert basis.meta["n_train_rows"] == run["n_train_rows"] and basis.meta["val_fraction"] == 0.2
+    assert not list(dumped.rglob(".*tmp*"))
+
+
+def test_stage_refuses_a_rank_above_the_stacked_width(dumped):
+    with pytest.raises(ValueError, match=r"'xkv.rank' is 129, above the 128 channels"):
+        fit_xkv.run(tiny_params(xkv={"rank": FULL + 1}), dumped)
+
+
+# ----------------------------------------------------------------------------- checkpoint checks
+
+def save_basis(models, *, params=PARAMS, plan=PLAN, geo=GEO, rank=8):
+    meta = checkpoint_meta(params, plan, geo, params.plan, params.xkv)["xkv"]
+    basis = XKVBasis((plan.source, *plan.targets), geo.kv_dim, rank)
+    models.mkdir(parents=True, exist_ok=True)
+    save_xkv(models / paths.XKV_PATH.name, basis, meta)
+    return basis
+
+
+@pytest.mark.parametrize("made_for,sentence", [
+    ({"plan": LayerPlan(16, 20, (24, 28))}, (r"xkv\.pt: 'layers' is \[20, 24, 28\] in the checkpoint, "
+                                             r"expected \[20, 24, 28, 32\]$")),
+    ({"params": tiny_params(model={"name": "other_model"})},
+     r"xkv\.pt: 'model' is 'other_model' in the checkpoint, expected 'tiny_qwen3_5'$"),
+    ({"geo": dataclasses.replace(GEO, head_dim=8)}, r"xkv\.pt: 'kv_dim' is 16 in the checkpoint, expected 32$"),
+])
+def test_a_checkpoint_made_for_something_else_is_refused(tmp_path, made_for, sentence):
+    from test_checkpoint_match import save_maps
+
+    save_maps(tmp_path)
+    save_basis(tmp_path)
+    assert load_parts(tmp_path, PARAMS, PLAN, GEO, low_rank=True).xkv.layers == LAYERS
+    assert load_parts(tmp_path, PARAMS, PLAN, GEO).xkv is None  # only when asked for
+    save_basis(tmp_path, **made_for)
+    with pytest.raises(CheckpointError, match=sentence) as err:
+        load_parts(tmp_path, PARAMS, PLAN, GEO, low_rank=True)
+    assert str(err.value).startswith(f"{tmp_path}/xkv.pt: ") and "\n" not in str(err.value)
+
+
+def test_missing_bases_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="group 'xkv' needs the cross-layer bases of models/xkv.pt"):
+        CEDModeBRuntime(tiny_model[0], QWEN_PLAN, "xkv", CEDParts(), kv_format=None)
+    parts = random_parts(GEO, LayerPlan(16, 20, (24, 28)))
+    with pytest.raises(ValueError, match=r"bases span layers \[20, 24, 28\], the plan's source and targets are "
+                                         r"\[20, 24, 28, 32\]"):
+        CEDModeBRuntime(tiny_model[0], QWEN_PLAN, "xkv", parts, kv_format=None)
+
+
+# ----------------------------------------------------------------------------- runtime and scoring (tiny Qwen3.5)
+
+@pytest.fixture(scope="module")
+def fitted(tiny_model):
+    """Full-rank and kv_dim-rank bases fitted on the tiny model's own clean K/V."""
+    model, _ = tiny_model
+    x = torch.randint(0, 250, (4, 40), generator=torch.Generator().manual_seed(5))
+    kv = true_kv(model, x, LAYERS)
+    grams = {}
+    for j, kind in enumerate("kv"):
+        rows = torch.cat([kv[l][j] for l in LAYERS], -1).reshape(-1, FULL).double()
+        grams[kind] = rows.T @ rows
+    return {rank: CEDParts(xkv=XKVBasis.from_grams(grams, LAYERS, GEO.kv_dim, rank)) for rank in (FULL, GEO.kv_dim)}
+
+
+def test_full_rank_gives_the_baseline_logits_and_kv_dim_rank_does_not(tiny_model, fitted):
+    model, _ = tiny_model
+    x = torch.randint(0, 250, (2, 29), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(x).logits
+        with CEDModeBRuntime(model, QWEN_PLAN, "xkv", fitted[FULL], kv_format=None):
+            full = model(x).logits
+        with CEDModeBRuntime(model, QWEN_PLAN, "xkv", fitted[GEO.kv_dim], kv_format=None):
+            low = model(x).logits
+    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)  # U Uᵀ = I up to fp32 rounding
+    assert not torch.allclose(low, ref, atol=1e-3)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_every_group_layer_reads_the_reconstruction_of_the_clean_kv(tiny_model, fitted):
+    model, _ = tiny_model
+    parts = fitted[GEO.kv_dim]
+    x = torch.randint(0, 250, (1, 17), generator=torch.Generator().manual_seed(2))
+    clean = true_kv(model, x, LAYERS)  # the unmodified model's K/V
+    want = parts.xkv({l: kv[0] for l, kv in clean.items()}, {l: kv[1] for l, kv in clean.items()})
+    seen = {}
+    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "xkv", parts, kv_format=None):
+        handles = [getattr(attention(model, l), f"{kind}_proj").register_forward_hook(
+            lambda mod, inp, out, key=(l, kind): seen.__setitem__(key, out.clone()))
+            for l in LAYERS for kind in "kv"]  # after the runtime's hooks: the final outputs (last pass wins)
+        model(x)
+        for h in handles:
+            h.remove()
+    for l in LAYERS:
+        assert torch.equal(seen[(l, "k")], want[l][0]) and torch.equal(seen[(l, "v")], want[l][1]), l
+    # ... not of the modified pass: above the source, that pass's own K/V differ from the clean ones
+    assert not torch.allclose(true_kv(model, x, LAYERS)[32][0], seen[(32, "k")], atol=1e-4)
+
+
+def test_shared_trunk_equals_the_runtime_and_full_rank_equals_the_baseline(tiny_model, fitted):
+    model, _ = tiny_model
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (19, 7, 26, 12, 3)]
+    cut = [0, 2, 9, 0, 1]
+    for rank, parts in fitted.items():
+        shared = multi_group_nll(model, QWEN_PLAN, ["baseline", "xkv"], parts, seqs, cut, 2, 0, kv_format=None,
+                                 agreement=True)
+        alone = multi_group_nll(model, QWEN_PLAN, ["xkv"], parts, seqs, cut, 2, 0, kv_format=None)  # trunk stops early
+        with CEDModeBRuntime(model, QWEN_PLAN, "xkv", parts, kv_format=None):
+            ref = sequence_nll(model, seqs, cut, 2, pad_id=0)
+        assert torch.equal(shared["xkv"][:, :2], ref) and torch.equal(alone["xkv"], ref), rank
+        if rank == FULL:
+            torch.testing.assert_close(ref, shared["baseline"][:, :2], rtol=1e-5, atol=1e-4)
+            assert shared["xkv"][:, 2].sum() < 1e-6  # KL(baseline || xkv), nats
+        else:
+            assert not torch.allclose(ref, shared["baseline"][:, :2], rtol=1e-4, atol=1e-3)
+
+
+def test_cached_generation_is_refused(tiny_model, fitted):
+    from transformers import DynamicCache
+
+    model, _ = tiny_model
+    x = torch.randint(0, 250, (1, 8))
+    sentence = r"^group 'xkv' compresses the K/V of a finished clean prefill \(xKV\) and supports teacher-forced " \
+               r"passes only, not a forward with a KV cache \(cached generation\)$"
+    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "xkv", fitted[GEO.kv_dim], kv_format=None):
+        with pytest.raises(NotImplementedError, match=sentence):
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        with pytest.raises(NotImplementedError, match=sentence):
+            model(x, cache=DynamicCache(config=model.config), use_cache=True)
+        model(x)  # a teacher-forced pass still runs
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+# ----------------------------------------------------------------------------- bytes and params
+
+QWEN = kb.Geometry(n_layers=32, hidden_size=2560, n_kv_heads=4, head_dim=256, attention_layers=tuple(range(4, 33, 4)))
+QWEN_4B_PLAN = LayerPlan(16, 20, (24, 28, 32))
+
+
+@pytest.mark.parametrize("basis", kb.BASES)
+@pytest.mark.parametrize("dtype_bytes", [2, 4])
+def test_bytes_per_token_at_rank_kv_dim_equal_csa2s(basis, dtype_bytes):
+    for geo, plan in ((QWEN, QWEN_4B_PLAN), (GEO, PLAN)):
+        xkv = kb.bytes_per_token(kb.kv_copies(geo, plan, "xkv", basis, dtype_bytes))
+        assert xkv == kb.bytes_per_token(kb.kv_copies(geo, plan, "csa2", basis, dtype_bytes))
+        assert kb.stored_layers(geo, plan, "xkv", basis) == kb.stored_layers(geo, plan, "csa2", basis)
+        # rank r: the one entry is r wide for K and for V, every other layer as csa2
+        r = 100
+        assert kb.bytes_per_token(kb.kv_copies(geo, plan, "xkv", basis, dtype_bytes, rank=r)) == \
+            xkv - 2 * (geo.kv_dim - r) * dtype_bytes
+    assert kb.xkv_basis_params(QWEN_4B_PLAN, "xkv", 1024, 1024) == 2 * 4 * 1024 * 1024
+    assert kb.xkv_basis_params(QWEN_4B_PLAN, "csa2", 1024, 1024) == 0
+
+
+def test_storage_stage_counts_xkv_entries_and_bases(tmp_path):
+    from ced_csa2.stages.storage import run
+
+    for rank in (0, 48):
+        m = run(tiny_params(xkv={"rank": rank}), tmp_path)
+        qwen, active = m["qwen3_5_4b"], m["active_model"]
+        r = rank or 1024
+        assert qwen["weights"]["xkv_rank"] == r and active["weights"]["xkv_rank"] == (rank or GEO.kv_dim)
+        assert qwen["weights"]["xkv_basis_params"]["xkv"] == 2 * 4 * 1024 * r
+        bf16 = qwen["kv"]["bf16"]
+        assert bf16["decoder_attention"]["xkv"]["bytes_per_token"] == 2 * r * 2  # csa2's 4,096 at r = 1024
+        assert bf16["all_attention_amortised_4k"]["xkv"]["bytes_per_token"] == \
+            bf16["all_attention"]["xkv"]["bytes_per_token"] + 2 * 4 * 1024 * r * 2 / 4096
+    assert m["groups"]["xkv"].startswith("training-free xKV baseline")
+
+
+def test_accounted_copies_are_csa2s_at_rank_kv_dim():
+    from ced_csa2.shared_kv import accounted_copies
+
+    assert accounted_copies(GEO, PLAN, "xkv", "bf16", 4) == accounted_copies(GEO, PLAN, "csa2", "bf16", 4)
+    with pytest.raises(ValueError, match="FP4 storage 'nvfp4' is not defined"):
+        accounted_copies(GEO, PLAN, "xkv", "nvfp4", 4)
+
+
+def test_xkv_cannot_be_generated_with_and_rank_must_be_non_negative(tmp_path):
+    with pytest.raises(ParamsError, match=r"'eval_gsm8k.generate' cannot generate with \['xkv'\]: xKV compresses"):
+        tiny_params(eval_gsm8k={"groups": ["baseline", "xkv"], "generate": ["baseline", "xkv"]})
+    assert tiny_params(eval_gsm8k={"groups": ["baseline", "xkv"], "generate": ["baseline"]})  # gold NLL is fine
+    with pytest.raises(ParamsError, match=r"'xkv.rank' must be >= 0"):
+        tiny_params(xkv={"rank": -1})
+    import yaml
+    from conftest import TINY_OVERRIDES
+
+    from ced_csa2.compose import compose
+
+    raw = yaml.safe_load(compose(TINY_OVERRIDES))
+    raw["eval_gsm8k"].update(groups=["baseline", "xkv"], generate=["xkv"])
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(ParamsError, match=rf"^{path}: params key 'eval_gsm8k.generate' cannot generate with"):
+        load_params(path)
+
+
+def test_random_parts_cover_xkv(tiny_model):
+    parts = random_parts(geometry(tiny_model[0].config), QWEN_PLAN)
+    assert parts.xkv.layers == LAYERS and parts.xkv.rank == GEO.kv_dim
+
+
+def test_the_trunk_runs_through_the_top_target_and_no_further():
+    from conftest import tiny_llama
+    from test_shared_trunk import check_exact, rows
+
+    model, plan = tiny_llama(), LayerPlan(1, 2, (3, 4))  # 6 layers: the top target is below the last
+    for groups in (("xkv",), ("share_plain", "xkv")):
+        check_exact(model, plan, groups, batch_size=4)
+    calls = {}
+    handles = [layer.register_forward_hook(lambda m, i, o, l=l: calls.__setitem__(l, calls.get(l, 0) + 1))
+               for l, layer in enumerate(model.model.layers, 1)]
+    try:
+        seqs, cut = rows(250)
+        multi_group_nll(model, plan, ["xkv"], random_parts(geometry(model.config), plan), seqs, cut, 4, 0,
+                        kv_format=None)  # 7 sequences: 2 batches
+    finally:
+        for h in handles:
+            h.remove()
+    # per batch: the trunk runs layers 1..4 (it stops before 5, once the top target's K/V are in), the branch 2..6
+    assert calls == {1: 2, 2: 4, 3: 4, 4: 4, 5: 2, 6: 2}
