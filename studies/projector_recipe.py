@@ -42,7 +42,8 @@ from ced_csa2.stats import paired_bootstrap
 from ced_csa2.training import split_masks
 
 OUT = Path("studies/projector_recipe")
-BATCH_SIZES = (4096, 2048, 1024, 512, 256, 128)
+BATCH_SIZES = {"random": (4096, 2048, 1024, 512, 256, 128, 64),
+               "ridge": (4096, 256)}  # from the ridge map: already at the MSE optimum, two points suffice
 log = logging.getLogger("projector_recipe")
 
 
@@ -92,7 +93,8 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
+    for init, sizes in BATCH_SIZES.items():
+        ap.add_argument(f"--{init}-batch-sizes", default=",".join(map(str, sizes)))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     params = load_params(Path("params.yaml"))
@@ -120,7 +122,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for init in ("random", "ridge"):
         rows = results[init] = []
-        for batch in map(int, args.batch_sizes.split(",")):
+        for batch in map(int, getattr(args, f"{init}_batch_sizes").split(",")):
             recipe = dataclasses.replace(params.train_projector, batch_size=batch, init=init)
             t0 = time.perf_counter()
             fitted = train_projectors(dataclasses.replace(params, train_projector=recipe), DUMP_PATH,
