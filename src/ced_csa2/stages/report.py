@@ -24,6 +24,7 @@ from ..entry import run_stage
 from ..groups import GROUP_NAMES
 from ..io_utils import atomic_write_text, write_json
 from ..paths import METRICS, REPORTS, SUMMARY
+from ..ridge import adapter_map
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +123,15 @@ def fit_table(ridge: dict, projector: dict, adapters: dict) -> list[str]:
     return lines
 
 
-def served_fit_table(ridge: dict, targets: list[str]) -> list[str]:
-    """Ridge adapters fed the projected source: csa2's (fitted on the true source) vs ced_csa2's own."""
-    lines = ["| adapter fed proj(H) → KV_t | K R² csa2's map → ced_csa2's map | V R² csa2's map → ced_csa2's map |",
-             "|---|---|---|"]
+def served_fit_table(ridge: dict, targets: list[str], adapter_input: str) -> list[str]:
+    """Ridge adapters fed the projected source: csa2's (fitted on the true source) vs those fitted on it."""
+    lines = ["| adapter fed proj(H) → KV_t | K R² csa2's map → map fitted on proj(H) | "
+             "V R² csa2's map → map fitted on proj(H) |", "|---|---|---|"]
     for t in targets:
+        maps = {kind: (adapter_map(kind, int(t), adapter_input) + "_on_ced",
+                       adapter_map(kind, int(t), adapter_input, projected=True)) for kind in "kv"}
         lines.append(f"| KV_{t} | " + " | ".join(
-            f"{ridge[f'{kind}_{t}_on_ced']['r2']:.4f} → {ridge[f'ced_{kind}_{t}']['r2']:.4f}" for kind in "kv") + " |")
+            f"{ridge[true]['r2']:.4f} → {ridge[fitted]['r2']:.4f}" for true, fitted in maps.values()) + " |")
     return lines
 
 
@@ -328,7 +331,7 @@ def run(params: Params, workdir: Path = Path(".")) -> str:
         "metrics/objectives/*/train.json), on this run's device.", "",
         *objective_table(ppl, gsm, projector, adapters, objectives, groups), "",
         "## Fit of the maps (held-out tokens)", "", *fit_table(ridge, projector, adapters), "",
-        *served_fit_table(ridge, list(adapters["layers"])), "",
+        *served_fit_table(ridge, list(adapters["layers"]), params.train_adapters.input), "",
         "Qwen3.5-4B geometry (computed from its config, no weights): "
         + ", ".join(f"{b}: baseline {storage['qwen3_5_4b']['kv']['bf16'][b]['baseline']['bytes_per_token']:,.0f} → "
                     f"csa2 {storage['qwen3_5_4b']['kv']['bf16'][b]['csa2']['bytes_per_token']:,.0f} B/token"
