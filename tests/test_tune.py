@@ -122,3 +122,14 @@ def test_a_short_distillation_lowers_the_held_out_kl(tmp_path, frozen):
             assert (before, after) == pytest.approx((phase["val_before"][key], phase["val_after"][key]), rel=1e-6)
     assert not (tmp_path / paths.objective_metrics("distill") / "curve.csv").exists()
     assert all(not p.requires_grad for p in model.parameters())
+
+
+def test_attn_out_lowers_every_phase_s_held_out_loss(tmp_path, frozen):
+    """Each attn_out phase, the joint ced_csa2 one included, ends below its held-out loss at the start."""
+    model, tok = frozen
+    params = with_online(tiny_params())
+    write_inputs(tmp_path, params, tok)
+    m = tune.run(params, "attn_out", tmp_path, model_and_tok=(model, tok))
+    assert set(m["phases"]) == {"ced", "csa2", "ced_csa2"}
+    for group, phase in m["phases"].items():
+        assert phase["val_after"]["loss"] < phase["val_before"]["loss"], (group, phase)
