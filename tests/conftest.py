@@ -11,7 +11,7 @@ import torch
 
 from ced_csa2.compose import compose
 from ced_csa2.config import Params, from_dict
-from ced_csa2.model_utils import load_model_and_tokenizer
+from ced_csa2.model_utils import build_tiny_model, load_model_and_tokenizer
 
 TINY_OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5"]
 
@@ -57,6 +57,21 @@ def tiny_llama(attn_implementation="sdpa"):
     cfg._attn_implementation = attn_implementation
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
+
+
+TINY_GEMMA3_OVERRIDES = ["model=tiny_gemma3", "data=tiny", "plan=tiny_gemma3"]
+
+
+def tiny_gemma3(attn_implementation="sdpa"):
+    """The tiny Gemma-3 profile's model (conf/model/tiny_gemma3.yaml) at vocabulary 300.
+
+    8 layers, full attention at 3 and 6, the others a window of 6 positions (tests run
+    longer sequences, so the window bites); theta 1e4 on sliding layers, 1e6 on full ones.
+    """
+    import yaml
+
+    cfg = from_dict(Params, yaml.safe_load(compose(TINY_GEMMA3_OVERRIDES))).model.tiny
+    return build_tiny_model(cfg, vocab_size=300, attn_implementation=attn_implementation)
 
 
 def read_curves(directory) -> dict[str, tuple[str, list[tuple[int, float]]]]:

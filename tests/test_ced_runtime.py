@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_llama
+from conftest import tiny_gemma3, tiny_llama
 from torch import nn
 
 from ced_csa2 import kv_hooks
@@ -16,6 +16,9 @@ from ced_csa2.projector import KVProjector
 from ced_csa2.xkv import XKVBasis
 
 QWEN_PLAN = LayerPlan(16, 20, (24, 28, 32))
+# Tiny Gemma-3 (window 6; full at 3, 6): a full source read by sliding (5, 8) and full (6) targets,
+# covering for Mode A with extra sources 4 and 7 (both sliding).
+GEMMA_PLAN = LayerPlan(2, 3, (5, 6, 8), (4, 7))
 
 
 class Replay(nn.Module):
@@ -174,10 +177,26 @@ def test_cached_generation_equals_teacher_forced_logits(group):
     torch.testing.assert_close(steps, full[:, x.shape[1] - 1:-1], atol=1e-4, rtol=1e-4)
 
 
-def test_mode_a_with_true_kv_reproduces_baseline_on_all_attention_model():
-    model = tiny_llama()
+@pytest.mark.parametrize("group", ["baseline", "ced", "csa2", "ced_csa2"])
+def test_identity_substitution_is_exact_on_sliding_window_gemma3(group):
+    # 20 positions against a window of 6; per-layer-type RoPE; q/k norms.
+    model = tiny_gemma3()
+    x = torch.randint(0, 300, (2, 20))
+    with torch.no_grad():
+        ref = model(x).logits
+        with CEDModeBRuntime(model, GEMMA_PLAN, group, identity_parts(model, x, GEMMA_PLAN), kv_format="nvfp4"):
+            out = model(x).logits
+    assert torch.equal(ref, out)
+
+
+@pytest.mark.parametrize("name,model,plan", [
+    ("llama", tiny_llama, LayerPlan(2, 3, (5, 6), (4,))),
+    ("gemma3", tiny_gemma3, GEMMA_PLAN),  # sliding caches keep their window; per-type theta
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_mode_a_with_true_kv_reproduces_baseline(name, model, plan):
+    model = model()
     geo = geometry(model.config)
-    plan = LayerPlan(2, 3, (5, 6), (4,)).validate(geo)
+    plan = plan.validate(geo)
     prompt, cont = torch.randint(0, 300, (2, 15)), torch.randint(0, 300, (2, 9))
     # The true K/V the skipped layers would have computed for the prompt (minus its last token).
     parts = identity_parts(model, prompt[:, :-1], plan)

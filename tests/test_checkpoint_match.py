@@ -10,7 +10,7 @@ from ced_csa2 import csa2, paths, projector
 from ced_csa2.ced_runtime import load_parts
 from ced_csa2.checkpoint import CheckpointError, checkpoint_meta
 from ced_csa2.plan import LayerPlan, load_plan
-from ced_csa2.stages import eval_gsm8k, eval_objective, eval_ppl
+from ced_csa2.stages import eval_gsm8k, eval_objective, eval_ppl, gold_pairs
 
 PARAMS = tiny_params()
 PLAN, GEO = load_plan(PARAMS.plan, PARAMS.model)  # split 16, source 20, targets 24/28/32; hidden 64, kv_dim 32
@@ -109,10 +109,11 @@ def test_the_eval_gsm8k_stage_refuses_adapters_for_another_model(tmp_path, tiny_
     save_maps(tmp_path / "models", params=tiny_params(model={"name": "other_model"}), only=("adapters",))
     (tmp_path / paths.GSM8K_JSONL).parent.mkdir(parents=True)
     (tmp_path / paths.GSM8K_JSONL).write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
+    params = tiny_params(eval_gsm8k={"groups": ["csa2"], "generate": ["csa2"], "max_gen_toks": 2})
+    gold_pairs.run(params, tmp_path)
     with pytest.raises(CheckpointError, match=r"adapters\.pt: 'model' is 'other_model' in the checkpoint"):
         # one short group, so that without the check the test fails in seconds, not minutes
-        eval_gsm8k.run(tiny_params(eval_gsm8k={"groups": ["csa2"], "generate": ["csa2"], "max_gen_toks": 2}), tmp_path,
-                       model_and_tok=tiny_model)
+        eval_gsm8k.run(params, tmp_path, model_and_tok=tiny_model)
 
 
 def test_eval_objective_refuses_another_objective_s_or_another_layer_s_maps(tmp_path):

@@ -13,7 +13,7 @@ from ced_csa2 import gsm8k, paths
 from ced_csa2.ced_runtime import CEDModeARuntime
 from ced_csa2.model_utils import geometry
 from ced_csa2.plan import LayerPlan, load_plan
-from ced_csa2.stages import eval_gsm8k, prepare
+from ced_csa2.stages import eval_gsm8k, gold_pairs, prepare
 
 # Short on purpose: the tiny model's tokenizer is byte-level and its GatedDeltaNet
 # layers run the slow reference kernels, so prompt length is what the test pays for.
@@ -90,12 +90,41 @@ def test_missing_math_set_names_the_prepare_stage(tmp_path):
         eval_gsm8k.run(tiny_params(), tmp_path)
 
 
+def test_gold_pairs_stage_builds_lm_eval_prompts_from_the_tokenizer_alone(tmp_path, tiny_model):
+    """The pairs gold_pairs writes (no model) are those lm-eval's HFLM builds while generating (2-shot here)."""
+    model, tok = tiny_model
+    data = write_problems(tmp_path)
+    params = tiny_params(eval_gsm8k={"num_fewshot": 2, "groups": ["baseline"], "generate": ["baseline"]})
+    with pytest.raises(FileNotFoundError, match=r"gsm8k_gold.json not found: run `dvc repro gold_pairs`"):
+        eval_gsm8k.run(params, tmp_path, model_and_tok=(model, tok))
+
+    pairs = gold_pairs.run(params, tmp_path)
+
+    assert gsm8k.load_gold_pairs(tmp_path / paths.GOLD_PATH, params) == pairs
+    with gsm8k.local_task(data, params.eval_gsm8k.num_fewshot) as manager:
+        _, generated = gsm8k.evaluate_lm(scripted_lm(model, tok, _gold), manager, params, "baseline")
+    assert generated == pairs and len(pairs) == len(PROBLEMS)
+    exemplar = gsm8k.fewshot_exemplars()[0]["question"]
+    assert all(tok.decode(ids[:cut]).startswith(f"Question: {exemplar}") and cut < len(ids) for ids, cut in pairs)
+
+
+def test_gold_nll_without_generation(tmp_path, tiny_model):
+    """eval_gsm8k.generate may be empty: gold NLL on the saved pairs, no exact match."""
+    model, tok = tiny_model
+    write_problems(tmp_path, PROBLEMS[:2])
+    params = tiny_params(eval_gsm8k={"groups": ["baseline"], "generate": [], "mode_a": "off", "batch_size": 2})
+    pairs = gold_pairs.run(params, tmp_path)
+    m = eval_gsm8k.run(params, tmp_path, model_and_tok=(model, tok))
+    assert m["groups"] == {"baseline": {"gold_nll": gsm8k.gold_nll(model, pairs, 2, tok.pad_token_id)}}
+
+
 def test_stage_end_to_end_two_groups(tmp_path, tiny_model):
     model, tok = tiny_model
     write_problems(tmp_path)
     params = tiny_params(eval_gsm8k={"groups": ["baseline", "ced"], "generate": ["baseline", "ced"],
                                      "max_gen_toks": 8, "batch_size": 4, "mode_a": "generate"})
     parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 28, 32)))
+    gold_pairs.run(params, tmp_path)
     m = eval_gsm8k.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
 
     assert json.loads((tmp_path / paths.GSM8K_METRICS).read_text()) == json.loads(json.dumps(m))
@@ -116,7 +145,7 @@ def test_stage_end_to_end_two_groups(tmp_path, tiny_model):
     assert abs(m["groups"]["ced"]["gold_nll"]["nll_per_token"] - nll) > 1e-4
     assert all(not mod._forward_hooks for mod in model.modules())
 
-    # The saved gold pairs reproduce the baseline's gold NLL without lm-eval.
+    # The gold pairs (every generated group's prompts) reproduce the baseline's gold NLL without lm-eval.
     pairs = gsm8k.load_gold_pairs(tmp_path / paths.GOLD_PATH, params)
     assert len(pairs) == len(PROBLEMS)
     assert gsm8k.gold_nll(model, pairs, 4, tok.pad_token_id) == base
@@ -236,6 +265,7 @@ def test_stage_passes_kv_format_to_every_fp4_group(tmp_path, tiny_model):
     params = tiny_params(eval_gsm8k={"groups": ["baseline", *FP4_GROUPS], "generate": ["baseline", "csa2_fp4_rot"],
                                      "max_gen_toks": 1, "batch_size": 2})
     parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 28, 32)))
+    gold_pairs.run(params, tmp_path)
     nll = {}
     for fmt in ("nvfp4", "mxfp4"):
         m = eval_gsm8k.run(dataclasses.replace(params, kv_format=fmt), tmp_path, parts=parts,

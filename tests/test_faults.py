@@ -5,10 +5,12 @@ Three parts:
 * **stage catalogue** -- a real ``python -m ced_csa2.stages.<stage>`` in a scratch folder
   per fault: exit status 2, ``error: <message>`` as the one line on stderr naming the file
   or key and what is wrong (no traceback), and every file already there (prior good
-  outputs included) byte-identical afterwards, with no temporary file left behind;
+  outputs included) byte-identical afterwards, with no temporary file left behind (a
+  ``kind: local`` model that is missing or differs from its pin among the faults);
 * **params catalogue** -- every range and type check of ``load_params``, in process
   (every float leaf of the params as ``.inf``/``.nan``, seeds, learning rates, momentum,
-  weight decay, warmup fractions, devices, numbers YAML reads as strings, unknown keys);
+  weight decay, warmup fractions, devices, numbers YAML reads as strings, unknown keys, the
+  model's pins: ``kind: local`` and GGUFs joined from several wheels);
 * **writes** -- strict JSON (no NaN/Infinity) and atomic writes that leave nothing behind;
 * **dump integrity and I/O faults** -- bytes corrupted inside ``data/dump/dump.h5`` and
   non-finite values are refused by its consumers (ridge, train_projector, train_adapters)
@@ -101,10 +103,22 @@ def remove(rel: str):
     return lambda workdir: (workdir / rel).unlink()
 
 
+def local_model(path: str, *before):
+    """Hand edits of ``params.yaml``: the model becomes ``kind: local`` at ``path``, pinned to zeros."""
+    steps = [*before, edit("  name: tiny_qwen3_5\n  kind: tiny\n", "  name: tiny_qwen3_5\n  kind: local\n"),
+             edit("  local: null\n", f"  local:\n    path: {path}\n    sha256: '{ZEROS}'\n")]
+
+    def apply(workdir: Path) -> None:
+        for step in steps:
+            step(workdir)
+    return apply
+
+
 PRIOR = {  # stand-ins for earlier good outputs of the stages that run on a fault below
     RIDGE_PATH: b"prior ridge maps", RIDGE_METRICS: b'{"prior": true}\n', PPL_METRICS: b'{"prior": true}\n',
 }
 NO_CUDA = "torch.cuda.is_available() is false"
+ZEROS = "0" * 64
 
 # (id, stage, fault, substrings the one error line must contain)
 STAGE_CASES = [
@@ -155,6 +169,10 @@ STAGE_CASES = [
     ("not-utf8", "storage", write("params.yaml", b"seed: \xff\n"), ["params.yaml", "not UTF-8"]),
     # valid params, bad world: the plan, missing and corrupt artifacts
     ("plan-layer-absent", "storage", edit("  - 32\n", "  - 36\n"), ["layer 36 does not exist", "1..32"]),
+    ("local-model-absent", "storage", local_model("nowhere/my_model"),
+     ["model.local.path nowhere/my_model does not exist"]),
+    ("local-model-digest-differs", "storage", local_model("my_model", write("my_model/config.json", "{}")),
+     ["my_model has digest", f"not the pinned model.local.sha256 {ZEROS}"]),
     ("dump-missing", "ridge", lambda workdir: None, [str(DUMP_PATH), "not found"]),
     ("dump-corrupt", "ridge", write(str(DUMP_PATH), b"not an HDF5 file"), [str(DUMP_PATH), "corrupt"]),
     ("checkpoint-corrupt", "eval_ppl", write("models/projector_k20v20.pt", b"garbage"),
@@ -477,6 +495,42 @@ def test_broken_files_are_one_line_errors(tmp_path, text, message):
     with pytest.raises(ParamsError) as err:
         _load(tmp_path, text=text)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+PART = {"package": "chunk-part1", "version": "1.0", "member": "chunk_part1/m.gguf.part00", "sha256": ZEROS,
+        "python_version": None}
+MODEL_CASES = [  # (id, changes to the tiny profile's model section, key, message)
+    ("local-without-pin", {"kind": "local"}, "model.local", "is required for kind 'local'"),
+    ("local-path-empty", {"kind": "local", "local": {"path": "", "sha256": ZEROS}}, "model.local.path",
+     "must name a Hugging Face folder or a .gguf file"),
+    ("local-sha256-short", {"kind": "local", "local": {"path": "m", "sha256": "abc"}}, "model.local.sha256",
+     "must be 64 hex digits"),
+    ("local-sha256-uppercase", {"kind": "local", "local": {"path": "m", "sha256": "A" * 64}}, "model.local.sha256",
+     "must be 64 hex digits (lowercase"),
+    ("local-misspelt-key", {"kind": "local", "local": {"path": "m", "sha": ZEROS}}, "model.local.sha",
+     "is not a known parameter of LocalModel; did you mean 'model.local.sha256'?"),
+    ("gguf-wheel-without-pin", {"kind": "gguf_wheel"}, "model.wheel",
+     "or model.joined (exactly one of them) is required for kind 'gguf_wheel'"),
+    ("gguf-wheel-and-joined", {"kind": "gguf_wheel", "wheel": PART,
+                               "joined": {"name": "m.gguf", "sha256": ZEROS, "parts": [PART]}},
+     "model.wheel", "or model.joined (exactly one of them)"),
+    ("joined-without-parts", {"kind": "gguf_wheel", "joined": {"name": "m.gguf", "sha256": ZEROS, "parts": []}},
+     "model.joined.parts", "must list the parts in order"),
+    ("joined-name-a-path", {"kind": "gguf_wheel", "joined": {"name": "../m.gguf", "sha256": ZEROS, "parts": [PART]}},
+     "model.joined.name", "must be a plain file name"),
+    ("joined-part-sha256", {"kind": "gguf_wheel", "joined": {"name": "m.gguf", "sha256": ZEROS,
+                                                             "parts": [{**PART, "sha256": "g" * 64}]}},
+     "sha256", "must be 64 hex digits"),
+]
+
+
+@pytest.mark.parametrize("changes,key,message", [c[1:] for c in MODEL_CASES], ids=[c[0] for c in MODEL_CASES])
+def test_model_pins_are_refused(tmp_path, changes, key, message):
+    raw = tiny_raw()
+    raw["model"].update(changes)
+    with pytest.raises(ParamsError) as err:
+        _load(tmp_path, raw)
+    assert f"'{key}' " in str(err.value) and message in str(err.value), str(err.value)
 
 
 # ----------------------------------------------------------------------------- strict JSON

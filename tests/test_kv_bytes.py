@@ -151,3 +151,23 @@ def test_adapter_weights_amortise_over_the_context():
     # 25,187,328 bf16 parameters spread over 4,096 tokens: 12,298.5 B/token on top of 20,480
     assert kb.bytes_per_token(copies) == 20480 + 25187328 * 2 / 4096 == 32778.5
     assert kb.CONTEXTS == {"4k": 4096, "32k": 32768, "128k": 131072}
+
+
+# ----------------------------------------------------------------------------- sliding windows
+
+def test_a_sliding_layer_holds_min_context_window_minus_one_entries():
+    window = 512  # Gemma-3-270M: full attention at 6, 12, 18
+    geo = Geometry(n_layers=18, hidden_size=640, n_kv_heads=1, head_dim=256, attention_layers=tuple(range(1, 19)),
+                   windows=tuple((la, window) for la in range(1, 19) if la not in (6, 12, 18)))
+    plan = LayerPlan(9, 12, (14, 18))
+    copies = kb.kv_copies(geo, plan, "baseline", "all_attention", 2)
+    entry = 2 * 256  # one K (or V) entry in bf16
+    assert [c.max_entries for c in copies if c.name in ("K5", "K6")] == [window - 1, None]
+    assert kb.bytes_per_token(copies) == 18 * 2 * entry  # no context: every layer per token
+    for context in (100, 511, 4096, 131072):
+        held = 3 * 2 * entry * context + 15 * 2 * entry * min(context, window - 1)
+        assert kb.bytes_per_token(copies, context) * context == pytest.approx(held, rel=1e-12)
+    # csa2 drops one sliding (14) and one full (18) reader: at 128K the full one is what counts.
+    csa2 = kb.kv_copies(geo, plan, "csa2", "all_attention", 2)
+    saved = kb.bytes_per_token(copies, 131072) - kb.bytes_per_token(csa2, 131072)
+    assert saved == pytest.approx(2 * entry * (1 + (window - 1) / 131072), rel=1e-12)

@@ -2,17 +2,18 @@
 
 import pytest
 import torch
-from conftest import tiny_llama, tiny_params
+from conftest import tiny_gemma3, tiny_llama, tiny_params
 
 from ced_csa2 import kv_hooks
-from ced_csa2.model_utils import geometry, tiny_qwen3_5
+from ced_csa2.model_utils import build_tiny_model, geometry
 
 
 def _models():
     cfg = tiny_params().model
     for impl in ("sdpa", "eager"):
-        yield f"qwen3_5-{impl}", tiny_qwen3_5(cfg.tiny, vocab_size=300, attn_implementation=impl)
+        yield f"qwen3_5-{impl}", build_tiny_model(cfg.tiny, vocab_size=300, attn_implementation=impl)
         yield f"llama-{impl}", tiny_llama(impl)
+        yield f"gemma3-{impl}", tiny_gemma3(impl)
 
 
 @pytest.mark.parametrize("name,model", list(_models()), ids=lambda v: v if isinstance(v, str) else "")
@@ -55,7 +56,7 @@ def test_captured_hidden_state_is_layer_output():
 
 
 def test_capture_refuses_a_deltanet_layer():
-    model = tiny_qwen3_5(tiny_params().model.tiny, vocab_size=300)
+    model = build_tiny_model(tiny_params().model.tiny, vocab_size=300)
     with pytest.raises(ValueError, match="layer 3 has no softmax attention"):
         with kv_hooks.capture(model, [3]):
             pass

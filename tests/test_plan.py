@@ -54,3 +54,22 @@ def test_tiny_profile_has_qwen3_5_4b_layer_pattern():
     assert p == plan()
     with pytest.raises(PlanError, match="layer 18 is not a softmax-attention layer"):
         load_plan(PlanConfig("bad", 15, 18, [22, 26, 30]), tiny_params().model)
+
+
+# Gemma-3-270M's pattern: 18 layers, full attention at 6, 12, 18, the others a window of 512.
+GEMMA = Geometry(n_layers=18, hidden_size=640, n_kv_heads=1, head_dim=256, attention_layers=tuple(range(1, 19)),
+                 windows=tuple((la, 512) for la in range(1, 19) if la not in (6, 12, 18)))
+
+
+def test_full_attention_source_may_feed_sliding_and_full_readers():
+    assert plan(9, 12, (14, 16, 18)).validate(GEMMA).kv_layers == (12, 14, 16, 18)
+
+
+def test_sliding_source_feeds_only_readers_within_its_window():
+    assert plan(7, 8, (9, 10)).validate(GEMMA)  # all windows of 512
+    with pytest.raises(PlanError, match=r"plan source layer 8 is a sliding-window layer \(window 512\): its cache "
+                                        r"keeps only the last 511 positions, but target layer 12 has full attention"):
+        plan(7, 8, (10, 12)).validate(GEMMA)
+    narrow = Geometry(**{**vars(GEMMA), "windows": ((8, 128), (10, 512))})
+    with pytest.raises(PlanError, match="target layer 10 has a sliding window of 512"):
+        plan(7, 8, (10,)).validate(narrow)

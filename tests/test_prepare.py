@@ -91,14 +91,19 @@ def test_pack_joins_paragraphs_and_truncates(bos):
     assert n == len(tok(text)["input_ids"]) <= 50 + extra and not text.endswith(" ")
 
 
-def test_wiki_embedded_holds_out_whole_articles(tmp_path, monkeypatch):
+def small_wiki(tmp_path, monkeypatch):
+    """Params of the wiki_embedded kind (all train records) over eight small articles, served locally."""
     pin = WheelPin(package="gensim", version="0", member="x.bz2", sha256="0" * 64)
     articles = [Article(f"A{a}", [f"Article {a} paragraph {p:02d}. word word word" for p in range(12)])
                 for a in range(8)]
     monkeypatch.setattr(prep, "fetch_member", lambda p: tmp_path / "unused.bz2")
     monkeypatch.setattr(sources, "wiki_articles", lambda path: articles)
-    params = with_data(tiny_params(), kind="wiki_embedded", corpus_wheel=pin, heldout_articles=2, n_eval=3,
-                       min_tokens=40, max_tokens=120)
+    return with_data(tiny_params(), kind="wiki_embedded", corpus_wheel=pin, heldout_articles=2, n_eval=3,
+                     min_tokens=40, max_tokens=120, n_train=0)
+
+
+def test_wiki_embedded_holds_out_whole_articles(tmp_path, monkeypatch):
+    params = small_wiki(tmp_path, monkeypatch)
     tok = byte_tokenizer()
     prep.prepare(params, tok, tmp_path)
     train, eval_ = read_jsonl(tmp_path / paths.TRAIN_JSONL), read_jsonl(tmp_path / paths.EVAL_JSONL)
@@ -110,6 +115,32 @@ def test_wiki_embedded_holds_out_whole_articles(tmp_path, monkeypatch):
     for rec in train + eval_:
         assert 40 <= rec["n_tokens"] == len(tok(rec["text"])["input_ids"]) <= 120
         assert "\n" in rec["text"]  # several paragraphs per record
+
+
+def test_n_train_keeps_the_first_of_a_seeded_shuffle_of_the_train_records(tmp_path, monkeypatch):
+    """wiki_embedded with n_train = k: k of the n_train = 0 records, in corpus order, nested in a larger
+    n_train's; the eval records untouched; the same files twice."""
+    params, tok = small_wiki(tmp_path, monkeypatch), byte_tokenizer()
+
+    def run(name, n_train):
+        metrics = prep.prepare(with_data(params, n_train=n_train), tok, tmp_path / name)
+        return metrics, read_jsonl(tmp_path / name / paths.TRAIN_JSONL), read_jsonl(tmp_path / name / paths.EVAL_JSONL)
+
+    _, every, every_eval = run("all", 0)
+    metrics, train, eval_ = run("k", 10)
+    assert len(every) == 24 and len(train) == 10
+    assert [r for r in every if r in train] == train  # a subset, in corpus order
+    assert eval_ == every_eval
+    assert metrics["n_train"] == {"param": 10, "built": 24, "kept": 10} and metrics["train"]["records"] == 10
+    assert [r["id"] for r in train] != [r["id"] for r in every[:10]]  # sampled, not the first ten
+
+    prep.prepare(with_data(params, n_train=10), tok, tmp_path / "again")
+    for rel in OUTPUTS:
+        assert (tmp_path / "k" / rel).read_bytes() == (tmp_path / "again" / rel).read_bytes(), rel
+    _, more, _ = run("more", 15)
+    assert {r["id"] for r in train} < {r["id"] for r in more} and len(more) == 15
+    _, beyond, _ = run("beyond", 30)  # at most n_train: all 24
+    assert beyond == every
 
 
 def test_wikitext_long_lines(tmp_path, monkeypatch):
@@ -128,6 +159,11 @@ def test_wikitext_long_lines(tmp_path, monkeypatch):
         assert rec["n_tokens"] == len(tok(rec["text"])["input_ids"]) <= 200
         assert lines["train"][i].startswith(rec["text"])
     assert [r["id"] for r in train] == sorted((r["id"] for r in train), key=lambda s: int(s.rsplit("/", 1)[1]))
+
+    prep.prepare(with_data(params, n_train=4), tok, tmp_path / "n4")  # n_train applies to this kind too
+    kept = read_jsonl(tmp_path / "n4" / paths.TRAIN_JSONL)
+    assert len(kept) == 4 and [r for r in train if r in kept] == kept
+    assert read_jsonl(tmp_path / "n4" / paths.EVAL_JSONL) == eval_
 
 
 def test_validation_errors_name_the_key(tmp_path):

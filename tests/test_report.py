@@ -138,3 +138,11 @@ def test_mode_a_table_sets_the_skip_against_the_full_prefill():
     ppl["mode_a"] = {"covered": False, "uncovered_attention_layers": [16, 17]}
     assert mode_a_table(ppl, gsm) == ["Mode A: not run — the plan does not cover attention layers [16, 17] above the "
                                       "cut (use a covering plan)."]
+
+
+def test_window_line_names_the_sliding_layers_and_how_they_are_counted():
+    from ced_csa2.stages.report import window_line
+
+    assert window_line({"active_model": {"geometry": {"sliding_windows": {}}}}) == ""
+    line = window_line({"active_model": {"geometry": {"sliding_windows": {"1": 512, "2": 512, "4": 512}}}})
+    assert line.startswith("Sliding-window layers (3: 1, 2, 4; window 512)") and "min(context, window − 1)" in line

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import tiny_gemma3, tiny_llama
 from test_ced_runtime import random_parts
 from transformers import DynamicCache
 
@@ -25,15 +25,22 @@ from ced_csa2.shared_kv import (
 
 LLAMA_PLAN = LayerPlan(2, 3, (5, 6))
 QWEN_PLAN = LayerPlan(16, 20, (24, 28, 32))
-PROMPT, NEW = 11, 6
+# Tiny Gemma-3 (window 6, full at 3/6): a full source read by two sliding readers and a full
+# one; and a sliding source read by sliding layers only (its store forgets old positions).
+GEMMA_PLAN = LayerPlan(2, 3, (5, 6, 8))
+GEMMA_SLIDING_PLAN = LayerPlan(1, 2, (4, 5))
+PROMPT, NEW = 11, 6  # 16 cached positions: past the Gemma window
 FP32_BYTES = 4
 
 
-@pytest.fixture(params=["llama", "qwen3_5"])
+@pytest.fixture(params=["llama", "qwen3_5", "gemma3", "gemma3_sliding_source"])
 def setup(request, tiny_model):
-    """``(model, plan, parts, prompt)`` for the all-attention tiny Llama and the hybrid tiny Qwen3.5."""
-    model, plan, vocab = ((tiny_llama(), LLAMA_PLAN, 300) if request.param == "llama"
-                          else (tiny_model[0], QWEN_PLAN, 250))
+    """``(model, plan, parts, prompt)`` for the all-attention tiny Llama, the hybrid tiny Qwen3.5 and
+    the sliding + full tiny Gemma-3."""
+    model, plan, vocab = {"llama": lambda: (tiny_llama(), LLAMA_PLAN, 300),
+                          "qwen3_5": lambda: (tiny_model[0], QWEN_PLAN, 250),
+                          "gemma3": lambda: (tiny_gemma3(), GEMMA_PLAN, 300),
+                          "gemma3_sliding_source": lambda: (tiny_gemma3(), GEMMA_SLIDING_PLAN, 300)}[request.param]()
     torch.manual_seed(1)
     prompt = torch.randint(0, vocab, (2, PROMPT))
     return model, plan, random_parts(geometry(model.config), plan), prompt
@@ -59,6 +66,21 @@ def stored_tokens(prompt):
     return prompt.shape[0] * (prompt.shape[1] + NEW - 1)
 
 
+def held_entries(geo, layers, prompt):
+    """Entries (batch rows x positions) the caches of ``layers`` hold after generation, counted
+    independently of the accounting module: a sliding layer keeps its last window - 1 positions."""
+    positions = prompt.shape[1] + NEW - 1
+    return prompt.shape[0] * sum(positions if geo.window(la) is None else min(positions, geo.window(la) - 1)
+                                 for la in layers)
+
+
+def accounted(geo, plan, group, storage, prompt):
+    """The accounting module's bytes for the same cache: per token at this context, times its tokens."""
+    per_token = bytes_per_token(accounted_copies(geo, plan, group, storage, FP32_BYTES), stored_tokens(prompt)
+                                // prompt.shape[0])
+    return round(stored_tokens(prompt) * per_token)
+
+
 @pytest.mark.parametrize("group", SHARED_GROUPS)
 def test_unquantised_store_reproduces_mode_b_generation(setup, group):
     model, plan, parts, prompt = setup
@@ -76,13 +98,15 @@ def test_held_bytes_are_the_accounted_bytes_and_fewer_than_dynamic_cache(setup, 
     _, dynamic_bytes = mode_b(model, plan, group, parts, prompt)
     cache = shared_kv_generate(model, plan, group, parts, prompt, NEW).cache
     # Independently of the accounting module: every attention layer but the targets holds
-    # 2 · kv_dim fp32 values per token; the source's entry is the one stored copy.
-    n_stored = len(geo.attention_layers) - len(plan.targets)
-    expected = stored_tokens(prompt) * n_stored * 2 * geo.kv_dim * FP32_BYTES
+    # 2 · kv_dim fp32 values per entry; the source's entries are the one stored copy.
+    stored = [la for la in geo.attention_layers if la not in plan.targets]
+    expected = held_entries(geo, stored, prompt) * 2 * geo.kv_dim * FP32_BYTES
     assert cache.held_bytes() == expected
-    assert expected == stored_tokens(prompt) * bytes_per_token(kv_copies(geo, plan, group, "all_attention", FP32_BYTES))
-    assert expected == stored_tokens(prompt) * bytes_per_token(accounted_copies(geo, plan, group, "bf16", FP32_BYTES))
-    assert dynamic_bytes == stored_tokens(prompt) * len(geo.attention_layers) * 2 * geo.kv_dim * FP32_BYTES
+    context = stored_tokens(prompt) // prompt.shape[0]
+    assert expected == round(stored_tokens(prompt) * bytes_per_token(
+        kv_copies(geo, plan, group, "all_attention", FP32_BYTES), context))
+    assert expected == accounted(geo, plan, group, "bf16", prompt)
+    assert dynamic_bytes == held_entries(geo, geo.attention_layers, prompt) * 2 * geo.kv_dim * FP32_BYTES
     assert cache.held_bytes() < dynamic_bytes
 
 
@@ -142,10 +166,9 @@ def test_fp4_baseline_cache_stores_every_attention_layer_in_fp4(setup):
     model, plan, _, prompt = setup
     geo = geometry(model.config)
     got = greedy_generate(model, prompt, NEW, FP4KVCache(model.config, "nvfp4"))
-    expected = stored_tokens(prompt) * len(geo.attention_layers) * 2 * fp4_entry_bytes(geo.kv_dim, 16)
+    expected = held_entries(geo, geo.attention_layers, prompt) * 2 * fp4_entry_bytes(geo.kv_dim, 16)
     assert got.cache.held_bytes() == expected
-    assert expected == stored_tokens(prompt) * bytes_per_token(accounted_copies(geo, plan, "baseline", "nvfp4",
-                                                                                FP32_BYTES))
+    assert expected == accounted(geo, plan, "baseline", "nvfp4", prompt)
     assert got.logits.isfinite().all()
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import tiny_llama
-from test_ced_runtime import QWEN_PLAN, random_parts
+from conftest import tiny_gemma3, tiny_llama
+from test_ced_runtime import GEMMA_PLAN, QWEN_PLAN, random_parts
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.groups import GROUP_NAMES
@@ -53,6 +53,17 @@ def test_every_group_exact_on_hybrid_qwen3_5(tiny_model):
 
 def test_every_group_exact_on_all_attention_llama(llama):
     check_exact(llama, LLAMA_PLAN, GROUP_NAMES)
+
+
+def test_every_group_exact_on_sliding_window_gemma3():
+    # Sequences up to 23 positions against a window of 6: the trunk replays each layer
+    # type's own mask and (cos, sin).
+    model = tiny_gemma3()
+    shared = check_exact(model, GEMMA_PLAN, GROUP_NAMES)
+    assert all(not torch.equal(shared[g], shared["baseline"]) for g in GROUP_NAMES if g != "baseline")
+    model.config.final_logit_softcapping = 0.05  # the trunk's head caps logits as the model's forward does
+    capped = check_exact(model, GEMMA_PLAN, ("baseline", "ced_csa2"))
+    assert not torch.equal(capped["baseline"], shared["baseline"])
 
 
 @pytest.mark.parametrize("groups", [("ced", "csa2", "ced_csa2"), ("share_plain",), ("csa2_fp4", "baseline_fp4"),

@@ -148,3 +148,24 @@ def test_command_line_entry_point(tmp_path):
                    capture_output=True, timeout=300)
     written = json.loads((tmp_path / METRICS_PATH).read_text())
     assert written["qwen3_5_4b"]["kv"]["bf16"]["decoder_attention"]["csa2"]["bytes_per_token"] == 4096
+
+
+def test_sliding_window_model_counts_its_window_in_the_amortised_bases(tmp_path):
+    import yaml
+    from conftest import TINY_GEMMA3_OVERRIDES
+
+    from ced_csa2.config import Params, from_dict
+
+    params = from_dict(Params, yaml.safe_load(compose(TINY_GEMMA3_OVERRIDES)))
+    active = run(params, tmp_path)["active_model"]
+    assert active["geometry"]["sliding_windows"] == {str(la): 6 for la in (1, 2, 4, 5, 7, 8)}
+    entry = 2 * 32 * 2  # K + V of kv_dim 32 in bf16
+    kv = active["kv"]["bf16"]
+    # Per token (a context within the window): all 8 layers; csa2 drops its readers 5, 6, 8.
+    assert kv["all_attention"]["baseline"]["bytes_per_token"] == 8 * entry
+    assert kv["all_attention"]["csa2"]["bytes_per_token"] == 5 * entry
+    # At 4K tokens the six sliding layers hold 5 entries each; the full ones (3, 6) 4,096.
+    for group, full, sliding in (("baseline", 2, 6), ("csa2", 1, 4)):
+        expected = (full * entry * 4096 + sliding * entry * 5) / 4096
+        weights = active["weights"]["adapter_params"][group] * 2 / 4096
+        assert kv["all_attention_amortised_4k"][group]["bytes_per_token"] == pytest.approx(expected + weights)

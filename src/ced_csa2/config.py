@@ -43,6 +43,15 @@ def _check(ok: bool, key: str, what: str) -> None:
         raise ParamsError(f"params key '{key}' {what}")
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_sha256(value: str, key: str) -> None:
+    # Lowercase only: pins are compared with hashlib's hexdigest, so 'ABC...' would never match.
+    _check(_SHA256.fullmatch(value) is not None, key,
+           f"must be 64 hex digits (lowercase, as sha256sum prints them), got {value!r}")
+
+
 def _check_finite(section, prefix: str) -> None:
     """Every float field of ``section`` is finite (``.inf``/``.nan`` are YAML floats, never a setting)."""
     for f in dataclasses.fields(section):
@@ -128,13 +137,47 @@ class WheelPin(Section):
     python_version: Optional[str] = None  # pass to pip when the wheel declares a newer Python
 
     def __post_init__(self):
-        _check(len(self.sha256) == 64, "sha256", f"must be 64 hex digits, got {self.sha256!r}")
+        _check_sha256(self.sha256, "sha256")
+
+
+@dataclass(frozen=True)
+class JoinedAsset(Section):
+    """One file shipped as several wheel members (chunks), joined in the order listed."""
+
+    name: str  # file name of the joined file (a GGUF keeps its name: transformers reads it by name)
+    sha256: str  # of the joined file
+    parts: list[WheelPin]
+
+    def __post_init__(self):
+        _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "model.joined.name",
+               f"must be a plain file name, got {self.name!r}")
+        _check_sha256(self.sha256, "model.joined.sha256")
+        _check(bool(self.parts), "model.joined.parts", "must list the parts in order, got []")
+
+
+@dataclass(frozen=True)
+class LocalModel(Section):
+    """A model on disk -- a Hugging Face folder or one GGUF file -- pinned by its digest."""
+
+    path: str  # absolute, ~/..., or relative to the repository root (where stages run)
+    sha256: str  # a file's sha256; a folder's digest: `python -m ced_csa2.assets digest PATH`
+
+    def __post_init__(self):
+        _check(bool(self.path), "model.local.path", "must name a Hugging Face folder or a .gguf file")
+        _check_sha256(self.sha256, "model.local.sha256")
 
 
 @dataclass(frozen=True)
 class TinyModelConfig(Section):
-    """Widths of the random-init Qwen3.5 used by tests (layer pattern of Qwen3.5-4B)."""
+    """Widths of the random-init model used by tests: Qwen3.5 (layer pattern of Qwen3.5-4B) or Gemma-3.
 
+    ``arch: qwen3_5``: full attention every ``full_attention_interval`` layers, GatedDeltaNet
+    (``linear_*`` widths) elsewhere.  ``arch: gemma3``: full attention every
+    ``full_attention_interval`` layers, a window of ``sliding_window`` positions elsewhere.
+    """
+
+    arch: Literal["qwen3_5", "gemma3"] = "qwen3_5"
+    sliding_window: int = 0  # gemma3 only (> 1); 0 for qwen3_5
     num_hidden_layers: int = 32
     full_attention_interval: int = 4
     hidden_size: int = 64
@@ -149,26 +192,36 @@ class TinyModelConfig(Section):
     seed: int = 0
 
     def __post_init__(self):
-        widths = [f.name for f in dataclasses.fields(self) if f.name != "seed"]
+        widths = [f.name for f in dataclasses.fields(self) if f.name not in ("arch", "sliding_window", "seed")]
         _check_positive(self, "model.tiny", *widths)
         _check(self.seed >= 0, "model.tiny.seed", f"must be >= 0, got {self.seed}")
+        if self.arch == "gemma3":
+            _check(self.sliding_window > 1, "model.tiny.sliding_window", f"must be > 1 for arch 'gemma3', got "
+                                                                         f"{self.sliding_window}")
+        else:
+            _check(self.sliding_window == 0, "model.tiny.sliding_window", f"must be 0 for arch {self.arch!r} "
+                                                                          f"(it has no sliding layers)")
 
 
 @dataclass(frozen=True)
 class ModelConfig(Section):
     name: str
-    kind: Literal["gguf_wheel", "hub", "tiny"]
+    kind: Literal["gguf_wheel", "hub", "local", "tiny"]
     dtype: str = "auto"  # compute dtype of the model's forward passes
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     hf_id: Optional[str] = None  # hub id (kind=hub) or the id the model stands in for
     revision: Optional[str] = None
-    wheel: Optional[WheelPin] = None
+    wheel: Optional[WheelPin] = None  # gguf_wheel: the GGUF as one wheel member ...
+    joined: Optional[JoinedAsset] = None  # ... or as several, joined in order
+    local: Optional[LocalModel] = None
     tiny: Optional[TinyModelConfig] = None
 
     def __post_init__(self):
         _check(self.dtype in COMPUTE_DTYPES, "model.dtype", f"must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
         _check(self.kind != "hub" or bool(self.hf_id), "model.hf_id", "is required when model.kind is 'hub'")
-        _check(self.kind != "gguf_wheel" or self.wheel is not None, "model.wheel", "is required for kind 'gguf_wheel'")
+        _check(self.kind != "gguf_wheel" or (self.wheel is None) != (self.joined is None), "model.wheel",
+               "or model.joined (exactly one of them) is required for kind 'gguf_wheel'")
+        _check(self.kind != "local" or self.local is not None, "model.local", "is required for kind 'local'")
         _check(self.kind != "tiny" or self.tiny is not None, "model.tiny", "is required for kind 'tiny'")
 
 
@@ -213,7 +266,8 @@ class DataConfig(Section):
     hub_id: Optional[str] = None
     train: list[HubSplit] = field(default_factory=list)
     eval: Optional[HubSplit] = None
-    # tiny: synthetic records generated from the seed
+    # every kind: at most this many training records, a seeded sample in corpus order (0 = all);
+    # tiny generates exactly this many synthetic records, so there it must be positive
     n_train: int = 0
 
     def __post_init__(self):
@@ -429,9 +483,8 @@ class EvalGSM8KConfig(Section):
         bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
         _check(not bad, "eval_gsm8k.groups", f"has unknown group(s) {bad}; known: {list(RUNTIME_GROUPS)}")
         extra = [g for g in self.generate if g not in self.groups]
-        _check(bool(self.generate) and not extra, "eval_gsm8k.generate",
-               f"must be a non-empty subset of eval_gsm8k.groups {self.groups} (the gold prompts come from "
-               f"the first generated group), got {self.generate}")
+        _check(not extra, "eval_gsm8k.generate",
+               f"must be a subset of eval_gsm8k.groups {self.groups} (empty: gold NLL only), got {self.generate}")
         low_rank = [g for g in self.generate if g in LOW_RANK_GROUPS]
         _check(not low_rank, "eval_gsm8k.generate",
                f"cannot generate with {low_rank}: xKV compresses the K/V of a finished prefill and does not "

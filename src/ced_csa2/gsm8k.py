@@ -5,20 +5,23 @@ See :mod:`ced_csa2.stages.eval_gsm8k` for the protocol.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 import yaml
 
 from .ced_runtime import CEDModeBRuntime, CEDParts
 from .config import Params
+from .io_utils import write_json
 from .scoring import multi_group_nll, sequence_nll
 from .stats import paired_deltas
 
@@ -108,6 +111,22 @@ def write_task_yaml(directory: Path, data_file: Path, num_fewshot: int) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def local_task(data_file: Path, num_fewshot: int) -> Iterator:
+    """An lm-eval ``TaskManager`` that knows only the local task on ``data_file`` (:func:`write_task_yaml`).
+
+    The task YAML and lm-eval's Arrow copy of the data live in a temporary directory, removed
+    on exit.  Call :func:`_offline` first: this imports lm-eval.
+    """
+    from lm_eval.tasks import TaskManager
+
+    with tempfile.TemporaryDirectory(prefix="ced_csa2_gsm8k_") as tmp:
+        write_task_yaml(Path(tmp), data_file, num_fewshot)
+        # The task includes gsm8k.yaml by absolute path: lm-eval's index of its
+        # built-in tasks (thousands of YAML files) is not needed.
+        yield TaskManager(include_path=tmp, include_defaults=False)
+
+
 def _offline() -> None:
     # Both are read when datasets / huggingface_hub are first imported; run() sets them
     # before importing lm-eval, so in the stage's own process the local JSON never
@@ -185,18 +204,49 @@ def evaluate_group(lm, model, plan, group: str, parts: CEDParts | None, task_man
 
 def evaluate_lm(lm, task_manager, params: Params, label: str) -> tuple[dict, list[tuple[list[int], int]]]:
     """lm-eval exact match of ``lm`` as it is (Mode A: :class:`~ced_csa2.mode_a_lm.ModeALM`), and the gold pairs."""
-    from lm_eval import simple_evaluate
-
-    cfg, seed = params.eval_gsm8k, params.seed
     t0 = time.perf_counter()
-    results = simple_evaluate(
-        model=lm, tasks=[TASK], task_manager=task_manager, num_fewshot=cfg.num_fewshot,
-        gen_kwargs={"max_gen_toks": cfg.max_gen_toks}, bootstrap_iters=0, log_samples=True,
-        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    results = _simple_evaluate(lm, task_manager, params, {"max_gen_toks": params.eval_gsm8k.max_gen_toks})
     seconds = time.perf_counter() - t0
     n = len(results["samples"][TASK]) // len(FILTERS)
     log.info("%s: generation %.1f s (%.2f s/problem)", label, seconds, seconds / n)
     return {**accuracy(results), "seconds": round(seconds, 1)}, gold_pairs(lm, results)
+
+
+def prompt_pairs(tokenizer, task_manager, params: Params) -> list[tuple[list[int], int]]:
+    """The gold pairs of :func:`evaluate_lm`, without a model: no forward pass, seconds.
+
+    lm-eval builds the prompts exactly as for generation (same call, task, few-shot setting
+    and seeds; the generation settings never enter a prompt), every generation request is
+    answered with an empty string, and ``HFLM``'s own ``tok_encode`` tokenises.
+    """
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.models.huggingface import HFLM
+
+    class PromptsOnly(HFLM):
+        def __init__(self):
+            TemplateLM.__init__(self)  # not HFLM's: that one needs the model
+            # What HFLM.tok_encode reads, as HFLM(pretrained=model, tokenizer=tokenizer) sets it.
+            self.tokenizer, self.add_bos_token, self.custom_prefix_token_id = tokenizer, None, None
+
+        def generate_until(self, requests, disable_tqdm=False):
+            return [""] * len(requests)
+
+        def get_model_info(self) -> dict:
+            return {}  # HFLM's describes the model
+
+    lm = PromptsOnly()
+    return gold_pairs(lm, _simple_evaluate(lm, task_manager, params))
+
+
+def _simple_evaluate(lm, task_manager, params: Params, gen_kwargs: dict | None = None) -> dict:
+    """lm-eval's ``simple_evaluate`` of the local task: ``eval_gsm8k.num_fewshot``, every seed ``seed``, samples logged."""
+    from lm_eval import simple_evaluate
+
+    seed = params.seed
+    return simple_evaluate(
+        model=lm, tasks=[TASK], task_manager=task_manager, num_fewshot=params.eval_gsm8k.num_fewshot,
+        gen_kwargs=gen_kwargs, bootstrap_iters=0, log_samples=True,
+        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
 
 
 def mode_a_gold_rows(lm, pairs: list[tuple[list[int], int]]) -> torch.Tensor:
@@ -215,14 +265,20 @@ def count_problems(path: Path) -> int:
     return n
 
 
+def write_gold_pairs(path: Path, params: Params, pairs: list[tuple[list[int], int]]) -> None:
+    """Write the gold pairs with the settings they were built for (checked by :func:`load_gold_pairs`)."""
+    write_json(path, {"model": params.model.name, "math_set": params.data.math.label,
+                      "num_fewshot": params.eval_gsm8k.num_fewshot, "pairs": pairs})
+
+
 def load_gold_pairs(path: Path, params: Params) -> list[tuple[list[int], int]]:
-    """The gold pairs written by this stage, checked against the current model and prompt settings."""
+    """The gold pairs the ``gold_pairs`` stage wrote, checked against the current model and prompt settings."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run `dvc repro eval_gsm8k` first")
+        raise FileNotFoundError(f"{path} not found: run `dvc repro gold_pairs` first")
     data = json.loads(path.read_text())
     want = {"model": params.model.name, "num_fewshot": params.eval_gsm8k.num_fewshot}
     got = {k: data.get(k) for k in want}
     if got != want:
-        raise ValueError(f"{path} was written for {got}, but params.yaml has {want}; rerun `dvc repro eval_gsm8k`")
+        raise ValueError(f"{path} was written for {got}, but params.yaml has {want}; rerun `dvc repro gold_pairs`")
     return [(ids, cut) for ids, cut in data["pairs"]]
 

@@ -54,22 +54,41 @@ class StoredCopy:
         Bytes of one entry.
     tokens_per_entry
         Token positions one entry covers (the seed's ``m``; a context length for weights).
+    max_entries
+        At most this many entries are held, whatever the context (a sliding-window layer:
+        ``window - 1``, what transformers' ``DynamicSlidingWindowLayer`` keeps between
+        steps); ``None``: one per ``tokens_per_entry`` positions of the whole context.
     """
 
     name: str
     entry_bytes: float
     tokens_per_entry: int = 1
+    max_entries: int | None = None
 
     def __post_init__(self):
         if self.entry_bytes < 0:
             raise ValueError(f"copy {self.name!r}: entry_bytes must be >= 0, got {self.entry_bytes}")
         if self.tokens_per_entry < 1:
             raise ValueError(f"copy {self.name!r}: tokens_per_entry must be >= 1, got {self.tokens_per_entry}")
+        if self.max_entries is not None and self.max_entries < 1:
+            raise ValueError(f"copy {self.name!r}: max_entries must be >= 1, got {self.max_entries}")
+
+    def held_fraction(self, context: int | None) -> float:
+        """Share of a ``context``-token cache's entries this copy holds: ``min(C, cap) / C`` (1 uncapped)."""
+        if self.max_entries is None or context is None:
+            return 1.0
+        return min(context, self.max_entries) / context
 
 
-def bytes_per_token(copies: Iterable[StoredCopy]) -> float:
-    """Σ ``entry_bytes / tokens_per_entry`` over ``copies`` (seed 003 §4.4: ``b / m`` per layer)."""
-    return float(sum(c.entry_bytes / c.tokens_per_entry for c in copies))
+def bytes_per_token(copies: Iterable[StoredCopy], context: int | None = None) -> float:
+    """Σ ``entry_bytes / tokens_per_entry`` over ``copies`` (seed 003 §4.4: ``b / m`` per layer).
+
+    With a ``context`` (tokens), a copy capped at ``max_entries`` (a sliding-window layer)
+    counts ``min(context, max_entries) / context`` of that: bytes held at that context,
+    per context token.  Without one, every copy counts per token -- the figure for
+    contexts no longer than the smallest cap.
+    """
+    return float(sum(c.entry_bytes / c.tokens_per_entry * c.held_fraction(context) for c in copies))
 
 
 def dense_entry_bytes(channels: int, dtype_bytes: int) -> int:
@@ -120,6 +139,8 @@ def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_byte
     """One K and one V copy (``kv_dim`` channels, one entry per token) per storing layer.
 
     Qwen3.5-4B in bf16: ``2 · 1024 · 2 = 4,096`` B/token per attention layer (design §6).
+    A sliding-window layer's copies hold at most ``window - 1`` entries (``max_entries``;
+    :func:`bytes_per_token` applies it at a given context).
     The group's FP4 entries (:meth:`~ced_csa2.groups.Group.fp4_layers`: every layer, or only
     the shared source) cost ``fp4_entry_bytes(kv_dim, fp4_group)`` whatever the dtype.
     Under a ``low_rank`` group (``xkv``) the source's K and V copies hold the group's
@@ -135,7 +156,11 @@ def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_byte
             return coefficients
         return fp4_bytes if layer in fp4 else dense
 
-    return [StoredCopy(f"{kind}{layer}", entry(layer))
+    def cap(layer: int) -> int | None:
+        window = geo.window(layer)
+        return None if window is None else window - 1
+
+    return [StoredCopy(f"{kind}{layer}", entry(layer), max_entries=cap(layer))
             for layer in stored_layers(geo, plan, group, basis) for kind in ("K", "V")]
 
 

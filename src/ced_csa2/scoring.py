@@ -258,6 +258,14 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
                         if kw.get(name) is not None:
                             kw[name] = fresh.setdefault(name, type(kw[name])(config=model.model.config))
                     h = kv_hooks._hidden(layers[i - 1](h, **kw))
-                logits = model.get_output_embeddings()(model.model.norm(h))
+                logits = _head(model, h)
                 score_logits(out[g], start, logits[:, :-1], ids[:, 1:], scored[:, 1:], reference)
     return out
+
+
+def _head(model, h: torch.Tensor) -> torch.Tensor:
+    """Logits from the last layer's output, as ``*ForCausalLM.forward`` ends: final norm, LM head, and
+    the logit soft-capping of models that have one (Gemma-2; Gemma-3 configs may set it)."""
+    logits = model.get_output_embeddings()(model.model.norm(h))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap

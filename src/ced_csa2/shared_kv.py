@@ -14,8 +14,15 @@ there.  :class:`SharedKVCache` turns it into real bytes (docs/design.md §2, *Sh
   RoPE; the source applies its own k_norm and RoPE.  This read-time compute (adapters
   over all ``T`` positions at every decode step) is the price of the saved bytes.
 
-Every other attention layer is an ordinary ``DynamicLayer``; Qwen3.5's linear-attention
-layers keep their ordinary recurrent state.
+Every other attention layer is an ordinary ``DynamicLayer`` (or ``DynamicSlidingWindowLayer``);
+Qwen3.5's linear-attention layers keep their ordinary recurrent state.
+
+Per layer, as the model itself: each reader gets its own layer type's RoPE (Gemma-3 uses
+theta 1e4 on sliding and 1e6 on full layers); a sliding-window reader gets only the last
+``window - 1`` cached positions plus the new ones, exactly what ``DynamicSlidingWindowLayer``
+hands attention (the model builds one sliding mask for all of them); and a sliding-window
+source's store keeps only its last ``window - 1`` positions (the plan refuses a reader that
+would need older ones).  :class:`FP4KVCache` keeps a sliding layer's window too.
 
 The store is fed by forward hooks on the source's ``k_proj``/``v_proj``
 (:meth:`SharedKVCache.feed`).  Under ``ced_csa2`` the same context also installs the CED
@@ -39,6 +46,7 @@ along the flattened ``kv_dim`` (``n_kv_heads · head_dim``): inside one head whe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -46,14 +54,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from . import kv_hooks
 from .ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn, require_parts
 from .fp4 import FORMATS, Packed
 from .groups import GROUPS, SHARED_GROUPS
 from .kv_bytes import StoredCopy, fp4_entry_bytes, kv_copies
-from .model_utils import Geometry, attention, geometry
+from .model_utils import Geometry, attention, geometry, layer_type, rotary
 from .plan import LayerPlan
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -121,6 +129,17 @@ class TokenStore:
             raise RuntimeError("read from an empty TokenStore")
         return self.data if self.fmt is None else self.fmt.dequantize(self.data, self.dtype)
 
+    def keep_last(self, n: int) -> None:
+        """Forget all but the last ``n`` entries (a sliding window moving on); a copy, so memory is freed."""
+        d = self.data
+        if d is None or len(self) <= n:
+            return
+        if self.fmt is None:
+            self.data = d[:, -n:].clone()
+        else:
+            self.data = Packed(d.elements[:, -n:].clone(), d.scales[:, -n:].clone(),
+                               torch.Size((d.shape[0], n, d.shape[2])), d.group, d.scale_kind)
+
     def clear(self) -> None:
         self.data = self.dtype = None
 
@@ -137,6 +156,30 @@ class _ReadOnlyShape:
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = offload = prefetch = _unsupported
 
 
+class _Windowed:
+    """Sequence length and mask sizes of a cache layer that counts its positions in ``seen``.
+
+    With a ``window`` (a sliding-window layer) they are ``DynamicSlidingWindowLayer``'s: the
+    model builds one sliding mask from the first sliding layer's cache, so every sliding
+    layer must hand attention the same ``min(seen, window - 1) + new`` positions.
+    """
+
+    window: int | None = None
+    seen: int = 0
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.window is not None
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.window is None:
+            return self.seen + query_length, 0
+        return min(self.seen, self.window - 1) + query_length, max(self.seen - self.window + 1, 0)
+
+
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """``(B, T, n·head_dim)`` -> ``(B, n, T, head_dim)``, the layout attention reads."""
     return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
@@ -147,16 +190,19 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
 
 
-class FP4Layer(_ReadOnlyShape, DynamicLayer):
-    """A ``DynamicLayer`` whose K/V (post-k_norm, post-RoPE) are kept in FP4.
+class FP4Layer(_Windowed, _ReadOnlyShape, DynamicLayer):
+    """A ``DynamicLayer`` (or, with a ``window``, ``DynamicSlidingWindowLayer``) whose K/V
+    (post-k_norm, post-RoPE) are kept in FP4.
 
-    ``update`` quantises the new entries, appends them, and returns all positions
-    dequantised, ``(B, n_kv, T, head_dim)`` each, in the input dtype.
+    ``update`` quantises the new entries, appends them, and returns every position held
+    plus the new ones, dequantised, ``(B, n_kv, T, head_dim)`` each, in the input dtype;
+    a sliding layer then keeps only the last ``window - 1``.
     """
 
-    def __init__(self, fmt):
+    def __init__(self, fmt, window: int | None = None):
         super().__init__()
         self.k_store, self.v_store = TokenStore(fmt), TokenStore(fmt)
+        self.window, self.seen = window, 0
 
     @property
     def nbytes(self) -> int:
@@ -168,14 +214,17 @@ class FP4Layer(_ReadOnlyShape, DynamicLayer):
         self.k_store.append(_flat(key_states))
         self.v_store.append(_flat(value_states))
         self.is_initialized = True
-        return _heads(self.k_store.read(), head_dim), _heads(self.v_store.read(), head_dim)
-
-    def get_seq_length(self) -> int:
-        return len(self.k_store)
+        self.seen += key_states.shape[-2]
+        out = _heads(self.k_store.read(), head_dim), _heads(self.v_store.read(), head_dim)
+        if self.window is not None:
+            self.k_store.keep_last(self.window - 1)
+            self.v_store.keep_last(self.window - 1)
+        return out
 
     def reset(self) -> None:
         self.k_store.clear()
         self.v_store.clear()
+        self.seen = 0
 
 
 def _check_positions(update_kwargs: dict, cached: int, new: int) -> None:
@@ -204,17 +253,21 @@ class _SharedStore:
         As for :class:`SharedKVCache`.
     fmt
         FP4 format of the store, or ``None`` (model dtype).
+    geo
+        The model's geometry: a sliding-window reader gets only the positions its window
+        sees; a sliding-window source's store forgets what no reader can see any more.
     """
 
-    def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts, fmt):
-        self.model, self.plan, self.group, self.parts = model, plan, group, parts
+    def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts, fmt, geo: Geometry):
+        self.model, self.plan, self.group, self.parts, self.geo = model, plan, group, parts, geo
         self.k, self.v = TokenStore(fmt), TokenStore(fmt)
+        self.seen = 0  # positions written so far; the store holds the last len(self.k) of them
         self.attn = {layer: attention(model, layer) for layer in (plan.source, *plan.targets)}
         self.rope = _rope_fn(self.attn[plan.source])
         self.captured: dict | None = None  # kv_hooks.capture's dict while SharedKVCache.feed() is open
-        # Per decode step: the store read back (dequantised) plus cos/sin for all positions,
-        # shared by the source and every target, dropped after the last target has read.
-        self._step: tuple[torch.Tensor, ...] | None = None
+        # Per forward: the store read back (dequantised), its positions and (cos, sin) per layer
+        # type, shared by the source and every target, dropped after the last target has read.
+        self._step: dict | None = None
 
     @property
     def nbytes(self) -> int:
@@ -229,24 +282,39 @@ class _SharedStore:
         k, v = self.captured["k"].pop(src, None), self.captured["v"].pop(src, None)
         if k is None or k.shape[1] != new:
             raise RuntimeError(f"no captured K/V of source layer {src} for the {new} new positions of this forward")
-        _check_positions(update_kwargs, len(self.k), new)
+        _check_positions(update_kwargs, self.seen, new)
         self.k.append(k)
         self.v.append(v)
+        self.seen += new
         self._step = None
 
-    def read(self, layer: int) -> KV:
-        """K and V of ``layer`` (source or target) for all positions, ``(B, n_kv, T, head_dim)`` each."""
+    def read(self, layer: int, new: int) -> KV:
+        """K and V of ``layer`` (source or target) for the positions it attends, ``(B, n_kv, T', head_dim)`` each.
+
+        ``T'`` is every position written, or for a sliding-window layer the last
+        ``min(seen - new, window - 1) + new`` of them (what ``DynamicSlidingWindowLayer`` returns).
+        """
         if self._step is None:
             k_src = self.k.read()
-            positions = torch.arange(k_src.shape[1], device=k_src.device)[None]
-            self._step = (k_src, self.v.read(), *self.model.model.rotary_emb(k_src, positions))
-        k_src, v_src, cos, sin = self._step
-        if layer == self.plan.source or not GROUPS[self.group].adapters:
-            k, v = k_src, v_src
-        else:
-            k, v = self.parts.adapt(layer, k_src, v_src)
+            start = self.seen - k_src.shape[1]
+            self._step = {"k": k_src, "v": self.v.read(), "rope": {},
+                          "positions": torch.arange(start, self.seen, device=k_src.device)[None]}
+        step = self._step
+        window = self.geo.window(layer)
+        visible = step["k"].shape[1] if window is None else min(step["k"].shape[1], window - 1 + new)
+        k, v = step["k"][:, -visible:], step["v"][:, -visible:]
+        if layer != self.plan.source and GROUPS[self.group].adapters:
+            k, v = self.parts.adapt(layer, k, v)
+        kind = layer_type(self.model.config, layer)
+        if kind not in step["rope"]:  # one (cos, sin) per layer type: its own theta (Gemma-3)
+            step["rope"][kind] = rotary(self.model, layer, step["k"], step["positions"])
+        cos, sin = (x[:, -visible:] for x in step["rope"][kind])
         if layer == max(self.plan.targets):
             self._step = None  # a transient: not kept between decode steps
+            source_window = self.geo.window(self.plan.source)
+            if source_window is not None:  # no reader's window reaches further back (plan validation)
+                self.k.keep_last(source_window - 1)
+                self.v.keep_last(source_window - 1)
         return self._norm_rope(self.attn[layer], k, v, cos, sin)
 
     def _norm_rope(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor, cos, sin) -> KV:
@@ -262,15 +330,20 @@ class _SharedStore:
     def clear(self) -> None:
         self.k.clear()
         self.v.clear()
+        self.seen = 0
         self._step = None
 
 
-class _SharedLayer(_ReadOnlyShape, DynamicLayer):
+class _SharedLayer(_Windowed, _ReadOnlyShape, DynamicLayer):
     """Cache layer of the source or a target: holds nothing itself, reads the shared store."""
 
     def __init__(self, store: _SharedStore, layer: int):
         super().__init__()
-        self.store, self.layer = store, layer
+        self.store, self.layer, self.window = store, layer, store.geo.window(layer)
+
+    @property
+    def seen(self) -> int:
+        return self.store.seen
 
     @property
     def nbytes(self) -> int:
@@ -279,13 +352,11 @@ class _SharedLayer(_ReadOnlyShape, DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KV:
         # key_states/value_states (post-norm, post-RoPE) are not kept: the store is the only copy.
+        new = key_states.shape[-2]
         if self.layer == self.store.plan.source:
-            self.store.write(key_states.shape[-2], kwargs)
+            self.store.write(new, kwargs)
         self.is_initialized = True
-        return self.store.read(self.layer)
-
-    def get_seq_length(self) -> int:
-        return len(self.store.k)
+        return self.store.read(self.layer, new)
 
     def reset(self) -> None:
         self.store.clear()
@@ -349,7 +420,7 @@ class SharedKVCache(DynamicCache):
         _check_fp4_width(fmt, geo.kv_dim)
         super().__init__(config=model.config)
         self.plan, self.group, self.storage = plan, group, storage
-        self._store = _SharedStore(model, plan, group, parts, fmt)
+        self._store = _SharedStore(model, plan, group, parts, fmt, geo)
         for layer in (plan.source, *plan.targets):
             self.layers[layer - 1] = _SharedLayer(self._store, layer)
 
@@ -388,8 +459,10 @@ class FP4KVCache(DynamicCache):
         _check_fp4_width(fmt, geometry(config).kv_dim)
         super().__init__(config=config)
         self.storage = storage
-        # Exactly DynamicLayer: the full-attention layers (not sliding-window or linear-attention ones).
-        self.layers = [FP4Layer(fmt) if type(layer) is DynamicLayer else layer for layer in self.layers]
+        # Every attention layer's cache (linear-attention states are not K/V): full ones, and
+        # sliding-window ones keeping their window.
+        self.layers = [FP4Layer(fmt, layer.sliding_window if type(layer) is DynamicSlidingWindowLayer else None)
+                       if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer for layer in self.layers]
 
     def held_bytes(self) -> int:
         """Bytes of K/V held (all FP4)."""
@@ -424,7 +497,7 @@ def accounted_copies(geo: Geometry, plan: LayerPlan, group: str, storage: str, d
         fp4_names = {f"{kind}{layer}" for layer in spec.fp4_layers(geo.attention_layers, plan.source) for kind in "KV"}
     else:
         fp4_names = {f"{kind}{plan.source}" for kind in "KV"} if group in SHARED_GROUPS else {c.name for c in copies}
-    return [StoredCopy(c.name, fp4) if c.name in fp4_names else c for c in copies]
+    return [dataclasses.replace(c, entry_bytes=fp4) if c.name in fp4_names else c for c in copies]
 
 
 # ----------------------------------------------------------------------------- generation

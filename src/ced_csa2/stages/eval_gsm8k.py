@@ -27,9 +27,11 @@ and for each group of ``eval_gsm8k.groups`` (a superset)
   ``delta_ci95`` against baseline): teacher-forced negative log-likelihood per token of
   the gold ``answer`` (after lm-eval's target delimiter ``" "``) given the exact prompt
   lm-eval generated from (few-shot context included), token-weighted over all problems
-  and tokenised as lm-eval's loglikelihood requests are.  On a small model, accuracy is
-  near zero for every group; this is the signal that still moves.  All groups are scored
-  at once with a shared trunk (:func:`ced_csa2.scoring.multi_group_nll`).
+  and tokenised as lm-eval's loglikelihood requests are: the pairs of
+  ``data/gsm8k_gold.json`` (stage ``gold_pairs``; every generated group's prompts are
+  checked to be those).  On a small model, accuracy is near zero for every group; this is
+  the signal that still moves.  All groups are scored at once with a shared trunk
+  (:func:`ced_csa2.scoring.multi_group_nll`).
 
 Mode A (``eval_gsm8k.mode_a``, when the plan covers every attention layer above the cut):
 the same lm-eval task through :class:`~ced_csa2.mode_a_lm.ModeALM` -- each prompt
@@ -37,16 +39,12 @@ prefilled by the prefill skip, the answer scored (``gold_nll``: gold NLL, paired
 the baseline) and with ``generate`` also generated (exact match) through all layers -- one
 problem at a time (generation: ~1.5 s per problem on 2 CPU cores, 3.6x a batched Mode B group).
 
-Writes ``metrics/gsm8k.json``: ``{"protocol": {...}, "groups": {group: {...}}, "mode_a": {...}}``, and
-``data/gsm8k_gold.json``: the tokenised gold pairs (``[ids, context_length]`` per
-problem; the same for every group), so that other stages score gold NLL on exactly
-these prompts without re-running lm-eval.
+Writes ``metrics/gsm8k.json``: ``{"protocol": {...}, "groups": {group: {...}}, "mode_a": {...}}``.
 """
 
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from pathlib import Path
 
@@ -63,8 +61,9 @@ from ..gsm8k import (
     evaluate_group,
     evaluate_lm,
     groups_gold_nll,
+    load_gold_pairs,
+    local_task,
     mode_a_gold_rows,
-    write_task_yaml,
 )
 from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device
@@ -95,11 +94,11 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     _offline()
     from lm_eval import __version__ as lm_eval_version
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     workdir, cfg = Path(workdir), params.eval_gsm8k
     data_file = workdir / GSM8K_JSONL
     n = count_problems(data_file)
+    pairs = load_gold_pairs(workdir / GOLD_PATH, params)
     plan, geo = load_plan(params.plan, params.model)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(cfg.device))
     low_rank = any(GROUPS[g].low_rank for g in cfg.groups)  # xkv: models/xkv.pt
@@ -110,18 +109,13 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d): generation for %s, gold NLL for %s",
              params.data.math.label, n, cfg.num_fewshot, cfg.max_gen_toks, list(cfg.generate), list(cfg.groups))
 
-    groups, pairs = {g: {} for g in cfg.groups}, None
-    with tempfile.TemporaryDirectory(prefix="ced_csa2_gsm8k_") as tmp:
-        write_task_yaml(Path(tmp), data_file, cfg.num_fewshot)
-        # The task includes gsm8k.yaml by absolute path: lm-eval's index of its
-        # built-in tasks (thousands of YAML files) is not needed.
-        task_manager = TaskManager(include_path=tmp, include_defaults=False)
+    groups = {g: {} for g in cfg.groups}
+    with local_task(data_file, cfg.num_fewshot) as task_manager:
         for i, group in enumerate(cfg.generate, 1):
             log.info("generation %d/%d: %s", i, len(cfg.generate), group)
             groups[group], group_pairs = evaluate_group(lm, model, plan, group, parts, task_manager, params)
-            if pairs is not None and group_pairs != pairs:
-                raise RuntimeError(f"lm-eval built different prompts for group {group!r} than for {cfg.generate[0]!r}")
-            pairs = group_pairs
+            if group_pairs != pairs:
+                raise RuntimeError(f"lm-eval built different prompts for group {group!r} than {GOLD_PATH} holds")
             g = groups[group]
             if g["strict-match"]["n"] != n:
                 raise RuntimeError(f"lm-eval evaluated {g['strict-match']['n']} problems, expected all {n}")
@@ -152,8 +146,6 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
         "groups": groups,
         "mode_a": mode_a,
     }
-    write_json(workdir / GOLD_PATH, {"model": params.model.name, "math_set": params.data.math.label,
-                                      "num_fewshot": cfg.num_fewshot, "pairs": pairs})
     write_json(workdir / METRICS_PATH, metrics)
     return metrics
 
@@ -180,7 +172,7 @@ def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, ta
         log.info("Mode A: generation through the prefill skip, one problem at a time")
         entry, mode_a_pairs = evaluate_lm(lm, task_manager, params, "mode_a")
         if mode_a_pairs != pairs:
-            raise RuntimeError("lm-eval built different prompts for Mode A than for the Mode B groups")
+            raise RuntimeError(f"lm-eval built different prompts for Mode A than {GOLD_PATH} holds")
     t0 = time.perf_counter()
     rows = mode_a_gold_rows(lm, pairs)
     log.info("Mode A gold NLL: %.1f s", time.perf_counter() - t0)

@@ -6,9 +6,10 @@ Scores the maps of ``models/objectives/<objective>/`` (stage ``tune@<objective>`
 ``ced_csa2*`` groups with the pair in its ``ced_csa2/`` folder, trained for them) for every
 group of ``train.eval_groups`` with exactly the main branch's protocols: the eval
 records' corpus-level perplexity (:func:`ced_csa2.perplexity.groups_ppl`) and the gold-solution
-NLL on the prompts ``eval_gsm8k`` saved (``data/gsm8k_gold.json``).  Exact-match accuracy
-is not re-run here (generation dominates GSM8K's cost and scores ~0 on the embedded
-model); the report takes ΔPPL against the main branch's baseline.
+NLL on the tokenised prompts of stage ``gold_pairs`` (``data/gsm8k_gold.json``, no model
+run), so ``dvc repro eval_objective@<objective>`` never runs ``eval_gsm8k``'s generation.
+Exact-match accuracy is not re-run here (generation dominates GSM8K's cost and scores ~0
+on the embedded model); the report takes ΔPPL against the main branch's baseline.
 
 Writes ``metrics/objectives/<objective>/eval.json``:
 ``{"objective", "protocol": {...}, "gold_protocol": {...}, "groups": {group: {ppl, nll_per_token, tokens, gold_nll}}}``.

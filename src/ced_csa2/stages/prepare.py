@@ -10,7 +10,8 @@ tokenizer) and completely rewrites:
   ``tokenizer(text)["input_ids"]`` (default special tokens) and
   ``min_tokens <= n_tokens <= max_tokens``;
 - ``data/gsm8k.jsonl``: ``{"id", "question", "answer", "target"}``;
-- ``metrics/prepare.json``: record and token counts per split, source labels, math set.
+- ``metrics/prepare.json``: record and token counts per split, source labels, math set,
+  and ``n_train``: ``{"param", "built", "kept"}`` (training records built, and kept).
 
 Corpora (``data.kind``):
 
@@ -19,7 +20,13 @@ Corpora (``data.kind``):
   paragraphs are joined within each article into records of at most ``max_tokens``.
 - ``wikitext``: seeded "long lines" (``>= min_tokens``) of each hub train split,
   evaluation lines from the hub eval split.
-- ``tiny``: seeded synthetic paragraphs.
+- ``tiny``: seeded synthetic paragraphs, exactly ``n_train`` of them for training.
+
+``data.n_train`` > 0 keeps at most that many training records, of every kind: the first
+``n_train`` of a seeded shuffle (seed ``data.seed``) of the records built, back in corpus
+order, so the same params give the same records and a larger ``n_train`` keeps a superset
+of a smaller one's.  ``0`` keeps all (not allowed for ``tiny``, which builds exactly
+``n_train``).  The eval records never depend on it.
 
 Every output is written to a temporary name and renamed; the same params and
 tokenizer give byte-identical files.
@@ -221,6 +228,16 @@ def _sample(records: list[Record], n: int, seed: int, purpose: str) -> list[Reco
     return [records[i] for i in keep]
 
 
+def _nested_sample(records: list[Record], n: int, seed: int, purpose: str) -> list[Record]:
+    """The first ``n`` records of a seeded shuffle, back in their original order.
+
+    Unlike :func:`_sample`, a larger ``n`` keeps a superset of a smaller one's records.
+    """
+    order = list(range(len(records)))
+    _rng(seed, purpose).shuffle(order)
+    return [records[i] for i in sorted(order[:n])]
+
+
 _CORPORA = {"wiki_embedded": wiki_embedded_records, "wikitext": wikitext_records, "tiny": tiny_records}
 
 
@@ -290,7 +307,8 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
     validate(data, budget)
 
     problems = math_problems(data)  # first: cheap, and surfaces a bad pin before the corpus work
-    train, eval_ = _CORPORA[data.kind](data, budget)
+    built, eval_ = _CORPORA[data.kind](data, budget)
+    train = _nested_sample(built, data.n_train, data.seed, "train") if data.n_train else built
     if not train or not eval_:
         raise ValueError(f"data '{data.name}' produced {len(train)} train and {len(eval_)} eval records; "
                          "both must be non-empty (check data.min_tokens)")
@@ -305,13 +323,14 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
     metrics = {
         "data": data.name,
         "model": params.model.name,
+        "n_train": {"param": data.n_train, "built": len(built), "kept": len(train)},
         "train": split_stats(train),
         "eval": split_stats(eval_),
         "math": {"label": data.math.label, "n": len(problems)},
     }
     write_json(out_dir / PREPARE_METRICS, metrics)
-    log.info("Wrote %d train records (%d tokens), %d eval records (%d tokens), %d %s problems",
-             len(train), metrics["train"]["tokens"], len(eval_), metrics["eval"]["tokens"],
+    log.info("Wrote %d train records (%d tokens; of %d built), %d eval records (%d tokens), %d %s problems",
+             len(train), metrics["train"]["tokens"], len(built), len(eval_), metrics["eval"]["tokens"],
              len(problems), data.math.label)
     return metrics
 

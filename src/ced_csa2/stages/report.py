@@ -259,6 +259,17 @@ def protocol_line(ppl: dict, gsm: dict) -> str:
             "KV bytes: bf16, per token, on the stated basis (docs/design.md §6).")
 
 
+def window_line(storage: dict) -> str:
+    """How the active model's sliding-window layers are counted ('' when it has none)."""
+    windows = storage["active_model"]["geometry"].get("sliding_windows") or {}
+    if not windows:
+        return ""
+    sizes = ", ".join(str(w) for w in sorted(set(windows.values())))
+    return (f"Sliding-window layers ({len(windows)}: {', '.join(windows)}; window {sizes}) are counted per token "
+            "in the per-token bases, the figure for a context within the window; storage.json's amortised bases "
+            "hold min(context, window − 1) entries for them.")
+
+
 def plots(out: Path, ppl: dict, adapters: dict, storage: dict) -> list[Path]:
     import matplotlib
 
@@ -314,8 +325,9 @@ def run(params: Params, workdir: Path = Path(".")) -> str:
     objectives = {o: {part: _load(workdir, Path("objectives") / o / part) for part in ("train", "eval")}
                   for o in params.train.objectives}
     groups = params.train.eval_groups
+    windows = window_line(storage)
     text = "\n".join([
-        "# Results", "", protocol_line(ppl, gsm), "",
+        "# Results", "", protocol_line(ppl, gsm), "", *([windows, ""] if windows else []),
         *results_table(ppl, gsm, storage), "",
         "## Mode A: true CED (prefill skip)", "", *mode_a_table(ppl, gsm), "",
         "## Training objectives", "",

@@ -64,12 +64,17 @@ log = logging.getLogger(__name__)
 # The seed's plan on Qwen3.5-4B (docs/design.md §0): cut after 16, project 20, adapt 24/28/32.
 QWEN3_5_4B_PLAN = LayerPlan(split=16, source=20, targets=(24, 28, 32))
 
+# The amortised bases are figures at one context length: adapter weights spread over it, and a
+# sliding-window layer holding min(context, window - 1) entries of it.
+BASIS_CONTEXT = {f"all_attention_amortised_{name}": n for name, n in CONTEXTS.items()}
+WINDOW_NOTE = ("; a sliding-window layer counts per token as if the context fit its window (contexts up to "
+               "window - 1 tokens) here, and min(context, window - 1) entries in the amortised bases")
 BASIS_DOC = {
-    "decoder_attention": "K+V caches of the attention layers above the split layer",
-    "all_attention": "K+V caches of every attention layer",
-    **{f"all_attention_amortised_{name}": f"all_attention plus the group's adapter weights or xkv bases (at the "
-                                          f"same dtype) amortised over a {n}-token context"
-       for name, n in CONTEXTS.items()},
+    "decoder_attention": "K+V caches of the attention layers above the split layer" + WINDOW_NOTE,
+    "all_attention": "K+V caches of every attention layer" + WINDOW_NOTE,
+    **{basis: f"all_attention plus the group's adapter weights or xkv bases (at the same dtype) amortised over a "
+              f"{n}-token context, every sliding-window layer holding min({n}, window - 1) entries"
+       for basis, n in BASIS_CONTEXT.items()},
 }
 GROUP_DOC = {name: g.doc for name, g in GROUPS.items()}
 PROJECTOR_COUNTING = (
@@ -120,7 +125,7 @@ def basis_copies(geo: Geometry, plan: LayerPlan, group: str, dtype_bytes: int, w
 def kv_table(geo: Geometry, plan: LayerPlan, dtype_bytes: int, width: int, adapter_input: str, fp4_group: int,
              rank: int) -> dict:
     """``{basis: {group: {"bytes_per_token", "compression_vs_baseline"}}}`` at one dtype."""
-    per_group = {g: {basis: bytes_per_token(c)
+    per_group = {g: {basis: bytes_per_token(c, BASIS_CONTEXT.get(basis))
                      for basis, c in basis_copies(geo, plan, g, dtype_bytes, width, adapter_input, fp4_group,
                                                                rank).items()}
                  for g in GROUPS}
@@ -141,7 +146,8 @@ def model_section(model: str, geo: Geometry, plan: LayerPlan, width_mult: float,
         "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets),
                  "extra_sources": list(plan.extra_sources)},
         "geometry": {"n_layers": geo.n_layers, "hidden_size": geo.hidden_size, "kv_dim": geo.kv_dim,
-                     "attention_layers": list(geo.attention_layers)},
+                     "attention_layers": list(geo.attention_layers),
+                     "sliding_windows": {str(layer): w for layer, w in geo.windows}},
         "stored_layers": {basis: {g: list(stored_layers(geo, plan, g, basis)) for g in GROUPS} for basis in BASES},
         "weights": {
             "adapter_width": width,

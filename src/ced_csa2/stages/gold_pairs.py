@@ -1,0 +1,53 @@
+"""``gold_pairs`` stage: the tokenised GSM8K gold answers after lm-eval's prompts, without a model.
+
+    python -m ced_csa2.stages.gold_pairs        # what `dvc repro gold_pairs` runs
+
+For each problem of ``data/gsm8k.jsonl``, in file order: the prompt lm-eval's ``gsm8k``
+task builds for it (the local task of :mod:`ced_csa2.stages.eval_gsm8k`, with
+``eval_gsm8k.num_fewshot`` exemplars and seed ``seed``), lm-eval's target delimiter and the
+gold ``answer``, tokenised by the model's tokenizer as lm-eval's ``HFLM`` tokenises
+loglikelihood requests (:func:`ced_csa2.gsm8k.prompt_pairs`).  Only the tokenizer is
+loaded: no forward pass, seconds on any machine.
+
+Writes ``data/gsm8k_gold.json``: ``{"model", "math_set", "num_fewshot", "pairs"}`` with
+``[ids, context_length]`` per problem.  ``eval_gsm8k`` scores gold NLL on these pairs (and
+checks that the prompts lm-eval generates from are the same), ``eval_objective@<objective>``
+too, so an objective's evaluation never waits on generation.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ..config import Params
+from ..entry import run_stage
+from ..gsm8k import _offline, count_problems, local_task, prompt_pairs, write_gold_pairs
+from ..model_utils import load_tokenizer
+from ..paths import GOLD_PATH, GSM8K_JSONL
+
+log = logging.getLogger(__name__)
+
+
+def run(params: Params, workdir: Path = Path(".")) -> list[tuple[list[int], int]]:
+    """Write ``data/gsm8k_gold.json`` under ``workdir``; returns its pairs."""
+    _offline()
+    workdir, num_fewshot = Path(workdir), params.eval_gsm8k.num_fewshot
+    data_file = workdir / GSM8K_JSONL
+    n = count_problems(data_file)
+    with local_task(data_file, num_fewshot) as task_manager:
+        pairs = prompt_pairs(load_tokenizer(params.model), task_manager, params)
+    if len(pairs) != n:
+        raise RuntimeError(f"lm-eval built {len(pairs)} prompts for the {n} problems of {data_file}")
+    write_gold_pairs(workdir / GOLD_PATH, params, pairs)
+    log.info("%d %s gold pairs (%d-shot): %d answer tokens", n, params.data.math.label, num_fewshot,
+             sum(len(ids) - cut for ids, cut in pairs))
+    return pairs
+
+
+def main() -> None:
+    run_stage(run)
+
+
+if __name__ == "__main__":
+    main()
