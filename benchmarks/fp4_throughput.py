@@ -30,7 +30,6 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
 
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
           f"shape ({args.rows}, {args.dim}), best of {args.repeats}")
     print(f"{'dtype':>9} {'path':<22} {'seconds':>9} {'GB/s':>8} {'ratio':>7}")
@@ -40,10 +39,7 @@ def main() -> None:
         gb = x.numel() * x.element_size() / 1e9
 
         def timed(fn):
-            def run():
-                fn()
-                sync()
-            return best_seconds(run, args.repeats)
+            return best_seconds(fn, args.repeats, device=args.device)
 
         ref = timed(lambda x=x: x.clone())
         rows = [("clone", ref)]

@@ -9,8 +9,9 @@ For one batch of ``--batch`` train records cropped to ``--seq-len`` tokens, time
 * one optimizer step of ``attn_out`` and of ``distill`` in each phase (projector under
   ``ced``, adapters under ``csa2``): teacher pass, loss, backward, AdamW step;
 
-and prints tokens/s and the step time as a multiple of the plain forward.  The maps
-start at the ridge solution (``models/ridge.pt``); speed does not depend on their values.
+and prints tokens/s and the step time as a multiple of the plain forward (best of
+``--repeats`` after one untimed warm-up, the device synchronised: ``_timing.best_seconds``).
+The maps start at the ridge solution (``models/ridge.pt``); speed does not depend on their values.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main() -> None:
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, use_cache=False)
 
-    base = best_seconds(forward, args.repeats)
+    base = best_seconds(forward, args.repeats, device=device)
     print(f"{params.model.name} ({str(model.dtype).removeprefix('torch.')}, {device}, "
           f"{torch.get_num_threads()} threads), batch {tuple(ids.shape)}, {tokens} tokens")
     print(f"{'forward (baseline)':28s} {tokens / base:9.1f} tok/s   1.00x")
@@ -67,7 +68,7 @@ def main() -> None:
                 loss.backward()
                 opt.step()
 
-            t = best_seconds(step, args.repeats)
+            t = best_seconds(step, args.repeats, device=device)
             print(f"{objective + ' step, ' + group:28s} {tokens / t:9.1f} tok/s   {t / base:.2f}x the forward")
 
 

@@ -13,7 +13,8 @@
 
 Maps: the trained ones from ``models/`` when they match the plan, else random maps
 of the right shapes (speed does not depend on the weights); the output says which.
-Runs are interleaved and the best of ``--repeats`` is kept.
+Each figure is the best of ``--repeats`` runs after one untimed warm-up run, the device
+synchronised around each (``_timing.best_seconds``: on CUDA the work, not its launch).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from _timing import best_seconds
 from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, load_parts
 from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
+from ced_csa2.groups import GROUPS
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.paths import EVAL_JSONL
 from ced_csa2.plan import LayerPlan, load_plan
@@ -52,7 +54,7 @@ def main() -> None:
     device = resolve_device(params.eval_ppl.device)
     model, tok = load_model_and_tokenizer(params.model, device=device)
     try:
-        parts, source = load_parts("models", plan, device=device, expect={"model": params.model.name}), "trained"
+        parts, source = load_parts("models", params, plan, geo, device=device, low_rank=True), "trained"
     except (OSError, ValueError):
         parts, source = random_parts(geo, plan), "random"
     texts = [r["text"] for r in read_records(EVAL_JSONL)[: args.records]]
@@ -64,9 +66,10 @@ def main() -> None:
             model(**{k: v.to(device) for k, v in batch.items()})
 
     mode_b = {}
-    for group in params.eval_ppl.groups:
+    # random maps hold no xKV bases (stage fit_xkv): those groups are timed with trained maps only
+    for group in [g for g in params.eval_ppl.groups if source == "trained" or not GROUPS[g].low_rank]:
         with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
-            mode_b[group] = n_tokens / best_seconds(forward, args.repeats, warmup=False)
+            mode_b[group] = n_tokens / best_seconds(forward, args.repeats, device=device)
     overhead = {g: {"tokens_per_s": round(v, 1), "vs_baseline": round(v / mode_b["baseline"], 3)}
                 for g, v in mode_b.items()}
 
@@ -78,8 +81,8 @@ def main() -> None:
         ids = torch.randint(0, len(tok), (1, n), device=device)
         with torch.inference_mode():
             plain = best_seconds(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), args.repeats,
-                                     warmup=False)
-        skip = best_seconds(lambda: mode_a.prefill(ids), args.repeats, warmup=False)
+                                 device=device)
+        skip = best_seconds(lambda: mode_a.prefill(ids), args.repeats, device=device)
         prefill[str(n)] = {"plain_s": round(plain, 3), "mode_a_s": round(skip, 3), "speedup": round(plain / skip, 3)}
     print(json.dumps({
         "model": params.model.name, "dtype": str(model.dtype), "device": str(device),

@@ -29,10 +29,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import time
 from pathlib import Path
 
 import torch
+from _timing import Clock
 from transformers import DynamicCache
 
 from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_parts
@@ -76,16 +76,14 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats):
 
 
 @torch.inference_mode()
-def decode_ms(model, ids: torch.Tensor, cache, steps: int, sync) -> list[float]:
+def decode_ms(model, ids: torch.Tensor, cache, steps: int, clock: Clock) -> list[float]:
     """Prefill ``ids`` ``(B, T)``, then ``steps + 1`` greedy steps; ms of the last ``steps``."""
     x = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
     times = []
     for _ in range(steps + 1):
-        sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         x = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
-        sync()
-        times.append(1e3 * (time.perf_counter() - t0))
+        times.append(1e3 * (clock() - t0))
     return times[1:]
 
 
@@ -111,7 +109,7 @@ def main() -> None:
     parts, note = maps(args.models_dir, plan, geo, params, model)
     dtype = next(model.parameters()).dtype
     dtype_bytes = torch.finfo(dtype).bits // 8
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    clock = Clock(args.device)
     print(f"{params.model.name} {dtype} on {args.device} ({torch.get_num_threads()} threads); plan split "
           f"{plan.split} source {plan.source} targets {list(plan.targets)}; batch {args.batch}; {note}")
     print(f"'bf16' storage = the model dtype ({dtype}); median of {args.steps} decode steps after one warm-up")
@@ -126,7 +124,7 @@ def main() -> None:
                                                                        args.storages, args.fp4_baselines):
             cache = make_cache()
             with ctx(cache):
-                ms = statistics.median(decode_ms(model, ids, cache, args.steps, sync))
+                ms = statistics.median(decode_ms(model, ids, cache, args.steps, clock))
             held = kv_held_bytes(cache)
             per_token = bytes_per_token(accounted_copies(geo, plan, acc_group, acc_storage, dtype_bytes))
             accounted = per_token * args.batch * cache.get_seq_length()

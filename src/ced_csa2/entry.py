@@ -59,12 +59,17 @@ def _audit(event: str, args: tuple) -> None:
         _FILES_READ.add(rel.as_posix())
 
 
-def stage_name(run, args: tuple) -> str:
-    """``tune@distill`` for ``ced_csa2.stages.tune.run`` with argument ``distill``."""
+def _module(run) -> str:
+    """``ced_csa2.stages.<stage>``, the module ``run`` belongs to."""
     module = run.__module__
     if module == "__main__":  # python -m ced_csa2.stages.<stage>
         module = sys.modules["__main__"].__spec__.name
-    name = module.rsplit(".", 1)[-1]
+    return module
+
+
+def stage_name(run, args: tuple) -> str:
+    """``tune@distill`` for ``ced_csa2.stages.tune.run`` with argument ``distill``."""
+    name = _module(run).rsplit(".", 1)[-1]
     return f"{name}@{args[0]}" if args else name
 
 
@@ -80,15 +85,21 @@ def error_line(exc: BaseException) -> str:
     return f"error: {message}"
 
 
-def run_stage(run, *args) -> None:
+def run_stage(run, *args, launcher=None) -> None:
     """Entry point of a stage module: log to stderr, then ``run(load_params(), *args)`` from the cwd.
 
     An input error (:func:`is_input_error`) prints ``error: <message>`` to stderr and exits
     with status 2; with ``CED_CSA2_DEBUG=1`` it propagates with its traceback instead.  Any
     other exception keeps its traceback.
+
+    ``launcher(params, module, args)`` (a data-parallel stage's
+    :func:`ced_csa2.distributed.relaunch`) may run the stage in other processes and return
+    their exit status, which this process then exits with; ``None`` runs it here.  A stage
+    without one refuses to run as one of several processes (``WORLD_SIZE > 1``: ``torchrun``),
+    which would be copies writing the same outputs.
     """
     try:
-        _run_stage(run, *args)
+        _run_stage(run, *args, launcher=launcher)
     except Exception as exc:
         if not is_input_error(exc) or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
@@ -98,13 +109,25 @@ def run_stage(run, *args) -> None:
         raise SystemExit(2) from None
 
 
-def _run_stage(run, *args) -> None:
+def _run_stage(run, *args, launcher=None) -> None:
     global _FILES_READ
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    record_dir, profile_dir = os.environ.get(RECORD_ENV), os.environ.get(PROFILE_ENV)
+    name = stage_name(run, args)
+    if launcher is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"stage {name} is not data-parallel: run it as one process (python -m "
+                         f"ced_csa2.stages.{name.split('@')[0]}), not under torchrun")
+    # Every process of a data-parallel run records the same reads: only rank 0 writes them down.
+    main_rank = os.environ.get("RANK", "0") == "0"
+    record_dir, profile_dir = (os.environ.get(env) if main_rank else None for env in (RECORD_ENV, PROFILE_ENV))
     params = load_params()
+    if launcher is not None:
+        status = launcher(params, _module(run), [str(a) for a in args])
+        if status is not None:
+            if status:
+                raise SystemExit(status)
+            return
     if not record_dir:
         run(params, *args)
     else:
@@ -112,10 +135,10 @@ def _run_stage(run, *args) -> None:
         sys.addaudithook(_audit)
         with record_reads() as keys:
             run(params, *args)
-        _write(Path(record_dir) / f"{stage_name(run, args)}.json",
+        _write(Path(record_dir) / f"{name}.json",
                {"params": sorted(keys), "files": sorted(_FILES_READ)})
     if profile_dir:  # wall time of the stage (its module imports before run_stage not included), peak RSS
-        _write(Path(profile_dir) / f"{stage_name(run, args)}.json", {
+        _write(Path(profile_dir) / f"{name}.json", {
             "wall_s": round(time.perf_counter() - t0, 1),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)})
 

@@ -57,12 +57,20 @@ class FitStats:
         self._sse += float((err * err).sum())
         self._sum_sq += float((y * y).sum())
         self._cos_sum += float(torch.nn.functional.cosine_similarity(p, y, dim=1, eps=1e-8).sum())
-        self._merge_moments(y)
-
-    def _merge_moments(self, y: torch.Tensor) -> None:
-        nb = y.shape[0]
         mean_b = y.mean(0)
-        m2_b = ((y - mean_b) ** 2).sum(0)
+        self._merge_moments(y.shape[0], mean_b, ((y - mean_b) ** 2).sum(0))
+
+    def merge(self, other: FitStats) -> FitStats:
+        """Add the rows ``other`` has seen (another rank's share of a split); returns ``self``."""
+        if other.n:
+            self._sse += other._sse
+            self._sum_sq += other._sum_sq
+            self._cos_sum += other._cos_sum
+            self._merge_moments(other.n, other._mean, other._m2)
+        return self
+
+    def _merge_moments(self, nb: int, mean_b: torch.Tensor, m2_b: torch.Tensor) -> None:
+        """Chan et al.'s pairwise update with ``nb`` rows of per-feature mean ``mean_b`` and squared deviations ``m2_b``."""
         if self._mean is None:
             self.n, self._mean, self._m2 = nb, mean_b, m2_b
             return
@@ -88,3 +96,12 @@ class FitStats:
             "mse": self._sse / (self.n * d),
             "n": self.n,
         }
+
+
+def merged(per_rank: list[dict[str, FitStats]]) -> dict[str, FitStats]:
+    """One :class:`FitStats` per name from every rank's, merged in rank order (a rank without rows may lack names)."""
+    out: dict[str, FitStats] = {}
+    for stats in per_rank:
+        for name, s in stats.items():
+            out.setdefault(name, FitStats()).merge(s)
+    return out

@@ -184,6 +184,26 @@ class DumpLayout:
         # HDF5/numpy have no bfloat16: store its bits as uint16 (reader views them back).
         return np.dtype(np.uint16) if self.storage_dtype == "bfloat16" else np.dtype(self.storage_dtype)
 
+    def datasets(self, chunk_kib: int) -> dict[str, tuple[int, np.dtype, int]]:
+        """Every dataset as :class:`DumpWriter` creates it: ``(width, dtype, rows per chunk)`` (width 0: 1-D)."""
+        dt = self.np_dtype
+        out = {name: (width, dt, chunk_rows(width, dt.itemsize, chunk_kib)) for name, width in self.widths().items()}
+        return out | {"input_ids": (0, np.dtype(np.int32), 65536), "record_offsets": (0, np.dtype(np.int64), 4096)}
+
+    def nbytes(self, rows: int, records: int, chunk_kib: int) -> tuple[int, int]:
+        """``(payload, allocated)`` bytes of the datasets of a dump of ``rows`` tokens in ``records`` records.
+
+        ``payload`` is the sum of the datasets' ``nbytes``; ``allocated`` what HDF5 stores for
+        them, whole chunks (``Dataset.id.get_storage_size()``).  The file adds its metadata.
+        """
+        payload = allocated = 0
+        for name, (width, dt, chunk) in self.datasets(chunk_kib).items():
+            n = records + 1 if name == "record_offsets" else rows
+            row_bytes = max(width, 1) * dt.itemsize
+            payload += n * row_bytes
+            allocated += -(-n // chunk) * chunk * row_bytes
+        return payload, allocated
+
 
 class DumpWriter:
     """Append records to ``final_path``'s temporary sibling; resume it when its fingerprint matches.
@@ -289,13 +309,15 @@ class DumpWriter:
     def _create(self, attrs, chunk_kib):
         self.partial_path.parent.mkdir(parents=True, exist_ok=True)
         f = self._open("w")
-        dt = self.layout.np_dtype
-        rows = {name: chunk_rows(width, dt.itemsize, chunk_kib) for name, width in self.layout.widths().items()}
-        self.block = max(rows.values())  # DumpReader.block_rows: a multiple of every dataset's chunk rows
+        sets = self.layout.datasets(chunk_kib)
+        # DumpReader.block_rows: a multiple of every 2-D dataset's chunk rows
+        self.block = max(sets[name][2] for name in self.layout.widths())
         for name, width in self.layout.widths().items():
-            f.create_dataset(name, shape=(0, width), maxshape=(None, width), dtype=dt, chunks=(rows[name], width))
-        f.create_dataset("input_ids", shape=(0,), maxshape=(None,), dtype=np.int32, chunks=(65536,))
-        f.create_dataset("record_offsets", data=np.zeros(1, np.int64), maxshape=(None,), chunks=(4096,))
+            _, dt, rows = sets[name]
+            f.create_dataset(name, shape=(0, width), maxshape=(None, width), dtype=dt, chunks=(rows, width))
+        for name, first in (("input_ids", []), ("record_offsets", [0])):  # offsets start with record 0's
+            _, dt, rows = sets[name]
+            f.create_dataset(name, data=np.array(first, dt), maxshape=(None,), chunks=(rows,))
         for k, v in attrs.items():
             f.attrs[k] = v
         f.attrs["format_version"] = FORMAT_VERSION
@@ -409,6 +431,25 @@ class DumpWriter:
             return "the partial dump was unreadable after the failure and was removed (the next run starts over)"
         return (f"the partial dump keeps {n} complete records (the next run verifies them and resumes there); "
                 f"free some space and re-run")
+
+
+def copy_records(reader: DumpReader, writer: DumpWriter, first: int = 0) -> None:
+    """Append ``reader``'s records from ``first`` on to ``writer``, verified, about ``_VERIFY_READ_BYTES`` at a time.
+
+    The bytes are copied in the on-disk dtype, and ``writer`` recomputes their checksums on
+    its own row grid (how a data-parallel dump's shards become one dump).
+    """
+    offs, widths = reader.record_offsets, reader.layout.widths()
+    row_bytes = reader.layout.np_dtype.itemsize * sum(widths.values())
+    rows = max(1, _VERIFY_READ_BYTES // row_bytes)
+    a = first
+    while a < reader.n_records:
+        # Whole records, at least one, of at most `rows` rows together.
+        b = min(reader.n_records, max(a + 1, int(np.searchsorted(offs, offs[a] + rows, side="right")) - 1))
+        lo, hi = int(offs[a]), int(offs[b])
+        writer.append({name: reader.stored(name, lo, hi) for name in widths}, reader.stored("input_ids", lo, hi),
+                      np.diff(offs[a:b + 1]).tolist())
+        a = b
 
 
 def committed_records(path: Path) -> int | None:
@@ -525,7 +566,7 @@ class DumpReader:
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` of dataset ``name`` as float32 (bf16 bits widened exactly), verified."""
-        a = self._read(name, start, stop)
+        a = self.stored(name, start, stop)
         if self.layout.storage_dtype == "bfloat16":
             return (a.astype(np.uint32) << 16).view(np.float32)
         return a.astype(np.float32, copy=False)
@@ -537,7 +578,7 @@ class DumpReader:
             raise DumpError(f"{self.path}: dataset '{name}' rows [{start}, {stop}) cannot be read (corrupt file?): "
                             f"{os_reason(exc)}") from None
 
-    def _read(self, name: str, start: int, stop: int) -> np.ndarray:
+    def stored(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` in the on-disk dtype; blocks not yet verified are read whole and verified."""
         n = self._n[name]
         start, stop = min(max(int(start), 0), n), min(max(int(stop), 0), n)

@@ -77,6 +77,26 @@ def geometry(config) -> Geometry:
     )
 
 
+def qwen3_5_4b_config():
+    """Qwen3.5-4B's text config built locally, without any download (its geometry: design §3).
+
+    32 layers, hidden 2560, 16 q / 4 kv heads of 256 (kv_dim 1024), full attention at every
+    4th layer (4, 8, ..., 32), GatedDeltaNet (16 key / 32 value heads of 128) elsewhere, MLP
+    9216 wide, vocabulary 248,320, input and output embeddings tied: 4,205,751,296 parameters.
+    The sizes are the published ``text_config`` of ``Qwen/Qwen3.5-4B`` as public mirrors list
+    it (not fetched here; online, ``AutoConfig.from_pretrained("Qwen/Qwen3.5-4B").text_config``
+    checks them).  The geometry drives the storage accounting, the sizes only the resource
+    estimate (:mod:`ced_csa2.estimate`).
+    """
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        hidden_size=2560, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+        layer_types=["full_attention" if layer % 4 == 0 else "linear_attention" for layer in range(1, 33)],
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        intermediate_size=9216, vocab_size=248320, tie_word_embeddings=True)
+
+
 def layer_type(config, layer: int) -> str:
     """``config.layer_types`` of 1-based ``layer`` (``"full_attention"`` when the config has none)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -20,6 +20,15 @@ PREPARE_METRICS = METRICS / "prepare.json"
 # dump (the partial file lives outside the DVC out: DVC deletes outs before a run)
 DUMP_PATH = DATA / "dump" / "dump.h5"
 DUMP_PARTIAL = DATA / "dump.partial.h5"
+
+
+def dump_shard(rank: int, world: int) -> tuple[Path, Path]:
+    """A data-parallel dump's shard of rank ``rank`` of ``world``: complete, and while it grows.
+
+    Beside :data:`DUMP_PARTIAL`, outside the DVC out; removed once merged into :data:`DUMP_PATH`.
+    """
+    stem = f"dump.partial.rank{rank}of{world}"
+    return DATA / f"{stem}.h5", DATA / f"{stem}.growing.h5"
 DUMP_METRICS = METRICS / "dump.json"
 
 # ridge, train_projector, train_adapters

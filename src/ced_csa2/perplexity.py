@@ -17,6 +17,7 @@ from typing import Mapping
 import torch
 from tqdm import tqdm
 
+from . import distributed
 from .ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_from, plain_prefill
 from .config import Params
 from .paths import EVAL_JSONL
@@ -63,13 +64,18 @@ def groups_ppl(model, plan, groups: list[str], parts: CEDParts | Mapping[str, CE
     bootstrap 95% interval over records (seed ``seed``: the same resampled records for all):
     ``delta_pct`` (ΔPPL %), ``kl`` (mean per-token KL(baseline ‖ group), nats) and
     ``top1_pct`` (% of scored tokens whose argmax is the baseline's).
+
+    Under a process group each rank scores a contiguous run of the single-process batches
+    and the per-record sums are assembled on every rank, so the figures and their bootstrap
+    intervals are the single-process ones.
     """
     # Scored in order of length (9% fewer padded positions on the embedded default's 40
     # records), reported in record order (the bootstrap's unit).
     sorted_ids, back = by_length(ids)
-    nll = multi_group_nll(model, plan, groups, parts, sorted_ids, [0] * len(ids), params.eval_ppl.batch_size, pad_id,
-                          kv_format=params.kv_format, agreement="baseline" in groups)
-    nll = {g: v[back] for g, v in nll.items()}
+    lo, hi = distributed.batch_bounds(len(ids), params.eval_ppl.batch_size)
+    nll = multi_group_nll(model, plan, groups, parts, sorted_ids[lo:hi], [0] * (hi - lo), params.eval_ppl.batch_size,
+                          pad_id, kv_format=params.kv_format, agreement="baseline" in groups)
+    nll = {g: distributed.assemble(v, lo, len(ids))[back] for g, v in nll.items()}
     out = {group: _ppl(v[:, :2]) for group, v in nll.items()}
     for group, d in paired_deltas({g: v[:, :2].numpy() for g, v in nll.items()}, "delta_ppl_pct",
                                   params.seed).items():
@@ -101,6 +107,8 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     record at a time (the skip prefill has no padding support), so the two prefills are
     also timed on exactly these prompts: ``prefill_speedup`` = plain seconds / Mode A seconds.
     ``delta_pct``, ``kl`` and ``top1_pct`` carry paired bootstrap 95% intervals over records.
+    Under a process group each rank takes a contiguous share of the records; the per-record
+    sums and the prefill seconds (then: summed over the ranks) are added up on every rank.
     """
     missing = plan.uncovered(geo)
     if missing:
@@ -110,7 +118,9 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     device = next(model.parameters()).device
     plain, skip = torch.zeros(len(ids), 4, dtype=torch.float64), torch.zeros(len(ids), 4, dtype=torch.float64)
     seconds = {"plain": 0.0, "mode_a": 0.0}
-    for i, row in enumerate(tqdm(ids, desc="mode A", unit="record")):
+    lo, hi = distributed.bounds(len(ids))
+    for i in tqdm(range(lo, hi), desc="mode A", unit="record", disable=not distributed.is_main()):
+        row = ids[i]
         x, cut = torch.tensor([row], device=device), max(2, int(len(row) * fraction))
         prompt, cont = x[:, :cut], x[:, cut:]
         caches = {}
@@ -121,6 +131,9 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
         keep = torch.ones_like(cont, dtype=torch.bool)
         reference = score_logits(plain, i, continue_from(model, caches["plain"], prompt, cont), cont, keep)
         score_logits(skip, i, continue_from(model, caches["mode_a"], prompt, cont), cont, keep, reference)
+    both = torch.tensor([seconds["plain"], seconds["mode_a"]], dtype=torch.float64)
+    distributed.all_reduce_sum(plain, skip, both)
+    seconds = dict(zip(seconds, both.tolist()))
     base, ced = _ppl(plain[:, :2]), _ppl(skip[:, :2])
     delta = paired_bootstrap(skip[:, :2].numpy(), plain[:, :2].numpy(), "delta_ppl_pct", seed=seed)
     return {"covered": True, "prefix_fraction": fraction, "records": len(ids), "baseline": base, "mode_a": ced,
@@ -140,6 +153,8 @@ def protocol(params: Params, model, plan, ids: list[list[int]], tokens_scored: i
     """What a perplexity figure was measured on (stored next to it)."""
     return {
         "model": params.model.name, "data": params.data.name, "records": len(ids), "tokens_scored": tokens_scored,
+        # hub commits asked for (null: the default branch when the run fetched it)
+        "model_revision": params.model.revision, "data_revision": params.data.revision,
         "max_tokens": params.data.max_tokens, "dtype": str(model.dtype).removeprefix("torch."),
         "device": str(model.device), "threads": torch.get_num_threads(),
         "basis": "token-level, teacher-forced, corpus-level exp(sum NLL / scored tokens); Mode B substitution",

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import distributed
 from .config import Params
 from .loader import BlockLoader
 from .model_utils import Geometry, resolve_device
@@ -81,7 +82,7 @@ def train_projectors(params: Params, dump: Path, layers: tuple[int, ...], geo: G
         projectors = ridge_projectors(ridge, list(layers), geo)
     else:
         projectors = build_projectors(params, layers, geo.hidden_size, geo.kv_dim)
-    device = resolve_device("auto")
+    device = distributed.local_device(resolve_device("auto"))
     for p in projectors.values():
         p.to(device)
     y_names = kv_names(layers)

@@ -8,6 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+# numpy seed-sequence tag of the dump's record sample (loader.py uses 0-3, training.py 4, objectives.py 5);
+# here, not in the dump stage, so that the resource estimate draws the same sample.
+DUMP_SAMPLE_STREAM = 6
+
 
 def read_records(path: Path) -> list[dict]:
     """Corpus records (``id``, ``source``, ``text``, ``n_tokens``), validated."""

@@ -38,10 +38,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .fit_metrics import FitStats
+from . import distributed
+from .fit_metrics import FitStats, merged
 from .h5store import DumpReader
 from .io_utils import atomic_write_bytes
-from .loader import cat_features, iter_blocks
+from .loader import active_blocks, cat_features, iter_blocks
 from .plan import LayerPlan
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class RidgeAccumulator:
         Xs = X.detach().to("cpu", torch.float64, copy=True)
         Ys = Y.detach().to("cpu", torch.float64, copy=True)
         if self._shift_x is None:
-            self._shift_x, self._shift_y = Xs.mean(0), Ys.mean(0)
+            self.set_shift(Xs, Ys)
         Xs -= self._shift_x
         Ys -= self._shift_y
         self._xtx.addmm_(Xs.T, Xs)
@@ -99,6 +100,17 @@ class RidgeAccumulator:
         self._sx += Xs.sum(0)
         self._sy += Ys.sum(0)
         self.n += X.shape[0]
+
+    def set_shift(self, X: torch.Tensor, Y: torch.Tensor) -> None:
+        """Centre on the means of ``X (n, d_in)`` and ``Y (n, d_out)`` (by default the first batch's)."""
+        self._shift_x = X.detach().to("cpu", torch.float64).mean(0)
+        self._shift_y = Y.detach().to("cpu", torch.float64).mean(0)
+
+    def all_reduce(self) -> None:
+        """Sum every rank's statistics; the ranks must share one shift (:meth:`set_shift`)."""
+        n = torch.tensor([float(self.n)], dtype=torch.float64)  # exact below 2**53 rows
+        distributed.all_reduce_sum(self._xtx, self._xty, self._sx, self._sy, n)
+        self.n = int(n.item())
 
     def solve(self, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Ridge solution with an unpenalised bias, in float64.
@@ -222,19 +234,53 @@ def projected_groups(plan: LayerPlan, proj: dict[str, torch.Tensor]) -> tuple[li
 
 
 def _blocks(reader: DumpReader, groups: list[MapGroup], mask: np.ndarray, block_rows: int,
-            derive: Derive | None) -> Iterator[dict[str, np.ndarray]]:
-    """The masked rows of every dataset ``groups`` read, block by block, with the derived inputs added."""
+            derive: Derive | None, blocks: np.ndarray | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """The masked rows of every dataset ``groups`` read, block by block, with the derived inputs added.
+
+    ``blocks``: which ``block_rows``-row blocks (default: this rank's share of the active ones).
+    """
     made = derive.widths if derive else {}
     names = [n for g in groups for n in [*g.xs, *g.y] if n not in made] + list(derive.needs if derive else ())
-    for block in iter_blocks(reader, list(dict.fromkeys(names)), mask, block_rows):
+    if blocks is None:
+        blocks = distributed.shard(active_blocks(mask, block_rows))
+    for block in iter_blocks(reader, list(dict.fromkeys(names)), mask, block_rows, blocks):
         if derive:
             derive.fn(block)
         yield block
 
 
+def accumulate(reader: DumpReader, groups: list[MapGroup], mask: np.ndarray, block_rows: int,
+               derive: Derive | None = None) -> list[RidgeAccumulator]:
+    """The statistics of every group's regression over the masked rows, one pass over the file.
+
+    Under a process group each rank accumulates its share of the blocks and the float64
+    statistics are summed across ranks (:meth:`RidgeAccumulator.all_reduce`), so every rank
+    holds the totals.
+    """
+    widths = {**reader.layout.widths(), **(derive.widths if derive else {})}
+    accs = [RidgeAccumulator(sum(widths[n] for n in g.xs), sum(widths[n] for n in g.y),
+                             name=f"{' ‖ '.join(g.xs)} -> {', '.join(g.maps)}") for g in groups]
+    first = active_blocks(mask, block_rows)[:1]
+    if distributed.world_size() > 1 and len(first):
+        # Every rank centres on the first block of the whole mask, as one process does: the ranks'
+        # sums then add up to the single-process ones.
+        block = next(_blocks(reader, groups, mask, block_rows, derive, first))
+        for g, acc in zip(groups, accs):
+            acc.set_shift(torch.from_numpy(cat_features(block, g.xs)), torch.from_numpy(cat_features(block, g.y)))
+    with tqdm(total=int(mask.sum()), desc="ridge fit", unit="row", unit_scale=True,
+              disable=not distributed.is_main()) as bar:
+        for block in _blocks(reader, groups, mask, block_rows, derive):
+            for g, acc in zip(groups, accs):
+                acc.update(torch.from_numpy(cat_features(block, g.xs)), torch.from_numpy(cat_features(block, g.y)))
+            bar.update(len(block[groups[0].xs[0]]))
+    for acc in accs:
+        acc.all_reduce()
+    return accs
+
+
 def fit_maps(reader: DumpReader, groups: list[MapGroup], mask: np.ndarray, block_rows: int,
              lam: float, derive: Derive | None = None) -> dict[str, dict[str, torch.Tensor]]:
-    """Fit every map on the masked rows in one pass over the file (``derive``: computed inputs).
+    """Fit every map on the masked rows (``derive``: computed inputs; :func:`accumulate`).
 
     Returns
     -------
@@ -242,15 +288,8 @@ def fit_maps(reader: DumpReader, groups: list[MapGroup], mask: np.ndarray, block
         ``{name: {"W": (d_in, d_out) float32, "b": (d_out,) float32}}``.
     """
     widths = {**reader.layout.widths(), **(derive.widths if derive else {})}
-    accs = [RidgeAccumulator(sum(widths[n] for n in g.xs), sum(widths[n] for n in g.y),
-                             name=f"{' ‖ '.join(g.xs)} -> {', '.join(g.maps)}") for g in groups]
-    with tqdm(total=int(mask.sum()), desc="ridge fit", unit="row", unit_scale=True) as bar:
-        for block in _blocks(reader, groups, mask, block_rows, derive):
-            for g, acc in zip(groups, accs):
-                acc.update(torch.from_numpy(cat_features(block, g.xs)), torch.from_numpy(cat_features(block, g.y)))
-            bar.update(len(block[groups[0].xs[0]]))
     maps = {}
-    for g, acc in zip(groups, accs):
+    for g, acc in zip(groups, accumulate(reader, groups, mask, block_rows, derive)):
         W, b = acc.solve(lam)
         col = 0
         for name, ys in g.maps.items():
@@ -264,6 +303,9 @@ def evaluate_maps(reader: DumpReader, groups: list[MapGroup], maps: dict, mask: 
                   block_rows: int, derive: Derive | None = None) -> dict[str, dict]:
     """Held-out fit of the stored (float32) maps on the masked rows, in one pass (``derive``: as :func:`fit_maps`).
 
+    Under a process group each rank measures its share of the blocks and the ranks' statistics
+    are merged in rank order (:meth:`~ced_csa2.fit_metrics.FitStats.merge`).
+
     Returns
     -------
     dict
@@ -271,7 +313,8 @@ def evaluate_maps(reader: DumpReader, groups: list[MapGroup], maps: dict, mask: 
         datasets also gets one entry per dataset, ``{name}_{k|v}``.
     """
     stats: dict[str, FitStats] = {}
-    with tqdm(total=int(mask.sum()), desc="ridge val", unit="row", unit_scale=True) as bar:
+    with tqdm(total=int(mask.sum()), desc="ridge val", unit="row", unit_scale=True,
+              disable=not distributed.is_main()) as bar:
         for block in _blocks(reader, groups, mask, block_rows, derive):
             for g in groups:
                 X = torch.from_numpy(cat_features(block, g.xs))
@@ -287,6 +330,7 @@ def evaluate_maps(reader: DumpReader, groups: list[MapGroup], maps: dict, mask: 
                             stats.setdefault(part, FitStats()).update(P[:, col:col + width], Y[:, col:col + width])
                             col += width
             bar.update(len(block[groups[0].xs[0]]))
+    stats = merged(distributed.gather(stats))
     out = {}
     for name, s in stats.items():
         r = s.result()

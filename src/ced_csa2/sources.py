@@ -218,18 +218,18 @@ def _hub_error(hub_id: str, exc: BaseException) -> RuntimeError:
     )
 
 
-def _load_hub(hub_id: str, config: str | None, split: str):
+def _load_hub(hub_id: str, config: str | None, split: str, revision: str | None):
     import datasets  # heavy import, only the full profile needs it
     from huggingface_hub.errors import HfHubHTTPError
 
-    log.info("Loading %s [%s] split %s from the hub", hub_id, config, split)
+    log.info("Loading %s [%s] split %s from the hub (revision %s)", hub_id, config, split, revision or "default")
     try:
-        return datasets.load_dataset(hub_id, config, split=split)
+        return datasets.load_dataset(hub_id, config, split=split, revision=revision)
     except (OSError, HfHubHTTPError) as exc:  # ConnectionError, offline mode, missing cache entries
         raise _hub_error(hub_id, exc) from exc
 
 
-def wikitext_lines(hub_id: str, config: str, split: str) -> list[str]:
+def wikitext_lines(hub_id: str, config: str, split: str, revision: str | None = None) -> list[str]:
     """Return the non-blank, non-heading lines of a WikiText split, stripped, in order.
 
     Parameters
@@ -238,9 +238,11 @@ def wikitext_lines(hub_id: str, config: str, split: str) -> list[str]:
         Dataset id (``Salesforce/wikitext``).
     config, split
         E.g. ``wikitext-2-raw-v1`` and ``train``.
+    revision
+        The dataset's commit sha (or tag/branch) on the hub; ``None``: its default branch.
     """
     lines = []
-    for line in _load_hub(hub_id, config, split)["text"]:
+    for line in _load_hub(hub_id, config, split, revision)["text"]:
         line = line.strip()
         # WikiText headings look like " = Title = " / " = = Section = = ".
         if line and not (line.startswith("=") and line.endswith("=")):
@@ -248,9 +250,9 @@ def wikitext_lines(hub_id: str, config: str, split: str) -> list[str]:
     return lines
 
 
-def gsm8k_hub(hub_id: str, config: str | None, split: str, n: int) -> list[dict]:
-    """Return the first ``n`` problems (0 = all) of a GSM8K-format hub split."""
-    ds = _load_hub(hub_id, config, split)
+def gsm8k_hub(hub_id: str, config: str | None, split: str, n: int, revision: str | None = None) -> list[dict]:
+    """Return the first ``n`` problems (0 = all) of a GSM8K-format hub split at ``revision`` (``None``: default branch)."""
+    ds = _load_hub(hub_id, config, split, revision)
     rows = ds.select(range(min(n, len(ds)))) if n else ds
     return [math_problem(f"gsm8k-{split}-{i}", row["question"], row["answer"], f"{hub_id}:{split}[{i}]")
             for i, row in enumerate(rows)]

@@ -13,6 +13,13 @@
 The maps are independent (each loss touches only its own parameters), so summing their
 losses and stepping one optimizer is exactly per-map training: AdamW and SGD update
 each parameter from its own gradient alone.
+
+Data-parallel (under :func:`ced_csa2.distributed.session`): every rank draws the same
+global batches (their order a function of the seed alone) and trains on its contiguous
+slice of each; the heads are wrapped in ``DistributedDataParallel`` and each rank's loss
+is weighted by its share of the batch, so DDP's gradient average is the gradient of the
+global batch's loss -- one process's step at the same batch size, to float rounding.
+Validation slices the batches the same way and merges the ranks' statistics.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import itertools
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol
 
@@ -30,11 +37,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from . import distributed
 from .config import Params
 from .csa2 import CSA2Adapters
-from .fit_metrics import FitStats
+from .fit_metrics import FitStats, merged
 from .h5store import DumpError, DumpReader
 from .io_utils import atomic_write_text
 from .loader import record_split, row_mask
@@ -220,12 +229,14 @@ def evaluate(heads: list[Head], batches: Batches, device: torch.device) -> list[
     """
     stats = [{part: FitStats() for part in h.parts} for h in heads]
     for X, Y in batches:
-        X, Y = X.to(device, torch.float32), Y.to(device, torch.float32)
+        lo, hi = distributed.bounds(len(X))  # this rank's slice of the batch
+        X, Y = X[lo:hi].to(device, torch.float32), Y[lo:hi].to(device, torch.float32)
         for h, st in zip(heads, stats):
             pred, true = h.module(X[:, h.x]), Y[:, h.y]
             for part, cols in h.parts.items():
                 st[part].update(pred[:, cols], true[:, cols])
-    return [{part: s.result() for part, s in st.items()} for st in stats]
+    per_rank = distributed.gather(stats)
+    return [{part: s.result() for part, s in merged([r[i] for r in per_rank]).items()} for i in range(len(heads))]
 
 
 def val_summary(result: dict[str, dict]) -> tuple[float, float]:
@@ -236,27 +247,36 @@ def val_summary(result: dict[str, dict]) -> tuple[float, float]:
 
 def train_epoch(heads: list[Head], optimizer: torch.optim.Optimizer, batches: Batches, device: torch.device,
                 amp_dtype: str, scheduler=None, bar: tqdm | None = None) -> list[float]:
-    """One pass over ``batches`` (MSE per head, summed); returns each head's row-weighted mean loss."""
+    """One pass over ``batches`` (MSE per head, summed); returns each head's row-weighted mean loss.
+
+    Under a process group this rank trains on its slice of each batch, its loss weighted by
+    ``world × slice / batch`` so that DDP's gradient average is the whole batch's gradient.
+    """
     for h in heads:
         h.module.train()
     loss_sums, n = torch.zeros(len(heads), device=device), 0
     for X, Y in batches:
-        X, Y = X.to(device, non_blocking=True), Y.to(device, non_blocking=True)
+        lo, hi = distributed.bounds(len(X))
+        weight = (hi - lo) * distributed.world_size() / len(X)  # 1.0 with one process
+        n += len(X)
+        X, Y = X[lo:hi].to(device, non_blocking=True), Y[lo:hi].to(device, non_blocking=True)
         with amp_context(device, amp_dtype):
             preds = [h.module(X[:, h.x]) for h in heads]
-        # The loss in float32: a bf16 MSE would round away the small errors being fitted.
-        losses = torch.stack([F.mse_loss(p.float(), Y[:, h.y]) for p, h in zip(preds, heads)])
+        # The loss in float32: a bf16 MSE would round away the small errors being fitted.  A rank
+        # with no rows of a short last batch still joins DDP's all-reduce, with zero gradients.
+        losses = torch.stack([F.mse_loss(p.float(), Y[:, h.y]) if hi > lo else p.sum() * 0.0
+                              for p, h in zip(preds, heads)])
         optimizer.zero_grad(set_to_none=True)
-        losses.sum().backward()
+        (losses.sum() * weight).backward()
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
-        loss_sums += losses.detach() * X.shape[0]
-        n += X.shape[0]
+        loss_sums += losses.detach() * (hi - lo)
         if bar is not None:
             bar.update()
     for h in heads:
         h.module.eval()
+    distributed.all_reduce_sum(loss_sums)
     return (loss_sums / n).tolist()
 
 
@@ -288,6 +308,10 @@ def fit(heads: list[Head], optimizer: torch.optim.Optimizer, train: Batches, val
     """
     warn_if_amp_is_emulated(device, amp_dtype)
     initial = evaluate(heads, val, device)
+    trained = heads
+    if distributed.world_size() > 1:  # the same heads, their gradients averaged over the ranks
+        ids = [device.index] if device.type == "cuda" else None
+        trained = [replace(h, module=DistributedDataParallel(h.module, device_ids=ids)) for h in heads]
     result = initial
     names = [curve_name(h.label) for h in heads]
     if len(set(names)) != len(names):
@@ -296,10 +320,10 @@ def fit(heads: list[Head], optimizer: torch.optim.Optimizer, train: Batches, val
     for name, res in zip(names, initial):
         curves[f"{name}_train_loss"] = []
         curves[f"{name}_val_loss"], curves[f"{name}_val_cos"] = [(0, val_summary(res)[0])], [(0, val_summary(res)[1])]
-    with tqdm(total=epochs * len(train), desc=desc, unit="step") as bar:
+    with tqdm(total=epochs * len(train), desc=desc, unit="step", disable=not distributed.is_main()) as bar:
         for epoch in range(1, epochs + 1):
             train.set_epoch(epoch)
-            train_loss = train_epoch(heads, optimizer, train, device, amp_dtype, scheduler, bar)
+            train_loss = train_epoch(trained, optimizer, train, device, amp_dtype, scheduler, bar)
             result = evaluate(heads, val, device)
             summaries = [val_summary(res) for res in result]
             for name, tl, (vl, vc) in zip(names, train_loss, summaries):

@@ -14,6 +14,17 @@ process is killed, the next run resumes after the last complete batch of records
 its checksums) and ends with the same datasets as an uninterrupted run.  Non-finite
 activations and file-system failures (full disk, file-size limit) end the stage with
 one line naming the file (:class:`~ced_csa2.h5store.DumpError`, exit 2).
+
+Data-parallel (``distributed.nproc: N``): the single-process batches are dealt out to
+the ranks in contiguous runs (:func:`ced_csa2.distributed.batch_bounds`), so each batch
+is computed exactly as one process computes it.  Rank ``r`` grows its own shard
+(:func:`ced_csa2.paths.dump_shard`, resumable like the single-process file); rank 0 then
+copies the shards, in rank order, into ``data/dump/dump.h5`` (checksums recomputed on the
+file's own row grid) and removes them.  The result holds the single-process dump's rows
+in its order, so every reader is unchanged.  The copy costs a read and a write of the
+dump -- seconds per GB against minutes of forward passes per GB; an HDF5 virtual dataset
+would avoid it but has no chunks to align reads with, and its checksum blocks would
+straddle shards.
 """
 
 from __future__ import annotations
@@ -28,19 +39,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .. import kv_hooks
+from .. import distributed, kv_hooks
 from ..config import Params, params_hash, to_dict
 from ..entry import run_stage
-from ..h5store import DumpLayout, DumpWriter
+from ..h5store import DumpError, DumpLayout, DumpReader, DumpWriter, copy_records
 from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device, tokenizer_hash
-from ..paths import DUMP_METRICS, DUMP_PARTIAL, DUMP_PATH, TRAIN_JSONL
+from ..paths import DUMP_METRICS, DUMP_PARTIAL, DUMP_PATH, TRAIN_JSONL, dump_shard
 from ..plan import LayerPlan, load_plan
-from ..records import pad_batch, read_records, seeded_subset, tokenize
+from ..records import DUMP_SAMPLE_STREAM, pad_batch, read_records, seeded_subset, tokenize
 
 log = logging.getLogger(__name__)
-
-DUMP_SAMPLE_STREAM = 6  # numpy seed-sequence tag (loader.py uses 0-3, training.py 4, objectives.py 5)
 
 
 
@@ -84,14 +93,19 @@ def run(params: Params, workdir: Path = Path("."), *, max_batches: int | None = 
     """Dump the training corpus; returns the metrics, or ``None`` when stopped by ``max_batches``.
 
     ``max_batches`` stops after that many batches *without* finalising, exactly as if
-    the process had been killed there (used by the resume tests).
+    the process had been killed there (used by the resume tests; each rank stops after that
+    many of its batches).
     """
-    workdir = Path(workdir)
+    with distributed.session(params.distributed):
+        return _run(params, Path(workdir), max_batches)
+
+
+def _run(params: Params, workdir: Path, max_batches: int | None) -> dict | None:
     model_cfg, cfg = params.model, params.dump
     plan, geo = load_plan(params.plan, model_cfg)
     records = read_records(workdir / TRAIN_JSONL)
     records = [records[i] for i in seeded_subset(len(records), cfg.records, params.seed, DUMP_SAMPLE_STREAM)]
-    model, tok = load_model_and_tokenizer(model_cfg, device=resolve_device(cfg.device))
+    model, tok = load_model_and_tokenizer(model_cfg, device=distributed.local_device(resolve_device(cfg.device)))
     ids = tokenize(tok, records, params.data.max_tokens)
     tok_hash = tokenizer_hash(tok)
     layout = DumpLayout(geo.hidden_size, geo.kv_dim, plan.kv_layers, cfg.storage_dtype)
@@ -103,47 +117,100 @@ def run(params: Params, workdir: Path = Path("."), *, max_batches: int | None = 
         "pre_norm": True, "pre_rope": True, "tokenizer_sha256": tok_hash,
         "params_hash": params_hash(params.model, params.plan, params.dump),
     }
-    writer = DumpWriter(workdir / DUMP_PATH, workdir / DUMP_PARTIAL, layout, cfg.chunk_kib, attrs)
-    start = writer.n_records
-    batches = [list(range(i, min(i + cfg.batch_size, len(ids)))) for i in range(start, len(ids), cfg.batch_size)]
-    log.info("dumping %d records (%d already done) of %s: layers %s + H_%d, %s compute, %s storage",
-             len(ids) - start, start, model_cfg.name, list(plan.kv_layers), plan.split, attrs["compute_dtype"],
-             cfg.storage_dtype)
-    n_tokens, t0 = 0, time.perf_counter()
+    world, t0 = distributed.world_size(), time.perf_counter()
+    lo, hi = distributed.batch_bounds(len(ids), cfg.batch_size)
+    if world == 1:
+        final, partial, fp = workdir / DUMP_PATH, workdir / DUMP_PARTIAL, attrs["fingerprint"]
+    else:
+        (final, partial), fp = dump_shard(distributed.rank(), world), f"{attrs['fingerprint']} records [{lo}, {hi})"
+        final, partial = workdir / final, workdir / partial
+    start, n_tokens = hi, 0
+    if not (world > 1 and _shard_done(final, fp)):  # a shard done by a run killed while merging is kept
+        writer = DumpWriter(final, partial, layout, cfg.chunk_kib, attrs | {"fingerprint": fp})
+        start = lo + writer.n_records
+        log.info("dumping %d records (%d already done) of %s: layers %s + H_%d, %s compute, %s storage",
+                 hi - start, start - lo, model_cfg.name, list(plan.kv_layers), plan.split, attrs["compute_dtype"],
+                 cfg.storage_dtype)
+        n_tokens = _dump_records(model, tok.pad_token_id, plan, ids[start:hi], cfg, writer, max_batches)
+    # Every rank stops, or none does (the merge needs every shard); tokens summed over the ranks.
+    stopped_and_tokens = torch.tensor([float(n_tokens is None), float(n_tokens or 0)], dtype=torch.float64)
+    distributed.all_reduce_sum(stopped_and_tokens)
+    if stopped_and_tokens[0] > 0:
+        return None
+    n_tokens, seconds = int(stopped_and_tokens[1]), time.perf_counter() - t0
+    if world > 1:
+        if distributed.is_main():
+            _merge(workdir, layout, cfg.chunk_kib, attrs, world)
+        distributed.barrier()
+    path = workdir / DUMP_PATH
+    metrics = {
+        "records": len(ids), "tokens": int(sum(len(r) for r in ids)), "bytes": path.stat().st_size,
+        "tokens_this_run": n_tokens, "seconds_this_run": round(seconds, 3),
+        "tokens_per_s": round(n_tokens / seconds, 1) if seconds > 0 else None,
+        "resumed_from_record": start, "nproc": world, "device": str(next(model.parameters()).device),
+        "threads": torch.get_num_threads(), "model": model_cfg.name, "compute_dtype": attrs["compute_dtype"],
+        "storage_dtype": cfg.storage_dtype, "kv_layers": list(plan.kv_layers), "split": plan.split,
+    }
+    if distributed.is_main():
+        write_json(workdir / DUMP_METRICS, metrics)
+        log.info("wrote %s: %d records, %d tokens, %.1f MB", path, metrics["records"], metrics["tokens"],
+                 metrics["bytes"] / 1e6)
+    return metrics
+
+
+def _dump_records(model, pad_id: int, plan: LayerPlan, ids: list[list[int]], cfg, writer: DumpWriter,
+                  max_batches: int | None) -> int | None:
+    """Append ``ids`` in batches of ``cfg.batch_size`` and finalise; tokens written, ``None`` if ``max_batches`` stopped it."""
+    batches = [ids[i:i + cfg.batch_size] for i in range(0, len(ids), cfg.batch_size)]
+    n_tokens = 0
     try:
-        for b, batch in enumerate(tqdm(batches, desc="dump", unit="batch")):
+        for b, rows in enumerate(tqdm(batches, desc="dump", unit="batch", disable=not distributed.is_main())):
             if max_batches is not None and b >= max_batches:
                 writer.close()
                 return None
-            rows = [ids[i] for i in batch]
-            x, mask = pad_batch(rows, tok.pad_token_id)
+            x, mask = pad_batch(rows, pad_id)
             arrays = forward_batch(model, plan, x, mask, cfg.storage_dtype)
             flat = np.fromiter((t for r in rows for t in r), dtype=np.int32)
             writer.append(arrays, flat, [len(r) for r in rows])
             n_tokens += len(flat)
-        seconds = time.perf_counter() - t0
-        path = writer.finalize()
+        writer.finalize()
     except BaseException:
         # Interrupted or failed: close the partial file cleanly (it stays resumable; the writer has
         # already removed it when it cannot be resumed) instead of leaving HDF5 to close it at exit.
         writer.abort()
         raise
-    metrics = {
-        "records": len(ids), "tokens": int(sum(len(r) for r in ids)), "bytes": path.stat().st_size,
-        "tokens_this_run": n_tokens, "seconds_this_run": round(seconds, 3),
-        "tokens_per_s": round(n_tokens / seconds, 1) if seconds > 0 else None,
-        "resumed_from_record": start, "device": str(next(model.parameters()).device),
-        "threads": torch.get_num_threads(), "model": model_cfg.name, "compute_dtype": attrs["compute_dtype"],
-        "storage_dtype": cfg.storage_dtype, "kv_layers": list(plan.kv_layers), "split": plan.split,
-    }
-    write_json(workdir / DUMP_METRICS, metrics)
-    log.info("wrote %s: %d records, %d tokens, %.1f MB", path, metrics["records"], metrics["tokens"],
-             metrics["bytes"] / 1e6)
-    return metrics
+    return n_tokens
+
+
+def _shard_done(path: Path, fp: str) -> bool:
+    """Whether ``path`` is a complete shard of this very dump (fingerprint ``fp``)."""
+    try:
+        with DumpReader(path, verify=False) as shard:  # copy_records verifies what it copies
+            return shard.attrs.get("fingerprint") == fp
+    except DumpError:
+        return False
+
+
+def _merge(workdir: Path, layout: DumpLayout, chunk_kib: int, attrs: dict, world: int) -> None:
+    """Rank 0: the complete shards, in rank order, as ``data/dump/dump.h5`` (resumable, like any dump); then remove them."""
+    writer = DumpWriter(workdir / DUMP_PATH, workdir / DUMP_PARTIAL, layout, chunk_kib, attrs)
+    shards = [workdir / dump_shard(r, world)[0] for r in range(world)]
+    seen = 0
+    try:
+        for path in shards:
+            with DumpReader(path) as shard:
+                copy_records(shard, writer, max(0, writer.n_records - seen))
+                seen += shard.n_records
+        writer.finalize()
+    except BaseException:
+        writer.abort()
+        raise
+    for path in shards:
+        path.unlink()
 
 
 def main() -> None:
-    run_stage(run)
+    run_stage(run, launcher=distributed.relaunch)
 
 
 if __name__ == "__main__":

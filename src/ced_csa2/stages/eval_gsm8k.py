@@ -136,6 +136,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     metrics = {
         "protocol": {
             "model": params.model.name, "math_set": params.data.math.label, "n": n,
+            "model_revision": params.model.revision, "math_revision": params.data.math.revision,
             "num_fewshot": cfg.num_fewshot, "fewshot_source": FEWSHOT_SOURCE if cfg.num_fewshot else None,
             "max_gen_toks": cfg.max_gen_toks, "generated_groups": list(cfg.generate), "mode_a": cfg.mode_a,
             "dtype": str(model.dtype).removeprefix("torch."),

@@ -68,8 +68,8 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
     metrics = {
         "objective": objective,
         "protocol": protocol(params, model, plan, ids, groups[params.train.eval_groups[0]]["tokens"]),
-        "gold_protocol": {"math_set": params.data.math.label, "n": len(pairs),
-                          "num_fewshot": params.eval_gsm8k.num_fewshot, "source": str(GOLD_PATH)},
+        "gold_protocol": {"math_set": params.data.math.label, "math_revision": params.data.math.revision,
+                          "n": len(pairs), "num_fewshot": params.eval_gsm8k.num_fewshot, "source": str(GOLD_PATH)},
         "groups": groups,
         "seconds": round(time.perf_counter() - t0, 1),
     }

@@ -16,6 +16,10 @@ scored once.
   a zero state): prefix PPL, ΔPPL, KL and top-1 against the plain prefill, and the
   prefill speed-up timed on the same prompts.  Needs a covering plan; otherwise an
   explicit "not covered" entry names the uncovered attention layers.
+
+Data-parallel (``distributed.nproc``): each rank scores a contiguous share of the batches
+(and of Mode A's records); the per-record sums are added up on every rank, so every figure
+and interval is the single-process one; rank 0 writes.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import logging
 import time
 from pathlib import Path
 
+from .. import distributed
 from ..ced_runtime import CEDParts, load_parts
 from ..config import Params
 from ..entry import run_stage
@@ -47,9 +52,14 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     :func:`ced_csa2.ced_runtime.load_parts`, which refuses a file made for another model,
     layer, geometry or plan (:class:`~ced_csa2.checkpoint.CheckpointError`) before scoring.
     """
-    workdir, cfg = Path(workdir), params.eval_ppl
+    with distributed.session(params.distributed):
+        return _run(params, Path(workdir), parts, model_and_tok)
+
+
+def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -> dict:
+    cfg = params.eval_ppl
     plan, geo = load_plan(params.plan, params.model)
-    device = resolve_device(cfg.device)
+    device = distributed.local_device(resolve_device(cfg.device))
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
     if parts is None:
         parts = load_parts(workdir / MODELS, params, plan, geo, device=device,
@@ -65,12 +75,13 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
         "mode_a": mode_a,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    write_json(workdir / PPL_METRICS, metrics)
+    if distributed.is_main():
+        write_json(workdir / PPL_METRICS, metrics)
     return metrics
 
 
 def main() -> None:
-    run_stage(run)
+    run_stage(run, launcher=distributed.relaunch)
 
 
 if __name__ == "__main__":

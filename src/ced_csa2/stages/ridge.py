@@ -7,6 +7,9 @@ Reads ``params.yaml`` and ``data/dump/dump.h5``; fits the maps of
 (``ced_{k,v}_{t}``: the adapters' maps from the projected source, and ``{k,v}_{t}_on_ced``:
 the true-source maps fed the projected source, what ``ced_csa2`` gets without them).
 Writes ``models/ridge.pt`` and ``metrics/ridge.json``.
+
+Data-parallel (``distributed.nproc``): each rank streams its share of the row blocks, the
+float64 sufficient statistics are summed across ranks, every rank solves; rank 0 writes.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import time
 from pathlib import Path
 
+from .. import distributed
 from ..config import Params, params_hash, to_dict
 from ..entry import run_stage
 from ..h5store import DumpReader
@@ -29,7 +33,12 @@ log = logging.getLogger(__name__)
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
     """Fit, validate and write the ridge maps; returns the metrics written to ``metrics/ridge.json``."""
-    workdir, t0 = Path(workdir), time.perf_counter()
+    with distributed.session(params.distributed):
+        return _run(params, Path(workdir))
+
+
+def _run(params: Params, workdir: Path) -> dict:
+    t0 = time.perf_counter()
     plan, lam = LayerPlan.from_config(params.plan), params.ridge.lam
     groups = map_groups(plan)
     with DumpReader(workdir / DUMP_PATH) as reader:
@@ -59,20 +68,21 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
         "plan": to_dict(params.plan), "seed": params.seed, "dump": dump_attrs,
         "params_hash": params_hash(params.plan, params.split, params.ridge),
     }
-    save_ridge(workdir / RIDGE_PATH, maps, meta)
     metrics = dict(fits)
     metrics["run"] = {
         "lambda": lam, "n_train_rows": int(train_mask.sum()), "n_val_rows": int(val_mask.sum()),
         "n_train_records": len(train), "n_val_records": len(val),
         "wall_s": round(time.perf_counter() - t0, 3),
     }
-    write_json(workdir / RIDGE_METRICS, metrics)
-    log.info("wrote %s and %s", workdir / RIDGE_PATH, workdir / RIDGE_METRICS)
+    if distributed.is_main():
+        save_ridge(workdir / RIDGE_PATH, maps, meta)
+        write_json(workdir / RIDGE_METRICS, metrics)
+        log.info("wrote %s and %s", workdir / RIDGE_PATH, workdir / RIDGE_METRICS)
     return metrics
 
 
 def main() -> None:
-    run_stage(run)
+    run_stage(run, launcher=distributed.relaunch)
 
 
 if __name__ == "__main__":

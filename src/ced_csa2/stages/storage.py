@@ -55,7 +55,7 @@ from ..kv_bytes import (
     weight_copy,
     xkv_basis_params,
 )
-from ..model_utils import QWEN3_5_4B_ID, Geometry, geometry
+from ..model_utils import QWEN3_5_4B_ID, Geometry, geometry, qwen3_5_4b_config
 from ..paths import STORAGE_METRICS
 from ..plan import LayerPlan, load_plan
 
@@ -95,17 +95,8 @@ ROTATION_COUNTING = (
 
 
 def qwen3_5_4b_geometry() -> Geometry:
-    """Qwen3.5-4B's geometry from a locally built text config (design §3), without any download.
-
-    32 layers, hidden 2560, 16 q / 4 kv heads of 256 (kv_dim 1024), full attention at
-    every 4th layer (4, 8, ..., 32), GatedDeltaNet elsewhere.
-    """
-    from transformers import Qwen3_5TextConfig
-
-    config = Qwen3_5TextConfig(
-        hidden_size=2560, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-        layer_types=["full_attention" if layer % 4 == 0 else "linear_attention" for layer in range(1, 33)])
-    return geometry(config)
+    """Qwen3.5-4B's geometry from its locally built text config (:func:`~ced_csa2.model_utils.qwen3_5_4b_config`)."""
+    return geometry(qwen3_5_4b_config())
 
 
 def basis_copies(geo: Geometry, plan: LayerPlan, group: str, dtype_bytes: int, width: int, adapter_input: str,

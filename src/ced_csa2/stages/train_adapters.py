@@ -15,7 +15,10 @@ in one loop, on the same batches:
   schedule); ``torch.autocast`` in ``amp_dtype`` (none for float32); ``epochs`` passes of
   ``batch_size`` pairs; seeded (``params.seed``);
 * validation (float32) on the held-out pairs before training -- which is the ridge
-  solution's fit -- and after each epoch.
+  solution's fit -- and after each epoch;
+* data-parallel (``distributed.nproc``): every rank holds all pairs and trains on its
+  slice of every global batch under ``DistributedDataParallel`` (:mod:`ced_csa2.training`),
+  so the batches, their order and the steps are those of one process; rank 0 writes.
 
 Writes ``models/adapters.pt``, the curves
 ``metrics/curves/train_adapters/layer{t}_{k,v}_{train_loss,val_loss,val_cos}.tsv`` (one
@@ -34,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from .. import distributed
 from ..checkpoint import checkpoint_meta
 from ..config import Params
 from ..csa2 import CSA2Adapters, save_adapters
@@ -86,14 +90,19 @@ def optimizer_for(adapters: CSA2Adapters, params: Params) -> torch.optim.SGD:
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
     """Train, validate and save the adapters; returns the metrics written to ``metrics/adapters.json``."""
-    workdir, t0 = Path(workdir), time.perf_counter()
+    with distributed.session(params.distributed):
+        return _run(params, Path(workdir))
+
+
+def _run(params: Params, workdir: Path) -> dict:
+    t0 = time.perf_counter()
     cfg = params.train_adapters
     plan, geo = load_plan(params.plan, params.model)
     dump, kv = workdir / DUMP_PATH, geo.kv_dim
     train_mask, val_mask = split_masks(dump, params, plan, geo, (plan.source, *plan.targets),
                                        params.split.tokens_per_record)
     adapters = build_adapters(params, plan, kv, workdir / RIDGE_PATH)
-    device = resolve_device("auto")
+    device = distributed.local_device(resolve_device("auto"))
     adapters.to(device)
 
     train = TensorBatches(*load_pairs(dump, plan, train_mask, kv), cfg.batch_size, shuffle=True, seed=params.seed)
@@ -104,8 +113,8 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     curves, ridge, trained = fit(heads, optimizer_for(adapters, params), train, val, epochs=cfg.epochs,
                                device=device, amp_dtype=cfg.amp_dtype, desc="train_adapters")
 
-    save_adapters(workdir / ADAPTERS_PATH, adapters.cpu(), checkpoint_meta(
-        params, plan, geo, params.model, params.plan, params.split, params.ridge, params.train_adapters)["adapters"])
+    meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
+                           params.train_adapters)["adapters"]
 
     layers: dict[str, dict] = {}
     for h, r, tr in zip(heads, ridge, trained):
@@ -118,8 +127,10 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
                 "val_pairs": val.n_rows, "width": adapters.width, "device": device.type,
                 "amp_dtype": cfg.amp_dtype, "wall_s": round(time.perf_counter() - t0, 3)},
     }
-    write_curves(workdir / ADAPTERS_CURVES, curves, x="epoch")
-    write_json(workdir / ADAPTERS_METRICS, metrics)
+    if distributed.is_main():
+        save_adapters(workdir / ADAPTERS_PATH, adapters.cpu(), meta)
+        write_curves(workdir / ADAPTERS_CURVES, curves, x="epoch")
+        write_json(workdir / ADAPTERS_METRICS, metrics)
     for t, m in layers.items():
         log.info("adapters KV_%d -> KV_%s: val R2 K %.4f (ridge %.4f), V %.4f (ridge %.4f)", plan.source, t,
                  m["k"]["trained"]["r2"], m["k"]["ridge"]["r2"], m["v"]["trained"]["r2"], m["v"]["ridge"]["r2"])
@@ -127,7 +138,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
 
 
 def main() -> None:
-    run_stage(run)
+    run_stage(run, launcher=distributed.relaunch)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ on every token of the training records
   closed-form ``proj_{src}`` map (``init: ridge``);
 * seeded (``params.seed``): initial weights, shuffling, split;
 * validation (float32) on every token of the held-out records, before training and
-  after each epoch.
+  after each epoch;
+* data-parallel (``distributed.nproc``): each rank trains on its slice of every global
+  batch under ``DistributedDataParallel`` (:mod:`ced_csa2.training`), so the batches, their
+  order and the steps are those of one process; rank 0 writes.
 
 A covering plan's extra sources are the ``extra_sources`` stage's.
 
@@ -32,6 +35,7 @@ import logging
 import time
 from pathlib import Path
 
+from .. import distributed
 from ..checkpoint import checkpoint_meta
 from ..config import Params
 from ..entry import run_stage
@@ -47,18 +51,24 @@ log = logging.getLogger(__name__)
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
     """Train, validate and save the source's projector; returns ``metrics/projector.json``'s content."""
-    workdir, t0 = Path(workdir), time.perf_counter()
+    with distributed.session(params.distributed):
+        return _run(params, Path(workdir))
+
+
+def _run(params: Params, workdir: Path) -> dict:
+    t0 = time.perf_counter()
     plan, geo = load_plan(params.plan, params.model)
     dump = workdir / DUMP_PATH
     train_mask, val_mask = split_masks(dump, params, plan, geo, [plan.source], tokens_per_record=0)
     fitted = train_projectors(params, dump, (plan.source,), geo, train_mask, val_mask, desc="train_projector",
                                ridge=workdir / RIDGE_PATH)
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.train_projector)
-    save_projector(workdir / projector_path(plan.source), fitted.projectors[plan.source], meta["projector"])
     metrics = {"layers": {str(layer): m for layer, m in fitted.layers.items()},
                "run": {**fitted.run, "wall_s": round(time.perf_counter() - t0, 3)}}
-    write_curves(workdir / PROJECTOR_CURVES, fitted.curves, x="epoch")
-    write_json(workdir / PROJECTOR_METRICS, metrics)
+    if distributed.is_main():
+        save_projector(workdir / projector_path(plan.source), fitted.projectors[plan.source], meta["projector"])
+        write_curves(workdir / PROJECTOR_CURVES, fitted.curves, x="epoch")
+        write_json(workdir / PROJECTOR_METRICS, metrics)
     for layer, m in metrics["layers"].items():
         log.info("projector H_%d -> KV_%s: val R2 K %.4f V %.4f, cos K %.4f V %.4f", plan.split, layer,
                  m["k"]["r2"], m["v"]["r2"], m["k"]["cos"], m["v"]["cos"])
@@ -66,7 +76,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
 
 
 def main() -> None:
-    run_stage(run)
+    run_stage(run, launcher=distributed.relaunch)
 
 
 if __name__ == "__main__":

@@ -200,6 +200,7 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
             curves |= phase_curves
             step += len(phase_curves.get(f"{group}_loss", []))
         metrics["protocol"] = {"model": params.model.name, "data": params.data.name,
+                               "model_revision": params.model.revision, "data_revision": params.data.revision,
                                "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
                                "threads": torch.get_num_threads(), **to_dict(params.train.online)}
     out = workdir / objective_models(objective)

@@ -1,0 +1,614 @@
+"""Resource estimate of a profile before any heavy work: rows, dump bytes, memory, steps and time per stage.
+
+    python -m ced_csa2.estimate                      # params.yaml as committed, on this machine's device
+    python -m ced_csa2.estimate model=qwen3_5_4b data=wikitext plan=qwen3_5 budget=recipe --device cuda
+
+Overrides compose ``conf/`` in memory as ``python -m ced_csa2.compose`` would (``params.yaml``
+is left as it is); without them ``params.yaml`` is read.  Nothing heavy runs: the model is
+built from its config on the meta device (no weights) to count its parameters -- Qwen3.5-4B
+from its built-in config (:func:`~ced_csa2.model_utils.qwen3_5_4b_config`, no download), a
+pinned GGUF from its config in the asset cache (fetched and converted once), the tiny model
+locally.  ``--workdir`` (default: here) is where ``data/`` and ``metrics/`` are read.
+
+What the columns count:
+
+* **rows** -- what the stage reads or scores.  The dump's rows are the tokens of the dumped
+  records: exact from ``data/corpus/train.jsonl`` (the dump stage's own seeded sample) when
+  ``metrics/prepare.json`` says it was prepared for this model and data, otherwise an upper
+  bound, records x ``data.max_tokens``; eval tokens likewise from ``data/corpus/eval.jsonl``,
+  GSM8K gold tokens from ``data/gsm8k_gold.json``.  The header says which.
+* **disk** -- the dump's datasets as the dump stage writes them, in whole HDF5 chunks
+  (:meth:`~ced_csa2.h5store.DumpLayout.nbytes`; its payload, rows x width x itemsize, in the
+  header).  The file adds its metadata (chunk indices, checksum attributes: 0.02% on the
+  embedded default); DVC's cache holds a second copy.
+* **host / device** -- approximate peaks (:func:`peaks`): the measured footprint of a process
+  with torch and transformers imported, the weights (loaded on the host first), one batch's
+  working set, and what the stage holds (the trainers' rows, the ridge statistics, logits);
+  a CPU run puts it all on the host.
+* **steps** -- optimizer steps of the stages that train.
+* **time** -- the stage's work over :data:`RATES` (FLOPs of its matmuls, dump bytes read and
+  written, generation steps): measured on this project's CPU, *assumed* for a GPU.  An order
+  of magnitude, not a promise.
+
+Stages that need seconds and no model (``check_params``, ``storage``, ``gold_pairs``,
+``report``) are not listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from .config import Params, from_dict, load_params
+from .csa2 import mlp_width
+from .groups import GROUPS
+from .h5store import DumpLayout
+from .kv_bytes import adapter_params_per_target, projector_params
+from .loader import record_split
+from .model_utils import QWEN3_5_4B_ID, Geometry, geometry, load_config, qwen3_5_4b_config, resolve_dtype
+from .objectives import PHASE_GROUPS
+from .paths import EVAL_JSONL, GOLD_PATH, PREPARE_METRICS, TRAIN_JSONL
+from .perplexity import EVAL_SAMPLE_STREAM
+from .plan import LayerPlan
+from .records import DUMP_SAMPLE_STREAM, read_records, seeded_subset
+from .ridge import map_groups
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one device sustains on the pipeline's work: the time column divides by these."""
+
+    model_flops: float  # the base model's matmuls (dump, scoring, generation, online objectives), FLOP/s
+    map_flops: float  # training and validating the projector / adapters on dump rows, FLOP/s
+    f64_flops: float  # float64 statistics of ridge and fit_xkv, always on the host CPU, FLOP/s
+    logits: float  # scored logits per second through the vocabulary-wide work (log-softmax, KL, top-1)
+    decode_step_s: float  # least time of one generation step (every layer's kernels, launched from Python)
+    read_bytes: float  # dump bytes read and CRC-verified per second (host)
+    write_bytes: float  # dump bytes written per second (host)
+    basis: str
+
+
+# This project's 2-core AVX512 Xeon (no AMX, so fp32), fitted to the embedded default's measured stages
+# (benchmarks/results/repro_e2e.md, metrics/*.json) with this module's own work model: the dump's forward
+# passes, 1.36e13 FLOPs in 66.3 s less its writes; both trainers, 6.2e12 FLOPs in 30.0 s less their reads;
+# ridge, 5.4e11 float64 FLOPs in 8.4 s less its reads; the four scoring stages, 3.6e10 scored logits in the
+# 136 s their matmuls leave; the baseline's GSM8K generation, 41.3 s for 7 batches x 64 steps (stop sequences
+# end most answers sooner: a step here is an upper-bound step); reads 1.27 s/GB from disk with CRC checks
+# (benchmarks/dump_verify.py); writes ~1 GB/s (README, the DVC cache copy).  Checked against all eleven
+# measured stages: 16.8 min predicted for 16.8 measured, each within 16% but the three shortest (< 8 s; fixed
+# costs, up to 1.8x).  Host peaks: from 48% low (tune@attn_out) to 15% high (eval_objective); most come out
+# low, by the libraries (lm-eval, h5py, ...) this model does not count.
+_CPU = Rates(model_flops=2.1e11, map_flops=2.1e11, f64_flops=8.7e10, logits=2.6e8, decode_step_s=0.092, read_bytes=1 / 1.27e-9,
+             write_bytes=1e9, basis="measured on this project's 2-core CPU, fp32 (benchmarks/results/repro_e2e.md)")
+RATES = {
+    "cpu": _CPU,
+    # No GPU was measured: ASSUMED ~1/3 of an A100's 312 TFLOP/s dense bf16 peak for the model (an H100 does
+    # ~3x more, an RTX 4070 Ti SUPER less), half that for the small maps, ~40 B of memory traffic per scored
+    # logit at 2 TB/s, 40 ms per generation step (HF generate launches every layer's kernels from Python);
+    # ridge/fit_xkv and dump I/O at this CPU's rates.
+    "cuda": Rates(model_flops=1e14, map_flops=5e13, f64_flops=_CPU.f64_flops, logits=5e10, decode_step_s=0.04,
+                  read_bytes=_CPU.read_bytes, write_bytes=_CPU.write_bytes,
+                  basis="ASSUMED (no GPU measured): 100 TFLOP/s bf16 for the model, 50 for the maps, 5e10 scored "
+                        "logits/s, 40 ms per generation step; host CPU work and dump I/O at this project's CPU rates"),
+}
+# Peak RSS of a stage that imports torch + transformers and loads no model (the storage stage, 308 MiB, repro_e2e.md).
+RUNTIME_HOST = 308 * MiB
+CUDA_CONTEXT = 512 * MiB  # ASSUMED: what the CUDA context and kernels take on the device before any tensor
+# Objective steps as multiples of a plain forward of the same batch (benchmarks/objective_throughput.py on
+# SmolLM2: attn_out 0.51 / 0.97, distill 3.93 / 3.56 for the ced / csa2 phases); the joint ced_csa2 phase is
+# taken as the dearer of the two.
+STEP_COST = {"attn_out": {"ced": 0.51, "csa2": 0.97, "ced_csa2": 0.97},
+             "distill": {"ced": 3.93, "csa2": 3.56, "ced_csa2": 3.93}}
+# GSM8K token counts before `gold_pairs` has run: the embedded default's lm-eval pairs (SmolLM2's tokenizer):
+# prompt 67 + gold answer 124 tokens on average, the longest 361; GSM8K test has 1,319 problems.
+GOLD_PROMPT_TOKENS, GOLD_TOKENS, GOLD_MAX_TOKENS, GSM8K_TEST = 67, 191, 361, 1319
+
+
+# ----------------------------------------------------------------------------- inputs
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the estimate needs of the base model, from its config alone."""
+
+    name: str
+    geo: Geometry
+    params: int  # every parameter of the causal LM (tied embeddings counted once)
+    body: int  # the decoder layers': a token's forward multiplies by each once
+    vocab: int
+    intermediate: int
+    source: str  # where the config came from
+
+
+def model_facts(params: Params) -> ModelFacts:
+    """Count the model's parameters on the meta device (no weights, nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = params.model
+    if cfg.kind == "hub" and cfg.hf_id == QWEN3_5_4B_ID:
+        config, source = qwen3_5_4b_config(), "built-in Qwen3.5-4B text config, no download"
+    else:
+        config, source = load_config(cfg), f"{cfg.kind} model config"
+    text = config.get_text_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(text)
+    return ModelFacts(cfg.hf_id or cfg.name, geometry(text), sum(p.numel() for p in model.parameters()),
+                      sum(p.numel() for p in model.model.layers.parameters()), text.vocab_size,
+                      text.intermediate_size, source)
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Tokens per record of one set, and whether they are the prepared files' (exact) or an upper bound."""
+
+    tokens: np.ndarray
+    exact: bool
+    source: str
+
+    @property
+    def total(self) -> int:
+        return int(self.tokens.sum())
+
+
+def prepared_for(params: Params, workdir: Path) -> bool:
+    """Whether ``data/`` holds this model's and data's prepared corpus (``metrics/prepare.json`` says so)."""
+    path = workdir / PREPARE_METRICS
+    if not (path.is_file() and (workdir / TRAIN_JSONL).is_file()):
+        return False
+    made = json.loads(path.read_text())
+    return made.get("data") == params.data.name and made.get("model") == params.model.name
+
+
+def train_records(params: Params, workdir: Path) -> int | None:
+    """How many train records ``prepare`` writes: the prepared corpus's count, else at most what params allow
+    (``None``: only the corpus knows, as for the embedded Wikipedia sample without ``data.n_train``)."""
+    if prepared_for(params, workdir):
+        return len(read_records(workdir / TRAIN_JSONL))
+    data = params.data
+    if data.kind == "tiny":
+        return data.n_train
+    hub = sum(s.n for s in data.train) if data.kind == "wikitext" and all(s.n for s in data.train) else 0
+    return min([n for n in (hub, data.n_train) if n], default=None)
+
+
+def dump_lengths(params: Params, workdir: Path) -> Lengths:
+    """Tokens per dumped record: the dump stage's seeded sample of the prepared corpus, or an upper bound."""
+    if prepared_for(params, workdir):
+        counts = [r["n_tokens"] for r in read_records(workdir / TRAIN_JSONL)]
+        keep = seeded_subset(len(counts), params.dump.records, params.seed, DUMP_SAMPLE_STREAM)
+        return Lengths(np.array(counts)[keep], True, f"exact: {TRAIN_JSONL}, the dump's {len(keep)} of "
+                                                    f"{len(counts)} records")
+    n = min([n for n in (train_records(params, workdir), params.dump.records) if n], default=None)
+    if n is None:
+        raise ValueError(f"how many train records data '{params.data.name}' yields is known only after "
+                         f"`dvc repro prepare` (or set dump.records): run it, then estimate again")
+    return Lengths(np.full(n, params.data.max_tokens), False,
+                   f"upper bound: {n:,} records x data.max_tokens {params.data.max_tokens}, no {TRAIN_JSONL} "
+                   f"prepared for this model and data")
+
+
+def eval_lengths(params: Params, workdir: Path) -> Lengths:
+    """Tokens per scored eval record (``eval_ppl.records`` of them), exact or an upper bound."""
+    if prepared_for(params, workdir):
+        counts = [r["n_tokens"] for r in read_records(workdir / EVAL_JSONL)]
+        keep = seeded_subset(len(counts), params.eval_ppl.records, params.seed, EVAL_SAMPLE_STREAM)
+        return Lengths(np.array(counts)[keep], True, f"exact: {EVAL_JSONL}")
+    n = min(params.eval_ppl.records or params.data.n_eval, params.data.n_eval)
+    return Lengths(np.full(n, params.data.max_tokens), False, "upper bound")
+
+
+def gold_lengths(params: Params, workdir: Path) -> tuple[Lengths, int]:
+    """Tokens of each GSM8K gold pair (prompt + answer) and the mean prompt length."""
+    path = workdir / GOLD_PATH
+    if path.is_file():
+        gold = json.loads(path.read_text())
+        if (gold.get("model"), gold.get("num_fewshot"), gold.get("math_set")) == (
+                params.model.name, params.eval_gsm8k.num_fewshot, params.data.math.label):
+            pairs = gold["pairs"]
+            return (Lengths(np.array([len(ids) for ids, _ in pairs]), True, f"exact: {GOLD_PATH}"),
+                    round(np.mean([cut for _, cut in pairs])))
+    n = params.data.math.n or GSM8K_TEST
+    return Lengths(np.full(n, GOLD_TOKENS), False, f"assumed {GOLD_TOKENS} tokens per problem"), GOLD_PROMPT_TOKENS
+
+
+@dataclass(frozen=True)
+class Setup:
+    params: Params
+    model: ModelFacts
+    plan: LayerPlan
+    device: str  # "cpu" | "cuda"
+    dtype: torch.dtype  # the model's compute dtype there
+    rates: Rates
+    dump: Lengths
+    eval: Lengths
+    gold: Lengths
+    prompt_tokens: int
+    workdir: Path
+
+    @property
+    def b(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return torch.finfo(self.dtype).bits // 8
+
+    @property
+    def weights(self) -> int:
+        return self.model.params * self.b
+
+    @property
+    def split(self) -> tuple[np.ndarray, np.ndarray]:
+        """Train and validation record indices of the dump (the ridge stage's split)."""
+        return record_split(len(self.dump.tokens), self.params.split.val_fraction, self.params.seed)
+
+
+# ----------------------------------------------------------------------------- work model
+
+def forward_flops(m: ModelFacts, tokens: float, layers: float = 1.0, heads: float = 1.0) -> float:
+    """Matmul FLOPs (2 per multiply-add) of ``tokens`` positions through ``layers`` x the decoder and ``heads`` LM heads.
+
+    Attention's own ``T x T`` products are left out: at 512 tokens ~0.5% of Qwen3.5-4B's (8 attention layers),
+    up to ~8% of SmolLM2's (30), which the CPU rates, fitted on SmolLM2, absorb.
+    """
+    return 2.0 * tokens * (layers * m.body + heads * m.geo.hidden_size * m.vocab)
+
+
+def layer_bytes(s: Setup, tokens: int) -> int:
+    """One decoder layer's transient tensors for ``tokens`` positions in inference (residual, norm, q/k/v/o,
+    and the MLP's gate, up and product): ~(4 hidden + 3 intermediate) values each -- freed layer by layer."""
+    return tokens * (4 * s.model.geo.hidden_size + 3 * s.model.intermediate) * s.b
+
+
+def logits_bytes(s: Setup, tokens: int) -> int:
+    """A batch's logits in the compute dtype plus the fp32 copies scoring makes (log-probs, the reference's
+    probabilities, a temporary: :func:`~ced_csa2.scoring.score_logits`)."""
+    return tokens * s.model.vocab * (s.b + 12)
+
+
+def peaks(s: Setup, *, model: bool, device_work: int = 0, host_work: int = 0) -> tuple[int, int | None]:
+    """``(host, device)`` peak bytes: ``device_work`` runs where the model runs (host on a CPU); the weights
+    load on the host first (``from_pretrained``, then ``.to(device)``)."""
+    weights = s.weights if model else 0
+    if s.device == "cpu":
+        return RUNTIME_HOST + weights + device_work + host_work, None
+    device = CUDA_CONTEXT + weights + device_work if model or device_work else None  # host-only stages: no GPU
+    return RUNTIME_HOST + weights + host_work, device
+
+
+def branch_layer(s: Setup, group: str) -> int:
+    """The first layer ``group`` changes, where its branch leaves the shared trunk (as
+    :func:`~ced_csa2.scoring.branch_point`; ``n_layers + 1`` for the plain model)."""
+    g, plan = GROUPS[group], s.plan
+    layers = [*([plan.source] if g.projected_source or g.fp4 == "shared_source" or g.low_rank else []),
+              *([min(plan.targets)] if g.shares_source_kv else []),
+              *([s.model.geo.attention_layers[0]] if g.fp4 == "every_layer" else [])]
+    return min(layers, default=s.model.geo.n_layers + 1)
+
+
+def scoring_seconds(s: Setup, groups, tokens: float, passes: int = 0) -> float:
+    """All ``groups`` scored on ``tokens`` positions with one shared trunk (:func:`~ced_csa2.scoring.multi_group_nll`:
+    the plain model once, each other group from its branch layer up), plus ``passes`` whole forwards scored alike
+    (Mode A's plain and skipped prefill): matmuls at the model rate, each scored logit's vocabulary-wide work
+    (log-softmax, KL, top-1) at the logit rate."""
+    n = s.model.geo.n_layers
+    runs = n + sum(n + 1 - branch_layer(s, g) for g in groups if branch_layer(s, g) <= n)
+    flops = forward_flops(s.model, tokens, layers=runs / n + passes, heads=len(groups) + passes)
+    return flops / s.rates.model_flops + tokens * s.model.vocab * (len(groups) + passes) / s.rates.logits
+
+
+def mode_a_covered(s: Setup) -> bool:
+    return not s.plan.uncovered(s.model.geo)
+
+
+def map_seconds(s: Setup, weights: int, train_rows: int, val_rows: int, epochs: int) -> float:
+    """Training ``weights`` map parameters for ``epochs`` over ``train_rows`` (forward + backward: 3x a forward),
+    validated on ``val_rows`` before training and after each epoch."""
+    flops = 2.0 * weights * (3 * train_rows * epochs + val_rows * (epochs + 1))
+    return flops / s.rates.map_flops
+
+
+# ----------------------------------------------------------------------------- stages
+
+@dataclass(frozen=True)
+class StageEstimate:
+    stage: str
+    rows: str
+    disk: int | None = None
+    host: int | None = None
+    device: int | None = None
+    steps: int | None = None
+    seconds: float | None = None
+    note: str = ""
+
+
+def est_prepare(s: Setup) -> StageEstimate:
+    n = train_records(s.params, s.workdir)
+    return StageEstimate("prepare", f"{'?' if n is None else f'{n:,}'} train + {s.params.data.n_eval:,} eval records",
+                         note="tokenizer only" + (" + hub downloads" if s.params.data.kind == "wikitext" else ""))
+
+
+def dump_layout(s: Setup) -> DumpLayout:
+    geo = s.model.geo
+    return DumpLayout(geo.hidden_size, geo.kv_dim, s.plan.kv_layers, s.params.dump.storage_dtype)
+
+
+def est_dump(s: Setup) -> StageEstimate:
+    cfg, layout = s.params.dump, dump_layout(s)
+    tokens = s.dump.tokens
+    padded = sum(len(tokens[i:i + cfg.batch_size]) * int(tokens[i:i + cfg.batch_size].max())
+                 for i in range(0, len(tokens), cfg.batch_size))  # right-padded batches compute their pads
+    _, allocated = layout.nbytes(s.dump.total, len(tokens), cfg.chunk_kib)
+    batch = cfg.batch_size * int(tokens.max())
+    row_width = sum(layout.widths().values())
+    host, device = peaks(s, model=True, device_work=layer_bytes(s, batch) + batch * row_width * s.b,
+                         host_work=batch * row_width * layout.np_dtype.itemsize)
+    seconds = forward_flops(s.model, padded, heads=0) / s.rates.model_flops + allocated / s.rates.write_bytes
+    return StageEstimate("dump", f"{s.dump.total:,} rows", allocated, host, device, None, seconds,
+                         f"{row_width} values/row, {cfg.storage_dtype}")
+
+
+def row_counts(s: Setup, records: np.ndarray, per_record: int = 0) -> int:
+    """Rows of ``records`` (``per_record`` > 0: at most that many sampled from each, as ``split.tokens_per_record``)."""
+    tokens = s.dump.tokens[records]
+    return int(np.minimum(tokens, per_record).sum() if per_record else tokens.sum())
+
+
+def dump_read_bytes(s: Setup, names) -> int:
+    """Bytes of the dump datasets ``names`` over every row (readers fetch whole chunk-aligned blocks)."""
+    widths, item = dump_layout(s).widths(), dump_layout(s).np_dtype.itemsize
+    return s.dump.total * sum(widths[n] for n in set(names)) * item
+
+
+def est_ridge(s: Setup) -> StageEstimate:
+    train, val = (row_counts(s, ix) for ix in s.split)
+    layout, hidden, kv = dump_layout(s), s.model.geo.hidden_size, s.model.geo.kv_dim
+    widths = layout.widths()
+    groups = [(sum(widths[n] for n in g.xs), sum(widths[n] for n in g.y), g) for g in map_groups(s.plan)]
+    adapters = groups[1:]  # ced_csa2's maps: the same shapes, fitted again from the projected source
+    fit = sum(2.0 * train * d_in * (d_in + d_out) for d_in, d_out, _ in groups + adapters) + 2.0 * train * hidden * 2 * kv
+    check = sum(2.0 * val * d_in * d_out for d_in, d_out, _ in groups + 2 * adapters)  # ced's maps, csa2's on ced
+    # two passes over the train rows: every map, then ced_csa2's from h_split (projected) to the targets
+    reads = (dump_read_bytes(s, [n for *_, g in groups for n in (*g.xs, *g.y)])
+             + dump_read_bytes(s, ["h_split", *(n for *_, g in adapters for n in g.y)]))
+    sets = layout.datasets(s.params.dump.chunk_kib)
+    unit = max(sets[name][2] for name in widths)  # ridge reads blocks of whole chunks (loader.aligned_block_rows)
+    rows = math.ceil(s.params.ridge.block_rows / unit) * unit
+    block = rows * (sum(widths.values()) * 4 + max(d_in + d_out for d_in, d_out, _ in groups) * 8)  # + float64 copy
+    stats = sum((d_in + 1) * (d_in + d_out) * 8 for d_in, d_out, _ in groups)
+    host, _ = peaks(s, model=False, host_work=stats + block)
+    return StageEstimate("ridge", f"{train:,} + {val:,} val", host=host,
+                         seconds=(fit + check) / s.rates.f64_flops + reads / s.rates.read_bytes,
+                         note="float64 statistics, host CPU")
+
+
+def est_fit_xkv(s: Setup) -> StageEstimate:
+    train, val = (row_counts(s, ix) for ix in s.split)
+    layers = (s.plan.source, *s.plan.targets)
+    d = len(layers) * s.model.geo.kv_dim
+    rank = s.params.xkv.rank_for(s.model.geo.kv_dim)
+    flops = 2 * (2.0 * train * d * d + 2.0 * val * d * rank * 2)  # K and V: Gram, then compress + reconstruct
+    reads = dump_read_bytes(s, [f"{k}_{layer}" for layer in layers for k in "kv"])
+    host, _ = peaks(s, model=False, host_work=2 * d * d * 8)
+    return StageEstimate("fit_xkv", f"{train:,} + {val:,} val", host=host,
+                         seconds=flops / s.rates.f64_flops + reads / s.rates.read_bytes, note="float64, host CPU")
+
+
+def projector_training(s: Setup, stage: str, layers: tuple[int, ...], trained: bool) -> StageEstimate:
+    """The seed's projector recipe (or, ``trained=False``, the ridge maps validated) for ``layers``."""
+    cfg, geo = s.params.train_projector, s.model.geo
+    train, val = (row_counts(s, ix) for ix in s.split)
+    names = ["h_split", *(f"{k}_{layer}" for layer in layers for k in "kv")]
+    n_params = projector_params(geo.hidden_size, geo.kv_dim) * len(layers)
+    width = geo.hidden_size + 2 * geo.kv_dim * len(layers)
+    # BlockLoader preloads the rows as float32, its blocks and their concatenation at once: 2x while loading
+    rows_bytes = (2 * (train if trained else 0) + val) * width * 4
+    if not trained:
+        host, _ = peaks(s, model=False, host_work=rows_bytes)
+        return StageEstimate(stage, f"{val:,} val", host=host, seconds=map_seconds(s, n_params, 0, val, 0)
+                             + dump_read_bytes(s, names) / s.rates.read_bytes, note="ridge maps, validated only")
+    steps = cfg.epochs * math.ceil(train / cfg.batch_size)
+    # weights, grads and AdamW's two moments in fp32; a batch of inputs, targets, outputs and their grads
+    work = n_params * 4 * 4 + min(cfg.batch_size, train) * (geo.hidden_size + 6 * geo.kv_dim * len(layers)) * 4
+    host, device = peaks(s, model=False, device_work=work, host_work=rows_bytes)
+    seconds = map_seconds(s, n_params, train, val, cfg.epochs) + dump_read_bytes(s, names) / s.rates.read_bytes
+    return StageEstimate(stage, f"{train:,} + {val:,} val", host=host, device=device, steps=steps, seconds=seconds,
+                         note="rows preloaded (streamed when over 1/4 of RAM)")
+
+
+def est_extra_projectors(s: Setup) -> StageEstimate | None:
+    if not s.plan.extra_sources:
+        return None
+    return projector_training(s, "extra_projectors", s.plan.extra_sources, s.params.extra_projectors == "trained")
+
+
+def est_train_adapters(s: Setup) -> StageEstimate:
+    cfg, geo, plan = s.params.train_adapters, s.model.geo, s.plan
+    per = s.params.split.tokens_per_record
+    train, val = (row_counts(s, ix, per) for ix in s.split)
+    width = mlp_width(geo.kv_dim, cfg.width_mult)
+    n_params = adapter_params_per_target(geo.kv_dim, width, cfg.input) * len(plan.targets)
+    row = 2 * geo.kv_dim * (1 + len(plan.targets))  # X = [K ‖ V] of the source, Y = the targets' K ‖ V
+    steps = cfg.epochs * math.ceil(train / cfg.batch_size)
+    heads = 2 * len(plan.targets)
+    # weights, grads and SGD's momentum in fp32; a batch and its activations and grads in every head
+    work = n_params * 4 * 3 + min(cfg.batch_size, train) * (row + heads * 2 * (width + geo.kv_dim)) * 4
+    host, device = peaks(s, model=False, device_work=work, host_work=(train + val) * row * 4)  # pairs in memory
+    names = [f"{k}_{layer}" for layer in (plan.source, *plan.targets) for k in "kv"]
+    seconds = map_seconds(s, n_params, train, val, cfg.epochs) + dump_read_bytes(s, names) / s.rates.read_bytes
+    return StageEstimate("train_adapters", f"{train:,} + {val:,} val pairs", host=host, device=device, steps=steps,
+                         seconds=seconds, note=f"SGD, batch {cfg.batch_size:,}")
+
+
+def scoring_bytes(s: Setup, batch_tokens: int, groups) -> int:
+    """A shared-trunk scoring batch: one layer's working set, the logits, and the hidden state kept per branch."""
+    branches = len({branch_layer(s, g) for g in groups})
+    return (layer_bytes(s, batch_tokens) + logits_bytes(s, batch_tokens)
+            + branches * batch_tokens * s.model.geo.hidden_size * s.b)
+
+
+def est_eval_ppl(s: Setup) -> StageEstimate:
+    cfg = s.params.eval_ppl
+    # Mode A: the plain and the skipped prefill of every prompt, each continued through the rest of the record
+    seconds = scoring_seconds(s, cfg.groups, s.eval.total, passes=2 if mode_a_covered(s) else 0)
+    host, device = peaks(s, model=True, device_work=scoring_bytes(s, cfg.batch_size * int(s.eval.tokens.max()),
+                                                                   cfg.groups))
+    return StageEstimate("eval_ppl", f"{s.eval.total:,} tokens", host=host, device=device, seconds=seconds,
+                         note=f"{len(cfg.groups)} groups{' + Mode A' if mode_a_covered(s) else ''}")
+
+
+def generation_seconds(s: Setup, problems: int, batch: int, new_tokens: int) -> float:
+    """Greedy generation of ``new_tokens`` for ``problems`` in batches (no early stop: an upper bound)."""
+    batches = math.ceil(problems / batch)
+    step = max(s.rates.decode_step_s, forward_flops(s.model, batch) / s.rates.model_flops)
+    return batches * new_tokens * step + forward_flops(s.model, problems * s.prompt_tokens) / s.rates.model_flops
+
+
+def est_eval_gsm8k(s: Setup) -> StageEstimate:
+    cfg, n = s.params.eval_gsm8k, len(s.gold.tokens)
+    seconds = len(cfg.generate) * generation_seconds(s, n, cfg.batch_size, cfg.max_gen_toks)
+    mode_a = cfg.mode_a != "off" and mode_a_covered(s)
+    # gold NLL of every group; Mode A's through the skip (plain + skipped prefill), its generation one at a time
+    seconds += scoring_seconds(s, cfg.groups, s.gold.total, passes=2 if mode_a else 0)
+    if mode_a and cfg.mode_a == "generate":
+        seconds += generation_seconds(s, n, 1, cfg.max_gen_toks)
+    geo, longest = s.model.geo, int(s.gold.tokens.max()) if s.gold.exact else GOLD_MAX_TOKENS
+    # generation holds a batch's KV cache (attention layers) and prefills its prompts; gold NLL scores in batches
+    context = cfg.batch_size * (s.prompt_tokens + cfg.max_gen_toks)
+    generate = context * 2 * geo.kv_dim * len(geo.attention_layers) * s.b + layer_bytes(s, context)
+    host, device = peaks(s, model=True, device_work=max(generate, scoring_bytes(s, cfg.batch_size * longest,
+                                                                                  cfg.groups)))
+    return StageEstimate("eval_gsm8k", f"{n:,} problems, {s.gold.total:,} gold tokens", host=host, device=device,
+                         seconds=seconds, note=f"generate {len(cfg.generate)} group(s) x <= {cfg.max_gen_toks} "
+                                               f"tokens{', Mode A' if mode_a else ''}")
+
+
+def online_counts(s: Setup) -> tuple[int, int, int]:
+    """``(train records, val records, tokens per record)`` of the online objectives (``train.online``)."""
+    cfg = s.params.train.online
+    n = train_records(s.params, s.workdir) or len(s.dump.tokens)  # the whole train split, not the dump's sample
+    train, val = record_split(n, s.params.split.val_fraction, s.params.seed)
+    return min(cfg.records, len(train)), min(cfg.val_records, len(val)), min(cfg.seq_len, s.params.data.max_tokens)
+
+
+def est_tune(s: Setup, objective: str) -> StageEstimate:
+    name = f"tune@{objective}"
+    if objective == "ridge":
+        return StageEstimate(name, "-", note="the ridge maps as they are: seconds")
+    cfg, geo = s.params.train.online, s.model.geo
+    records, val, seq = online_counts(s)
+    steps_per_phase = cfg.epochs * math.ceil(records / cfg.batch_size)
+    step = forward_flops(s.model, cfg.batch_size * seq)
+    train = sum(STEP_COST[objective][g] for g in PHASE_GROUPS) * steps_per_phase * step
+    checks = len(PHASE_GROUPS) * 2 * 2 * forward_flops(s.model, val * seq)  # teacher + student, before and after
+    tokens = cfg.batch_size * seq
+    # kept for the backward from the first substituted layer up: ~(8 hidden + 4 intermediate) values per token
+    # and layer; distill also holds teacher and student logits and their fp32 log-softmax
+    layers = geo.n_layers - s.plan.source + 1
+    work = tokens * layers * (8 * geo.hidden_size + 4 * s.model.intermediate) * s.b
+    if objective == "distill":
+        work += 2 * logits_bytes(s, tokens)
+    host, device = peaks(s, model=True, device_work=work)
+    return StageEstimate(name, f"{records:,} records x {seq} tokens", host=host, device=device,
+                         steps=len(PHASE_GROUPS) * steps_per_phase, seconds=(train + checks) / s.rates.model_flops,
+                         note=f"{len(PHASE_GROUPS)} phases, batch {cfg.batch_size}")
+
+
+def est_eval_objective(s: Setup, objective: str) -> StageEstimate:
+    groups = ["baseline", *s.params.train.eval_groups]
+    seconds = scoring_seconds(s, groups, s.eval.total) + scoring_seconds(s, groups, s.gold.total)
+    longest = max(s.params.eval_ppl.batch_size * int(s.eval.tokens.max()),
+                  s.params.eval_gsm8k.batch_size * (int(s.gold.tokens.max()) if s.gold.exact else GOLD_MAX_TOKENS))
+    host, device = peaks(s, model=True, device_work=scoring_bytes(s, longest, groups))
+    return StageEstimate(f"eval_objective@{objective}", f"{s.eval.total:,} + {s.gold.total:,} gold tokens",
+                         host=host, device=device, seconds=seconds, note=f"{len(groups)} groups")
+
+
+def estimate(s: Setup) -> list[StageEstimate]:
+    """Every heavy stage of the pipeline, in ``dvc.yaml`` order."""
+    objectives = s.params.train.objectives
+    stages = [est_prepare(s), est_dump(s), est_ridge(s), est_fit_xkv(s),
+              projector_training(s, "train_projector", (s.plan.source,), trained=True), est_extra_projectors(s),
+              est_train_adapters(s), est_eval_ppl(s), est_eval_gsm8k(s),
+              *(est_tune(s, o) for o in objectives), *(est_eval_objective(s, o) for o in objectives)]
+    return [e for e in stages if e is not None]
+
+
+def setup(params: Params, device: str, workdir: Path = Path(".")) -> Setup:
+    """Everything the stage estimates read: the model's facts, the plan and the row counts."""
+    model = model_facts(params)
+    plan = LayerPlan.from_config(params.plan).validate(model.geo)
+    gold, prompt = gold_lengths(params, workdir)
+    return Setup(params, model, plan, device, resolve_dtype(params.model.dtype, torch.device(device)), RATES[device],
+                 dump_lengths(params, workdir), eval_lengths(params, workdir), gold, prompt, workdir)
+
+
+# ----------------------------------------------------------------------------- output
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / GiB:,.1f} GiB" if n >= GiB else f"{n / MiB:,.1f} MiB"
+
+
+def fmt_seconds(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return f"{t / 3600:.1f} h" if t >= 5400 else f"{t / 60:.0f} min" if t >= 90 else f"{t:.0f} s"
+
+
+def report(s: Setup, stages: list[StageEstimate]) -> str:
+    """The printed estimate: what it assumes, then one row per stage."""
+    p, m = s.params, s.model
+    payload, allocated = dump_layout(s).nbytes(s.dump.total, len(s.dump.tokens), p.dump.chunk_kib)
+    header = {
+        "profile": (f"model {p.model.name}, data {p.data.name}, plan {p.plan.name} (split {s.plan.split}, source "
+                    f"{s.plan.source}, targets {list(s.plan.targets)}, {len(s.plan.extra_sources)} extra sources)"),
+        "model": (f"{m.name}: {m.params:,} parameters ({m.body:,} in the decoder layers), {m.geo.n_layers} layers, "
+                  f"hidden {m.geo.hidden_size}, kv_dim {m.geo.kv_dim}, vocab {m.vocab:,} [{m.source}]"),
+        "device": f"{s.device}, {str(s.dtype).removeprefix('torch.')}: weights {fmt_bytes(s.weights)}",
+        "rows": (f"dump {s.dump.total:,} tokens in {len(s.dump.tokens):,} records ({s.dump.source}); eval "
+                 f"{s.eval.total:,} tokens ({s.eval.source}); GSM8K gold {s.gold.total:,} tokens ({s.gold.source})"),
+        "dump": (f"{payload:,} B payload ({payload / s.dump.total:,.0f} B/token, {p.dump.storage_dtype}), "
+                 f"{allocated:,} B in whole chunks ({fmt_bytes(allocated)}; x2 with DVC's cache copy)"),
+        "rates": s.rates.basis,
+    }
+    lines = [*(f"{key:<9} {text}" for key, text in header.items()), "",
+             f"{'stage':<26} {'rows':<34} {'disk':>10} {'host peak':>10} {'device peak':>11} {'steps':>8} {'time':>7}  note"]
+    for e in stages:
+        lines.append(f"{e.stage:<26} {e.rows:<34} {fmt_bytes(e.disk):>10} {fmt_bytes(e.host):>10} "
+                     f"{fmt_bytes(e.device):>11} {'-' if e.steps is None else f'{e.steps:,}':>8} "
+                     f"{fmt_seconds(e.seconds):>7}  {e.note}")
+    total = sum(e.seconds or 0 for e in stages)
+    host = max(e.host or 0 for e in stages)
+    device = max((e.device or 0 for e in stages), default=0)
+    lines.append(f"{'total':<26} {'':<34} {fmt_bytes(allocated):>10} {fmt_bytes(host):>10} "
+                 f"{fmt_bytes(device or None):>11} {'':>8} {fmt_seconds(total):>7}  time: sum; memory: max")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/ (none: read params.yaml)")
+    ap.add_argument("--device", choices=list(RATES), default=None,
+                    help="where the model stages run (default: cuda when this machine has it, else cpu)")
+    ap.add_argument("--workdir", type=Path, default=Path("."), help="where data/ and metrics/ are (default: here)")
+    args = ap.parse_args(argv)
+    if args.overrides:
+        from .compose import compose
+
+        params = from_dict(Params, yaml.safe_load(compose(args.overrides)))
+    else:
+        params = load_params(args.workdir / "params.yaml")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    s = setup(params, device, args.workdir)
+    print(report(s, estimate(s)))
+
+
+if __name__ == "__main__":
+    main()
