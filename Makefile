@@ -17,4 +17,4 @@ repro: $(VENV)/.installed
 	dvc repro
 
 test: $(VENV)/.installed
-	python -m pytest -q
+	python -m pytest -q -n 2 --dist loadfile

@@ -41,6 +41,10 @@ def _write(tmp_path, mutate):
     (lambda r: r["train_projector"].update({"epochs": "12"}), "'train_projector.epochs' must be of type int"),
     (lambda r: r["plan"].pop("source"), "'plan.source' is missing"),
     (lambda r: r["model"].update({"kind": "gguf"}), "'model.kind' must be one of"),
+    (lambda r: r["model"].update({"device_map": "balanced"}), r"'model.device_map' must be one of \('auto',\)"),
+    (lambda r: (r["model"].update({"device_map": "auto"}), r["distributed"].update({"nproc": 2})),
+     (r"'model.device_map' is 'auto' \(one process spreads the model over the devices\) and cannot be combined "
+      r"with distributed.nproc 2 \(one process per device\): set one of them back")),
     (lambda r: r["data"].update({"min_tokens": 1000}), "'data.min_tokens' must be in"),
     (lambda r: r["model"]["wheel"].update({"sha256": "abc"}), "'sha256' must be 64 hex digits"),
     (lambda r: r["plan"].update({"targets": [22, "x"]}), "'plan.targets.1' must be of type int"),

@@ -2,19 +2,29 @@
 
 Each stage runs from the same inputs with ``distributed.nproc: 1`` and ``2`` (the stage starts
 torchrun itself) and the outputs are compared: the dump exactly, the ridge statistics' float64
-solutions to 1e-10 relative, one epoch of each trainer to fp32 tolerance, perplexities to 1e-6.
+solutions to 1e-10 relative, one epoch of each trainer to fp32 tolerance, perplexities to 1e-6,
+GSM8K's metrics (generated texts, exact match, gold NLL) exactly.  A 2-process dump killed
+midway resumes to the uninterrupted file.  ``model.device_map: auto`` (one process, the model
+spread by accelerate) keeps the dump rows and logits bit for bit (its refusal of ``nproc > 1``:
+``tests/test_config.py``).
 
     torchrun --nproc-per-node 2 tests/test_distributed.py <workdir> <out.pt>   # the float64 ridge check
 """
 
+import contextlib
+import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import h5py
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -28,12 +38,13 @@ def env() -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
 
 
-def stage(repo: Path, name: str, nproc: int) -> None:
+def stage(repo: Path, name: str, nproc: int) -> subprocess.CompletedProcess:
     """``python -m ced_csa2.stages.<name>`` in ``repo`` with ``distributed.nproc: nproc``."""
     shutil.copy(repo / f"params{nproc}.yaml", repo / "params.yaml")
     proc = subprocess.run([sys.executable, "-m", f"ced_csa2.stages.{name}"], cwd=repo, env=env(),
                           capture_output=True, text=True)
     assert proc.returncode == 0, f"{name} (nproc {nproc}) failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +174,179 @@ def test_distributed_perplexity_is_single_process_perplexity(repo):
                 np.testing.assert_allclose(ddp["groups"][group][key], v[key], rtol=1e-6, atol=1e-9)
     if single["mode_a"].get("covered"):
         assert abs(ddp["mode_a"]["mode_a"]["ppl"] / single["mode_a"]["mode_a"]["ppl"] - 1) <= 1e-6
+
+
+# tiny_gemma3, not tiny_qwen3_5: the tiny Qwen3.5 (tied embeddings, random weights) greedily
+# repeats the prompt's last token for every problem, which would make equal texts vacuous.
+GSM8K_OVERRIDES = ["model=tiny_gemma3", "data=tiny", "plan=tiny_gemma3", "eval_gsm8k.groups=[baseline,ced_csa2]",
+                   "eval_gsm8k.generate=[baseline,ced_csa2]", "eval_gsm8k.mode_a=generate",
+                   "eval_gsm8k.max_gen_toks=16", "eval_gsm8k.batch_size=4"]
+GENERATE_BAR = re.compile(r"Running generate_until requests: 100%\|[^|\n]*\| (\d+)/\1 ")
+
+
+def save_random_maps(workdir: Path, params) -> None:
+    """Random maps of the plan (projector, extra projectors, adapters), saved as the stages save them."""
+    from ced_csa2 import csa2, paths, projector
+    from ced_csa2.checkpoint import checkpoint_meta
+    from ced_csa2.plan import load_plan
+
+    plan, geo = load_plan(params.plan, params.model)
+    meta = checkpoint_meta(params, plan, geo, params.model, params.plan)
+    torch.manual_seed(0)
+    maps = {layer: projector.KVProjector(geo.hidden_size, geo.kv_dim) for layer in (plan.source, *plan.extra_sources)}
+    projector.save_projector(paths.projector_path(plan.source, workdir / paths.MODELS), maps.pop(plan.source),
+                             meta["projector"])
+    projector.save_projectors(workdir / paths.PROJECTORS_EXTRA, maps, meta["projectors"])
+    adapters = csa2.CSA2Adapters(plan.targets, geo.kv_dim)
+    for p in adapters.parameters():  # the MLP's last layer starts at zero; make it count here
+        torch.nn.init.normal_(p, std=0.05)
+    csa2.save_adapters(workdir / paths.ADAPTERS_PATH, adapters, meta["adapters"])
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Intra-op threads as torchrun gives each process (OMP_NUM_THREADS=1), for a run in this process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def without_seconds(tree):
+    """A metrics tree without its timings (``seconds``), the one thing two runs may differ in."""
+    if isinstance(tree, dict):
+        return {k: without_seconds(v) for k, v in tree.items() if k != "seconds"}
+    return tree
+
+
+@pytest.mark.slow
+def test_distributed_gsm8k_is_single_process_gsm8k(tmp_path):
+    """Two processes each generate half of the single-process batches; the metrics JSON is one process's.
+
+    Mode B (baseline; ced_csa2 with random maps) and Mode A generation through lm-eval, gold
+    NLL of both groups and Mode A: every generated text (``generations_sha256``), exact match
+    and gold NLL equal, only the timings differ.  The 6 problems in batches of 4 give rank 0
+    one batch of 4 (Mode B) and 3 of Mode A's 6 one-problem batches: what its progress bars
+    count (rank 1 shows none).
+    """
+    from ced_csa2.compose import compose
+    from ced_csa2.config import load_params
+    from ced_csa2.paths import GSM8K_METRICS
+    from ced_csa2.stages import eval_gsm8k, gold_pairs, prepare
+
+    for n in (1, 2):
+        (tmp_path / f"params{n}.yaml").write_text(compose([*GSM8K_OVERRIDES, f"distributed.nproc={n}"]))
+    params = load_params(tmp_path / "params1.yaml")
+    prepare.run(params, tmp_path)
+    gold_pairs.run(params, tmp_path)
+    save_random_maps(tmp_path, params)
+    with one_thread():  # the stage's own run(), in this process: the imports are paid once
+        eval_gsm8k.run(params, tmp_path)
+    single = json.loads((tmp_path / GSM8K_METRICS).read_text())
+    two = stage(tmp_path, "eval_gsm8k", 2)
+    ddp = json.loads((tmp_path / GSM8K_METRICS).read_text())
+
+    assert without_seconds(ddp) == without_seconds(single)
+    groups = single["groups"]
+    assert groups["baseline"]["generations_sha256"] != groups["ced_csa2"]["generations_sha256"]
+    assert single["mode_a"]["covered"] and "generations_sha256" in single["mode_a"]
+    # tqdm may print a finished bar twice; rank 1 shows none; all 6 in one bar would be no sharding.
+    assert {int(n) for n in GENERATE_BAR.findall(two.stderr)} == {3, 4}, "rank 0's share of the batches"
+
+
+@pytest.mark.slow
+def test_two_process_dump_killed_midway_resumes_to_the_uninterrupted_file(repo, tmp_path):
+    """SIGKILL of the stage's own process (as tests/test_faults.py kills the 1-process dump) at a seeded point.
+
+    The kill reaches torchrun and both workers (``relaunch``'s parent-death signal), the
+    shards keep their complete batches, and the rerun resumes them and merges: the same
+    datasets and attributes as an uninterrupted 2-process dump.
+    """
+    from test_faults import dump_contents, wait_for
+
+    from ced_csa2.paths import DUMP_METRICS, DUMP_PATH
+
+    ref, work = tmp_path / "ref", tmp_path / "work"
+    for folder in (ref, work):
+        shutil.copytree(repo / "data" / "corpus", folder / "data" / "corpus")
+        (folder / "params2.yaml").write_text((repo / "params2.yaml").read_text().replace(
+            "  batch_size: 4\n  storage_dtype", "  batch_size: 1\n  storage_dtype"))
+    stage(ref, "dump", 2)  # uninterrupted
+    per_record = json.loads((ref / DUMP_METRICS).read_text())["seconds_this_run"] / 24  # 48 records, 24 a rank
+
+    shutil.copy(work / "params2.yaml", work / "params.yaml")
+    log = tmp_path / "killed.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "ced_csa2.stages.dump"], cwd=work, env=env(),
+                                stdout=subprocess.DEVNULL, stderr=err)
+    workers = []
+    try:
+        wait_for(proc, log, r"(?s)dumping \d+ records.*dumping \d+ records")  # both ranks are writing
+        workers = psutil.Process(proc.pid).children(recursive=True)  # torchrun and its 2 workers
+        time.sleep(np.random.default_rng(14).uniform(0.2, 0.6) * 24 * per_record)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL, "finished before its kill point"
+        _, alive = psutil.wait_procs(workers, timeout=60)
+        assert not alive, f"torchrun or a worker outlived the killed stage: {alive}"
+    finally:  # nothing of a failed run outlives the test
+        for p in [*workers, *(psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else [])]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not (work / DUMP_PATH).exists() and list((work / "data").glob("dump.partial.rank*"))
+
+    rerun = stage(work, "dump", 2)
+    done_before = [int(n) for n in re.findall(r"dumping \d+ records \((\d+) already done\)", rerun.stderr)]
+    print(f"the rerun's ranks resumed after {done_before} records")
+    assert len(done_before) == 2 and any(done_before), done_before
+    assert dump_contents(work / DUMP_PATH) == dump_contents(ref / DUMP_PATH)
+    assert sorted(p.relative_to(work).as_posix() for p in (work / "data").rglob("*") if p.is_file()) == [
+        "data/corpus/eval.jsonl", "data/corpus/train.jsonl", "data/dump/dump.h5"]
+
+
+def test_device_map_auto_keeps_dump_rows_and_logits(tmp_path, tiny_model):
+    """A model spread by accelerate -- layers from 14 on offloaded to disk, hooks on every module -- computes the
+    plain model's dump rows and, under the K/V-replacing runtime, its logits, bit for bit."""
+    from conftest import tiny_params
+    from test_ced_runtime import random_parts
+
+    from ced_csa2.ced_runtime import CEDModeBRuntime
+    from ced_csa2.model_utils import dispatch_auto, geometry, load_model_and_tokenizer
+    from ced_csa2.plan import LayerPlan
+    from ced_csa2.records import pad_batch
+    from ced_csa2.stages.dump import forward_batch
+
+    params = tiny_params()
+    plain, tok = tiny_model
+    auto, _ = load_model_and_tokenizer(tiny_params(model={"device_map": "auto"}).model)
+    assert set(auto.hf_device_map.values()) == {"cpu"}  # no GPU here: all of it in CPU memory
+    size = sum(p.numel() * p.element_size() for p in plain.parameters())
+    spread = dispatch_auto(load_model_and_tokenizer(params.model)[0], max_memory={"cpu": size // 2},
+                           offload_dir=tmp_path)
+    assert {"cpu", "disk"} == set(spread.hf_device_map.values())
+    # The source (20) and its readers on disk: their weights are read in at each forward by accelerate's hooks.
+    assert spread.hf_device_map["model.layers.19"] == "disk" and spread.model.layers[19].self_attn.k_proj.weight.is_meta
+
+    plan = LayerPlan.from_config(params.plan)
+    rows = [tok(t)["input_ids"] for t in ("2 cats, 3 dogs.", "4 pens twice, then 3.")]
+    x, mask = pad_batch(rows, tok.pad_token_id)
+    parts = random_parts(geometry(plain.config), plan)
+    with one_thread():  # 2 threads on 2 busy cores can take 10x as long
+        reference = forward_batch(plain, plan, x, mask, "float32")
+        for model in (auto, spread):
+            got = forward_batch(model, plan, x, mask, "float32")
+            assert reference.keys() == got.keys()
+            assert all(np.array_equal(got[k], reference[k]) for k in reference)
+        for group in ("baseline", "ced_csa2"):
+            logits = []
+            for model in (plain, spread):
+                with torch.no_grad(), CEDModeBRuntime(model, plan, group, parts, kv_format=None):
+                    logits.append(model(input_ids=x, attention_mask=mask).logits)
+            assert torch.equal(*logits), group
 
 
 def test_contiguous_shards_cover_every_item_once_in_order():

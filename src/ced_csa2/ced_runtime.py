@@ -86,11 +86,15 @@ class CEDParts:
 
 
 def _run(owner, fn, *xs: torch.Tensor) -> KV:
-    """Apply ``fn`` in the dtype of ``owner``'s parameters (if a module) and return the inputs' dtype."""
+    """Apply ``fn`` on the device and in the dtype of ``owner``'s parameters (if a module); return the inputs'.
+
+    The device moves matter only under ``model.device_map: auto`` across GPUs, where the
+    maps sit on the model's first device and a layer's activations may be on another.
+    """
     params = next(owner.parameters(), None) if isinstance(owner, nn.Module) else None
-    dtype = params.dtype if params is not None else xs[0].dtype
-    k, v = fn(*(x.to(dtype) for x in xs))
-    return k.to(xs[0].dtype), v.to(xs[0].dtype)
+    device, dtype = (params.device, params.dtype) if params is not None else (xs[0].device, xs[0].dtype)
+    k, v = fn(*(x.to(device, dtype) for x in xs))
+    return k.to(xs[0].device, xs[0].dtype), v.to(xs[0].device, xs[0].dtype)
 
 
 def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geometry, *, device=None, dtype=None,

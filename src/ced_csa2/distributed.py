@@ -1,8 +1,8 @@
 """Data parallelism on ``torch.distributed``: one process per device, ``distributed.nproc`` of them.
 
 A data-parallel stage (``dump``, ``ridge``, ``train_projector``, ``train_adapters``,
-``eval_ppl``) started as ``python -m ced_csa2.stages.<stage>`` with ``distributed.nproc:
-N > 1`` re-executes itself under ``torchrun --standalone --nproc-per-node N``
+``eval_ppl``, ``eval_gsm8k``) started as ``python -m ced_csa2.stages.<stage>`` with
+``distributed.nproc: N > 1`` re-executes itself under ``torchrun --standalone --nproc-per-node N``
 (:func:`relaunch`, called by :func:`ced_csa2.entry.run_stage`), so ``dvc.yaml``'s
 ``cmd:`` is the same for any ``N``.  Inside, :func:`session` opens the process group
 (``backend: auto``: NCCL on CUDA, gloo on CPU) and closes it; every rank runs the
@@ -19,7 +19,9 @@ unchanged), so a rank computes exactly what one process computes for those batch
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 from typing import Iterator, Sequence, TypeVar
@@ -43,14 +45,30 @@ def relaunch(params, module: str, args: Sequence[str]) -> int | None:
     """Re-execute ``python -m module args`` under torchrun when ``distributed.nproc > 1``.
 
     Returns torchrun's exit status, or ``None`` when this process is to run the stage
-    itself (``nproc: 1``, or already one of torchrun's processes).
+    itself (``nproc: 1``, or already one of torchrun's processes).  Killed, even by
+    SIGKILL, this process takes torchrun and its workers with it (:func:`_die_with_parent`),
+    so a rerun never meets an orphaned worker still writing its shard.
     """
     nproc = object.__getattribute__(params.distributed, "nproc")  # a launch, not a read: session() records it
     if nproc == 1 or WORLD_ENV in os.environ:
         return None
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", module, *args]
-    return subprocess.run(cmd).returncode
+    parent = os.getpid()
+    die_with_parent = (lambda: _die_with_parent(parent)) if sys.platform == "linux" else None
+    return subprocess.run(cmd, preexec_fn=die_with_parent).returncode
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child, before exec (Linux): SIGTERM when the parent ``parent`` dies, however it dies.
+
+    torchrun stops its workers on SIGTERM; a SIGKILL of the parent cannot be forwarded by
+    the parent itself, so the kernel does it (``prctl(PR_SET_PDEATHSIG)``).
+    """
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the prctl: no signal will come
+        os._exit(1)
 
 
 def _backend(cfg: DistributedConfig) -> str:

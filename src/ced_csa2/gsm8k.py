@@ -6,6 +6,7 @@ See :mod:`ced_csa2.stages.eval_gsm8k` for the protocol.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -19,6 +20,7 @@ from typing import Iterator, Mapping
 import torch
 import yaml
 
+from . import distributed
 from .ced_runtime import CEDModeBRuntime, CEDParts
 from .config import Params
 from .io_utils import write_json
@@ -146,6 +148,12 @@ def accuracy(results: dict) -> dict:
     return out
 
 
+def generations_sha256(results: dict) -> str:
+    """sha256 of the generated texts in problem order: runs that agree on it generated the same text everywhere."""
+    samples = sorted((s for s in results["samples"][TASK] if s["filter"] == FILTERS[0]), key=lambda s: s["doc_id"])
+    return hashlib.sha256(json.dumps([s["resps"][0][0] for s in samples]).encode()).hexdigest()
+
+
 def gold_pairs(lm, results: dict) -> list[tuple[list[int], int]]:
     """``(tokens of context + gold continuation, length of the context)`` per problem.
 
@@ -179,10 +187,16 @@ def groups_gold_nll(model, plan, groups: list[str], parts: CEDParts | Mapping[st
     order of ``pairs``.  When ``baseline`` is among ``groups`` every other group and arm also
     gets ``delta`` (gold NLL per token minus the baseline's, nats) and ``delta_ci95`` (paired
     bootstrap over problems).
+
+    Under a process group each rank scores a contiguous run of the single-process batches
+    and the per-problem sums are assembled on every rank, so every figure is one process's.
     """
     order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]))  # little right-padding
-    nll = multi_group_nll(model, plan, groups, parts, [pairs[i][0] for i in order], [pairs[i][1] for i in order],
+    lo, hi = distributed.batch_bounds(len(pairs), batch_size)
+    mine = order[lo:hi]
+    nll = multi_group_nll(model, plan, groups, parts, [pairs[i][0] for i in mine], [pairs[i][1] for i in mine],
                           batch_size, pad_id, kv_format=kv_format)
+    nll = {group: distributed.assemble(rows, lo, len(pairs)) for group, rows in nll.items()}
     nll.update({name: rows[order] for name, rows in (more or {}).items()})
     out = {group: _per_token(v) for group, v in nll.items()}
     for group, d in paired_deltas({g: v.numpy() for g, v in nll.items()}, "delta_nll", seed).items():
@@ -202,14 +216,21 @@ def evaluate_group(lm, model, plan, group: str, parts: CEDParts | None, task_man
         return evaluate_lm(lm, task_manager, params, group)
 
 
-def evaluate_lm(lm, task_manager, params: Params, label: str) -> tuple[dict, list[tuple[list[int], int]]]:
-    """lm-eval exact match of ``lm`` as it is (Mode A: :class:`~ced_csa2.mode_a_lm.ModeALM`), and the gold pairs."""
+def evaluate_lm(lm, task_manager, params: Params, label: str) -> tuple[dict, list[tuple[list[int], int]] | None]:
+    """lm-eval exact match of ``lm`` as it is (Mode A: :class:`~ced_csa2.mode_a_lm.ModeALM`), and the gold pairs.
+
+    ``({}, None)`` on a rank other than 0 of a process group: lm-eval returns its results
+    on ``LOCAL_RANK`` 0 only (every rank took part in the generation).
+    """
     t0 = time.perf_counter()
     results = _simple_evaluate(lm, task_manager, params, {"max_gen_toks": params.eval_gsm8k.max_gen_toks})
     seconds = time.perf_counter() - t0
+    if results is None:
+        return {}, None
     n = len(results["samples"][TASK]) // len(FILTERS)
     log.info("%s: generation %.1f s (%.2f s/problem)", label, seconds, seconds / n)
-    return {**accuracy(results), "seconds": round(seconds, 1)}, gold_pairs(lm, results)
+    return ({**accuracy(results), "generations_sha256": generations_sha256(results), "seconds": round(seconds, 1)},
+            gold_pairs(lm, results))
 
 
 def prompt_pairs(tokenizer, task_manager, params: Params) -> list[tuple[list[int], int]]:
@@ -238,8 +259,11 @@ def prompt_pairs(tokenizer, task_manager, params: Params) -> list[tuple[list[int
     return gold_pairs(lm, _simple_evaluate(lm, task_manager, params))
 
 
-def _simple_evaluate(lm, task_manager, params: Params, gen_kwargs: dict | None = None) -> dict:
-    """lm-eval's ``simple_evaluate`` of the local task: ``eval_gsm8k.num_fewshot``, every seed ``seed``, samples logged."""
+def _simple_evaluate(lm, task_manager, params: Params, gen_kwargs: dict | None = None) -> dict | None:
+    """lm-eval's ``simple_evaluate`` of the local task: ``eval_gsm8k.num_fewshot``, every seed ``seed``, samples logged.
+
+    ``None`` where ``LOCAL_RANK`` is not 0 (lm-eval reports on one process of a torchrun launch).
+    """
     from lm_eval import simple_evaluate
 
     seed = params.seed
@@ -250,9 +274,16 @@ def _simple_evaluate(lm, task_manager, params: Params, gen_kwargs: dict | None =
 
 
 def mode_a_gold_rows(lm, pairs: list[tuple[list[int], int]]) -> torch.Tensor:
-    """Summed NLL and token count of each gold answer given its prompt, through ``lm`` (a ``ModeALM``), ``(R, 2)``."""
-    answers = lm._loglikelihood_tokens([(None, ids[:c], ids[c:]) for ids, c in pairs])
-    return torch.tensor([[-ll, len(ids) - c] for (ll, _), (ids, c) in zip(answers, pairs)], dtype=torch.float64)
+    """Summed NLL and token count of each gold answer given its prompt, through ``lm`` (a ``ModeALM``), ``(R, 2)``.
+
+    One problem at a time; under a process group each rank takes a contiguous share of the
+    problems and the rows are assembled on every rank.
+    """
+    lo, hi = distributed.bounds(len(pairs))
+    answers = lm._loglikelihood_tokens([(None, ids[:c], ids[c:]) for ids, c in pairs[lo:hi]])
+    rows = torch.tensor([[-ll, len(ids) - c] for (ll, _), (ids, c) in zip(answers, pairs[lo:hi])],
+                        dtype=torch.float64).reshape(-1, 2)
+    return distributed.assemble(rows, lo, len(pairs))
 
 
 def count_problems(path: Path) -> int:

@@ -72,14 +72,16 @@ def inject(model: nn.Module, replacements: Mapping[tuple[int, str], Replacement]
 
     ``replacements[(layer, "k" | "v")]`` is a tensor of the output's shape, or a callable
     mapping the true output ``(B, T, kv_dim)`` to its replacement (called on every
-    forward, so it also works step by step inside ``generate()``).
+    forward, so it also works step by step inside ``generate()``).  The replacement is
+    moved to the output's device (a no-op but under ``model.device_map: auto``, where it
+    may come from a layer on another device).
     """
     def factory():
         handles = []
         for (layer, kind), repl in replacements.items():
             proj = getattr(attention(model, layer), f"{kind}_proj")
             handles.append(proj.register_forward_hook(
-                lambda mod, inp, out, repl=repl: repl(out) if callable(repl) else repl))
+                lambda mod, inp, out, repl=repl: (repl(out) if callable(repl) else repl).to(out.device)))
         return handles
 
     with _installed(factory):

@@ -1,8 +1,14 @@
-"""lm-eval's ``HFLM`` with Mode A's prefill skip: GSM8K the way a deployed CED model runs it.
+"""lm-eval's ``HFLM`` for the ``eval_gsm8k`` stage: generation shared out over ranks, and Mode A.
 
-Every request's context is prefilled by :class:`~ced_csa2.ced_runtime.CEDModeARuntime`
-(layers ``1..split`` only; every attention layer above the cut gets its K/V from the maps;
-non-attention layers above the cut start from a zero state), then the context's last token
+:class:`DataParallelLM` -- ``HFLM`` that, under a process group (``distributed.nproc > 1``),
+generates each rank's contiguous share of the single-process batches and gathers the
+texts, so every rank's lm-eval sees exactly one process's answers.
+
+:class:`ModeALM` -- the same, with Mode A's prefill skip: GSM8K the way a deployed CED
+model runs it.  Every request's context is prefilled by
+:class:`~ced_csa2.ced_runtime.CEDModeARuntime` (layers ``1..split`` only; every attention
+layer above the cut gets its K/V from the maps; non-attention layers above the cut start
+from a zero state), then the context's last token
 and the continuation -- scored (``loglikelihood``) or greedily generated (``generate_until``)
 -- run through all layers.  Everything else (prompts, few-shot contexts, stop sequences,
 filters, tokenisation) is lm-eval's own, so Mode A's figures compare one to one with the
@@ -19,10 +25,67 @@ import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
+from . import distributed
 from .ced_runtime import CEDModeARuntime
 
 
-class ModeALM(HFLM):
+class DataParallelLM(HFLM):
+    """``HFLM`` (on a model already built) whose ``generate_until`` is sharded by whole batch over the ranks.
+
+    Every rank runs lm-eval's ``simple_evaluate`` as one process would (``rank`` 0,
+    ``world_size`` 1 as lm-eval sees it: the same requests, filters and metrics); only the
+    model calls are shared out.  The requests are put in the batches ``HFLM.generate_until``
+    forms in one process (:meth:`single_process_batches`); rank ``r`` generates a contiguous
+    run of those batches, unchanged (:func:`ced_csa2.distributed.bounds`), and the texts of all
+    ranks are gathered in request order on every rank.  A batch's padding -- hence its
+    floating-point results -- is the single-process one, so the generated text is too.
+    Without a process group this is ``HFLM``.
+
+    Why not lm-eval's own multi-process path.  (1) ``HFLM`` sets up data parallelism only for
+    a model it loads by name, and only with more than one GPU (``gpus > 1`` in its
+    ``__init__``; on CPU it never does); a model passed in -- ours runs inside the Mode A/B
+    runtimes and their hooks -- is always rank 0 of 1.  (2) With ``_rank`` / ``_world_size``
+    set by hand (and ``all_gather`` / ``barrier``, which call an ``accelerate.Accelerator``,
+    replaced), ``evaluator.evaluate`` would shard: it deals the *documents* out strided
+    (``doc_iterator(rank, world_size)``), each rank sorts and batches its own, pads the short
+    ranks with copies of a request, and gathers the per-sample logs and metrics to rank 0.
+    But then every batch differs from the single-process one, and a prompt left-padded to
+    another length gives other logits (measured on the tiny Qwen3.5 in fp32: 3.6e-7 on a
+    prompt's first step), so greedy generation may differ from one process's at a near-tie.
+    Sharding whole single-process batches keeps the results identical for any number of
+    processes.
+    (3) ``accelerate launch`` is not needed: the process group is torchrun's
+    (:func:`ced_csa2.distributed.relaunch`), gloo on CPU.
+    """
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        if distributed.world_size() == 1:
+            return super().generate_until(requests, disable_tqdm)
+        batches = self.single_process_batches(requests)
+        lo, hi = distributed.bounds(len(batches))
+        mine = [i for batch in batches[lo:hi] for i in batch]
+        # HFLM re-sorts this run (stably, by the same key) and cuts it into the same batches.
+        texts = super().generate_until([requests[i] for i in mine], disable_tqdm or not distributed.is_main())
+        out: list = [None] * len(requests)
+        for indices, part in distributed.gather((mine, texts)):
+            for i, text in zip(indices, part):
+                out[i] = text
+        return out
+
+    def single_process_batches(self, requests) -> list[list[int]]:
+        """Indices of ``requests`` in the batches, and the order, in which ``HFLM.generate_until`` runs them.
+
+        lm-eval's own ``Collator`` with ``HFLM.generate_until``'s key: grouped by generation
+        settings, longest context first (ties by context), ``batch_size`` at a time.
+        """
+        from lm_eval.models.utils import Collator
+
+        order = Collator([(*r.args, i) for i, r in enumerate(requests)], group_by="gen_kwargs",
+                         sort_fn=lambda a: (-len(self.tok_encode(a[0])), a[0]), group_fn=lambda a: a[1])
+        return [[a[2] for a in batch] for batch in order.get_batched(n=self.batch_size)]
+
+
+class ModeALM(DataParallelLM):
     """An ``HFLM`` whose every forward over a context goes through the prefill skip.
 
     Parameters

@@ -334,7 +334,8 @@ def load_model_and_tokenizer(cfg: ModelConfig | str = QWEN3_5_4B_ID, *, dtype: s
     dtype
         Compute dtype; defaults to ``cfg.dtype`` (``auto``: see :func:`fast_dtype`).
     device
-        Where to put the model.
+        Where to put the model; with ``cfg.device_map: auto`` only its dtype is chosen for it
+        (``dtype: auto``), the layers go where accelerate places them (:func:`dispatch_auto`).
 
     Returns
     -------
@@ -346,14 +347,47 @@ def load_model_and_tokenizer(cfg: ModelConfig | str = QWEN3_5_4B_ID, *, dtype: s
         cfg = ModelConfig(name=cfg.split("/")[-1].lower(), kind="hub", hf_id=cfg)
     device = torch.device(device)
     dtype = resolve_dtype(dtype or cfg.dtype, device) if dtype is None or isinstance(dtype, str) else dtype
+    device_map = cfg.device_map
     tok = load_tokenizer(cfg)
     if cfg.kind == "tiny":
         model = build_tiny_model(cfg.tiny, vocab_size=len(tok), attn_implementation=cfg.attn_implementation)
         model = model.to(dtype)
+        if device_map == "auto":
+            model = dispatch_auto(model)
     else:
-        model = _from_pretrained(AutoModelForCausalLM, cfg, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        # device_map="auto": transformers loads each weight straight onto its device (never the
+        # whole model into CPU memory first), as accelerate's infer_auto_device_map places it.
+        model = _from_pretrained(AutoModelForCausalLM, cfg, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                                 **({"device_map": device_map} if device_map else {}))
     model.requires_grad_(False)
-    return model.to(device).eval(), tok
+    # A dispatched model stays where accelerate put it (its hooks move activations between devices).
+    return (model if device_map else model.to(device)).eval(), tok
+
+
+def dispatch_auto(model: nn.Module, *, max_memory: dict | None = None, offload_dir: str | Path | None = None
+                  ) -> nn.Module:
+    """``model`` (in CPU memory) spread as ``device_map="auto"`` spreads it, with accelerate's hooks.
+
+    Decoder layers are never split (``model._no_split_modules``); they fill the GPUs in
+    order, then CPU memory, then -- when ``max_memory`` leaves too little -- ``offload_dir`` on
+    disk, whose weights are read in at each forward.  Forward hooks on the modules (the
+    pipeline's K/V hooks) are untouched: accelerate wraps ``forward``, hooks run around it.
+
+    Parameters
+    ----------
+    model
+        The built model; the tiny profile (from_pretrained places the others itself).
+    max_memory
+        ``{device: bytes}`` as accelerate takes it (``{"cpu": n}`` with ``offload_dir`` forces a
+        CPU/disk split on a machine without GPUs); default: what the devices have free.
+    offload_dir
+        Folder for the weights of layers placed on ``"disk"``.
+    """
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    device_map = infer_auto_device_map(model, max_memory=max_memory,
+                                       no_split_module_classes=list(model._no_split_modules or []))
+    return dispatch_model(model, device_map, offload_dir=offload_dir)
 
 
 def tokenizer_hash(tok) -> str:

@@ -138,7 +138,8 @@ def branch_point(runtime: CEDModeBRuntime, n_layers: int) -> int:
 @torch.inference_mode()
 def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDParts | Mapping[str, CEDParts] | None,
                     sequences: Sequence[Sequence[int]], score_from: Sequence[int], batch_size: int,
-                    pad_id: int = 0, *, kv_format: str | None, agreement: bool = False) -> dict[str, torch.Tensor]:
+                    pad_id: int = 0, *, kv_format: str | None, agreement: bool = False,
+                    extra: Mapping[str, object] | None = None) -> dict[str, torch.Tensor]:
     """:func:`sequence_nll` of every Mode B group in ``groups``, the shared trunk run once per batch.
 
     Every group is the plain model below its :func:`branch_point`.  Per batch the plain
@@ -170,6 +171,11 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
         Also measure each group against ``baseline`` (which must be in ``groups``) on the
         scored tokens: summed KL(baseline ‖ group) in nats and the number of tokens whose
         argmax is the baseline's.
+    extra
+        Further runtimes to score, by label, each used like a group's
+        :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (``replaced_layers``, ``spec``,
+        ``seed``, a context manager): e.g. a group with sparse reads on top
+        (:class:`ced_csa2.sparse_attention.SparseGroup`), which branches at its first sparse layer.
 
     Returns
     -------
@@ -180,6 +186,10 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
     """
     runtimes = {g: CEDModeBRuntime(model, plan, g, parts_for(parts, g), kv_format=kv_format)
                 for g in dict.fromkeys(groups)}
+    clash = sorted(set(runtimes) & set(extra or {}))
+    if clash:
+        raise ValueError(f"multi_group_nll: labels {clash} name both a group and an extra runtime")
+    runtimes.update(extra or {})
     if not runtimes:
         return {}
     if agreement and "baseline" not in runtimes:

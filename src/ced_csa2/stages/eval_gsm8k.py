@@ -39,6 +39,17 @@ prefilled by the prefill skip, the answer scored (``gold_nll``: gold NLL, paired
 the baseline) and with ``generate`` also generated (exact match) through all layers -- one
 problem at a time (generation: ~1.5 s per problem on 2 CPU cores, 3.6x a batched Mode B group).
 
+Every generated group (and Mode A with ``generate``) also records ``generations_sha256``,
+the sha256 of its generated texts in problem order: runs that agree on it generated the
+same text for every problem.
+
+Data-parallel (``distributed.nproc``): the stage runs as that many processes (it starts
+torchrun itself).  Each runs lm-eval's task whole, but generates only a contiguous share
+of the single-process batches (:class:`~ced_csa2.mode_a_lm.DataParallelLM`, which says why
+lm-eval's own multi-process path is not used) and the texts are gathered; gold NLL and
+Mode A's rows are scored by share and assembled on every rank.  Every batch is the
+single-process one, so the metrics are one process's (seconds aside); rank 0 writes.
+
 Writes ``metrics/gsm8k.json``: ``{"protocol": {...}, "groups": {group: {...}}, "mode_a": {...}}``.
 """
 
@@ -50,6 +61,7 @@ from pathlib import Path
 
 import torch
 
+from .. import distributed
 from ..ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDParts, load_parts
 from ..config import Params
 from ..entry import run_stage
@@ -77,7 +89,7 @@ log = logging.getLogger(__name__)
 
 def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = None,
         model_and_tok=None) -> dict:
-    """Evaluate every group and write ``metrics/gsm8k.json``; returns what it wrote.
+    """Evaluate every group and write ``metrics/gsm8k.json``; returns what it wrote (rank 0 writes).
 
     Parameters
     ----------
@@ -91,21 +103,28 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     model_and_tok
         ``(model, tokenizer)`` to use instead of loading ``params.model`` (tests).
     """
+    with distributed.session(params.distributed):
+        return _run(params, Path(workdir), parts, model_and_tok)
+
+
+def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -> dict:
     _offline()
     from lm_eval import __version__ as lm_eval_version
-    from lm_eval.models.huggingface import HFLM
 
-    workdir, cfg = Path(workdir), params.eval_gsm8k
+    from ..mode_a_lm import DataParallelLM  # imports lm-eval: after _offline()
+
+    cfg = params.eval_gsm8k
     data_file = workdir / GSM8K_JSONL
     n = count_problems(data_file)
     pairs = load_gold_pairs(workdir / GOLD_PATH, params)
     plan, geo = load_plan(params.plan, params.model)
-    model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(cfg.device))
+    model, tok = model_and_tok or load_model_and_tokenizer(
+        params.model, device=distributed.local_device(resolve_device(cfg.device)))
     low_rank = any(GROUPS[g].low_rank for g in cfg.groups)  # xkv: models/xkv.pt
     if parts is None and (any(GROUPS[g].uses_maps for g in cfg.groups) or low_rank or
                           (cfg.mode_a != "off" and not plan.uncovered(geo))):
         parts = load_parts(workdir / MODELS, params, plan, geo, device=model.device, low_rank=low_rank)
-    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=cfg.batch_size)
+    lm = DataParallelLM(pretrained=model, tokenizer=tok, batch_size=cfg.batch_size)
     log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d): generation for %s, gold NLL for %s",
              params.data.math.label, n, cfg.num_fewshot, cfg.max_gen_toks, list(cfg.generate), list(cfg.groups))
 
@@ -114,6 +133,8 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
         for i, group in enumerate(cfg.generate, 1):
             log.info("generation %d/%d: %s", i, len(cfg.generate), group)
             groups[group], group_pairs = evaluate_group(lm, model, plan, group, parts, task_manager, params)
+            if not distributed.is_main():
+                continue  # lm-eval's results are rank 0's
             if group_pairs != pairs:
                 raise RuntimeError(f"lm-eval built different prompts for group {group!r} than {GOLD_PATH} holds")
             g = groups[group]
@@ -147,7 +168,8 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
         "groups": groups,
         "mode_a": mode_a,
     }
-    write_json(workdir / METRICS_PATH, metrics)
+    if distributed.is_main():
+        write_json(workdir / METRICS_PATH, metrics)
     return metrics
 
 
@@ -172,7 +194,7 @@ def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, ta
     if setting == "generate":
         log.info("Mode A: generation through the prefill skip, one problem at a time")
         entry, mode_a_pairs = evaluate_lm(lm, task_manager, params, "mode_a")
-        if mode_a_pairs != pairs:
+        if distributed.is_main() and mode_a_pairs != pairs:
             raise RuntimeError(f"lm-eval built different prompts for Mode A than {GOLD_PATH} holds")
     t0 = time.perf_counter()
     rows = mode_a_gold_rows(lm, pairs)
@@ -181,7 +203,7 @@ def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, ta
 
 
 def main() -> None:
-    run_stage(run)
+    run_stage(run, launcher=distributed.relaunch)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,318 @@
+"""DeepSeek-V4.1's layer modes on the retrofitted model: Full / Reindex / Reuse, top-k sparse reads, HSI.
+
+    dvc repro studies/dvc.yaml       # runs: python studies/layer_modes.py
+
+A training-free ablation (issue 15; seed 002, seed 003 §4.3/§4.7; docs/design.md §7): every
+attention layer above the cut reads its last ``window`` positions plus ``k`` selected
+entries (:mod:`ced_csa2.sparse_attention`), each group assigning the layers' modes as
+V4.1's ``kv_source_layer_ids`` / ``index_source_layer_ids`` do
+(:class:`ced_csa2.layer_modes.LayerModes`, validated before the model loads).  The KV comes
+from the maps the pipeline trained (``models/``: ``csa2``'s adapters give the targets
+``adapter(KV_source)``); nothing is trained here.
+
+The indexer is an **oracle**: each selecting layer ranks entries by its own exact
+attention logits summed over its heads, so every figure is what selection *could* keep,
+not what a trained indexer would.
+
+Data: the held-out eval records (whole held-out articles, ``data/corpus/eval.jsonl``) in
+file order, joined with blank lines and cut into consecutive ``context``-token sequences
+(the first ``sequences`` of them); positions ``>= score_from`` are scored, teacher-forced.
+Per group and ``k``: corpus-level PPL, ΔPPL % against ``baseline`` (dense, unchanged
+model) with a paired bootstrap 95% CI over sequences, mean per-token KL(baseline ‖ group)
+and top-1 agreement (the same scoring as ``eval_ppl``,
+:func:`ced_csa2.scoring.multi_group_nll`); entries read and entries the indexers scored
+per token (summed over the sparse layers, averaged over every position of a sequence)
+next to the KV bytes stored per token; the share of entries consecutive sparse layers both
+select (IndexCache's question) against its chance level; and, under HSI, the share of a
+Reindex layer's unrestricted top-k its pool holds.
+
+Writes ``studies/layer_modes/metrics.json``, ``modes.md`` (the modes and results tables)
+and ``quality_vs_k.png``.  Params: ``studies/layer_modes.yaml`` (the study's) and the root
+``params.yaml`` (model, plan, seed, kv_format, eval_ppl.device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from ced_csa2.ced_runtime import CEDModeBRuntime, load_parts
+from ced_csa2.config import Params, from_dict, load_params
+from ced_csa2.io_utils import write_json
+from ced_csa2.kv_bytes import bytes_per_token, dense_entry_bytes, kv_copies
+from ced_csa2.layer_modes import LayerModes, sparse_layers
+from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
+from ced_csa2.paths import EVAL_JSONL, MODELS
+from ced_csa2.perplexity import agreement
+from ced_csa2.plan import LayerPlan, load_plan
+from ced_csa2.records import read_records
+from ced_csa2.scoring import multi_group_nll
+from ced_csa2.sparse_attention import HSI, SelectionStats, SparseAttention, SparseGroup, SparseReads
+from ced_csa2.stats import paired_deltas
+
+STUDY_PARAMS = Path("studies/layer_modes.yaml")
+OUT = Path("studies/layer_modes")
+DENSE = ("baseline", "csa2")  # the dense references: the unchanged model, and today's csa2
+BF16 = 2
+log = logging.getLogger("layer_modes")
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    kv: str  # the Mode B group whose K/V the layers read (baseline | csa2 | ced_csa2 | share_plain)
+    index_source_layer_ids: dict = field(default_factory=dict)  # {layer: index source}; others select their own
+    hsi: bool = False
+
+
+@dataclass(frozen=True)
+class Study:
+    context: int
+    sequences: int
+    score_from: int
+    window: int
+    k: list[int]
+    hsi: HSI
+    groups: dict  # {name: GroupSpec}
+
+
+def load_study(path: Path = STUDY_PARAMS) -> Study:
+    """The study's params, typed and checked (unknown or mistyped keys refused, naming them)."""
+    raw = yaml.safe_load(path.read_text())
+    groups = {name: from_dict(GroupSpec, spec or {}, f"groups.{name}") for name, spec in raw.pop("groups").items()}
+    study = from_dict(Study, {**raw, "groups": {}})
+    if not 0 < study.score_from < study.context or study.sequences < 1 or not study.k:
+        raise ValueError(f"{path}: need 0 < score_from < context, sequences >= 1 and some k, got {raw}")
+    return dataclasses.replace(study, groups=groups)
+
+
+def group_modes(study: Study, plan: LayerPlan, geo: Geometry) -> dict[str, LayerModes]:
+    """Every group's validated modes (a :class:`~ced_csa2.layer_modes.ModeError` names the layer)."""
+    return {name: LayerModes.build(plan, geo, spec.kv, spec.index_source_layer_ids)
+            for name, spec in study.groups.items()}
+
+
+def joined_sequences(tok, context: int, n: int, workdir: Path) -> list[list[int]]:
+    """The first ``n`` consecutive ``context``-token sequences of the eval records joined in file order."""
+    text = "\n\n".join(r["text"] for r in read_records(workdir / EVAL_JSONL))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < n * context:
+        raise ValueError(f"the eval records hold {len(ids)} tokens: fewer than {n} sequences of {context}")
+    return [ids[i * context:(i + 1) * context] for i in range(n)]
+
+
+def _ppl(v: np.ndarray) -> dict:
+    total, n = v[:, :2].sum(0)
+    return {"ppl": math.exp(total / n), "nll_per_token": total / n, "tokens": int(n)}
+
+
+def stored_bytes(geo: Geometry, plan: LayerPlan, kv: str) -> dict:
+    """KV bytes stored per token in bf16 (:mod:`ced_csa2.kv_bytes`), on both bases."""
+    return {basis: bytes_per_token(kv_copies(geo, plan, kv, basis, BF16))
+            for basis in ("decoder_attention", "all_attention")}
+
+
+def selection_figures(stats: SelectionStats, modes: LayerModes, geo: Geometry) -> dict:
+    """Per-token reads and indexer work, and the consecutive layers' shared selections, from ``stats``."""
+    own = [(a, b) for a, b in stats.pairs if modes.selecting(a) and modes.selecting(b)]
+    shared, chance = stats.shared_fraction(own)
+    vs_source, vs_source_chance = stats.shared_fraction(of=stats.source_pairs)
+    hits = sum(stats.layer[la]["pool_hits"] for la in modes.layers)
+    wanted = sum(stats.layer[la]["pool_wanted"] for la in modes.layers)
+    entry = dense_entry_bytes(geo.kv_dim, BF16)  # K + V of one position, one layer
+    read = stats.per_token("read")
+    return {
+        "entries_read_per_token": read, "entries_visible_per_token": stats.per_token("visible"),
+        "bytes_read_per_token_bf16": read * 2 * entry,
+        "indexer_entries_per_token": stats.per_token("scored"),
+        "indexer_macs_per_token": stats.per_token("scored") * geo.kv_dim,  # one kv_dim-long dot per scored entry
+        "shared_consecutive": shared, "shared_consecutive_chance": chance,
+        "shared_by_pair": {f"{a}->{b}": p["shared"] / p["picked"] for (a, b), p in stats.pairs.items() if p["picked"]},
+        "reindex_shares_with_kv_source": vs_source, "reindex_shares_with_kv_source_chance": vs_source_chance,
+        "hsi_pool_recall": hits / wanted if wanted else None,
+    }
+
+
+def run(params: Params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, parts=None) -> dict:
+    plan, geo = load_plan(params.plan, params.model)
+    modes = group_modes(study, plan, geo)  # before any heavy work
+    t0 = time.perf_counter()
+    device = resolve_device(params.eval_ppl.device)
+    model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
+    parts = parts or load_parts(workdir / MODELS, params, plan, geo, device=device, extra_sources=False)
+    seqs = joined_sequences(tok, study.context, study.sequences, workdir)
+    # One sparse group per (group, k), each counting its own selections across the sequences.
+    stats: dict[str, SelectionStats] = {}
+    labels: dict[str, tuple[str, int]] = {}
+    groups: dict[str, SparseGroup] = {}
+    for name, spec in study.groups.items():
+        for k in study.k:
+            label = f"{name}@k{k}"
+            labels[label], stats[label] = (name, k), SelectionStats()
+            reads = SparseReads(k=k, window=study.window, hsi=study.hsi if spec.hsi else None)
+            groups[label] = SparseGroup(CEDModeBRuntime(model, plan, spec.kv, parts, kv_format=params.kv_format),
+                                        SparseAttention(model, modes[name], reads, geo, stats=stats[label]))
+    rows: dict[str, list[np.ndarray]] = {}
+    for i, seq in enumerate(seqs):  # one sequence per call: the trunk (layers 1..split) runs once per sequence
+        nll = multi_group_nll(model, plan, list(DENSE), parts, [seq], [study.score_from], 1, tok.pad_token_id,
+                              kv_format=params.kv_format, agreement=True, extra=groups)
+        for g, v in nll.items():
+            rows.setdefault(g, []).append(v.numpy())
+        log.info("sequence %d/%d done, %.0f s", i + 1, len(seqs), time.perf_counter() - t0)
+    per_seq = {g: np.concatenate(v) for g, v in rows.items()}
+    sums = {g: v[:, :2] for g, v in per_seq.items()}
+    deltas = {base: paired_deltas(sums, "delta_ppl_pct", params.seed, base=base) for base in DENSE}
+    results = {}
+    for g, v in per_seq.items():
+        name, k = labels.get(g, (g, None))
+        kv = study.groups[name].kv if name in study.groups else g
+        r = {"group": name, "kv": kv, "k": k, **_ppl(v), "stored_bytes_per_token_bf16": stored_bytes(geo, plan, kv)}
+        if g != "baseline":
+            r.update(delta_pct=deltas["baseline"][g]["value"], delta_pct_ci95=deltas["baseline"][g]["ci95"],
+                     **agreement(torch.from_numpy(v), params.seed))
+        if k is not None and kv in DENSE:  # the cost of the sparse reads alone: against the same KV read densely
+            d = deltas[kv][g]
+            r.update(delta_vs_dense_kv_pct=d["value"], delta_vs_dense_kv_pct_ci95=d["ci95"])
+        if g in stats:
+            r.update(selection_figures(stats[g], modes[name], geo))
+        else:  # dense: every layer reads every visible position, no indexer
+            visible = (study.context + 1) / 2 * len(sparse_layers(plan, geo))
+            r.update(entries_read_per_token=visible, entries_visible_per_token=visible,
+                     bytes_read_per_token_bf16=visible * 2 * dense_entry_bytes(geo.kv_dim, BF16),
+                     indexer_entries_per_token=0.0, indexer_macs_per_token=0.0)
+        results[g] = r
+    metrics = {
+        "protocol": {
+            "model": params.model.name, "data": params.data.name, "sequences": len(seqs), "context": study.context,
+            "score_from": study.score_from, "tokens_scored": results["baseline"]["tokens"],
+            "text": f"eval records ({EVAL_JSONL}) in file order joined with blank lines, cut into consecutive "
+                    f"{study.context}-token sequences; positions >= {study.score_from} scored, teacher-forced",
+            "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
+            "sparse_layers": list(sparse_layers(plan, geo)), "window": study.window, "k": study.k,
+            "hsi": dataclasses.asdict(study.hsi), "dtype": str(model.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "indexer": "oracle: the selecting layer's exact attention logits summed over its heads (one selection "
+                       "per query position for all heads); an upper bound on a trained indexer",
+            "per_token": "entries/bytes read and indexer entries: summed over the sparse layers, averaged over every "
+                         "position of a sequence; bytes stored: kv_bytes accounting, bf16",
+            "command": "dvc repro studies/dvc.yaml (python studies/layer_modes.py)",
+        },
+        "modes": {name: {"kv": study.groups[name].kv, "hsi": study.groups[name].hsi, "compact": m.compact(),
+                         "layers": m.rows()} for name, m in modes.items()},
+        "groups": results,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    return metrics
+
+
+def _ci(r: dict, key: str, fmt: str) -> str:
+    low, high = r[f"{key}_ci95"]
+    return f"{r[key]:{fmt}} [{low:{fmt}}, {high:{fmt}}]"
+
+
+def ordered(metrics: dict) -> list[dict]:
+    """The results, dense references first, then each group's in the modes' order by k (JSON sorts keys)."""
+    names = list(metrics["modes"])
+    return sorted(metrics["groups"].values(),
+                  key=lambda r: (r["k"] is not None, DENSE.index(r["group"]) if r["k"] is None else
+                                 names.index(r["group"]), r["k"] or 0))
+
+
+def markdown(metrics: dict) -> str:
+    """The modes table and the results tables."""
+    p = metrics["protocol"]
+    lines = [f"# V4.1 layer modes on the retrofitted {p['model']} (issue 15)", "",
+             f"`{p['command']}`: {p['sequences']} sequences x {p['context']} tokens of {p['data']} "
+             f"({p['text']}); {p['tokens_scored']:,} tokens scored; window {p['window']}, HSI block "
+             f"{p['hsi']['block']} x {p['hsi']['pool_blocks']} blocks; {p['dtype']}, {metrics['seconds']:.0f} s.",
+             f"Indexer: {p['indexer']}.", "",
+             f"## Modes (sparse layers {p['sparse_layers'][0]}–{p['sparse_layers'][-1]}; F Full, X Reindex, "
+             "R(i) Reuse of layer i's selection)", "",
+             "| group | KV | layers | Reindex searches |", "|---|---|---|---|"]
+    for name, m in metrics["modes"].items():
+        search = "HSI pool" if m["hsi"] else "every visible entry"
+        lines.append(f"| {name} | {m['kv']} | {m['compact']} | {search if 'X' in m['compact'] else '—'} |")
+    lines += ["", "## Quality against the dense baseline (ΔPPL with a paired bootstrap 95% CI over sequences)", "",
+              "| group | KV | k | PPL | ΔPPL % [95% CI] | KL nats/token [95% CI] | top-1 % | ΔPPL % vs the same KV "
+              "read densely [95% CI] |", "|---|---|---|---|---|---|---|---|"]
+    for r in ordered(metrics):
+        k = r["k"] if r["k"] is not None else "dense"
+        if "delta_pct" not in r:
+            lines.append(f"| {r['group']} | {r['kv']} | {k} | {r['ppl']:.3f} | — | — | — | — |")
+            continue
+        alone = _ci(r, "delta_vs_dense_kv_pct", "+.2f") if "delta_vs_dense_kv_pct" in r else "—"
+        lines.append(f"| {r['group']} | {r['kv']} | {k} | {r['ppl']:.3f} | {_ci(r, 'delta_pct', '+.2f')} | "
+                     f"{_ci(r, 'kl', '.4f')} | {r['top1_pct']:.1f} | {alone} |")
+    lines += ["", f"## Selection and cost ({p['per_token']}; shares: of a layer's picks, also picked by the other "
+              "layer, where both choose among more than k; chance: two random k-subsets)", "",
+              "| group | k | entries read/token | indexer entries/token | indexer MACs/token | stored B/token "
+              "(decoder attn., bf16) | consecutive layers share (chance) | Reindex shares with its KV source (chance) "
+              "| HSI pool recall |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def share(r: dict, key: str) -> str:
+        return f"{r[key]:.2f} ({r[key + '_chance']:.2f})" if r.get(key) is not None else "—"
+
+    for r in ordered(metrics):
+        recall = f"{r['hsi_pool_recall']:.2f}" if r.get("hsi_pool_recall") is not None else "—"
+        lines.append(f"| {r['group']} | {r['k'] if r['k'] is not None else 'dense'} | "
+                     f"{r['entries_read_per_token']:,.0f} | {r['indexer_entries_per_token']:,.0f} | "
+                     f"{r['indexer_macs_per_token']:,.0f} | "
+                     f"{r['stored_bytes_per_token_bf16']['decoder_attention']:,.0f} | "
+                     f"{share(r, 'shared_consecutive')} | {share(r, 'reindex_shares_with_kv_source')} | {recall} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(metrics: dict, path: Path) -> None:
+    """ΔPPL %, KL and top-1 against k, one line per sparse group, the dense csa2 as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = metrics["groups"]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    names = list(metrics["modes"])
+    for name in names:
+        rows = sorted((r for r in groups.values() if r["group"] == name), key=lambda r: r["k"])
+        ks = [r["k"] for r in rows]
+        axes[0].errorbar(ks, [r["delta_pct"] for r in rows], marker="o", capsize=3, label=name,
+                         yerr=[[r["delta_pct"] - r["delta_pct_ci95"][0] for r in rows],
+                               [r["delta_pct_ci95"][1] - r["delta_pct"] for r in rows]])
+        axes[1].plot(ks, [r["kl"] for r in rows], marker="o", label=name)
+        axes[2].plot(ks, [r["top1_pct"] for r in rows], marker="o", label=name)
+    dense = groups["csa2"]
+    for ax, key, base in zip(axes, ("delta_pct", "kl", "top1_pct"), (0.0, 0.0, 100.0)):
+        ax.axhline(dense[key], color="gray", linestyle="--", label="csa2, dense")
+        ax.axhline(base, color="black", linewidth=0.8, linestyle=":", label="baseline, dense")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"k (plus a window of {metrics['protocol']['window']})")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("ΔPPL % vs dense baseline [95% CI]")
+    axes[1].set_ylabel("KL(baseline ‖ group), nats/token")
+    axes[2].set_ylabel("top-1 agreement with baseline, %")
+    p = metrics["protocol"]
+    fig.suptitle(f"V4.1 layer modes, oracle indexer: {p['model']}, {p['sequences']} x {p['context']} tokens, "
+                 f"positions >= {p['score_from']} scored")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    metrics = run(load_params(Path("params.yaml")), load_study())
+    write_json(OUT / "metrics.json", metrics)
+    (OUT / "modes.md").write_text(markdown(metrics))
+    plot(metrics, OUT / "quality_vs_k.png")
+    log.info("done in %.0f s:\n%s", metrics["seconds"], markdown(metrics))
+
+
+if __name__ == "__main__":
+    main()
