@@ -370,8 +370,8 @@ class ProjectorConfig(Section):
     lr: float = 2e-3
     epochs: int = 12
     batch_size: int = 256
-    # random: PyTorch's default init, as the seed; ridge: the ridge stage's closed-form map
-    init: Literal["random", "ridge"] = "random"
+    # ridge: the ridge stage's closed-form map; random: PyTorch's default init (the seed leaves it open)
+    init: Literal["random", "ridge"] = "ridge"
     warmup_fraction: float = 0.02
     weight_decay: float = 0.01
     amp_dtype: str = "auto"

@@ -20,6 +20,7 @@ from .config import Params
 from .loader import BlockLoader
 from .model_utils import Geometry, resolve_device
 from .projector import KVProjector
+from . import training
 from .training import Head, evaluate, fit, ridge_maps, val_summary, warmup_cosine
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ def train_projectors(params: Params, dump: Path, layers: tuple[int, ...], geo: G
     fitted = {layer: {**res, "val_loss": val_summary(res)[0], "val_loss_init": val_summary(init)[0], "maps": "trained"}
               for layer, res, init in zip(layers, final, initial)}
     run = {"init": cfg.init, "epochs": cfg.epochs, "batch_size": cfg.batch_size, "steps": steps,
-           "train_rows": train.n_rows, "val_rows": val.n_rows, "device": device.type, "amp_dtype": cfg.amp_dtype}
+           "train_rows": train.n_rows, "val_rows": val.n_rows, "device": device.type, "amp_dtype": cfg.amp_dtype,
+           "compute_dtype": training.compute_dtype_name(device, cfg.amp_dtype)}
     return Fitted({layer: p.cpu() for layer, p in projectors.items()}, fitted, curves, run)
 
 

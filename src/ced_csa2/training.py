@@ -182,6 +182,11 @@ class Head:
     parts: dict[str, slice]
 
 
+def compute_dtype_name(device: torch.device, amp_dtype: str) -> str:
+    """The dtype a trainer's matmuls run in on ``device`` under ``amp_dtype`` (``auto`` resolved): the protocol's word."""
+    return str(resolve_dtype(amp_dtype, device)).removeprefix("torch.")
+
+
 def amp_context(device: torch.device, amp_dtype: str):
     """``torch.autocast`` in ``amp_dtype`` on ``device`` (``auto``: see ``fast_dtype``); none for float32."""
     dtype = resolve_dtype(amp_dtype, device)

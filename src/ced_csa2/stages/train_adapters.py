@@ -47,7 +47,8 @@ from ..loader import load_rows
 from ..model_utils import resolve_device
 from ..paths import ADAPTERS_CURVES, ADAPTERS_METRICS, ADAPTERS_PATH, DUMP_PATH, RIDGE_PATH
 from ..plan import LayerPlan, load_plan
-from ..training import KINDS, Head, TensorBatches, build_adapters, fit, pair_names, split_masks, write_curves
+from ..training import (KINDS, Head, TensorBatches, build_adapters, compute_dtype_name, fit, pair_names, split_masks,
+                        write_curves)
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ def _run(params: Params, workdir: Path) -> dict:
         "layers": layers,
         "run": {"epochs": cfg.epochs, "steps": cfg.epochs * len(train), "train_pairs": train.n_rows,
                 "val_pairs": val.n_rows, "width": adapters.width, "device": device.type,
-                "amp_dtype": cfg.amp_dtype, "wall_s": round(time.perf_counter() - t0, 3)},
+                "amp_dtype": cfg.amp_dtype,
+                "compute_dtype": compute_dtype_name(device, cfg.amp_dtype), "wall_s": round(time.perf_counter() - t0, 3)},
     }
     if distributed.is_main():
         save_adapters(workdir / ADAPTERS_PATH, adapters.cpu(), meta)
