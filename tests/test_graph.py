@@ -105,3 +105,29 @@ def test_library_never_imports_a_stage():
     for path in (SRC / "ced_csa2").glob("*.py"):
         module = f"ced_csa2.{path.stem}" if path.stem != "__init__" else "ced_csa2"
         assert not {m for m in project_imports(module) if m.startswith("ced_csa2.stages")}, path
+
+
+def regenerate_code_deps(path: Path = ROOT / "dvc.yaml") -> None:
+    """Rewrite each stage's ``src/`` deps in ``dvc.yaml`` as its import closure (comments and order kept).
+
+        python tests/test_graph.py      # after changing what a stage imports
+    """
+    lines, out, stage = path.read_text().splitlines(keepends=True), [], None
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("  ") and not line.startswith("   ") and line.rstrip().endswith(":"):
+            stage = line.strip()[:-1]
+        if line.lstrip().startswith("- src/") and stage in STAGE_MODULES:
+            indent = line[:len(line) - len(line.lstrip())]
+            while i < len(lines) and lines[i].lstrip().startswith("- src/"):
+                i += 1
+            out += [f"{indent}- {d}\n" for d in sorted(import_closure(f"ced_csa2.stages.{stage}"))]
+            continue
+        out.append(line)
+        i += 1
+    path.write_text("".join(out))
+
+
+if __name__ == "__main__":
+    regenerate_code_deps()

@@ -1,5 +1,7 @@
 """Shared-trunk scoring gives every group exactly what a separate pass under its runtime gives."""
 
+import itertools
+
 import pytest
 import torch
 from conftest import tiny_gemma3, tiny_llama
@@ -183,7 +185,8 @@ def test_eval_ppl_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny
             group_ppl(model, plan, group, parts, ids, params, tok.pad_token_id), group
 
 
-def test_eval_objective_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny_model, monkeypatch):
+def test_eval_objectives_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny_model, monkeypatch):
+    """Two objectives in one shared pass: one with its own maps, one whose csa2 maps equal the first's (scored once)."""
     from conftest import tiny_params
     from test_eval_ppl import write_eval
 
@@ -192,27 +195,31 @@ def test_eval_objective_gives_each_group_what_one_group_at_a_time_gives(tmp_path
     from ced_csa2.io_utils import write_json
     from ced_csa2.perplexity import eval_ids, group_ppl
     from ced_csa2.plan import load_plan
-    from ced_csa2.stages import eval_objective
+    from ced_csa2.stages import eval_objectives
 
     model, tok = tiny_model
-    params = tiny_params(eval_gsm8k={"batch_size": 2})
+    params = tiny_params(eval_gsm8k={"batch_size": 2}, train={"objectives": ["ridge", "attn_out"]})
     plan, geo = load_plan(params.plan, params.model)
-    parts = random_parts(geo, plan, seed=3)
-    monkeypatch.setattr(eval_objective, "load_objective_parts", lambda *args: parts)  # loading is tested elsewhere
+    parts = {"ridge": random_parts(geo, plan, seed=3), "attn_out": random_parts(geo, plan, seed=4)}
+    parts["attn_out"].adapters = parts["ridge"].adapters  # csa2@attn_out reads exactly csa2@ridge's tensors
+    served = {o: {g: p for g in params.train.eval_groups} for o, p in parts.items()}
+    # loading is tested elsewhere (test_checkpoint_match.py)
+    monkeypatch.setattr(eval_objectives, "load_objective_parts", lambda workdir, o, *args: served[o])
     write_eval(tmp_path, tok)
     seqs, cut = rows(250, seed=1)
     pairs = [(s, c) for s, c in zip(seqs, cut) if c < len(s)]
     write_json(tmp_path / paths.GOLD_PATH, {"model": params.model.name, "num_fewshot": params.eval_gsm8k.num_fewshot,
                                             "pairs": pairs})
-    m = eval_objective.run(params, "ridge", tmp_path, model_and_tok=(model, tok))
+    m = eval_objectives.run(params, tmp_path, model_and_tok=(model, tok))
 
     ids = eval_ids(params, tok, tmp_path)
-    assert list(m["groups"]) == params.train.eval_groups
-    for group in params.train.eval_groups:
-        want = group_ppl(model, plan, group, parts, ids, params, tok.pad_token_id)
-        with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
+    assert m["scored_as"] == {"csa2@attn_out": "csa2@ridge"}
+    assert m["objectives"]["attn_out"]["groups"]["csa2"] == m["objectives"]["ridge"]["groups"]["csa2"]
+    for objective, group in itertools.product(params.train.objectives, params.train.eval_groups):
+        want = group_ppl(model, plan, group, parts[objective], ids, params, tok.pad_token_id)
+        with CEDModeBRuntime(model, plan, group, parts[objective], kv_format=params.kv_format):
             want["gold_nll"] = gold_nll(model, pairs, params.eval_gsm8k.batch_size, tok.pad_token_id)
-        got = m["groups"][group]  # plus the paired changes against the baseline eval_objective scores too
+        got = m["objectives"][objective]["groups"][group]  # plus the paired changes against the baseline
         got_gold = {k: v for k, v in got["gold_nll"].items() if not k.startswith("delta")}
         assert {k: v for k, v in got.items() if not k.startswith(("delta", "kl", "top1")) and k != "gold_nll"} == \
             {k: v for k, v in want.items() if k != "gold_nll"}, group

@@ -476,7 +476,7 @@ class EvalPPLConfig(Section):
     batch_size: int = 8
     prefix_fraction: float = 0.5  # Mode A: prompt = this fraction of each record, scored on the rest
     device: str = "auto"
-    records: int = 0  # a seeded sample of this many eval records (0 = all); eval_objective scores the same
+    records: int = 0  # a seeded sample of this many eval records (0 = all); eval_objectives scores the same
 
     def __post_init__(self):
         bad = [g for g in self.groups if g not in RUNTIME_GROUPS]

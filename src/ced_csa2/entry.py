@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 from .config import load_params, record_reads
+from .io_utils import atomic_write_text
+from .paths import timings_path
 
 RECORD_ENV = "CED_CSA2_RECORD_READS"
-PROFILE_ENV = "CED_CSA2_PROFILE"  # <dir>: each stage writes <dir>/<stage>.json {wall_s, peak_rss_mib}
 DEBUG_ENV = "CED_CSA2_DEBUG"  # =1: re-raise an input error with its traceback instead of one line
 # Input errors: a stage that raises one of these exits 2 with one line on stderr, no traceback.
 # ParamsError, PlanError, CheckpointError and DumpError are ValueErrors; AssetError (a
@@ -37,6 +38,16 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, e
 # Files under these folders are pipeline artifacts: a stage that reads one must declare it.
 ARTIFACT_DIRS = ("data", "models", "metrics", "reports")
 _FILES_READ: set[str] | None = None
+_TIMINGS: dict = {}
+
+
+def record_timing(**items) -> None:
+    """Add wall times or speed ratios to what this stage writes to ``timings/<stage>.json`` when it ends.
+
+    Timings never go into a stage's metrics: they differ between runs and machines, and a
+    rerun on the same inputs must rewrite its results (and ``dvc.lock``) byte for byte.
+    """
+    _TIMINGS.update(items)
 
 
 def _audit(event: str, args: tuple) -> None:
@@ -120,7 +131,7 @@ def _run_stage(run, *args, launcher=None) -> None:
                          f"ced_csa2.stages.{name.split('@')[0]}), not under torchrun")
     # Every process of a data-parallel run records the same reads: only rank 0 writes them down.
     main_rank = os.environ.get("RANK", "0") == "0"
-    record_dir, profile_dir = (os.environ.get(env) if main_rank else None for env in (RECORD_ENV, PROFILE_ENV))
+    record_dir = os.environ.get(RECORD_ENV) if main_rank else None
     params = load_params()
     if launcher is not None:
         status = launcher(params, _module(run), [str(a) for a in args])
@@ -137,15 +148,14 @@ def _run_stage(run, *args, launcher=None) -> None:
             run(params, *args)
         _write(Path(record_dir) / f"{name}.json",
                {"params": sorted(keys), "files": sorted(_FILES_READ)})
-    if profile_dir:  # wall time of the stage (its module imports before run_stage not included), peak RSS
-        _write(Path(profile_dir) / f"{name}.json", {
-            "wall_s": round(time.perf_counter() - t0, 1),
+    if main_rank:  # wall time of the stage (its module imports before run_stage not included), peak RSS
+        _write(timings_path(name), {
+            **_TIMINGS, "wall_s": round(time.perf_counter() - t0, 1),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)})
 
 
 def _write(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=1))
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
 def objective_arg(stage: str) -> str:

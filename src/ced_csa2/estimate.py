@@ -85,7 +85,7 @@ class Rates:
 # end most answers sooner: a step here is an upper-bound step); reads 1.27 s/GB from disk with CRC checks
 # (benchmarks/dump_verify.py); writes ~1 GB/s (README, the DVC cache copy).  Checked against all eleven
 # measured stages: 16.8 min predicted for 16.8 measured, each within 16% but the three shortest (< 8 s; fixed
-# costs, up to 1.8x).  Host peaks: from 48% low (tune@attn_out) to 15% high (eval_objective); most come out
+# costs, up to 1.8x).  Host peaks: from 48% low (tune@attn_out) to 15% high (eval_objective, before it scored all objectives in one stage); most come out
 # low, by the libraries (lm-eval, h5py, ...) this model does not count.
 _CPU = Rates(model_flops=2.1e11, map_flops=2.1e11, f64_flops=8.7e10, logits=2.6e8, decode_step_s=0.092, read_bytes=1 / 1.27e-9,
              write_bytes=1e9, basis="measured on this project's 2-core CPU, fp32 (benchmarks/results/repro_e2e.md)")
@@ -519,13 +519,17 @@ def est_tune(s: Setup, objective: str) -> StageEstimate:
                          note=f"{len(PHASE_GROUPS)} phases, batch {cfg.batch_size}")
 
 
-def est_eval_objective(s: Setup, objective: str) -> StageEstimate:
-    groups = ["baseline", *s.params.train.eval_groups]
+def est_eval_objectives(s: Setup) -> StageEstimate | None:
+    objectives = s.params.train.objectives
+    if not objectives:
+        return None
+    # One shared trunk: the baseline once, every group once per objective.
+    groups = ["baseline", *(g for _ in objectives for g in s.params.train.eval_groups)]
     seconds = scoring_seconds(s, groups, s.eval.total) + scoring_seconds(s, groups, s.gold.total)
     longest = max(s.params.eval_ppl.batch_size * int(s.eval.tokens.max()),
                   s.params.eval_gsm8k.batch_size * (int(s.gold.tokens.max()) if s.gold.exact else GOLD_MAX_TOKENS))
     host, device = peaks(s, model=True, device_work=scoring_bytes(s, longest, groups))
-    return StageEstimate(f"eval_objective@{objective}", f"{s.eval.total:,} + {s.gold.total:,} gold tokens",
+    return StageEstimate("eval_objectives", f"{s.eval.total:,} + {s.gold.total:,} gold tokens",
                          host=host, device=device, seconds=seconds, note=f"{len(groups)} groups")
 
 
@@ -535,7 +539,7 @@ def estimate(s: Setup) -> list[StageEstimate]:
     stages = [est_prepare(s), est_dump(s), est_ridge(s), est_fit_xkv(s),
               projector_training(s, "train_projector", (s.plan.source,), trained=True), est_extra_projectors(s),
               est_train_adapters(s), est_eval_ppl(s), est_eval_gsm8k(s),
-              *(est_tune(s, o) for o in objectives), *(est_eval_objective(s, o) for o in objectives)]
+              *(est_tune(s, o) for o in objectives), est_eval_objectives(s)]
     return [e for e in stages if e is not None]
 
 

@@ -180,9 +180,11 @@ def gold_nll(model, pairs: list[tuple[list[int], int]], batch_size: int, pad_id:
 
 def groups_gold_nll(model, plan, groups: list[str], parts: CEDParts | Mapping[str, CEDParts] | None,
                     pairs: list[tuple[list[int], int]], batch_size: int, pad_id: int, *, kv_format: str | None,
-                    seed: int, more: dict[str, torch.Tensor] | None = None) -> dict[str, dict]:
+                    seed: int, more: dict[str, torch.Tensor] | None = None,
+                    extra: Mapping[str, object] | None = None) -> dict[str, dict]:
     """:func:`gold_nll` of every group under its Mode B runtime, bit for bit, with one shared trunk per batch.
 
+    ``extra`` adds runtimes by label, scored like groups (:func:`~ced_csa2.scoring.multi_group_nll`);
     ``more`` adds arms scored elsewhere (Mode A): ``{name: (len(pairs), 2)}`` rows in the
     order of ``pairs``.  When ``baseline`` is among ``groups`` every other group and arm also
     gets ``delta`` (gold NLL per token minus the baseline's, nats) and ``delta_ci95`` (paired
@@ -195,7 +197,7 @@ def groups_gold_nll(model, plan, groups: list[str], parts: CEDParts | Mapping[st
     lo, hi = distributed.batch_bounds(len(pairs), batch_size)
     mine = order[lo:hi]
     nll = multi_group_nll(model, plan, groups, parts, [pairs[i][0] for i in mine], [pairs[i][1] for i in mine],
-                          batch_size, pad_id, kv_format=kv_format)
+                          batch_size, pad_id, kv_format=kv_format, extra=extra)
     nll = {group: distributed.assemble(rows, lo, len(pairs)) for group, rows in nll.items()}
     nll.update({name: rows[order] for name, rows in (more or {}).items()})
     out = {group: _per_token(v) for group, v in nll.items()}

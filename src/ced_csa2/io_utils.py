@@ -101,3 +101,4 @@ def write_json(path: Path, obj) -> None:
     except TypeError as exc:
         raise TypeError(f"{path}: {exc}") from None
     atomic_write_text(path, text + "\n")
+

@@ -9,6 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 DATA, MODELS, METRICS, REPORTS = Path("data"), Path("models"), Path("metrics"), Path("reports")
+# Wall times and speed ratios of the last run of each stage: measurements of a machine, not
+# results, so in no DVC output (a rerun would change dvc.lock) and not in git (.gitignore).
+TIMINGS = Path("timings")
+
+
+def timings_path(stage: str) -> Path:
+    """``timings/<stage>.json`` (``stage`` as DVC names it, ``@`` kept: ``tune@attn_out``)."""
+    return TIMINGS / f"{stage}.json"
 
 # prepare
 CORPUS_DIR = DATA / "corpus"
@@ -65,8 +73,11 @@ def objective_models(objective: str) -> Path:
     return MODELS / "objectives" / objective
 
 
+OBJECTIVES_EVAL = METRICS / "objectives" / "eval.json"  # eval_objectives: every objective's scores
+
+
 def objective_metrics(objective: str) -> Path:
-    """``train.json`` and ``eval.json`` of one objective's branch."""
+    """``train.json`` of one objective's branch (``tune@<objective>``)."""
     return METRICS / "objectives" / objective
 
 

@@ -57,7 +57,7 @@ def group_ppl(model, plan, group: str, parts: CEDParts, ids: list[list[int]], pa
 
 
 def groups_ppl(model, plan, groups: list[str], parts: CEDParts | Mapping[str, CEDParts] | None, ids: list[list[int]],
-               params: Params, pad_id: int) -> dict[str, dict]:
+               params: Params, pad_id: int, *, extra: Mapping[str, object] | None = None) -> dict[str, dict]:
     """:func:`group_ppl` of every group, bit for bit, with one shared trunk per batch (:func:`multi_group_nll`).
 
     When ``baseline`` is among ``groups`` every other group also gets, each with its paired
@@ -65,8 +65,9 @@ def groups_ppl(model, plan, groups: list[str], parts: CEDParts | Mapping[str, CE
     ``delta_pct`` (ΔPPL %), ``kl`` (mean per-token KL(baseline ‖ group), nats) and
     ``top1_pct`` (% of scored tokens whose argmax is the baseline's).
 
-    Under a process group each rank scores a contiguous run of the single-process batches
-    and the per-record sums are assembled on every rank, so the figures and their bootstrap
+    ``extra`` adds runtimes by label, scored like groups (:func:`multi_group_nll`).  Under a
+    process group each rank scores a contiguous run of the single-process batches and the
+    per-record sums are assembled on every rank, so the figures and their bootstrap
     intervals are the single-process ones.
     """
     # Scored in order of length (9% fewer padded positions on the embedded default's 40
@@ -74,7 +75,7 @@ def groups_ppl(model, plan, groups: list[str], parts: CEDParts | Mapping[str, CE
     sorted_ids, back = by_length(ids)
     lo, hi = distributed.batch_bounds(len(ids), params.eval_ppl.batch_size)
     nll = multi_group_nll(model, plan, groups, parts, sorted_ids[lo:hi], [0] * (hi - lo), params.eval_ppl.batch_size,
-                          pad_id, kv_format=params.kv_format, agreement="baseline" in groups)
+                          pad_id, kv_format=params.kv_format, agreement="baseline" in groups, extra=extra)
     nll = {g: distributed.assemble(v, lo, len(ids))[back] for g, v in nll.items()}
     out = {group: _ppl(v[:, :2]) for group, v in nll.items()}
     for group, d in paired_deltas({g: v[:, :2].numpy() for g, v in nll.items()}, "delta_ppl_pct",
@@ -156,7 +157,7 @@ def protocol(params: Params, model, plan, ids: list[list[int]], tokens_scored: i
         # hub commits asked for (null: the default branch when the run fetched it)
         "model_revision": params.model.revision, "data_revision": params.data.revision,
         "max_tokens": params.data.max_tokens, "dtype": str(model.dtype).removeprefix("torch."),
-        "device": str(model.device), "threads": torch.get_num_threads(),
+        "device": str(model.device),
         "basis": "token-level, teacher-forced, corpus-level exp(sum NLL / scored tokens); Mode B substitution",
         "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
         "kv_format": params.kv_format,

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from .. import distributed, kv_hooks
 from ..config import Params, params_hash, to_dict
-from ..entry import run_stage
+from ..entry import record_timing, run_stage
 from ..h5store import DumpError, DumpLayout, DumpReader, DumpWriter, copy_records
 from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device, tokenizer_hash
@@ -143,12 +143,12 @@ def _run(params: Params, workdir: Path, max_batches: int | None) -> dict | None:
             _merge(workdir, layout, cfg.chunk_kib, attrs, world)
         distributed.barrier()
     path = workdir / DUMP_PATH
+    record_timing(tokens_this_run=n_tokens, seconds_this_run=round(seconds, 3), threads=torch.get_num_threads(),
+                  tokens_per_s=round(n_tokens / seconds, 1) if seconds > 0 else None)
     metrics = {
         "records": len(ids), "tokens": int(sum(len(r) for r in ids)), "bytes": path.stat().st_size,
-        "tokens_this_run": n_tokens, "seconds_this_run": round(seconds, 3),
-        "tokens_per_s": round(n_tokens / seconds, 1) if seconds > 0 else None,
         "resumed_from_record": start, "nproc": world, "device": str(next(model.parameters()).device),
-        "threads": torch.get_num_threads(), "model": model_cfg.name, "compute_dtype": attrs["compute_dtype"],
+        "model": model_cfg.name, "compute_dtype": attrs["compute_dtype"],
         "storage_dtype": cfg.storage_dtype, "kv_layers": list(plan.kv_layers), "split": plan.split,
     }
     if distributed.is_main():

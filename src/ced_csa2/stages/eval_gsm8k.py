@@ -19,7 +19,7 @@ substitution; the ``*_fp4`` groups store K/V in ``kv_format``, recorded in the p
 For each group of ``eval_gsm8k.generate`` (generation is what GSM8K costs) the stage reports
 
 * per filter (``strict-match``, ``flexible-extract``): ``exact_match``, ``correct``,
-  ``n`` and ``ci95`` (Wilson score interval, z = 1.96), and ``seconds`` of generation;
+  ``n`` and ``ci95`` (Wilson score interval, z = 1.96) (generation times: ``timings/eval_gsm8k.json``);
 
 and for each group of ``eval_gsm8k.groups`` (a superset)
 
@@ -48,7 +48,7 @@ torchrun itself).  Each runs lm-eval's task whole, but generates only a contiguo
 of the single-process batches (:class:`~ced_csa2.mode_a_lm.DataParallelLM`, which says why
 lm-eval's own multi-process path is not used) and the texts are gathered; gold NLL and
 Mode A's rows are scored by share and assembled on every rank.  Every batch is the
-single-process one, so the metrics are one process's (seconds aside); rank 0 writes.
+single-process one, so the metrics are one process's; rank 0 writes.
 
 Writes ``metrics/gsm8k.json``: ``{"protocol": {...}, "groups": {group: {...}}, "mode_a": {...}}``.
 """
@@ -64,7 +64,7 @@ import torch
 from .. import distributed
 from ..ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDParts, load_parts
 from ..config import Params
-from ..entry import run_stage
+from ..entry import record_timing, run_stage
 from ..groups import GROUPS
 from ..gsm8k import (
     FEWSHOT_SOURCE,
@@ -129,6 +129,7 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
              params.data.math.label, n, cfg.num_fewshot, cfg.max_gen_toks, list(cfg.generate), list(cfg.groups))
 
     groups = {g: {} for g in cfg.groups}
+    generation_s = {}  # timings/eval_gsm8k.json
     with local_task(data_file, cfg.num_fewshot) as task_manager:
         for i, group in enumerate(cfg.generate, 1):
             log.info("generation %d/%d: %s", i, len(cfg.generate), group)
@@ -138,6 +139,7 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
             if group_pairs != pairs:
                 raise RuntimeError(f"lm-eval built different prompts for group {group!r} than {GOLD_PATH} holds")
             g = groups[group]
+            generation_s[group] = g.pop("seconds")
             if g["strict-match"]["n"] != n:
                 raise RuntimeError(f"lm-eval evaluated {g['strict-match']['n']} problems, expected all {n}")
             log.info("%s: strict-match %d/%d, flexible-extract %d/%d", group, g["strict-match"]["correct"], n,
@@ -150,6 +152,8 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     for group in cfg.groups:
         groups[group]["gold_nll"] = gold[group]
         log.info("%s: gold NLL %.4f/token", group, gold[group]["nll_per_token"])
+    record_timing(generation_s=generation_s, gold_nll_s=round(time.perf_counter() - t0, 1),
+                  mode_a_generation_s=mode_a.pop("seconds", None))
     log.info("gold NLL of %d groups: %.1f s", len(cfg.groups), time.perf_counter() - t0)
     if more:
         mode_a["gold_nll"] = gold["mode_a"]

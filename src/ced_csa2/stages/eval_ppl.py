@@ -28,10 +28,12 @@ import logging
 import time
 from pathlib import Path
 
+import torch
+
 from .. import distributed
 from ..ced_runtime import CEDParts, load_parts
 from ..config import Params
-from ..entry import run_stage
+from ..entry import record_timing, run_stage
 from ..groups import LOW_RANK_GROUPS
 from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device
@@ -68,12 +70,14 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     t0 = time.perf_counter()
     # All groups at once: the layers below the first one a group changes run once per batch.
     groups = groups_ppl(model, plan, cfg.groups, parts, ids, params, tok.pad_token_id)
+    t1 = time.perf_counter()
     mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, params.seed)
+    record_timing(groups_s=round(t1 - t0, 1), mode_a_s=round(time.perf_counter() - t1, 1),
+                  threads=torch.get_num_threads(), mode_a_prefill=mode_a.pop("timing", None))
     metrics = {
         "protocol": protocol(params, model, plan, ids, groups[cfg.groups[0]]["tokens"]),
         "groups": groups,
         "mode_a": mode_a,
-        "seconds": round(time.perf_counter() - t0, 1),
     }
     if distributed.is_main():
         write_json(workdir / PPL_METRICS, metrics)

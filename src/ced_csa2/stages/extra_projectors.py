@@ -23,7 +23,6 @@ sources: nothing is read then) and ``metrics/extra_projectors.json``
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 from ..checkpoint import checkpoint_meta
@@ -41,7 +40,7 @@ log = logging.getLogger(__name__)
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
     """Fit (or take from ridge), validate and save the extra projectors; returns the metrics written."""
-    workdir, t0 = Path(workdir), time.perf_counter()
+    workdir = Path(workdir)
     plan, geo = load_plan(params.plan, params.model)
     layers, dump = plan.extra_sources, workdir / DUMP_PATH
     # Read whatever the plan: dvc.yaml declares train_projector for this stage, whose recipe
@@ -59,7 +58,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, *trained)["projectors"]
     save_projectors(workdir / PROJECTORS_EXTRA, fitted.projectors, {**meta, "maps": params.extra_projectors})
     metrics = {"layers": {str(layer): m for layer, m in fitted.layers.items()},
-               "run": {"maps": params.extra_projectors, **fitted.run, "wall_s": round(time.perf_counter() - t0, 3)}}
+               "run": {"maps": params.extra_projectors, **fitted.run}}
     write_json(workdir / EXTRA_METRICS, metrics)
     for layer, m in metrics["layers"].items():
         log.info("extra projector H_%d -> KV_%s (%s): val R2 K %.4f V %.4f", plan.split, layer, m["maps"],

@@ -15,13 +15,12 @@ Writes ``models/xkv.pt`` and ``metrics/xkv.json``:
   reconstruction error relative to the layer's K (V) energy), ``r2``, ``cos``, ``n_val``;
 * ``energy.{k,v}``: captured energy ``Σ‖U_rᵀx‖² / Σ‖x‖²`` of the stacked rows, ``train``
   (from the eigenvalues) and ``val``;
-* ``run``: rank, kv_dim, layers, rows and records on each side, wall time.
+* ``run``: rank, kv_dim, layers, rows and records on each side.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +91,7 @@ def evaluate(reader: DumpReader, basis: XKVBasis, mask: np.ndarray, block_rows: 
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
     """Fit, validate and write the xKV bases; returns the metrics written to ``metrics/xkv.json``."""
-    workdir, t0 = Path(workdir), time.perf_counter()
+    workdir = Path(workdir)
     plan, geo = load_plan(params.plan, params.model)
     layers = group_layers(plan)
     rank, width = params.xkv.rank_for(geo.kv_dim), len(layers) * geo.kv_dim
@@ -127,7 +126,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
         "layers": fit["layers"],
         "energy": energy,
         "run": {"rank": rank, "kv_dim": geo.kv_dim, "layers": list(layers), "width": width,
-                "n_train_rows": n_train, "n_val_rows": n_val, "wall_s": round(time.perf_counter() - t0, 3)},
+                "n_train_rows": n_train, "n_val_rows": n_val},
     }
     write_json(workdir / XKV_METRICS, metrics)
     log.info("wrote %s and %s", workdir / XKV_PATH, workdir / XKV_METRICS)

@@ -11,8 +11,8 @@ loaded: no forward pass, seconds on any machine.
 
 Writes ``data/gsm8k_gold.json``: ``{"model", "math_set", "num_fewshot", "pairs"}`` with
 ``[ids, context_length]`` per problem.  ``eval_gsm8k`` scores gold NLL on these pairs (and
-checks that the prompts lm-eval generates from are the same), ``eval_objective@<objective>``
-too, so an objective's evaluation never waits on generation.
+checks that the prompts lm-eval generates from are the same), ``eval_objectives``
+too, so the objectives' evaluation never waits on generation.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ float64 sufficient statistics are summed across ranks, every rank solves; rank 0
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 from .. import distributed
@@ -38,7 +37,6 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
 
 
 def _run(params: Params, workdir: Path) -> dict:
-    t0 = time.perf_counter()
     plan, lam = LayerPlan.from_config(params.plan), params.ridge.lam
     groups = map_groups(plan)
     with DumpReader(workdir / DUMP_PATH) as reader:
@@ -72,7 +70,6 @@ def _run(params: Params, workdir: Path) -> dict:
     metrics["run"] = {
         "lambda": lam, "n_train_rows": int(train_mask.sum()), "n_val_rows": int(val_mask.sum()),
         "n_train_records": len(train), "n_val_records": len(val),
-        "wall_s": round(time.perf_counter() - t0, 3),
     }
     if distributed.is_main():
         save_ridge(workdir / RIDGE_PATH, maps, meta)

@@ -26,13 +26,12 @@ series per adapter and metric, x = epoch; ``val_*`` from epoch 0, the ridge star
 ``metrics/adapters.json``: per layer and K/V the
 r2, cos, rel_mse, mse of the trained adapter (``trained``), of the ridge-only start on
 the same pairs (``ridge``), and ``gain = trained - ridge`` (positive is better for r2
-and cos, negative for rel_mse and mse); plus run facts and wall time.
+and cos, negative for rel_mse and mse); plus run facts.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -96,7 +95,6 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
 
 
 def _run(params: Params, workdir: Path) -> dict:
-    t0 = time.perf_counter()
     cfg = params.train_adapters
     plan, geo = load_plan(params.plan, params.model)
     dump, kv = workdir / DUMP_PATH, geo.kv_dim
@@ -126,8 +124,7 @@ def _run(params: Params, workdir: Path) -> dict:
         "layers": layers,
         "run": {"epochs": cfg.epochs, "steps": cfg.epochs * len(train), "train_pairs": train.n_rows,
                 "val_pairs": val.n_rows, "width": adapters.width, "device": device.type,
-                "amp_dtype": cfg.amp_dtype,
-                "compute_dtype": compute_dtype_name(device, cfg.amp_dtype), "wall_s": round(time.perf_counter() - t0, 3)},
+                "amp_dtype": cfg.amp_dtype, "compute_dtype": compute_dtype_name(device, cfg.amp_dtype)},
     }
     if distributed.is_main():
         save_adapters(workdir / ADAPTERS_PATH, adapters.cpu(), meta)

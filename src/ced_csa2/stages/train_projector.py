@@ -32,7 +32,6 @@ and V, the val loss before and after training; ``run``: facts and wall time).
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 from .. import distributed
@@ -56,7 +55,6 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
 
 
 def _run(params: Params, workdir: Path) -> dict:
-    t0 = time.perf_counter()
     plan, geo = load_plan(params.plan, params.model)
     dump = workdir / DUMP_PATH
     train_mask, val_mask = split_masks(dump, params, plan, geo, [plan.source], tokens_per_record=0)
@@ -64,7 +62,7 @@ def _run(params: Params, workdir: Path) -> dict:
                                ridge=workdir / RIDGE_PATH)
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.train_projector)
     metrics = {"layers": {str(layer): m for layer, m in fitted.layers.items()},
-               "run": {**fitted.run, "wall_s": round(time.perf_counter() - t0, 3)}}
+               "run": fitted.run}
     if distributed.is_main():
         save_projector(workdir / projector_path(plan.source), fitted.projectors[plan.source], meta["projector"])
         write_curves(workdir / PROJECTOR_CURVES, fitted.curves, x="epoch")

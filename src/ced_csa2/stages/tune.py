@@ -47,7 +47,7 @@ from ..ced_runtime import CEDParts
 from ..checkpoint import checkpoint_meta
 from ..config import Params, require_listed, to_dict
 from ..csa2 import save_adapters
-from ..entry import objective_arg, run_stage
+from ..entry import objective_arg, record_timing, run_stage
 from ..io_utils import write_json
 from ..model_utils import Geometry, load_model_and_tokenizer, resolve_device
 from ..objectives import (
@@ -139,8 +139,8 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     after = held_out(objective, model, parts, plan, group, val, cfg.temperature, cfg.kv_weight)
     log.info("%s / %s phase: held-out loss %.5f -> %.5f, KL %.5f -> %.5f (%.0f s, %.1f tok/s)", objective, group,
              before["loss"], after["loss"], before["kl"], after["kl"], seconds, tokens / seconds)
+    record_timing(**{f"{group}_phase": {"wall_s": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2)}})
     summary = {"layers": list(substituted_layers(plan, group)), "steps": steps, "tokens": tokens,
-               "wall_s": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
                "val_before": before, "val_after": after}
     last_step = first_step + len(losses)
     curves = {f"{group}_loss": losses} if losses else {}
@@ -154,7 +154,7 @@ def save_parts(out: Path, objective: str, parts: CEDParts, params: Params, plan:
     """Both maps in folder ``out``, in the main branch's checkpoint formats, marked with their objective.
 
     The metadata is :func:`ced_csa2.checkpoint.checkpoint_meta`'s (model, layers, geometry,
-    plan, provenance) plus ``objective``: what ``eval_objective`` checks on loading.
+    plan, provenance) plus ``objective``: what ``eval_objectives`` checks on loading.
     """
     # The ridge export does not depend on the online budget: same params, same bytes.
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
@@ -166,7 +166,7 @@ def save_parts(out: Path, objective: str, parts: CEDParts, params: Params, plan:
 
 def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
     """Build (and for attn_out/distill train) one objective's maps; returns ``train.json``'s content."""
-    workdir, t0 = Path(workdir), time.perf_counter()
+    workdir = Path(workdir)
     require_listed(params, objective)
     plan, geo = load_plan(params.plan, params.model)
     # The maps of ced and csa2, and ced_csa2's own pair, each trained under the group it serves.
@@ -202,11 +202,10 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
         metrics["protocol"] = {"model": params.model.name, "data": params.data.name,
                                "model_revision": params.model.revision, "data_revision": params.data.revision,
                                "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
-                               "threads": torch.get_num_threads(), **to_dict(params.train.online)}
+                               **to_dict(params.train.online)}
     out = workdir / objective_models(objective)
     save_parts(out, objective, parts, params, plan, geo)
     save_parts(out / "ced_csa2", objective, served["ced_csa2"], params, plan, geo)
-    metrics["wall_s"] = round(time.perf_counter() - t0, 3)
     if curves:
         write_curves(workdir / objective_curves(objective), curves, x="step")
     else:  # ridge trains nothing: no curve (an empty plot would read as a failed run)

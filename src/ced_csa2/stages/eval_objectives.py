@@ -1,0 +1,113 @@
+"""``eval_objectives`` stage: perplexity and GSM8K gold NLL of every training objective's maps.
+
+    python -m ced_csa2.stages.eval_objectives     # what `dvc repro eval_objectives` runs
+
+Scores the maps of ``models/objectives/<objective>/`` (stage ``tune@<objective>``; the
+``ced_csa2*`` groups with the pair in its ``ced_csa2/`` folder, trained for them) for every
+group of ``train.eval_groups`` and every objective of ``train.objectives``, with exactly
+the main branch's protocols: the eval records' corpus-level perplexity (as
+:func:`ced_csa2.perplexity.groups_ppl`) and the gold-solution NLL on the tokenised prompts of
+stage ``gold_pairs`` (``data/gsm8k_gold.json``), so this stage never runs ``eval_gsm8k``'s
+generation.  Exact-match accuracy is not re-run here (generation dominates GSM8K's cost
+and scores ~0 on the embedded model).
+
+Every (group, objective) is one branch of the same shared trunk
+(:func:`ced_csa2.scoring.multi_group_nll`): the layers below a branch point and the baseline
+run once per batch for all objectives, and the baseline is the reference of every paired
+interval.  Two labels whose maps are the same tensors (a digest of what the group reads)
+are scored once; ``scored_as`` in the output names the label a row was copied from.
+
+Writes ``metrics/objectives/eval.json``: ``{"protocol", "gold_protocol", "objectives":
+{objective: {"groups": {group: {ppl, nll_per_token, tokens, delta_pct, kl, top1_pct, ...,
+gold_nll}}}}, "scored_as": {label: label}}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ..ced_runtime import CEDModeBRuntime, CEDParts, load_parts
+from ..config import Params, require_listed
+from ..entry import run_stage
+from ..groups import GROUPS
+from ..gsm8k import groups_gold_nll, load_gold_pairs
+from ..io_utils import write_json
+from ..model_utils import Geometry, load_model_and_tokenizer, resolve_device
+from ..paths import GOLD_PATH, OBJECTIVES_EVAL, objective_models
+from ..perplexity import eval_ids, groups_ppl, protocol
+from ..plan import LayerPlan, load_plan
+
+
+def load_objective_parts(workdir: Path, objective: str, params: Params, plan: LayerPlan, geo: Geometry,
+                         device) -> dict[str, CEDParts]:
+    """The maps ``tune@<objective>`` wrote, per group: ``{group: CEDParts}`` for ``train.eval_groups``.
+
+    The groups that project the source *and* adapt it (``ced_csa2*``) get the pair trained
+    for them (``.../ced_csa2/``); the others the ``ced``/``csa2`` pair.  No extra sources
+    (Mode B only).  Checked as :func:`ced_csa2.ced_runtime.load_parts` checks the main
+    branch's maps (model, layer(s), ``hidden_size``/``kv_dim``, plan), plus ``objective``.
+    """
+    require_listed(params, objective)
+    folder = workdir / objective_models(objective)
+    pairs = {sub: load_parts(folder / sub, params, plan, geo, device=device, also={"objective": objective},
+                             extra_sources=False) for sub in ("", "ced_csa2")}
+    return {g: pairs["ced_csa2" if GROUPS[g].projected_source and GROUPS[g].adapters else ""]
+            for g in params.train.eval_groups}
+
+
+def maps_digest(group: str, parts: CEDParts) -> str:
+    """sha256 over the tensors ``group`` reads from ``parts`` (projector and/or adapters), in state-dict order."""
+    h = hashlib.sha256(group.encode())
+    spec = GROUPS[group]
+    for used, module in ((spec.projected_source, parts.projector), (spec.adapters, parts.adapters)):
+        if used and module is not None:
+            for name, tensor in module.state_dict().items():
+                h.update(name.encode())
+                h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def label(group: str, objective: str) -> str:
+    return f"{group}@{objective}"
+
+
+def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
+    """Score ``train.eval_groups`` under every objective's maps; returns ``eval.json``'s content."""
+    workdir = Path(workdir)
+    plan, geo = load_plan(params.plan, params.model)
+    pairs = load_gold_pairs(workdir / GOLD_PATH, params)
+    model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
+    objectives = params.train.objectives
+    parts = {o: load_objective_parts(workdir, o, params, plan, geo, model.device) for o in objectives}
+    ids = eval_ids(params, tok, workdir)
+
+    # One branch per distinct set of maps: the first label with a digest is scored, the others copy it.
+    scored_as, first = {}, {}
+    for o in objectives:
+        for g in params.train.eval_groups:
+            scored_as[label(g, o)] = first.setdefault(maps_digest(g, parts[o][g]), label(g, o))
+    branches = {lab: CEDModeBRuntime(model, plan, lab.split("@")[0], parts[lab.split("@")[1]][lab.split("@")[0]],
+                                     kv_format=params.kv_format) for lab in dict.fromkeys(scored_as.values())}
+    # The baseline rides along (the trunk itself) as every paired interval's reference.
+    ppl = groups_ppl(model, plan, ["baseline"], None, ids, params, tok.pad_token_id, extra=branches)
+    gold = groups_gold_nll(model, plan, ["baseline"], None, pairs, params.eval_gsm8k.batch_size, tok.pad_token_id,
+                           kv_format=params.kv_format, seed=params.seed, extra=branches)
+    metrics = {
+        "protocol": protocol(params, model, plan, ids, ppl["baseline"]["tokens"]),
+        "gold_protocol": {"math_set": params.data.math.label, "math_revision": params.data.math.revision,
+                          "n": len(pairs), "num_fewshot": params.eval_gsm8k.num_fewshot, "source": str(GOLD_PATH)},
+        "objectives": {o: {"groups": {g: {**ppl[scored_as[label(g, o)]], "gold_nll": gold[scored_as[label(g, o)]]}
+                                      for g in params.train.eval_groups}} for o in objectives},
+        "scored_as": {lab: src for lab, src in scored_as.items() if lab != src},
+    }
+    write_json(workdir / OBJECTIVES_EVAL, metrics)
+    return metrics
+
+
+def main() -> None:
+    run_stage(run)
+
+
+if __name__ == "__main__":
+    main()
