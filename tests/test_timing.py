@@ -108,3 +108,13 @@ def test_mode_a_speedup_above_the_layer_bound_raises(llama_mode_a, monkeypatch):
     monkeypatch.setattr(perplexity, "paired_seconds", lambda *a, **k: Paired({"plain": 4.62, "mode_a": 1.0}, {}, [], 3))
     with pytest.raises(BoundExceeded, match=r"measured 4\.620x exceeds its bound 3\.000x"):
         perplexity.mode_a_prefix(model, plan, geo, parts, ids, 0.5, seed=0, timing_records=1)
+
+
+def test_setup_runs_untimed_before_every_call_and_self_timed_arms_report_their_own(fake_clock):
+    log, arm = fake_clock
+    setups = []
+    a, b = arm("a", [7.0] * 4), arm("b", [7.0] * 4)
+    t = paired_seconds({"a": lambda: a() or 1.0, "b": lambda: b() or 3.0}, setup=lambda: setups.append(len(log)),
+                       self_timed=True)
+    assert setups == list(range(8)) and t.seconds == {"a": 1.0, "b": 3.0}  # the arms' own figures, not 7 s
+    assert timing.median_seconds(arm("c", [5.0, 1.0, 2.0, 9.0])) == 2.0

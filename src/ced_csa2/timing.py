@@ -89,14 +89,15 @@ class Paired:
 
 
 def paired_seconds(arms: Mapping[str, Callable[[], object]], repeats: int = MIN_REPEATS, *, warmup: bool = True,
-                   device: str | torch.device = "cpu") -> Paired:
+                   device: str | torch.device = "cpu", setup: Callable[[], object] | None = None,
+                   self_timed: bool = False) -> Paired:
     """Median wall seconds of each arm on one shape, the arms warmed up and alternated.
 
     Parameters
     ----------
     arms
         ``{name: fn}``, two or more zero-argument callables doing the same job on the same
-        input (their results are discarded).
+        input (their results are discarded unless ``self_timed``).
     repeats
         Timed rounds, at least :data:`MIN_REPEATS`.
     warmup
@@ -104,6 +105,12 @@ def paired_seconds(arms: Mapping[str, Callable[[], object]], repeats: int = MIN_
         called every arm on this shape itself (e.g. the scoring call whose result it keeps).
     device
         Device the arms run on; every clock reading synchronises it.
+    setup
+        Called untimed before every call of an arm, warm-up included (e.g. dropping the
+        page cache, so that every read is cold).
+    self_timed
+        Each arm returns its own seconds, which are used instead of the wall time around
+        the call (work timed inside a subprocess, its start-up left out).
 
     Returns
     -------
@@ -112,20 +119,38 @@ def paired_seconds(arms: Mapping[str, Callable[[], object]], repeats: int = MIN_
     """
     if len(arms) < 2:
         raise ValueError(f"paired timing needs two or more arms, got {list(arms)}")
+    return _rounds(arms, repeats, warmup, device, setup, self_timed)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = MIN_REPEATS, *, warmup: bool = True,
+                   device: str | torch.device = "cpu", setup: Callable[[], object] | None = None) -> float:
+    """Median wall seconds of ``repeats`` calls of ``fn`` after one untimed call: a figure compared with none.
+
+    Parameters as for :func:`paired_seconds`.  A ratio of two such figures is not paired
+    (load drifts between them): time the two through :func:`paired_seconds`.
+    """
+    return _rounds({"fn": fn}, repeats, warmup, device, setup, False).seconds["fn"]
+
+
+def _rounds(arms, repeats, warmup, device, setup, self_timed) -> Paired:
     if repeats < MIN_REPEATS:
         raise ValueError(f"paired timing needs repeats >= {MIN_REPEATS} (a median of fewer is not robust), got {repeats}")
     clock, names = Clock(device), list(arms)
+    setup = setup or (lambda: None)
     if warmup:
         for name in names:
+            setup()
             arms[name]()
             clock()  # the warm-up's queued work must not spill into the first timed call
     runs: dict[str, list[float]] = {name: [] for name in names}
     order = []
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:
+            setup()
             t0 = clock()
-            arms[name]()
-            runs[name].append(clock() - t0)
+            out = arms[name]()
+            wall = clock() - t0
+            runs[name].append(float(out) if self_timed else wall)
             order.append(name)
     return Paired({n: statistics.median(v) for n, v in runs.items()}, runs, order, repeats)
 
