@@ -1,7 +1,7 @@
 """Wall time of each data-parallel stage with ``distributed.nproc: 2`` against ``1``, on the tiny profile.
 
     python benchmarks/distributed_overhead.py              # tiny profile, default tiny budget
-    python benchmarks/distributed_overhead.py --repeats 3  # best of 3 per stage and nproc
+    python benchmarks/distributed_overhead.py --repeats 5  # median of 5 per stage and nproc
 
 In a temporary folder: compose the tiny profile for ``nproc`` 1 and 2, run ``prepare`` once,
 then each data-parallel stage (``dump``, ``ridge``, ``train_projector``, ``train_adapters``,
@@ -11,7 +11,10 @@ torchrun's start-up and rendezvous, both processes loading the model, the stage,
 of the dump's shards.  One process runs twice, with torch's default threads and with
 ``OMP_NUM_THREADS=1`` as torchrun gives each of its processes: on a busy machine a 2-thread
 process can lose far more to oversubscription than to anything data-parallel, and the
-1-thread column separates the two.  Prints a Markdown table of the walls and their ratios
+1-thread column separates the two.  Per stage the three commands go through
+:func:`ced_csa2.timing.paired_seconds`: one untimed run of each (the page cache holds the
+stage's inputs and the Python files afterwards), then ``--repeats`` (>= 3) rounds of the
+three, their order rotated each round, per-command median.  Prints a Markdown table of the walls and their ratios
 (with the machine's load average, since other jobs move them) and writes it to
 ``benchmarks/results/distributed_overhead.md``.
 
@@ -30,6 +33,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from ced_csa2.timing import PROTOCOL, paired_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["dump", "ridge", "train_projector", "train_adapters", "eval_ppl"]
@@ -57,9 +63,8 @@ def run(workdir: Path, stage: str, nproc: int, threads: str | None = None) -> fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=1, help="best of this many runs per stage and nproc")
+    parser.add_argument("--repeats", type=int, default=3, help="median of this many runs per stage and nproc")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "src"))
     from ced_csa2.compose import compose
 
     rows = []
@@ -71,9 +76,11 @@ def main() -> None:
         for stage in STAGES:
             if stage == "eval_ppl":
                 run(workdir, "extra_projectors", 1)
-            # nproc 2 last: the next stage reads what it wrote (equal to nproc 1's, see tests/test_distributed.py).
-            walls = [min(run(workdir, stage, n, threads) for _ in range(args.repeats))
-                     for n, threads in ((1, None), (1, "1"), (2, None))]
+            # Whichever command runs last, the next stage reads what it wrote: nproc 2 writes what nproc 1
+            # writes (tests/test_distributed.py).
+            arms = {(n, threads): (lambda n=n, threads=threads: run(workdir, stage, n, threads))
+                    for n, threads in ((1, None), (1, "1"), (2, None))}
+            walls = list(paired_seconds(arms, args.repeats).seconds.values())
             rows.append((stage, *walls))
             print(f"{stage}: " + " / ".join(f"{w:.1f} s" for w in walls), file=sys.stderr)
     table = ["| stage | nproc 1 wall s | nproc 1, 1 thread wall s | nproc 2 wall s | ratio 2 / 1 | ratio 2 / 1 thread |",
@@ -82,7 +89,7 @@ def main() -> None:
               for stage, one, single, two in rows]
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     text = "\n".join([f"Data-parallel stages on the tiny profile ({' '.join(OVERRIDES)}), whole command timed, "
-                      f"best of {args.repeats}, gloo on CPU; load average at the end {load} (1 / 5 / 15 min):",
+                      f"{PROTOCOL.format(repeats=args.repeats)}, gloo on CPU; load average at the end {load} (1 / 5 / 15 min):",
                       "", *table, "", NOTE.format(cores=os.cpu_count())]) + "\n"
     print(text)
     out = ROOT / "benchmarks" / "results" / "distributed_overhead.md"

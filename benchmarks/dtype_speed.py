@@ -8,6 +8,9 @@ this prints, for the decoder forward (SmolLM2-135M, ``batch x seq`` tokens, infe
 and for one projector training step (AdamW on ``hidden -> K|V`` rows, autocast vs none),
 tokens (rows) per second in each dtype and the ratio ``bf16 / fp32`` (> 1: bf16 is faster),
 together with the CPU capabilities :func:`ced_csa2.model_utils.fast_dtype` looks at.
+Each pair through :func:`ced_csa2.timing.paired_seconds` (one untimed warm-up of each
+dtype, the two alternated over ``--repeats`` >= 3 rounds, per-arm median).  No bound: the
+two dtypes do the same operations.
 """
 
 from __future__ import annotations
@@ -17,20 +20,28 @@ import contextlib
 import json
 
 import torch
-from _timing import best_seconds
 
 from ced_csa2.config import load_params
 from ced_csa2.model_utils import load_model_and_tokenizer
+from ced_csa2.timing import PROTOCOL, paired_seconds
 
 
-def forward_tok_s(params, dtype: str, batch: int, seq: int, repeats: int) -> float:
-    model, _ = load_model_and_tokenizer(params.model, dtype=dtype)
-    x = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        return batch * seq / best_seconds(lambda: model(x), repeats)
+def forward_tok_s(params, batch: int, seq: int, repeats: int) -> dict[str, float]:
+    """Tokens/s of the model's forward in float32 and bfloat16 (both models loaded, timed alternately)."""
+    models = {dt: load_model_and_tokenizer(params.model, dtype=dt)[0] for dt in ("float32", "bfloat16")}
+    x = torch.randint(0, models["float32"].config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+    def forward(model):
+        def run():
+            with torch.inference_mode():
+                model(x)
+        return run
+    t = paired_seconds({dt: forward(m) for dt, m in models.items()}, repeats)
+    return {dt: batch * seq / s for dt, s in t.seconds.items()}
 
 
-def projector_rows_s(hidden: int, kv_dim: int, rows: int, autocast: bool, repeats: int) -> float:
+def projector_step(hidden: int, kv_dim: int, rows: int, autocast: bool):
+    """One AdamW step on a fresh ``hidden -> K|V`` projector (its own optimizer state), bf16 autocast or none."""
     torch.manual_seed(0)
     proj = torch.nn.Linear(hidden, 2 * kv_dim)
     opt = torch.optim.AdamW(proj.parameters(), lr=1e-3)
@@ -43,8 +54,7 @@ def projector_rows_s(hidden: int, kv_dim: int, rows: int, autocast: bool, repeat
         opt.zero_grad()
         loss.backward()
         opt.step()
-
-    return rows / best_seconds(step, repeats)
+    return step
 
 
 def main() -> None:
@@ -55,15 +65,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     params = load_params()
-    fwd = {dt: forward_tok_s(params, dt, args.batch, args.seq, args.repeats) for dt in ("float32", "bfloat16")}
+    fwd = forward_tok_s(params, args.batch, args.seq, args.repeats)
     cfg = load_model_and_tokenizer(params.model, dtype="float32")[0].config
     kv_dim = cfg.num_key_value_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
-    train = {name: projector_rows_s(cfg.hidden_size, kv_dim, args.rows, name == "bfloat16", args.repeats)
+    steps = {name: projector_step(cfg.hidden_size, kv_dim, args.rows, name == "bfloat16")
              for name in ("float32", "bfloat16")}
+    train = {name: args.rows / s for name, s in paired_seconds(steps, args.repeats).seconds.items()}
     print(json.dumps({
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "amx": torch.cpu._is_amx_tile_supported(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
         "threads": torch.get_num_threads(), "model": params.model.name,
+        "timing": PROTOCOL.format(repeats=args.repeats),
         "forward_tok_s": {k: round(v) for k, v in fwd.items()},
         "forward_bf16_over_fp32": round(fwd["bfloat16"] / fwd["float32"], 2),
         "projector_rows_s": {k: round(v) for k, v in train.items()},

@@ -5,7 +5,8 @@
 
 Writes a synthetic dump with the embedded default's geometry (``h_split`` 576 wide, K/V
 of 4 layers at kv_dim 192: 8,448 bytes per row in float32) through ``DumpWriter`` and
-measures, each the best of ``--repeats`` runs:
+measures, each the median of ``--repeats`` (>= 3) runs after one untimed run, the
+verified and unverified reads alternated (:func:`ced_csa2.timing.paired_seconds`):
 
 * ``crc+finite``: CRC32 and the non-finite check alone, on rows already in memory
   (what the writer adds per GB, and the CPU part of verification);
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 import zlib
@@ -32,8 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import best_seconds
+from ced_csa2.timing import median_seconds, paired_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,22 +106,17 @@ def main() -> None:
 
         block = np.random.default_rng(1).standard_normal((512, args.hidden + 2 * args.kv_dim * len(layers)),
                                                           dtype=np.float32)
-        per = best_seconds(lambda: (zlib.crc32(block), nonfinite_rows(block, "float32")), 50 * args.repeats)
+        per = median_seconds(lambda: (zlib.crc32(block), nonfinite_rows(block, "float32")), 50 * args.repeats)
         print(f"crc+finite in memory: {per / block.nbytes * 1e9:.3f} s/GB")
 
         def verify_all():
             with DumpReader(path) as r:
                 r.verify()
 
-        warm = best_seconds(verify_all, args.repeats)
-        cold = []
-        for _ in range(args.repeats):
-            drop_cache(path)
-            t0 = time.perf_counter()
-            verify_all()
-            cold.append(time.perf_counter() - t0)
-        print(f"verify every dataset: warm {warm:.3f} s = {warm / gb:.3f} s/GB; cold {min(cold):.3f} s = "
-              f"{min(cold) / gb:.3f} s/GB")
+        warm = median_seconds(verify_all, args.repeats)
+        cold = median_seconds(verify_all, args.repeats, warmup=False, setup=lambda: drop_cache(path))
+        print(f"verify every dataset: warm {warm:.3f} s = {warm / gb:.3f} s/GB; cold {cold:.3f} s = "
+              f"{cold / gb:.3f} s/GB")
 
         # The ridge stage's read: its datasets, train then validation rows, blocks of ridge.block_rows.
         params = load_params(ROOT / "params.yaml")
@@ -140,32 +134,24 @@ def main() -> None:
                             pass
             return go
 
-        ridge_read(False)()  # warm-up
-        for label, fn in (("warm", None), ("cold", drop_cache)):
-            runs = {False: [], True: []}
-            for _ in range(args.repeats):  # interleaved, best of each
-                for verify in (False, True):
-                    if fn:
-                        fn(path)
-                    t0 = time.perf_counter()
-                    ridge_read(verify)()
-                    runs[verify].append(time.perf_counter() - t0)
-            t = {v: min(r) for v, r in runs.items()}
+        for label, setup in (("warm", None), ("cold", lambda: drop_cache(path))):
+            t = paired_seconds({False: ridge_read(False), True: ridge_read(True)}, args.repeats, setup=setup).seconds
             print(f"ridge's read ({label}, {len(ridge_names)} datasets): {t[False]:.3f} s unverified, "
                   f"{t[True]:.3f} s verified on read: +{t[True] - t[False]:.3f} s = "
                   f"{(t[True] - t[False]) / t[False]:+.1%} of the read")
 
         if not args.skip_stage:
             original = ridge_stage.DumpReader
-            runs = {False: [], True: []}
-            for _ in range(max(1, args.repeats - 1)):
-                for verify in (False, True):
-                    ridge_stage.DumpReader = lambda p, v=verify: original(p, verify=v)
-                    t0 = time.perf_counter()
-                    ridge_stage.run(params, work)
-                    runs[verify].append(time.perf_counter() - t0)
-            ridge_stage.DumpReader = original
-            t = {v: min(r) for v, r in runs.items()}
+
+            def stage(verify):
+                def run():
+                    ridge_stage.DumpReader = lambda p: original(p, verify=verify)
+                    try:
+                        ridge_stage.run(params, work)
+                    finally:
+                        ridge_stage.DumpReader = original
+                return run
+            t = paired_seconds({False: stage(False), True: stage(True)}, args.repeats).seconds
             print(f"ridge stage (warm): {t[False]:.2f} s unverified, {t[True]:.2f} s verified: "
                   f"{(t[True] - t[False]) / t[False]:+.1%}")
 

@@ -9,8 +9,10 @@ For one batch of ``--batch`` train records cropped to ``--seq-len`` tokens, time
 * one optimizer step of ``attn_out`` and of ``distill`` in each phase (projector under
   ``ced``, adapters under ``csa2``): teacher pass, loss, backward, AdamW step;
 
-and prints tokens/s and the step time as a multiple of the plain forward (best of
-``--repeats`` after one untimed warm-up, the device synchronised: ``_timing.best_seconds``).
+and prints tokens/s and the step time as a multiple of the plain forward (all five through
+:func:`ced_csa2.timing.paired_seconds`: one untimed warm-up of each, their order rotated
+over ``--repeats`` >= 3 rounds, per-arm median, the device synchronised at each reading).
+No bound is claimed: a step's teacher pass and backward are not a fixed multiple of a forward.
 The maps start at the ridge solution (``models/ridge.pt``); speed does not depend on their values.
 """
 
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import best_seconds
 
 from ced_csa2.config import load_params
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
@@ -27,13 +28,14 @@ from ced_csa2.objectives import objective_loss, online_records, ridge_parts
 from ced_csa2.paths import RIDGE_PATH
 from ced_csa2.plan import load_plan
 from ced_csa2.records import batches
+from ced_csa2.timing import paired_seconds
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
     params = load_params()
@@ -53,23 +55,26 @@ def main() -> None:
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask, use_cache=False)
 
-    base = best_seconds(forward, args.repeats, device=device)
-    print(f"{params.model.name} ({str(model.dtype).removeprefix('torch.')}, {device}, "
-          f"{torch.get_num_threads()} threads), batch {tuple(ids.shape)}, {tokens} tokens")
-    print(f"{'forward (baseline)':28s} {tokens / base:9.1f} tok/s   1.00x")
+    def step_of(objective, group, module):
+        opt = torch.optim.AdamW(module.parameters(), lr=0.0)  # lr 0: time the step, keep the maps
+
+        def step():
+            loss = objective_loss(objective, model, parts, plan, group, ids, mask, cfg.temperature, cfg.kv_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        return step
+
+    arms = {"forward (baseline)": forward}
     for objective in ("attn_out", "distill"):
         for group, module in (("ced", parts.projector), ("csa2", parts.adapters)):
-            opt = torch.optim.AdamW(module.parameters(), lr=0.0)  # lr 0: time the step, keep the maps
-
-            def step():
-                loss = objective_loss(objective, model, parts, plan, group, ids, mask, cfg.temperature,
-                                      cfg.kv_weight)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-
-            t = best_seconds(step, args.repeats, device=device)
-            print(f"{objective + ' step, ' + group:28s} {tokens / t:9.1f} tok/s   {t / base:.2f}x the forward")
+            arms[f"{objective} step, {group}"] = step_of(objective, group, module)
+    seconds = paired_seconds(arms, args.repeats, device=device).seconds
+    base = seconds["forward (baseline)"]
+    print(f"{params.model.name} ({str(model.dtype).removeprefix('torch.')}, {device}, "
+          f"{torch.get_num_threads()} threads), batch {tuple(ids.shape)}, {tokens} tokens, median of {args.repeats}")
+    for name, t in seconds.items():
+        print(f"{name:28s} {tokens / t:9.1f} tok/s   {t / base:.2f}x the forward")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ that each peak resident memory is honest: (a) streaming over chunk-aligned block
 float64 sufficient statistics, (b) loading all rows as float64 and fitting
 ``sklearn.linear_model.Ridge(alpha=λ, fit_intercept=True)``.  Prints wall time, peak
 RSS above the post-import baseline, their ratios, and the largest coefficient and
-intercept differences.  Not part of the tests.
+intercept differences.  The two workers go through :func:`ced_csa2.timing.paired_seconds`
+(one untimed run of each, ``--repeats`` >= 3 alternated runs, per-kind median of the fit's
+own seconds, the subprocess start-up left out; peak memory of the last run, which repeats).
+No bound: the two do different arithmetic.  Not part of the tests.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def worker(kind: str, dump: Path, x: str, y: list[str], lam: float, block_rows: 
     from sklearn.linear_model import Ridge
 
     from ced_csa2.h5store import DumpReader
+    from ced_csa2.timing import PROTOCOL, paired_seconds
     from ced_csa2.loader import aligned_block_rows, cat_features, iter_blocks, load_rows
     from ced_csa2.ridge import RidgeAccumulator
 
@@ -104,6 +108,7 @@ def main() -> None:
     p.add_argument("--kv-dim", type=int, default=192, help="K/V width of the synthetic dump")
     p.add_argument("--lam", type=float, default=1.0, help="ridge lambda")
     p.add_argument("--block-rows", type=int, default=8192, help="rows per streaming read (rounded to chunks)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each worker")
     p.add_argument("--worker", choices=["streaming", "sklearn"], help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -112,6 +117,7 @@ def main() -> None:
         return
 
     from ced_csa2.h5store import DumpReader
+    from ced_csa2.timing import PROTOCOL, paired_seconds
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -125,13 +131,24 @@ def main() -> None:
             widths, n = r.layout.widths(), r.n_tokens
         print(f"map {args.x} ({widths[args.x]}) -> {' || '.join(args.y)} ({sum(widths[y] for y in args.y)}), "
               f"{n} rows, lambda={args.lam:g}")
-        res = {kind: run_worker(kind, args, tmp / f"{kind}.npz") for kind in ("streaming", "sklearn")}
+        res = {}
+
+        def worker_of(kind):
+            def go():
+                res[kind] = run_worker(kind, args, tmp / f"{kind}.npz")
+                return res[kind]["seconds"]
+            return go
+        timed = paired_seconds({kind: worker_of(kind) for kind in ("streaming", "sklearn")}, args.repeats,
+                               self_timed=True)
+        for kind, seconds in timed.seconds.items():
+            res[kind]["seconds"] = seconds  # the median; load_s and memory are the last run's
         fits = {kind: np.load(tmp / f"{kind}.npz") for kind in res}
         dW = float(np.abs(fits["streaming"]["W"] - fits["sklearn"]["W"]).max())
         db = float(np.abs(fits["streaming"]["b"] - fits["sklearn"]["b"]).max())
         scale = float(np.abs(fits["sklearn"]["W"]).max())
     s, k = res["streaming"], res["sklearn"]
     mem = {kind: r["peak_mb"] - r["base_mb"] for kind, r in res.items()}
+    print(f"timing: {PROTOCOL.format(repeats=args.repeats)} (the fit's own seconds)")
     print(f"{'':10s} {'wall s':>8s} {'peak RSS MiB':>13s} {'(above base)':>13s}")
     for kind, r in res.items():
         extra = f"  (load {r['load_s']:.2f} s)" if r["load_s"] is not None else ""

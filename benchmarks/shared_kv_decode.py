@@ -4,8 +4,11 @@
     python benchmarks/shared_kv_decode.py --contexts 64 --steps 2   # a quick check
 
 On the model, plan and dtype of ``params.yaml`` (the embedded SmolLM2 by default), for
-each context length ``T`` it prefills ``T`` random tokens and then times ``--steps``
-greedy decode steps (median, after one untimed step) with each cache:
+each context length ``T`` it prefills ``T`` random tokens into every cache below, then
+times ``--steps`` (>= 3) greedy decode steps of each through
+:func:`ced_csa2.timing.paired_seconds`: one untimed step of each cache, then rounds of one
+step per cache, their order rotated each round, per-cache median (each step enters and
+leaves its cache's hooks: microseconds against a step).  Caches:
 
 * ``baseline / dynamic`` -- the plain model with transformers' ``DynamicCache``: the reference;
 * ``{group} / dynamic`` -- Mode B (:class:`~ced_csa2.ced_runtime.CEDModeBRuntime`) with a
@@ -28,11 +31,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 from pathlib import Path
 
 import torch
-from _timing import Clock
 from transformers import DynamicCache
 
 from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_parts
@@ -43,6 +44,7 @@ from ced_csa2.model_utils import geometry, load_model_and_tokenizer
 from ced_csa2.plan import LayerPlan
 from ced_csa2.projector import KVProjector
 from ced_csa2.shared_kv import SHARED_GROUPS, STORAGES, FP4KVCache, SharedKVCache, accounted_copies, kv_held_bytes
+from ced_csa2.timing import paired_seconds
 
 
 def maps(models_dir: Path, plan: LayerPlan, geo, params, model) -> tuple[CEDParts, str]:
@@ -64,8 +66,8 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats):
     config = model.config
     yield ("baseline / dynamic", ("baseline", "bf16"), lambda: DynamicCache(config=config),
            lambda cache: contextlib.nullcontext())
-    yield (f"{group} / dynamic", ("baseline", "bf16"), lambda: DynamicCache(config=config),
-           lambda cache: CEDModeBRuntime(model, plan, group, parts, kv_format="nvfp4"))
+    runtime = CEDModeBRuntime(model, plan, group, parts, kv_format="nvfp4")  # built once, entered per step
+    yield (f"{group} / dynamic", ("baseline", "bf16"), lambda: DynamicCache(config=config), lambda cache: runtime)
     for storage in storages:
         yield (f"{group} / shared-{storage}", (group, storage), lambda s=storage: SharedKVCache(model, plan, group,
                                                                                                   parts, s),
@@ -75,16 +77,24 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats):
                lambda cache: contextlib.nullcontext())
 
 
-@torch.inference_mode()
-def decode_ms(model, ids: torch.Tensor, cache, steps: int, clock: Clock) -> list[float]:
-    """Prefill ``ids`` ``(B, T)``, then ``steps + 1`` greedy steps; ms of the last ``steps``."""
-    x = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(steps + 1):
-        t0 = clock()
-        x = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
-        times.append(1e3 * (clock() - t0))
-    return times[1:]
+class Decoder:
+    """One cache's greedy decode: :meth:`prefill` once, then one :meth:`step` per call, each under ``ctx(cache)``."""
+
+    def __init__(self, model, cache, ctx):
+        self.model, self.cache, self.ctx, self.x = model, cache, ctx, None
+
+    @torch.inference_mode()
+    def _next(self, ids: torch.Tensor) -> None:
+        with self.ctx(self.cache):
+            logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
+        self.x = logits[:, -1:].argmax(-1)
+
+    def prefill(self, ids: torch.Tensor) -> None:
+        """``ids`` ``(B, T)`` into the cache; the next token of each row is the first step's input."""
+        self._next(ids)
+
+    def step(self) -> None:
+        self._next(self.x)
 
 
 def main() -> None:
@@ -109,10 +119,10 @@ def main() -> None:
     parts, note = maps(args.models_dir, plan, geo, params, model)
     dtype = next(model.parameters()).dtype
     dtype_bytes = torch.finfo(dtype).bits // 8
-    clock = Clock(args.device)
     print(f"{params.model.name} {dtype} on {args.device} ({torch.get_num_threads()} threads); plan split "
           f"{plan.split} source {plan.source} targets {list(plan.targets)}; batch {args.batch}; {note}")
-    print(f"'bf16' storage = the model dtype ({dtype}); median of {args.steps} decode steps after one warm-up")
+    print(f"'bf16' storage = the model dtype ({dtype}); median of {args.steps} decode steps after one warm-up, "
+          "the caches' steps alternated")
     header = (f"{'context':>7}  {'cache':<26} {'ms/step':>8} {'x ref':>6} {'held MiB':>9} "
               f"{'held/accounted':>14} {'held/ref':>8}")
     print(header)
@@ -120,11 +130,13 @@ def main() -> None:
     for context in args.contexts:
         ids = torch.randint(0, model.config.vocab_size, (args.batch, context), generator=gen).to(args.device)
         ref_ms = ref_bytes = None
-        for label, (acc_group, acc_storage), make_cache, ctx in cases(model, plan, args.group, parts,
-                                                                       args.storages, args.fp4_baselines):
-            cache = make_cache()
-            with ctx(cache):
-                ms = statistics.median(decode_ms(model, ids, cache, args.steps, clock))
+        runs, accounting = {}, {}
+        for label, acc, make_cache, ctx in cases(model, plan, args.group, parts, args.storages, args.fp4_baselines):
+            runs[label], accounting[label] = Decoder(model, make_cache(), ctx), acc
+            runs[label].prefill(ids)
+        seconds = paired_seconds({label: d.step for label, d in runs.items()}, args.steps, device=args.device).seconds
+        for label, (acc_group, acc_storage) in accounting.items():
+            cache, ms = runs[label].cache, 1e3 * seconds[label]
             held = kv_held_bytes(cache)
             per_token = bytes_per_token(accounted_copies(geo, plan, acc_group, acc_storage, dtype_bytes))
             accounted = per_token * args.batch * cache.get_seq_length()
@@ -132,6 +144,7 @@ def main() -> None:
             print(f"{context:>7}  {label:<26} {ms:>8.2f} {ms / ref_ms:>6.2f} {held / 2**20:>9.2f} "
                   f"{held / accounted:>14.4f} {held / ref_bytes:>8.3f}")
             del cache
+        del runs
 
 
 if __name__ == "__main__":

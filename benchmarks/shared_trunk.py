@@ -8,21 +8,25 @@ same records, (a) one :func:`~ced_csa2.scoring.sequence_nll` pass per group unde
 :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (what ``eval_ppl`` did), (b) one
 :func:`~ced_csa2.scoring.multi_group_nll` call (the layers below each group's first
 changed layer run once per batch), and prints ``shared / separate`` (goal <= 0.65) and
-whether every group's per-record NLL sums are bit-identical.
+whether every group's per-record NLL sums are bit-identical.  Its bound is the ratio of
+decoder-layer runs per batch (``layer_runs_ratio``: the shared trunk's layers once plus
+every group's branch, over one full pass per group), counting a layer below a group's
+branch point as the same work in both (it is the unmodified layer); a ratio below it
+stops the run.
 
 Models: ``tiny`` -- the tiny Qwen3.5 profile (random init, 32 layers, attention every 4th;
 plan 16/20/24,28,32; synthetic records, ``data=tiny``); ``smollm2`` -- the embedded default
 (``params.yaml`` as committed: SmolLM2-135M, plan 15/18/22,26,30, eval records of
 ``data/corpus/eval.jsonl``, or the same held-out Wikipedia records built from the
 pinned gensim sample when that file is absent).  Maps are random (speed does not depend on
-the weights).  Runs alternate and the best of ``--repeats`` is kept.
+the weights).  Timing: :func:`ced_csa2.timing.paired_seconds` (one untimed warm-up of
+each, the two alternated over ``--repeats`` >= 3 rounds, per-arm median).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import yaml
@@ -37,6 +41,7 @@ from ced_csa2.paths import EVAL_JSONL
 from ced_csa2.plan import load_plan
 from ced_csa2.records import read_records
 from ced_csa2.scoring import branch_point, multi_group_nll, sequence_nll
+from ced_csa2.timing import check_bound, paired_seconds
 
 PROFILES = {"tiny": ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5"], "smollm2": []}
 
@@ -79,26 +84,24 @@ def bench(name: str, records: int, repeats: int) -> dict:
     def shared():
         return multi_group_nll(model, plan, groups, parts, ids, cut, batch, pad, kv_format=kv_format)
 
-    times = {"separate": [], "shared": []}
     results = {}
-    for _ in range(repeats):
-        for label, fn in (("separate", separate), ("shared", shared)):
-            t0 = time.perf_counter()
-            results[label] = fn()
-            times[label].append(time.perf_counter() - t0)
-    best = {k: min(v) for k, v in times.items()}
+    t = paired_seconds({"separate": lambda: results.update(separate=separate()),
+                        "shared": lambda: results.update(shared=shared())}, repeats)
+    best = t.seconds
     n_layers = geo.n_layers
     branches = {g: branch_point(CEDModeBRuntime(model, plan, g, parts, kv_format=kv_format), n_layers)
                 for g in groups}
     # decoder-layer runs per batch: the trunk (to the end, baseline is a group) + each branch
     layer_runs = n_layers + sum(n_layers + 1 - b for b in branches.values() if b <= n_layers)
+    bound = n_layers * len(groups) / layer_runs  # most the shared trunk can gain: separate / shared
+    check_bound(t.ratio("separate", "shared"), bound, f"{name}: separate / shared", best)
     return {
         "model": params.model.name, "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
         "records": len(ids), "tokens": sum(map(len, ids)), "batch_size": batch, "records_from": source,
         "threads": torch.get_num_threads(), "groups": groups, "branch_points": branches,
         "layer_runs_ratio": round(layer_runs / (n_layers * len(groups)), 3),
         "separate_s": round(best["separate"], 2), "shared_s": round(best["shared"], 2),
-        "ratio": round(best["shared"] / best["separate"], 3),
+        "ratio": round(best["shared"] / best["separate"], 3), "repeats": repeats,
         "bit_identical": all(torch.equal(results["shared"][g], results["separate"][g]) for g in groups),
     }
 
@@ -107,7 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", choices=list(PROFILES), default=list(PROFILES))
     ap.add_argument("--records", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     for name in args.models:
         try:
@@ -116,8 +119,9 @@ def main() -> None:
             out = {"model": name, "skipped": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(out), flush=True)
         if "ratio" in out:
-            print(f"{name}: shared trunk / separate passes = {out['ratio']:.3f}x "
-                  f"({out['shared_s']} s vs {out['separate_s']} s; bit-identical: {out['bit_identical']})",
+            print(f"{name}: shared trunk / separate passes = {out['ratio']:.3f}x, bound "
+                  f"{out['layer_runs_ratio']:.3f}x (layer runs) ({out['shared_s']} s vs {out['separate_s']} s, "
+                  f"medians of {out['repeats']}; bit-identical: {out['bit_identical']})",
                   flush=True)
 
 

@@ -8,20 +8,22 @@ and batch size, via :func:`ced_csa2.training.train_epoch`) on the train rows of 
 first ``--records`` records: from tensors loaded up front (``TensorBatches``, the
 baseline), and with ``BlockLoader`` streaming every epoch from the dump
 (``preload_bytes=0``) and with its default (rows read once on the first epoch, then
-gathered from memory).  Reported: total seconds including loading, the median epoch after
-the first, and each loader's overhead over the baseline on both.  Goal: overhead <= 20%.
+gathered from memory).  The three advance one epoch each in turn: the first epoch of each
+(its warm-up; the preloading loader's read) timed once, then the rest through
+:func:`ced_csa2.timing.paired_seconds` (``warmup=False``: the first epoch was it; order
+rotated every round, per-run median).  Reported: total seconds including loading and the
+first epoch, the median epoch after the first, and each loader's overhead over the
+baseline on both.  Goal: overhead <= 20%.  ``--epochs`` >= 4 (a median of >= 3).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import numpy as np
 import torch
-from _timing import Clock
 
 from ced_csa2.config import load_params
 from ced_csa2.h5store import DumpReader
@@ -29,24 +31,26 @@ from ced_csa2.loader import BlockLoader, load_rows, record_split
 from ced_csa2.model_utils import resolve_device
 from ced_csa2.plan import LayerPlan
 from ced_csa2.projector_training import build_projectors, heads_for
+from ced_csa2.timing import Clock, paired_seconds
 from ced_csa2.training import TensorBatches, train_epoch
 
 DUMP = "data/dump/dump.h5"
 
 
-def epoch_seconds(params, plan, geo_dims, batches, epochs, device) -> list[float]:
-    """Train fresh projectors for ``epochs`` over ``batches``; wall seconds of each epoch."""
-    projectors = build_projectors(params, (plan.source,), *geo_dims)
-    heads = heads_for(projectors, geo_dims[1])
-    opt = torch.optim.AdamW([p for pr in projectors.values() for p in pr.parameters()],
-                            lr=params.train_projector.lr, weight_decay=params.train_projector.weight_decay)
-    seconds, clock = [], Clock(device)
-    for epoch in range(epochs):
-        t = clock()
-        batches.set_epoch(epoch)
-        train_epoch(heads, opt, batches, device, params.train_projector.amp_dtype)
-        seconds.append(clock() - t)
-    return seconds
+class Trainer:
+    """Fresh projectors trained over ``batches``, one epoch per :meth:`epoch` call."""
+
+    def __init__(self, params, plan, geo_dims, batches, device):
+        projectors = build_projectors(params, (plan.source,), *geo_dims)
+        self.heads = heads_for(projectors, geo_dims[1])
+        self.opt = torch.optim.AdamW([p for pr in projectors.values() for p in pr.parameters()],
+                                     lr=params.train_projector.lr, weight_decay=params.train_projector.weight_decay)
+        self.params, self.batches, self.device, self.done = params, batches, device, 0
+
+    def epoch(self) -> None:
+        self.batches.set_epoch(self.done)
+        train_epoch(self.heads, self.opt, self.batches, self.device, self.params.train_projector.amp_dtype)
+        self.done += 1
 
 
 def main() -> None:
@@ -72,24 +76,33 @@ def main() -> None:
 
     t = time.perf_counter()
     X, Y = load_rows(DUMP, ["h_split"], mask), load_rows(DUMP, y, mask)
-    runs = {"in_memory": (time.perf_counter() - t,
-                          epoch_seconds(params, plan, dims, TensorBatches(X, Y, bs, shuffle=True, seed=params.seed),
-                                        args.epochs, device))}
+    load = {"in_memory": time.perf_counter() - t, "loader_streamed": 0.0, "loader_preloaded": 0.0}
+    sources = {"in_memory": TensorBatches(X, Y, bs, shuffle=True, seed=params.seed)}
     for name, preload in (("loader_streamed", 0), ("loader_preloaded", None)):
-        loader = BlockLoader(DUMP, ["h_split"], y, mask, bs, shuffle=True, seed=params.seed, preload_bytes=preload)
-        runs[name] = (0.0, epoch_seconds(params, plan, dims, loader, args.epochs, device))
-        loader.close()
-    total = {name: load + sum(sec) for name, (load, sec) in runs.items()}
-    steady = {name: statistics.median(sec[1:]) for name, (_, sec) in runs.items()}
+        sources[name] = BlockLoader(DUMP, ["h_split"], y, mask, bs, shuffle=True, seed=params.seed,
+                                    preload_bytes=preload)
+    trainers = {name: Trainer(params, plan, dims, batches, device) for name, batches in sources.items()}
+    clock, first = Clock(device), {}
+    for name, trainer in trainers.items():
+        t = clock()
+        trainer.epoch()
+        first[name] = clock() - t
+    timed = paired_seconds({name: tr.epoch for name, tr in trainers.items()}, args.epochs - 1, warmup=False,
+                           device=device)
+    for batches in sources.values():
+        getattr(batches, "close", lambda: None)()
+    total = {name: load[name] + first[name] + sum(timed.runs[name]) for name in trainers}
+    steady = timed.seconds
     print(json.dumps({
         "rows": int(mask.sum()), "epochs": args.epochs, "batch_size": bs, "device": str(device),
         "threads": torch.get_num_threads(), "amp_dtype": params.train_projector.amp_dtype,
         "in_memory_load_seconds": round(runs["in_memory"][0], 2),
         "total_seconds_incl_loading": {k: round(v, 2) for k, v in total.items()},
         "steady_epoch_seconds": {k: round(v, 3) for k, v in steady.items()},
-        "overhead_pct_total": {k: round(100 * (total[k] / total["in_memory"] - 1), 1) for k in runs if k != "in_memory"},
+        "overhead_pct_total": {k: round(100 * (total[k] / total["in_memory"] - 1), 1) for k in total
+                               if k != "in_memory"},
         "overhead_pct_steady": {k: round(100 * (steady[k] / steady["in_memory"] - 1), 1)
-                                for k in runs if k != "in_memory"},
+                                for k in steady if k != "in_memory"},
     }, indent=2))
 
 if __name__ == "__main__":

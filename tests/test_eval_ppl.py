@@ -67,7 +67,7 @@ def test_ppl_groups_and_mode_a(tmp_path, tiny_model):
     assert math.isclose(a["baseline"]["ppl"], math.exp(total / n), rel_tol=1e-5)
     assert a["delta_pct"] == pytest.approx(100 * (a["mode_a"]["ppl"] / a["baseline"]["ppl"] - 1))
     assert a["delta_pct_ci95"][0] <= a["delta_pct"] <= a["delta_pct_ci95"][1] and a["kl"] > 0
-    assert a["prefill_seconds"]["plain"] > 0 and a["prefill_speedup"] > 0
+    assert a["timing"]["records"] == len(TEXTS) and 0 < a["timing"]["speedup"] <= a["timing"]["bound"]
     assert m["protocol"]["records"] == len(TEXTS)
     assert json.loads((tmp_path / paths.PPL_METRICS).read_text()) == json.loads(json.dumps(m))
 

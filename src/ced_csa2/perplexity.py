@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from pathlib import Path
 from typing import Mapping
 
@@ -24,10 +23,12 @@ from .paths import EVAL_JSONL
 from .records import read_records, seeded_subset
 from .scoring import multi_group_nll, score_logits, sequence_nll
 from .stats import paired_bootstrap, paired_deltas, ratio_bootstrap
+from .timing import MIN_REPEATS, PROTOCOL, check_bound, paired_seconds
 
 log = logging.getLogger(__name__)
 
 EVAL_SAMPLE_STREAM = 7  # numpy seed-sequence tag (dump.py uses 6)
+TIMING_SAMPLE_STREAM = 8  # the records mode_a_prefix times
 
 
 
@@ -99,17 +100,40 @@ def _ci(v: dict, key: str) -> str:
     return f"{v[key]:+.4g} [{low:+.4g}, {high:+.4g}]"
 
 
-def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fraction: float, seed: int) -> dict:
-    """Prefix-conditioned perplexity, KL and top-1 of the prefill skip against the plain prefill.
+def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fraction: float, seed: int,
+                  timing_records: int = 8, timing_repeats: int = MIN_REPEATS) -> dict:
+    """Prefix-conditioned perplexity, KL and top-1 of the prefill skip against the plain prefill, and its speed-up.
 
     Each record's first ``fraction`` is the prompt and the rest is scored.  Both arms run the
     same continuation through all layers from a cache holding the prompt (but its last
     token): the plain model's own prefill, or Mode A's (:class:`CEDModeARuntime`).  One
-    record at a time (the skip prefill has no padding support), so the two prefills are
-    also timed on exactly these prompts: ``prefill_speedup`` = plain seconds / Mode A seconds.
-    ``delta_pct``, ``kl`` and ``top1_pct`` carry paired bootstrap 95% intervals over records.
+    record at a time (the skip prefill has no padding support).  ``delta_pct``, ``kl`` and
+    ``top1_pct`` carry paired bootstrap 95% intervals over records.
+
+    Timing (``"timing"``) is kept apart from the quality figures, which it never changes:
+    on a seeded sample of ``timing_records`` records (0 = all), right after the two scoring
+    prefills of a record (which are that prompt shape's warm-up of each arm), the two
+    prefills are timed by :func:`ced_csa2.timing.paired_seconds` (arms alternated,
+    ``timing_repeats`` rounds, per-arm median).  ``plain_s``/``mode_a_s`` are the sums
+    over the timed records of the per-record medians, ``speedup`` their ratio.  It is
+    checked against ``bound`` = decoder layers the plain prefill runs / layers Mode A runs
+    (``n_layers / split``; see :func:`prefill_bound`); a speed-up above it raises
+    :class:`~ced_csa2.timing.BoundExceeded`.
+
     Under a process group each rank takes a contiguous share of the records; the per-record
-    sums and the prefill seconds (then: summed over the ranks) are added up on every rank.
+    sums are added up on every rank.  Each rank times the sampled records of its own share
+    (the sample is drawn over all records, so the same records are timed at any world
+    size) and the per-record medians are summed over the ranks; on a shared CPU the ranks
+    run concurrently, so both arms are timed under the same load.
+
+    Returns
+    -------
+    dict
+        Not covered: ``{"covered": False, "uncovered_attention_layers", "note"}``.  Covered:
+        ``{"covered": True, "prefix_fraction", "records", "baseline", "mode_a", "delta_pct",
+        "delta_pct_ci95", "kl", "kl_ci95", "top1_pct", "top1_pct_ci95", "note", "timing"}``
+        with ``"timing"`` = ``{"records", "repeats", "plain_s", "mode_a_s", "speedup",
+        "bound", "protocol"}``.
     """
     missing = plan.uncovered(geo)
     if missing:
@@ -118,29 +142,54 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     runtime = CEDModeARuntime(model, plan, geo, parts)
     device = next(model.parameters()).device
     plain, skip = torch.zeros(len(ids), 4, dtype=torch.float64), torch.zeros(len(ids), 4, dtype=torch.float64)
-    seconds = {"plain": 0.0, "mode_a": 0.0}
+    timed = set(seeded_subset(len(ids), timing_records, seed, TIMING_SAMPLE_STREAM))
+    seconds = torch.zeros(3, dtype=torch.float64)  # summed medians: plain, Mode A; records timed
+    # Both timed arms under inference mode (Mode A's prefill is decorated with it).
+    timed_plain = torch.inference_mode()(plain_prefill)
     lo, hi = distributed.bounds(len(ids))
     for i in tqdm(range(lo, hi), desc="mode A", unit="record", disable=not distributed.is_main()):
         row = ids[i]
         x, cut = torch.tensor([row], device=device), max(2, int(len(row) * fraction))
         prompt, cont = x[:, :cut], x[:, cut:]
-        caches = {}
-        for arm, prefill in (("plain", lambda p: plain_prefill(model, p)), ("mode_a", runtime.prefill)):
-            t0 = time.perf_counter()
-            caches[arm] = prefill(prompt[:, :-1])
-            seconds[arm] += time.perf_counter() - t0
+        head = prompt[:, :-1]
+        caches = {"plain": plain_prefill(model, head), "mode_a": runtime.prefill(head)}
+        if i in timed:  # the scoring prefills above were this shape's warm-up of both arms
+            t = paired_seconds({"plain": lambda: timed_plain(model, head), "mode_a": lambda: runtime.prefill(head)},
+                               timing_repeats, warmup=False, device=device)
+            seconds += torch.tensor([t.seconds["plain"], t.seconds["mode_a"], 1.0], dtype=torch.float64)
         keep = torch.ones_like(cont, dtype=torch.bool)
         reference = score_logits(plain, i, continue_from(model, caches["plain"], prompt, cont), cont, keep)
         score_logits(skip, i, continue_from(model, caches["mode_a"], prompt, cont), cont, keep, reference)
-    both = torch.tensor([seconds["plain"], seconds["mode_a"]], dtype=torch.float64)
-    distributed.all_reduce_sum(plain, skip, both)
-    seconds = dict(zip(seconds, both.tolist()))
+    distributed.all_reduce_sum(plain, skip, seconds)
     base, ced = _ppl(plain[:, :2]), _ppl(skip[:, :2])
     delta = paired_bootstrap(skip[:, :2].numpy(), plain[:, :2].numpy(), "delta_ppl_pct", seed=seed)
     return {"covered": True, "prefix_fraction": fraction, "records": len(ids), "baseline": base, "mode_a": ced,
             "delta_pct": delta["value"], "delta_pct_ci95": delta["ci95"], **agreement(skip, seed),
-            "prefill_seconds": {k: round(v, 2) for k, v in seconds.items()},
-            "prefill_speedup": seconds["plain"] / seconds["mode_a"], "note": ZERO_STATE_NOTE}
+            "note": ZERO_STATE_NOTE, "timing": _prefill_timing(seconds, timing_repeats, geo, plan)}
+
+
+def prefill_bound(geo, plan) -> float:
+    """Most Mode A's prefill can gain: decoder layers the plain prefill runs / layers the skip runs.
+
+    ``n_layers / split``, counting every decoder layer as the same work (the layers above
+    and below the cut are alike on the models run here).  It leaves out the embedding
+    (both arms), the maps and the cache writes of the layers above the cut (Mode A only),
+    so the reachable speed-up is lower.
+    """
+    return geo.n_layers / plan.split
+
+
+def _prefill_timing(seconds: torch.Tensor, repeats: int, geo, plan) -> dict:
+    plain_s, mode_a_s, n = seconds.tolist()
+    bound = prefill_bound(geo, plan)
+    out = {"records": int(n), "repeats": repeats, "plain_s": plain_s, "mode_a_s": mode_a_s,
+           "speedup": None, "bound": bound,
+           "protocol": f"{PROTOCOL.format(repeats=repeats)}; the scoring prefill of each record is its warm-up; "
+                       "seconds summed over the timed records"}
+    if n:
+        out["speedup"] = check_bound(plain_s / mode_a_s, bound, f"Mode A prefill speed-up over {int(n)} records",
+                                     {"plain": plain_s, "mode_a": mode_a_s})
+    return out
 
 
 def eval_ids(params: Params, tok, workdir: Path) -> list[list[int]]:

@@ -1,0 +1,132 @@
+"""Mode A's prefill speed-up on the params.yaml model, against the bound its layer count allows.
+
+    python benchmarks/mode_a_prefill.py                                   # from the repository root
+    python benchmarks/mode_a_prefill.py --workdir /path/to/repro --models /path/to/models --repeats 5
+
+The model is loaded as the pipeline loads it (``load_model_and_tokenizer(params.model,
+dtype=...)``), once per ``--dtypes`` entry; the plan is ``params.plan`` (it must cover every
+attention layer above the cut, as ``eval_ppl``'s Mode A requires).  The maps come from
+``--models`` (:func:`~ced_csa2.ced_runtime.load_parts`, float32 as in ``eval_ppl``) when
+they are there and match, else random maps of the right shapes (speed does not depend on
+the weights); the output says which.
+
+Prompt lengths: the median prompt of ``eval_ppl``'s Mode A (``prefix_fraction`` of each
+eval record of ``--workdir``, minus the last token, which the continuation consumes)
+-- 220 tokens if ``data/corpus/eval.jsonl`` is not there -- and ``--lengths``.  Tokens
+are seeded random ids of the vocabulary.
+
+Each (length, dtype): the two arms that ``eval_ppl`` times (the plain prefill and
+:meth:`~ced_csa2.ced_runtime.CEDModeARuntime.prefill`, both under inference mode) through
+:func:`ced_csa2.timing.paired_seconds` (one untimed warm-up of each, arms alternated,
+median of ``--repeats``).  ``bound`` = ``n_layers / split``
+(:func:`ced_csa2.perplexity.prefill_bound`: embedding and maps left out, so the reachable
+speed-up is lower); a ratio above it is flagged in its row and, once the table is
+complete, stops the run (:class:`~ced_csa2.timing.BoundExceeded`, naming every such row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+
+from ced_csa2.ced_runtime import CEDModeARuntime, CEDParts, load_parts, plain_prefill
+from ced_csa2.config import load_params
+from ced_csa2.csa2 import CSA2Adapters
+from ced_csa2.model_utils import load_model_and_tokenizer
+from ced_csa2.paths import EVAL_JSONL
+from ced_csa2.perplexity import eval_ids, prefill_bound
+from ced_csa2.plan import load_plan
+from ced_csa2.projector import KVProjector
+from ced_csa2.timing import PROTOCOL, BoundExceeded, check_bound, paired_seconds
+
+DEFAULT_PROMPT = 220  # the embedded default's median Mode A prompt, when its eval records are absent
+
+
+def random_parts(geo, plan) -> CEDParts:
+    """Maps of ``plan``'s shapes, seeded (float32, as :func:`load_parts` builds them)."""
+    torch.manual_seed(0)
+    return CEDParts(KVProjector(geo.hidden_size, geo.kv_dim), CSA2Adapters(plan.targets, geo.kv_dim),
+                    {e: KVProjector(geo.hidden_size, geo.kv_dim) for e in plan.extra_sources})
+
+
+def median_prompt(params, tok, workdir: Path) -> tuple[int, str]:
+    """Median Mode A prompt length (tokens the prefill sees) of ``workdir``'s eval records, and where it came from."""
+    if not (workdir / EVAL_JSONL).is_file():
+        return DEFAULT_PROMPT, f"default {DEFAULT_PROMPT} ({workdir / EVAL_JSONL} absent)"
+    ids = eval_ids(params, tok, workdir)
+    # as mode_a_prefix cuts: max(2, int(len * fraction)) prompt tokens, all but the last prefilled
+    lengths = [max(2, int(len(r) * params.eval_ppl.prefix_fraction)) - 1 for r in ids]
+    return int(statistics.median(lengths)), f"median of {len(ids)} eval records' prompts"
+
+
+def cpu_line() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return f"{name}; {', '.join(isa) or 'no avx2'}; {'no ' if 'amx_bf16' not in flags else ''}AMX"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=Path, default=Path("params.yaml"))
+    ap.add_argument("--workdir", type=Path, default=Path("."), help="where data/corpus/eval.jsonl is")
+    ap.add_argument("--models", type=Path, default=Path("models"), help="the trained maps' folder")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+
+    params = load_params(args.params)
+    plan, geo = load_plan(params.plan, params.model)
+    bound = prefill_bound(geo, plan)
+    print(f"model {params.model.name}: {geo.n_layers} layers, Mode A runs {plan.split} "
+          f"(bound {bound:.3f}x; plan {plan})")
+    print(f"CPU: {cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"timing: {PROTOCOL.format(repeats=args.repeats)}")
+    rows, exceeded = [], []
+    for dtype in args.dtypes:
+        model, tok = load_model_and_tokenizer(params.model, dtype=getattr(torch, dtype))
+        device = next(model.parameters()).device
+        try:
+            parts, maps = load_parts(args.models, params, plan, geo, device=device), f"trained ({args.models})"
+        except (OSError, ValueError):  # CheckpointError is a ValueError
+            parts, maps = random_parts(geo, plan), f"random (no matching maps in {args.models})"
+        if not rows:
+            prompt, origin = median_prompt(params, tok, args.workdir)
+            lengths = [prompt, *args.lengths]
+            print(f"maps: {maps}; prompt lengths: {prompt} ({origin}), {', '.join(map(str, args.lengths))}")
+            print()
+            print("| prompt tokens | dtype | plain s | Mode A s | ratio | bound |")
+            print("|---:|---|---:|---:|---:|---:|")
+        runtime = CEDModeARuntime(model, plan, geo, parts)
+        timed_plain = torch.inference_mode()(plain_prefill)
+        g = torch.Generator().manual_seed(0)
+        for n in lengths:
+            ids = torch.randint(0, len(tok), (1, n), generator=g).to(device)
+            t = paired_seconds({"plain": lambda: timed_plain(model, ids), "mode_a": lambda: runtime.prefill(ids)},
+                               args.repeats, device=device)
+            ratio = t.ratio("plain", "mode_a")
+            rows.append((n, dtype, t.seconds["plain"], t.seconds["mode_a"], ratio))
+            try:
+                check_bound(ratio, bound, f"Mode A prefill, {n} tokens, {dtype}", t.seconds)
+                flag = ""
+            except BoundExceeded as exc:
+                exceeded.append(str(exc))
+                flag = " **exceeds the bound**"
+            print(f"| {n} | {dtype} | {t.seconds['plain']:.4f} | {t.seconds['mode_a']:.4f} | {ratio:.3f}{flag} | "
+                  f"{bound:.3f} |", flush=True)
+        del model, runtime, parts
+    if exceeded:
+        raise BoundExceeded("; ".join(exceeded))
+
+
+if __name__ == "__main__":
+    main()
