@@ -477,11 +477,13 @@ class EvalPPLConfig(Section):
     prefix_fraction: float = 0.5  # Mode A: prompt = this fraction of each record, scored on the rest
     device: str = "auto"
     records: int = 0  # a seeded sample of this many eval records (0 = all); eval_objectives scores the same
+    timing_records: int = 8  # Mode A prefill speed-up timed on a seeded sample of this many records (0 = all)
 
     def __post_init__(self):
         bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
         _check(not bad, "eval_ppl.groups", f"has unknown group(s) {bad}; known: {list(RUNTIME_GROUPS)}")
         _check(self.records >= 0, "eval_ppl.records", f"must be >= 0 (0 = all), got {self.records}")
+        _check(self.timing_records >= 0, "eval_ppl.timing_records", f"must be >= 0 (0 = all), got {self.timing_records}")
         _check_finite(self, "eval_ppl")
         _check_device(self.device, "eval_ppl.device")
         _check(0.0 < self.prefix_fraction < 1.0, "eval_ppl.prefix_fraction", "must be in (0, 1)")

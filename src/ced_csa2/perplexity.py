@@ -131,7 +131,8 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     dict
         Not covered: ``{"covered": False, "uncovered_attention_layers", "note"}``.  Covered:
         ``{"covered": True, "prefix_fraction", "records", "baseline", "mode_a", "delta_pct",
-        "delta_pct_ci95", "kl", "kl_ci95", "top1_pct", "top1_pct_ci95", "note", "timing"}``
+        "delta_pct_ci95", "kl", "kl_ci95", "top1_pct", "top1_pct_ci95", "prefill_speedup_bound", "note",
+        "timing"}``
         with ``"timing"`` = ``{"records", "repeats", "plain_s", "mode_a_s", "speedup",
         "bound", "protocol"}``.
     """
@@ -165,7 +166,8 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     delta = paired_bootstrap(skip[:, :2].numpy(), plain[:, :2].numpy(), "delta_ppl_pct", seed=seed)
     return {"covered": True, "prefix_fraction": fraction, "records": len(ids), "baseline": base, "mode_a": ced,
             "delta_pct": delta["value"], "delta_pct_ci95": delta["ci95"], **agreement(skip, seed),
-            "note": ZERO_STATE_NOTE, "timing": _prefill_timing(seconds, timing_repeats, geo, plan)}
+            "prefill_speedup_bound": prefill_bound(geo, plan), "note": ZERO_STATE_NOTE,
+            "timing": _prefill_timing(seconds, timing_repeats, geo, plan)}
 
 
 def prefill_bound(geo, plan) -> float:

@@ -14,8 +14,11 @@ scored once.
 * Mode A: prompt = first ``prefix_fraction`` of each record, scored on the rest, for the
   plain model and for the prefill skip (non-attention layers above the cut start from
   a zero state): prefix PPL, ΔPPL, KL and top-1 against the plain prefill, and the
-  prefill speed-up timed on the same prompts.  Needs a covering plan; otherwise an
-  explicit "not covered" entry names the uncovered attention layers.
+  prefill speed-up's bound (``n_layers / split``).  The speed-up itself is a timing of the
+  machine (``eval_ppl.timing_records`` seeded prompts, each arm warmed up, arms alternated,
+  median of 3): it goes to ``timings/eval_ppl.json``, never into the results, and a ratio
+  above the bound is an error.  Needs a covering plan; otherwise an explicit "not
+  covered" entry names the uncovered attention layers.
 
 Data-parallel (``distributed.nproc``): each rank scores a contiguous share of the batches
 (and of Mode A's records); the per-record sums are added up on every rank, so every figure
@@ -71,7 +74,8 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     # All groups at once: the layers below the first one a group changes run once per batch.
     groups = groups_ppl(model, plan, cfg.groups, parts, ids, params, tok.pad_token_id)
     t1 = time.perf_counter()
-    mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, params.seed)
+    mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, params.seed,
+                           timing_records=cfg.timing_records)
     record_timing(groups_s=round(t1 - t0, 1), mode_a_s=round(time.perf_counter() - t1, 1),
                   threads=torch.get_num_threads(), mode_a_prefill=mode_a.pop("timing", None))
     metrics = {
