@@ -18,11 +18,11 @@ import torch
 from tqdm import tqdm
 
 from . import distributed
-from .ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_from, plain_prefill
+from .ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_hidden, plain_prefill
 from .config import Params
 from .paths import EVAL_JSONL
 from .records import read_records, seeded_subset
-from .scoring import multi_group_nll, score_logits, sequence_nll
+from .scoring import BLOCK_TOKENS, multi_group_nll, score_hidden, sequence_nll
 from .stats import paired_bootstrap, paired_deltas, ratio_bootstrap
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ def group_ppl(model, plan, group: str, parts: CEDParts, ids: list[list[int]], pa
     """Corpus-level perplexity of ``ids`` (every token after the first) under one Mode B group."""
     sorted_ids, back = by_length(ids)
     with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
-        out = _ppl(sequence_nll(model, sorted_ids, [0] * len(ids), params.eval_ppl.batch_size, pad_id)[back])
+        out = _ppl(sequence_nll(model, sorted_ids, [0] * len(ids), params.eval_ppl.batch_size, pad_id,
+                                block_tokens=params.eval_ppl.score_block_tokens)[back])
     log.info("%s: ppl %.4f", group, out["ppl"])
     return out
 
@@ -74,7 +75,8 @@ def groups_ppl(model, plan, groups: list[str], parts: CEDParts | Mapping[str, CE
     sorted_ids, back = by_length(ids)
     lo, hi = distributed.batch_bounds(len(ids), params.eval_ppl.batch_size)
     nll = multi_group_nll(model, plan, groups, parts, sorted_ids[lo:hi], [0] * (hi - lo), params.eval_ppl.batch_size,
-                          pad_id, kv_format=params.kv_format, agreement="baseline" in groups)
+                          pad_id, kv_format=params.kv_format, agreement="baseline" in groups,
+                          block_tokens=params.eval_ppl.score_block_tokens)
     nll = {g: distributed.assemble(v, lo, len(ids))[back] for g, v in nll.items()}
     out = {group: _ppl(v[:, :2]) for group, v in nll.items()}
     for group, d in paired_deltas({g: v[:, :2].numpy() for g, v in nll.items()}, "delta_ppl_pct",
@@ -98,7 +100,8 @@ def _ci(v: dict, key: str) -> str:
     return f"{v[key]:+.4g} [{low:+.4g}, {high:+.4g}]"
 
 
-def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fraction: float, seed: int) -> dict:
+def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fraction: float, seed: int,
+                  *, block_tokens: int = BLOCK_TOKENS) -> dict:
     """Prefix-conditioned perplexity, KL and top-1 of the prefill skip against the plain prefill.
 
     Each record's first ``fraction`` is the prompt and the rest is scored.  Both arms run the
@@ -109,6 +112,7 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     ``delta_pct``, ``kl`` and ``top1_pct`` carry paired bootstrap 95% intervals over records.
     Under a process group each rank takes a contiguous share of the records; the per-record
     sums and the prefill seconds (then: summed over the ranks) are added up on every rank.
+    Both continuations are scored ``block_tokens`` positions at a time (:func:`~ced_csa2.scoring.score_hidden`).
     """
     missing = plan.uncovered(geo)
     if missing:
@@ -129,8 +133,8 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
             caches[arm] = prefill(prompt[:, :-1])
             seconds[arm] += time.perf_counter() - t0
         keep = torch.ones_like(cont, dtype=torch.bool)
-        reference = score_logits(plain, i, continue_from(model, caches["plain"], prompt, cont), cont, keep)
-        score_logits(skip, i, continue_from(model, caches["mode_a"], prompt, cont), cont, keep, reference)
+        hidden = {arm: continue_hidden(model, caches[arm], prompt, cont) for arm in ("plain", "mode_a")}
+        score_hidden(model, {"plain": plain, "mode_a": skip}, i, hidden, cont, keep, block_tokens, reference="plain")
     both = torch.tensor([seconds["plain"], seconds["mode_a"]], dtype=torch.float64)
     distributed.all_reduce_sum(plain, skip, both)
     seconds = dict(zip(seconds, both.tolist()))

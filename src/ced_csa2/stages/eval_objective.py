@@ -63,7 +63,8 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
     scored = ["baseline", *eval_groups]
     ppl = groups_ppl(model, plan, scored, parts, ids, params, tok.pad_token_id)
     gold = groups_gold_nll(model, plan, scored, parts, pairs, params.eval_gsm8k.batch_size, tok.pad_token_id,
-                           kv_format=params.kv_format, seed=params.seed)
+                           kv_format=params.kv_format, seed=params.seed,
+                           block_tokens=params.eval_ppl.score_block_tokens)
     groups = {group: {**ppl[group], "gold_nll": gold[group]} for group in eval_groups}
     metrics = {
         "objective": objective,

@@ -68,7 +68,8 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     t0 = time.perf_counter()
     # All groups at once: the layers below the first one a group changes run once per batch.
     groups = groups_ppl(model, plan, cfg.groups, parts, ids, params, tok.pad_token_id)
-    mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, params.seed)
+    mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, params.seed,
+                           block_tokens=cfg.score_block_tokens)
     metrics = {
         "protocol": protocol(params, model, plan, ids, groups[cfg.groups[0]]["tokens"]),
         "groups": groups,
