@@ -266,8 +266,9 @@ def layer_bytes(s: Setup, tokens: int) -> int:
 
 
 def logits_bytes(s: Setup, tokens: int) -> int:
-    """A batch's logits in the compute dtype plus the fp32 copies scoring makes (log-probs, the reference's
-    probabilities, a temporary: :func:`~ced_csa2.scoring.score_logits`)."""
+    """Logits of ``tokens`` positions in the compute dtype plus three fp32 copies (the fp32 logits, the
+    log-softmax temporary, the reference's probabilities: one block of
+    :func:`~ced_csa2.scoring.score_hidden`, or a batch of distillation logits)."""
     return tokens * s.model.vocab * (s.b + 12)
 
 
@@ -446,10 +447,13 @@ def est_train_adapters(s: Setup) -> StageEstimate:
 
 
 def scoring_bytes(s: Setup, batch_tokens: int, groups) -> int:
-    """A shared-trunk scoring batch: one layer's working set, the logits, and the hidden state kept per branch."""
+    """A shared-trunk scoring batch (:func:`~ced_csa2.scoring.multi_group_nll`): one layer's working set, the
+    hidden state kept per branch point, every group's final hidden state and its scored rows, and one block of
+    ``eval_ppl.score_block_tokens`` scored positions through the LM head and the vocabulary-wide work."""
     branches = len({branch_layer(s, g) for g in groups})
-    return (layer_bytes(s, batch_tokens) + logits_bytes(s, batch_tokens)
-            + branches * batch_tokens * s.model.geo.hidden_size * s.b)
+    block = min(s.params.eval_ppl.score_block_tokens, batch_tokens)
+    return (layer_bytes(s, batch_tokens) + logits_bytes(s, block)
+            + (branches + 2 * len(groups)) * batch_tokens * s.model.geo.hidden_size * s.b)
 
 
 def est_eval_ppl(s: Setup) -> StageEstimate:
