@@ -162,7 +162,8 @@ def run(params: Params, study: Study, workdir: Path = Path("."), *, model_and_to
     rows: dict[str, list[np.ndarray]] = {}
     for i, seq in enumerate(seqs):  # one sequence per call: the trunk (layers 1..split) runs once per sequence
         nll = multi_group_nll(model, plan, list(DENSE), parts, [seq], [study.score_from], 1, tok.pad_token_id,
-                              kv_format=params.kv_format, agreement=True, extra=groups)
+                              kv_format=params.kv_format, agreement=True, extra=groups,
+                              block_tokens=params.eval_ppl.score_block_tokens)
         for g, v in nll.items():
             rows.setdefault(g, []).append(v.numpy())
         log.info("sequence %d/%d done, %.0f s", i + 1, len(seqs), time.perf_counter() - t0)

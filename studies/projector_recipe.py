@@ -106,7 +106,8 @@ def main() -> None:
     # The baseline once; each setting's ced only from its branch point (the source layer) on.
     def nll(group: str, parts: CEDParts | None):
         return multi_group_nll(model, plan, [group], parts, ids, [0] * len(ids), params.eval_ppl.batch_size,
-                               tok.pad_token_id, kv_format=params.kv_format)[group].numpy()
+                               tok.pad_token_id, kv_format=params.kv_format,
+                               block_tokens=params.eval_ppl.score_block_tokens)[group].numpy()
 
     base = nll("baseline", None)
 

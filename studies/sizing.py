@@ -86,7 +86,8 @@ def ci_curve(workdir: Path, params, plan, geo, maps: dict, sizes: list[int], gro
     for group in ["baseline", *groups]:
         t0 = time.perf_counter()
         with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
-            nll[group] = sequence_nll(model, ids, [0] * len(ids), 8, tok.pad_token_id).numpy()
+            nll[group] = sequence_nll(model, ids, [0] * len(ids), 8, tok.pad_token_id,
+                                      block_tokens=params.eval_ppl.score_block_tokens).numpy()
         log.info("%s: %.1f s, ppl %.3f", group, time.perf_counter() - t0, np.exp(nll[group][:, 0].sum() / nll[group][:, 1].sum()))
     order = np.random.default_rng(params.seed).permutation(len(ids))
     rows = []

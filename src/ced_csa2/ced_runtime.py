@@ -413,6 +413,14 @@ def continue_from(model: nn.Module, cache, prompt_ids: torch.Tensor, continuatio
     return model(input_ids=x, cache=cache, use_cache=True).logits
 
 
+@torch.inference_mode()
+def continue_hidden(model: nn.Module, cache, prompt_ids: torch.Tensor, continuation_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`continue_from` without the LM head: the final hidden states ``(B, C, hidden)`` (after
+    the final norm) that predict ``continuation_ids`` ``(B, C)``, for :func:`ced_csa2.scoring.score_hidden`."""
+    x = torch.cat([prompt_ids[:, -1:], continuation_ids[:, :-1]], dim=1)
+    return model.model(input_ids=x, cache=cache, use_cache=True).last_hidden_state
+
+
 ZERO_STATE_NOTE = ("Mode A: prompt tokens run through layers 1..split only; attention layers above the cut get "
                    "K/V from the projector/adapters; non-attention layers above the cut start from a zero state "
                    "(an approximation; none on an all-attention model).")
@@ -487,6 +495,10 @@ class CEDModeARuntime:
         so the skip covers ``prompt_ids[:, :-1]``.  Returns ``(B, C, vocab)``.
         """
         return continue_from(self.model, self.prefill(prompt_ids[:, :-1]), prompt_ids, continuation_ids)
+
+    def continuation_hidden(self, prompt_ids: torch.Tensor, continuation_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`continuation_logits` without the LM head: final hidden states ``(B, C, hidden)``."""
+        return continue_hidden(self.model, self.prefill(prompt_ids[:, :-1]), prompt_ids, continuation_ids)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int,

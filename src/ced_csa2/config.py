@@ -478,6 +478,9 @@ class EvalPPLConfig(Section):
     device: str = "auto"
     records: int = 0  # a seeded sample of this many eval records (0 = all); eval_objectives scores the same
     timing_records: int = 8  # Mode A prefill speed-up timed on a seeded sample of this many records (0 = all)
+    # scored positions per LM-head block in every teacher-forced scoring (eval_ppl, eval_gsm8k's gold NLL,
+    # eval_objectives): bounds the vocabulary-wide tensors to (score_block_tokens, vocab)
+    score_block_tokens: int = 256
 
     def __post_init__(self):
         bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
@@ -488,6 +491,8 @@ class EvalPPLConfig(Section):
         _check_device(self.device, "eval_ppl.device")
         _check(0.0 < self.prefix_fraction < 1.0, "eval_ppl.prefix_fraction", "must be in (0, 1)")
         _check(self.batch_size > 0, "eval_ppl.batch_size", "must be positive")
+        _check(self.score_block_tokens > 0, "eval_ppl.score_block_tokens",
+               f"must be positive, got {self.score_block_tokens}")
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ class Rates:
 # end most answers sooner: a step here is an upper-bound step); reads 1.27 s/GB from disk with CRC checks
 # (benchmarks/dump_verify.py); writes ~1 GB/s (README, the DVC cache copy).  Checked against all eleven
 # measured stages: 16.8 min predicted for 16.8 measured, each within 16% but the three shortest (< 8 s; fixed
-# costs, up to 1.8x).  Host peaks: from 48% low (tune@attn_out) to 15% high (eval_objective, before it scored all objectives in one stage); most come out
+# costs, up to 1.8x).  Host peaks: from 48% low (tune@attn_out) to 15% high (the per-objective eval stage); most come out
 # low, by the libraries (lm-eval, h5py, ...) this model does not count.
 _CPU = Rates(model_flops=2.1e11, map_flops=2.1e11, f64_flops=8.7e10, logits=2.6e8, decode_step_s=0.092, read_bytes=1 / 1.27e-9,
              write_bytes=1e9, basis="measured on this project's 2-core CPU, fp32 (benchmarks/results/repro_e2e.md)")
@@ -266,8 +266,9 @@ def layer_bytes(s: Setup, tokens: int) -> int:
 
 
 def logits_bytes(s: Setup, tokens: int) -> int:
-    """A batch's logits in the compute dtype plus the fp32 copies scoring makes (log-probs, the reference's
-    probabilities, a temporary: :func:`~ced_csa2.scoring.score_logits`)."""
+    """Logits of ``tokens`` positions in the compute dtype plus three fp32 copies (the fp32 logits, the
+    log-softmax temporary, the reference's probabilities: one block of
+    :func:`~ced_csa2.scoring.score_hidden`, or a batch of distillation logits)."""
     return tokens * s.model.vocab * (s.b + 12)
 
 
@@ -446,10 +447,13 @@ def est_train_adapters(s: Setup) -> StageEstimate:
 
 
 def scoring_bytes(s: Setup, batch_tokens: int, groups) -> int:
-    """A shared-trunk scoring batch: one layer's working set, the logits, and the hidden state kept per branch."""
+    """A shared-trunk scoring batch (:func:`~ced_csa2.scoring.multi_group_nll`): one layer's working set, the
+    hidden state kept per branch point, every group's final hidden state and its scored rows, and one block of
+    ``eval_ppl.score_block_tokens`` scored positions through the LM head and the vocabulary-wide work."""
     branches = len({branch_layer(s, g) for g in groups})
-    return (layer_bytes(s, batch_tokens) + logits_bytes(s, batch_tokens)
-            + branches * batch_tokens * s.model.geo.hidden_size * s.b)
+    block = min(s.params.eval_ppl.score_block_tokens, batch_tokens)
+    return (layer_bytes(s, batch_tokens) + logits_bytes(s, block)
+            + (branches + 2 * len(groups)) * batch_tokens * s.model.geo.hidden_size * s.b)
 
 
 def est_eval_ppl(s: Setup) -> StageEstimate:

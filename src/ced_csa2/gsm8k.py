@@ -24,7 +24,7 @@ from . import distributed
 from .ced_runtime import CEDModeBRuntime, CEDParts
 from .config import Params
 from .io_utils import write_json
-from .scoring import multi_group_nll, sequence_nll
+from .scoring import BLOCK_TOKENS, multi_group_nll, sequence_nll
 from .stats import paired_deltas
 
 log = logging.getLogger(__name__)
@@ -171,17 +171,20 @@ def gold_pairs(lm, results: dict) -> list[tuple[list[int], int]]:
     return pairs
 
 
-def gold_nll(model, pairs: list[tuple[list[int], int]], batch_size: int, pad_id: int) -> dict:
-    """Token-weighted NLL per gold-answer token (pads never counted)."""
+def gold_nll(model, pairs: list[tuple[list[int], int]], batch_size: int, pad_id: int, *,
+             block_tokens: int = BLOCK_TOKENS) -> dict:
+    """Token-weighted NLL per gold-answer token (pads never counted; only the answer tokens reach the LM
+    head, ``block_tokens`` at a time: :func:`~ced_csa2.scoring.score_hidden`)."""
     # Sorting by length keeps right-padding (and wasted compute) small; only sums are kept.
     pairs = sorted(pairs, key=lambda p: len(p[0]))
-    return _per_token(sequence_nll(model, [p[0] for p in pairs], [p[1] for p in pairs], batch_size, pad_id))
+    return _per_token(sequence_nll(model, [p[0] for p in pairs], [p[1] for p in pairs], batch_size, pad_id,
+                                   block_tokens=block_tokens))
 
 
 def groups_gold_nll(model, plan, groups: list[str], parts: CEDParts | Mapping[str, CEDParts] | None,
                     pairs: list[tuple[list[int], int]], batch_size: int, pad_id: int, *, kv_format: str | None,
                     seed: int, more: dict[str, torch.Tensor] | None = None,
-                    extra: Mapping[str, object] | None = None) -> dict[str, dict]:
+                    extra: Mapping[str, object] | None = None, block_tokens: int = BLOCK_TOKENS) -> dict[str, dict]:
     """:func:`gold_nll` of every group under its Mode B runtime, bit for bit, with one shared trunk per batch.
 
     ``extra`` adds runtimes by label, scored like groups (:func:`~ced_csa2.scoring.multi_group_nll`);
@@ -197,7 +200,7 @@ def groups_gold_nll(model, plan, groups: list[str], parts: CEDParts | Mapping[st
     lo, hi = distributed.batch_bounds(len(pairs), batch_size)
     mine = order[lo:hi]
     nll = multi_group_nll(model, plan, groups, parts, [pairs[i][0] for i in mine], [pairs[i][1] for i in mine],
-                          batch_size, pad_id, kv_format=kv_format, extra=extra)
+                          batch_size, pad_id, kv_format=kv_format, extra=extra, block_tokens=block_tokens)
     nll = {group: distributed.assemble(rows, lo, len(pairs)) for group, rows in nll.items()}
     nll.update({name: rows[order] for name, rows in (more or {}).items()})
     out = {group: _per_token(v) for group, v in nll.items()}

@@ -21,12 +21,12 @@ Mode B groups.  One request at a time: the skip prefill has no padding support.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 from . import distributed
 from .ced_runtime import CEDModeARuntime
+from .scoring import BLOCK_TOKENS, continuation_logprob
 
 
 class DataParallelLM(HFLM):
@@ -94,11 +94,14 @@ class ModeALM(DataParallelLM):
         The Mode A runtime (model, covering plan, maps).
     tokenizer
         The model's tokenizer.
+    block_tokens
+        Continuation positions per LM-head block when scoring (:func:`~ced_csa2.scoring.continuation_logprob`).
     """
 
-    def __init__(self, runtime: CEDModeARuntime, tokenizer, **kwargs):
+    def __init__(self, runtime: CEDModeARuntime, tokenizer, *, block_tokens: int = BLOCK_TOKENS, **kwargs):
         super().__init__(pretrained=runtime.model, tokenizer=tokenizer, batch_size=1, **kwargs)
         self.runtime = runtime
+        self.block_tokens = block_tokens
 
     @torch.inference_mode()
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
@@ -112,8 +115,8 @@ class ModeALM(DataParallelLM):
                 raise ValueError("Mode A needs a context of at least 2 tokens (one to skip, one to predict from)")
             prompt = torch.tensor([context], device=self.device)
             cont = torch.tensor([continuation], device=self.device)
-            logp = F.log_softmax(self.runtime.continuation_logits(prompt, cont)[0].float(), dim=-1)
-            answer = (logp.gather(-1, cont[0, :, None]).sum().item(), bool((logp.argmax(-1) == cont[0]).all()))
+            hidden = self.runtime.continuation_hidden(prompt, cont)[0]
+            answer = continuation_logprob(self.runtime.model, hidden, cont[0], self.block_tokens)
             out.append(answer)
             if request is not None:
                 self.cache_hook.add_partial("loglikelihood", request, answer)

@@ -17,11 +17,11 @@ import torch
 from tqdm import tqdm
 
 from . import distributed
-from .ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_from, plain_prefill
+from .ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_hidden, plain_prefill
 from .config import Params
 from .paths import EVAL_JSONL
 from .records import read_records, seeded_subset
-from .scoring import multi_group_nll, score_logits, sequence_nll
+from .scoring import BLOCK_TOKENS, multi_group_nll, score_hidden, sequence_nll
 from .stats import paired_bootstrap, paired_deltas, ratio_bootstrap
 from .timing import MIN_REPEATS, PROTOCOL, check_bound, paired_seconds
 
@@ -52,7 +52,8 @@ def group_ppl(model, plan, group: str, parts: CEDParts, ids: list[list[int]], pa
     """Corpus-level perplexity of ``ids`` (every token after the first) under one Mode B group."""
     sorted_ids, back = by_length(ids)
     with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
-        out = _ppl(sequence_nll(model, sorted_ids, [0] * len(ids), params.eval_ppl.batch_size, pad_id)[back])
+        out = _ppl(sequence_nll(model, sorted_ids, [0] * len(ids), params.eval_ppl.batch_size, pad_id,
+                                block_tokens=params.eval_ppl.score_block_tokens)[back])
     log.info("%s: ppl %.4f", group, out["ppl"])
     return out
 
@@ -76,7 +77,8 @@ def groups_ppl(model, plan, groups: list[str], parts: CEDParts | Mapping[str, CE
     sorted_ids, back = by_length(ids)
     lo, hi = distributed.batch_bounds(len(ids), params.eval_ppl.batch_size)
     nll = multi_group_nll(model, plan, groups, parts, sorted_ids[lo:hi], [0] * (hi - lo), params.eval_ppl.batch_size,
-                          pad_id, kv_format=params.kv_format, agreement="baseline" in groups, extra=extra)
+                          pad_id, kv_format=params.kv_format, agreement="baseline" in groups, extra=extra,
+                          block_tokens=params.eval_ppl.score_block_tokens)
     nll = {g: distributed.assemble(v, lo, len(ids))[back] for g, v in nll.items()}
     out = {group: _ppl(v[:, :2]) for group, v in nll.items()}
     for group, d in paired_deltas({g: v[:, :2].numpy() for g, v in nll.items()}, "delta_ppl_pct",
@@ -101,7 +103,7 @@ def _ci(v: dict, key: str) -> str:
 
 
 def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fraction: float, seed: int,
-                  timing_records: int = 8, timing_repeats: int = MIN_REPEATS) -> dict:
+                  timing_records: int = 8, timing_repeats: int = MIN_REPEATS, *, block_tokens: int = BLOCK_TOKENS) -> dict:
     """Prefix-conditioned perplexity, KL and top-1 of the prefill skip against the plain prefill, and its speed-up.
 
     Each record's first ``fraction`` is the prompt and the rest is scored.  Both arms run the
@@ -124,7 +126,8 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     sums are added up on every rank.  Each rank times the sampled records of its own share
     (the sample is drawn over all records, so the same records are timed at any world
     size) and the per-record medians are summed over the ranks; on a shared CPU the ranks
-    run concurrently, so both arms are timed under the same load.
+    run concurrently, so both arms are timed under the same load.  Both continuations are
+    scored ``block_tokens`` positions at a time (:func:`~ced_csa2.scoring.score_hidden`).
 
     Returns
     -------
@@ -159,8 +162,8 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
                                timing_repeats, warmup=False, device=device)
             seconds += torch.tensor([t.seconds["plain"], t.seconds["mode_a"], 1.0], dtype=torch.float64)
         keep = torch.ones_like(cont, dtype=torch.bool)
-        reference = score_logits(plain, i, continue_from(model, caches["plain"], prompt, cont), cont, keep)
-        score_logits(skip, i, continue_from(model, caches["mode_a"], prompt, cont), cont, keep, reference)
+        hidden = {arm: continue_hidden(model, caches[arm], prompt, cont) for arm in ("plain", "mode_a")}
+        score_hidden(model, {"plain": plain, "mode_a": skip}, i, hidden, cont, keep, block_tokens, reference="plain")
     distributed.all_reduce_sum(plain, skip, seconds)
     base, ced = _ppl(plain[:, :2]), _ppl(skip[:, :2])
     delta = paired_bootstrap(skip[:, :2].numpy(), plain[:, :2].numpy(), "delta_ppl_pct", seed=seed)

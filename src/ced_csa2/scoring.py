@@ -4,6 +4,10 @@
 :func:`multi_group_nll` scores several Mode B groups on the same sequences with one shared
 trunk per batch (the layers below the first one a group changes run once), to the bit
 what :func:`sequence_nll` gives under each group's :class:`~ced_csa2.ced_runtime.CEDModeBRuntime`.
+
+Both run the model to its final hidden state (after the final norm) and score it with
+:func:`score_hidden`: only the scored positions reach the LM head, ``block_tokens`` of them
+at a time, so the vocabulary-wide tensors are ``(block_tokens, vocab)``, never ``(B, T, vocab)``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from . import kv_hooks
 from .ced_runtime import CEDModeBRuntime, CEDParts, parts_for
 from .model_utils import decoder_layer
 from .plan import LayerPlan
+
+# Scored positions per LM-head block (``eval_ppl.score_block_tokens``): at Gemma-3's 262,144-token
+# vocabulary one block's fp32 logits are 256 MiB, and scoring holds a few such tensors at once.
+BLOCK_TOKENS = 256
 
 
 def _batches(sequences: Sequence[Sequence[int]], score_from: Sequence[int], batch_size: int,
@@ -35,55 +43,130 @@ def _batches(sequences: Sequence[Sequence[int]], score_from: Sequence[int], batc
         yield start, ids, mask, scored
 
 
-Reference = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+def head_logits(model, rows: torch.Tensor) -> torch.Tensor:
+    """Logits ``(..., vocab)`` of final hidden states ``rows`` ``(..., hidden)`` (after the final norm), as
+    ``*ForCausalLM.forward`` ends: the LM head, and the logit soft-capping of models that have one
+    (Gemma-2; Gemma-3 configs may set it)."""
+    logits = model.get_output_embeddings()(rows)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def score_logits(out: torch.Tensor, start: int, logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
-                 reference: Reference | None = None) -> Reference | None:
-    """Write each row's summed NLL of its kept targets and their count into ``out[start:]``.
+def final_hidden(model, **inputs) -> torch.Tensor:
+    """The decoder's output ``(B, T, hidden)`` after the final norm: the model's forward without its LM head."""
+    return model.model(**inputs).last_hidden_state
 
-    ``logits`` ``(B, T, vocab)`` predict ``targets`` ``(B, T)``; ``keep`` ``(B, T)`` marks the
-    scored ones.  With four columns in ``out``, also each row's summed KL(reference ‖ this)
-    (nats) and number of kept tokens whose argmax is the reference's.  ``reference`` is what
-    this function returned for the reference's logits of the same batch (``None``: these
-    logits are the reference; KL 0, full agreement): its probabilities ``(B, T, vocab)``,
-    ``Σ p log p`` and argmax ``(B, T)``.
 
-    KL per token is ``Σ p log p - (Σ p x - logsumexp x)``: two reductions over the vocabulary
-    and no ``(B, T, vocab)`` temporary per group (the log-probabilities of a batch are GBs).
-    The terms are fp32 and their difference is taken in float64: absolute error ~1e-6
-    nats per token, exactly 0 for logits identical to the reference's.
+def score_hidden(model, out: Mapping[str, torch.Tensor], start: int, hidden: Mapping[str, torch.Tensor],
+                 targets: torch.Tensor, keep: torch.Tensor, block_tokens: int = BLOCK_TOKENS,
+                 reference: str | None = None) -> None:
+    """Write each row's summed NLL of its kept targets and their count into ``out[label][start:]``.
+
+    Parameters
+    ----------
+    model
+        The causal LM whose LM head (:func:`head_logits`) turns ``hidden`` into logits.
+    out
+        Per label a ``(R, 2)`` or ``(R, 4)`` float64 tensor; rows ``start .. start + B`` are written.
+        With four columns also each row's summed KL(reference ‖ label) (nats) and number of kept
+        tokens whose argmax is the reference's.
+    hidden
+        Per label the final hidden states ``(B, T, hidden)`` (after the final norm) that predict
+        ``targets``; labels may share one tensor.
+    targets, keep
+        ``(B, T)``: the tokens predicted, and which of them are scored.
+    block_tokens
+        Kept positions per LM-head block.  Only kept positions reach the head; the logits and
+        the reference's probabilities exist for one block at a time, ``(block_tokens, vocab)``.
+    reference
+        The label KL and top-1 are measured against (required with four columns).
+
+    Blocks run outer and labels inner, so one block's reference is computed once, shared by
+    every label and freed.  Per token the terms are those of the whole-batch computation;
+    only the LM head's matmul runs on fewer rows (float rounding apart: ~1e-7 relative in fp32).
     """
-    x = logits.float()
-    targets = targets.to(x.device)
-    # Flattened to (tokens, vocab): on a transposed (B, vocab, T) view the same call runs
-    # ~3.5x slower on CPU (a strided softmax over the vocabulary).
-    nll = F.cross_entropy(x.reshape(-1, x.shape[-1]), targets.reshape(-1), reduction="none").view(targets.shape)
-    rows = slice(start, start + len(targets))
-    out[rows, 0] = (nll.double().cpu() * keep).sum(1)
-    out[rows, 1] = keep.sum(1)
-    if out.shape[1] == 2:
-        return None
-    lse = nll + x.gather(-1, targets[..., None])[..., 0]  # log Σ exp x, from the NLL already computed
-    top = x.argmax(-1)
-    if reference is None:
-        p = torch.exp(x - lse[..., None])
-        reference = (p, _dot(p, x) - lse, top)
-    p, p_log_p, ref_top = reference
-    kl = p_log_p.double() - (_dot(p, x) - lse).double()
-    out[rows, 2] = (kl.cpu() * keep).sum(1)
-    out[rows, 3] = ((top == ref_top).cpu() & keep).sum(1)
-    return reference
+    if block_tokens <= 0:
+        raise ValueError(f"score_hidden: block_tokens must be positive, got {block_tokens}")
+    keep = keep.cpu()
+    b_idx, t_idx = keep.nonzero(as_tuple=True)
+    gathered: dict[int, torch.Tensor] = {}  # labels that share a hidden state share its rows and their scores
+    rows = {label: gathered.setdefault(id(h), h[keep.to(h.device)]) for label, h in hidden.items()}  # (N, hidden)
+    device = next(iter(rows.values())).device
+    tgt = targets.cpu()[b_idx, t_idx].to(device)
+    agreement = next(iter(out.values())).shape[1] == 4
+    if agreement and reference not in hidden:
+        raise ValueError(f"score_hidden: four columns need the reference among the labels, got {reference!r}")
+    # Per-position float64 terms in (B, T) accumulators, summed over T at the end: the sums do
+    # not depend on the block size, and are deterministic on every device (no atomics).
+    shape = keep.shape
+    terms = {label: torch.zeros((3 if agreement else 1, *shape), dtype=torch.float64) for label in rows}
+    for lo in range(0, len(tgt), block_tokens):
+        at = (b_idx[lo:lo + block_tokens], t_idx[lo:lo + block_tokens])
+        y = tgt[lo:lo + block_tokens]
+        done: dict[int, list[torch.Tensor]] = {}  # per distinct rows tensor: its terms of this block (CPU)
+        if agreement:
+            x = head_logits(model, rows[reference][lo:lo + block_tokens]).float()
+            nll = F.cross_entropy(x, y, reduction="none")
+            lse = nll + x.gather(-1, y[:, None])[:, 0]  # log Σ exp x, from the NLL already computed
+            p = torch.exp(x - lse[:, None])
+            p_log_p, ref_top = _dot(p, x) - lse, x.argmax(-1)
+            del x
+            # the reference against itself: KL 0, full agreement
+            done[id(rows[reference])] = [nll.double().cpu(), torch.zeros(len(y), dtype=torch.float64),
+                                         torch.ones(len(y), dtype=torch.float64)]
+        for label, r in rows.items():
+            if id(r) not in done:
+                x = head_logits(model, r[lo:lo + block_tokens]).float()
+                # (tokens, vocab) rows: on a transposed view the same call runs ~3.5x slower on CPU
+                nll = F.cross_entropy(x, y, reduction="none")
+                done[id(r)] = [nll.double().cpu()]
+                if agreement:
+                    lse = nll + x.gather(-1, y[:, None])[:, 0]
+                    # KL per token is Σ p log p - (Σ p x - logsumexp x): two reductions over the
+                    # vocabulary and no (tokens, vocab) temporary per label.  fp32 terms, their
+                    # difference in float64: ~1e-6 nats per token, exactly 0 for identical logits.
+                    done[id(r)] += [(p_log_p.double() - (_dot(p, x) - lse).double()).cpu(),
+                                    (x.argmax(-1) == ref_top).double().cpu()]
+                del x
+            for t, v in zip(terms[label], done[id(r)]):
+                t[at] = v
+        if agreement:
+            del p
+    span = slice(start, start + shape[0])
+    for label, t in terms.items():
+        o = out[label]
+        o[span, 0] = t[0].sum(1)
+        o[span, 1] = keep.sum(1)
+        if agreement:
+            o[span, 2] = t[1].sum(1)
+            o[span, 3] = t[2].sum(1)
+
+
+def continuation_logprob(model, hidden: torch.Tensor, targets: torch.Tensor,
+                         block_tokens: int = BLOCK_TOKENS) -> tuple[float, bool]:
+    """``(Σ log p(target), every target the argmax)`` of one continuation, ``block_tokens`` positions at a time.
+
+    ``hidden`` ``(C, hidden)``: final hidden states (after the final norm) predicting ``targets`` ``(C,)``.
+    """
+    if block_tokens <= 0:
+        raise ValueError(f"continuation_logprob: block_tokens must be positive, got {block_tokens}")
+    total, greedy = 0.0, True
+    for lo in range(0, len(targets), block_tokens):
+        x = head_logits(model, hidden[lo:lo + block_tokens]).float()
+        y = targets[lo:lo + block_tokens].to(x.device)
+        total -= F.cross_entropy(x, y, reduction="sum").item()
+        greedy = greedy and bool((x.argmax(-1) == y).all())
+    return total, greedy
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``(a * b).sum(-1)`` for ``(B, T, V)`` tensors without the product (a batched matmul)."""
+    """``(a * b).sum(-1)`` for ``(N, V)`` tensors without the product (a batched matmul)."""
     return (a.reshape(-1, 1, a.shape[-1]) @ b.reshape(-1, b.shape[-1], 1)).view(a.shape[:-1])
 
 
 @torch.inference_mode()
 def sequence_nll(model, sequences: Sequence[Sequence[int]], score_from: Sequence[int], batch_size: int,
-                 pad_id: int = 0) -> torch.Tensor:
+                 pad_id: int = 0, *, block_tokens: int = BLOCK_TOKENS) -> torch.Tensor:
     """Summed NLL (nats) and token count of each sequence's scored part.
 
     Token ``t`` of a sequence is scored (``-log p(x_t | x_<t)``) when
@@ -99,6 +182,8 @@ def sequence_nll(model, sequences: Sequence[Sequence[int]], score_from: Sequence
         First scored position of each sequence.
     batch_size
         Sequences per forward (right-padded to the longest; pads are masked out).
+    block_tokens
+        Scored positions per LM-head block (:func:`score_hidden`).
 
     Returns
     -------
@@ -108,8 +193,9 @@ def sequence_nll(model, sequences: Sequence[Sequence[int]], score_from: Sequence
     device = next(model.parameters()).device
     out = torch.zeros(len(sequences), 2, dtype=torch.float64)
     for start, ids, mask, scored in _batches(sequences, score_from, batch_size, pad_id):
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-        score_logits(out, start, logits[:, :-1], ids[:, 1:], scored[:, 1:])  # position t-1 predicts token t
+        h = final_hidden(model, input_ids=ids.to(device), attention_mask=mask.to(device))
+        # position t-1 predicts token t
+        score_hidden(model, {"": out}, start, {"": h[:, :-1]}, ids[:, 1:], scored[:, 1:], block_tokens)
     return out
 
 
@@ -139,7 +225,8 @@ def branch_point(runtime: CEDModeBRuntime, n_layers: int) -> int:
 def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDParts | Mapping[str, CEDParts] | None,
                     sequences: Sequence[Sequence[int]], score_from: Sequence[int], batch_size: int,
                     pad_id: int = 0, *, kv_format: str | None, agreement: bool = False,
-                    extra: Mapping[str, object] | None = None) -> dict[str, torch.Tensor]:
+                    extra: Mapping[str, object] | None = None, block_tokens: int = BLOCK_TOKENS
+                    ) -> dict[str, torch.Tensor]:
     """:func:`sequence_nll` of every Mode B group in ``groups``, the shared trunk run once per batch.
 
     Every group is the plain model below its :func:`branch_point`.  Per batch the plain
@@ -151,10 +238,11 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
     target, running at least through the top target).  Each other group then runs only its layers from its branch
     point on, under its :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (whose hooks are
     handed the trunk's ``H_split``/source K/V when they sit below the branch point), on a
-    fresh cache, then the final norm and LM head -- as ``LlamaModel``/``Qwen3_5TextModel``
-    and their ``*ForCausalLM`` end a forward.  Same batches, same shapes, same ops: each
-    group's result equals :func:`sequence_nll` under its runtime exactly (fp32 and bf16
-    alike; checked in ``tests/test_shared_trunk.py``).
+    fresh cache, then the final norm -- as ``LlamaModel``/``Qwen3_5TextModel`` end a forward.
+    Every group's final hidden state is kept (``(B, T, hidden)``: small) and all are scored
+    together by :func:`score_hidden`, block by block of scored positions, through the LM head.
+    Same batches, same shapes, same ops: each group's result equals :func:`sequence_nll` under
+    its runtime exactly (fp32 and bf16 alike; checked in ``tests/test_shared_trunk.py``).
 
     Parameters
     ----------
@@ -165,7 +253,7 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
         scoring); ``parts`` may also map each group to its own maps (:func:`~ced_csa2.ced_runtime.parts_for`).
     groups
         Group names (:data:`ced_csa2.groups.GROUP_NAMES`).
-    sequences, score_from, batch_size, pad_id
+    sequences, score_from, batch_size, pad_id, block_tokens
         As for :func:`sequence_nll`.
     agreement
         Also measure each group against ``baseline`` (which must be in ``groups``) on the
@@ -241,17 +329,15 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
     for start, ids, mask, scored in _batches(sequences, score_from, batch_size, pad_id):
         inputs.clear()
         layer_kwargs.clear()
-        reference = None  # the baseline's log-probabilities of this batch (agreement)
+        hidden = {}  # each group's final hidden state (after the final norm), in runtimes' order
         with kv_hooks._installed(trunk_hooks), \
                 kv_hooks.capture(model, list(dict.fromkeys((plan.source, *clean_layers))), [plan.split]) as trunk:
             try:
-                logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+                plain_h = final_hidden(model, input_ids=ids.to(device), attention_mask=mask.to(device))
             except _StopTrunk:
                 pass
-            else:  # the plain model's groups: the trunk's own logits (freed before the branches run)
-                for g in (g for g, b in branch.items() if b > n):
-                    reference = score_logits(out[g], start, logits[:, :-1], ids[:, 1:], scored[:, 1:])
-                del logits
+            else:  # the plain model's groups: the trunk's own output
+                hidden.update((g, plain_h) for g, b in branch.items() if b > n)
         for g, runtime in runtimes.items():
             b = branch[g]
             if b > n:
@@ -268,14 +354,9 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
                         if kw.get(name) is not None:
                             kw[name] = fresh.setdefault(name, type(kw[name])(config=model.model.config))
                     h = kv_hooks._hidden(layers[i - 1](h, **kw))
-                logits = _head(model, h)
-                score_logits(out[g], start, logits[:, :-1], ids[:, 1:], scored[:, 1:], reference)
+                hidden[g] = model.model.norm(h)
+        # position t-1 predicts token t; the scores of every group are written in one pass over the blocks
+        cut: dict[int, torch.Tensor] = {}  # one view per distinct state: groups sharing the trunk's share its scores
+        score_hidden(model, out, start, {g: cut.setdefault(id(hidden[g]), hidden[g][:, :-1]) for g in runtimes},
+                     ids[:, 1:], scored[:, 1:], block_tokens, reference="baseline" if agreement else None)
     return out
-
-
-def _head(model, h: torch.Tensor) -> torch.Tensor:
-    """Logits from the last layer's output, as ``*ForCausalLM.forward`` ends: final norm, LM head, and
-    the logit soft-capping of models that have one (Gemma-2; Gemma-3 configs may set it)."""
-    logits = model.get_output_embeddings()(model.model.norm(h))
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    return logits if cap is None else torch.tanh(logits / cap) * cap

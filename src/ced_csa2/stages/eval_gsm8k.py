@@ -148,7 +148,8 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     # Gold NLL of every group on the prompts lm-eval built, all groups at once (shared trunk).
     t0 = time.perf_counter()
     gold = groups_gold_nll(model, plan, list(cfg.groups), parts, pairs, cfg.batch_size, tok.pad_token_id,
-                           kv_format=params.kv_format, seed=params.seed, more=more)
+                           kv_format=params.kv_format, seed=params.seed, more=more,
+                           block_tokens=params.eval_ppl.score_block_tokens)
     for group in cfg.groups:
         groups[group]["gold_nll"] = gold[group]
         log.info("%s: gold NLL %.4f/token", group, gold[group]["nll_per_token"])
@@ -193,7 +194,7 @@ def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, ta
                 "note": f"plan {plan} does not cover every attention layer above the cut; Mode A not run"}, {}
     from ..mode_a_lm import ModeALM
 
-    lm = ModeALM(CEDModeARuntime(model, plan, geo, parts), tok)
+    lm = ModeALM(CEDModeARuntime(model, plan, geo, parts), tok, block_tokens=params.eval_ppl.score_block_tokens)
     entry = {}
     if setting == "generate":
         log.info("Mode A: generation through the prefill skip, one problem at a time")

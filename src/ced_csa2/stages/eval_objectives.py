@@ -92,7 +92,8 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
     # The baseline rides along (the trunk itself) as every paired interval's reference.
     ppl = groups_ppl(model, plan, ["baseline"], None, ids, params, tok.pad_token_id, extra=branches)
     gold = groups_gold_nll(model, plan, ["baseline"], None, pairs, params.eval_gsm8k.batch_size, tok.pad_token_id,
-                           kv_format=params.kv_format, seed=params.seed, extra=branches)
+                           kv_format=params.kv_format, seed=params.seed, extra=branches,
+                           block_tokens=params.eval_ppl.score_block_tokens)
     metrics = {
         "protocol": protocol(params, model, plan, ids, ppl["baseline"]["tokens"]),
         "gold_protocol": {"math_set": params.data.math.label, "math_revision": params.data.math.revision,

@@ -75,7 +75,7 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     groups = groups_ppl(model, plan, cfg.groups, parts, ids, params, tok.pad_token_id)
     t1 = time.perf_counter()
     mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, params.seed,
-                           timing_records=cfg.timing_records)
+                           timing_records=cfg.timing_records, block_tokens=cfg.score_block_tokens)
     record_timing(groups_s=round(t1 - t0, 1), mode_a_s=round(time.perf_counter() - t1, 1),
                   threads=torch.get_num_threads(), mode_a_prefill=mode_a.pop("timing", None))
     metrics = {
