@@ -107,27 +107,35 @@ def test_library_never_imports_a_stage():
         assert not {m for m in project_imports(module) if m.startswith("ced_csa2.stages")}, path
 
 
-def regenerate_code_deps(path: Path = ROOT / "dvc.yaml") -> None:
-    """Rewrite each stage's ``src/`` deps in ``dvc.yaml`` as its import closure (comments and order kept).
 
-        python tests/test_graph.py      # after changing what a stage imports
-    """
+def code_closure(cmd: str) -> set[str]:
+    """The ``src/`` files a stage's command can import: a stage module's closure, or a study script's."""
+    words = cmd.split()
+    if words[1] == "-m":
+        return import_closure(words[2])
+    return import_closure(*file_imports(ROOT / words[1]))
+
+
+def regenerate_code_deps(path: Path) -> None:
+    """Rewrite each stage's ``src/`` deps in a ``dvc.yaml`` as its import closure (comments and order kept)."""
+    cmds = {name: spec.get("do", spec)["cmd"] for name, spec in yaml.safe_load(path.read_text())["stages"].items()}
     lines, out, stage = path.read_text().splitlines(keepends=True), [], None
     i = 0
     while i < len(lines):
         line = lines[i]
         if line.startswith("  ") and not line.startswith("   ") and line.rstrip().endswith(":"):
             stage = line.strip()[:-1]
-        if line.lstrip().startswith("- src/") and stage in STAGE_MODULES:
+        if line.lstrip().startswith("- src/") and stage in cmds:
             indent = line[:len(line) - len(line.lstrip())]
             while i < len(lines) and lines[i].lstrip().startswith("- src/"):
                 i += 1
-            out += [f"{indent}- {d}\n" for d in sorted(import_closure(f"ced_csa2.stages.{stage}"))]
+            out += [f"{indent}- {d}\n" for d in sorted(code_closure(cmds[stage]))]
             continue
         out.append(line)
         i += 1
     path.write_text("".join(out))
 
 
-if __name__ == "__main__":
-    regenerate_code_deps()
+if __name__ == "__main__":  # python tests/test_graph.py: after changing what a stage or study imports
+    for pipeline in (ROOT / "dvc.yaml", ROOT / "studies" / "dvc.yaml"):
+        regenerate_code_deps(pipeline)

@@ -50,6 +50,11 @@ def record_timing(**items) -> None:
     _TIMINGS.update(items)
 
 
+def recorded_timings() -> dict:
+    """What :func:`record_timing` holds so far in this process (a copy)."""
+    return dict(_TIMINGS)
+
+
 def _audit(event: str, args: tuple) -> None:
     # sys.audit's "open" fires for every Python-level open (builtins, io, pathlib, torch.load);
     # h5py opens through the HDF5 C library, so h5store raises "ced_csa2.read" itself.

@@ -57,6 +57,7 @@ def final_hidden(model, **inputs) -> torch.Tensor:
     return model.model(**inputs).last_hidden_state
 
 
+@torch.inference_mode()
 def score_hidden(model, out: Mapping[str, torch.Tensor], start: int, hidden: Mapping[str, torch.Tensor],
                  targets: torch.Tensor, keep: torch.Tensor, block_tokens: int = BLOCK_TOKENS,
                  reference: str | None = None) -> None:
@@ -128,8 +129,8 @@ def score_hidden(model, out: Mapping[str, torch.Tensor], start: int, hidden: Map
                     done[id(r)] += [(p_log_p.double() - (_dot(p, x) - lse).double()).cpu(),
                                     (x.argmax(-1) == ref_top).double().cpu()]
                 del x
-            for t, v in zip(terms[label], done[id(r)]):
-                t[at] = v
+            for j, v in enumerate(done[id(r)]):
+                terms[label][j][at] = v
         if agreement:
             del p
     span = slice(start, start + shape[0])
