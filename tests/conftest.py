@@ -1,7 +1,24 @@
-"""Shared tiny, real objects: the tiny Qwen3.5 profile and a tiny Llama, built locally."""
+"""Shared tiny, real objects: the tiny Qwen3.5 profile and a tiny Llama, built locally.
+
+The trainers' autocast dtype
+----------------------------
+``CED_CSA2_TEST_AMP_DTYPE=<dtype>`` (``bfloat16``, ``float16``, ``float32`` or ``auto``)
+runs the whole suite with both trainers' ``amp_dtype`` set to ``<dtype>``, as a machine
+whose ``auto`` picks it would (bf16 on AMX CPUs and CUDA)::
+
+    CED_CSA2_TEST_AMP_DTYPE=bfloat16 python -m pytest -q tests/test_distributed.py
+
+Unset, the composed params keep the conf's own value.  Every params file or object a test
+builds comes from :func:`compose` or :func:`tiny_params` here, or from
+``python -m ced_csa2.compose ... *AMP_OVERRIDES``, which add :data:`AMP_OVERRIDES`; only
+``tests/test_config.py`` uses ``ced_csa2.compose.compose`` itself, as it compares
+compositions with the committed ``params.yaml``.  Tests that compare two runs of a trainer
+take their tolerance from the dtype in effect (:func:`trainer_amp_dtype`, :func:`rtol_for`).
+"""
 
 import dataclasses
 import itertools
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -9,11 +26,59 @@ from pathlib import Path
 import pytest
 import torch
 
-from ced_csa2.compose import compose
-from ced_csa2.config import Params, from_dict
-from ced_csa2.model_utils import build_tiny_model, load_model_and_tokenizer
+from ced_csa2 import compose as _compose
+from ced_csa2.config import COMPUTE_DTYPES, Params, from_dict
+from ced_csa2.model_utils import build_tiny_model, load_model_and_tokenizer, resolve_dtype
 
 TINY_OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5"]
+
+AMP_ENV = "CED_CSA2_TEST_AMP_DTYPE"
+AMP_KEYS = ("train_projector.amp_dtype", "train_adapters.amp_dtype")  # every autocast in src/ced_csa2/config.py
+
+
+def _amp_overrides() -> list[str]:
+    dtype = os.environ.get(AMP_ENV, "")
+    if not dtype:
+        return []
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"{AMP_ENV}={dtype!r}: must be one of {COMPUTE_DTYPES}")
+    return [f"{key}={dtype}" for key in AMP_KEYS]
+
+
+AMP_OVERRIDES = _amp_overrides()  # Hydra overrides: the last one of a key wins, so these go last
+
+
+def compose(overrides=()) -> str:
+    """:func:`ced_csa2.compose.compose` with :data:`AMP_OVERRIDES` appended."""
+    return _compose.compose([*overrides, *AMP_OVERRIDES])
+
+
+def trainer_amp_dtype(params: Params, device: torch.device = torch.device("cpu")) -> torch.dtype:
+    """The autocast dtype both trainers of ``params`` run in on ``device`` (``auto`` resolved)."""
+    dtypes = {resolve_dtype(cfg.amp_dtype, device) for cfg in (params.train_projector, params.train_adapters)}
+    assert len(dtypes) == 1, f"the trainers autocast to different dtypes: {dtypes}"
+    return dtypes.pop()
+
+
+# How far apart two runs of one training may end when they differ only in float evaluation
+# order (a batch whole or as two DDP shards, one thread or several).  Under float32 the
+# differences are summation-order rounding inside every matmul and gradient sum, carried
+# through the steps: FLOAT32_RTOL (84 float32 eps).  Under a reduced autocast dtype each
+# step's activations and gradients are in addition rounded to that dtype (eps/2 relative in
+# either run, so up to eps apart), and the optimiser carries that relative difference into
+# the weights and from there into the measured fit: AMP_EPS_FACTOR of its eps.  A factor of
+# 1, one rounding's worth: the steps' roundings are independent, so they do not add up in one
+# direction, and the fit is measured in float32; a real difference in what is trained
+# (another batch, a missing or doubled gradient) moves the result by far more.
+FLOAT32_RTOL = 1e-5
+AMP_EPS_FACTOR = 1.0
+
+
+def rtol_for(dtype: torch.dtype) -> float:
+    """The relative tolerance between two orderings of one training run in autocast ``dtype`` (see above)."""
+    if dtype == torch.float32:
+        return FLOAT32_RTOL
+    return max(FLOAT32_RTOL, AMP_EPS_FACTOR * torch.finfo(dtype).eps)
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +88,7 @@ def _isolated_asset_cache(tmp_path_factory, monkeypatch):
 
 
 def tiny_params(**sections) -> Params:
-    """The tiny profile's params, with whole sections replaced via ``dataclasses.replace`` kwargs."""
+    """The tiny profile's params (:func:`compose`), with whole sections replaced via ``dataclasses.replace`` kwargs."""
     import yaml
 
     params = from_dict(Params, yaml.safe_load(compose(TINY_OVERRIDES)))

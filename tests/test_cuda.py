@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import project_copy
+from conftest import AMP_OVERRIDES, project_copy
 from test_pipeline_e2e import OVERRIDES, sh
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -22,7 +22,7 @@ def read(repo, rel: str) -> dict:
 
 def test_tiny_pipeline_runs_on_cuda_in_bf16(tmp_path):
     repo = project_copy(tmp_path)
-    sh(repo, sys.executable, "-m", "ced_csa2.compose", *OVERRIDES, *CUDA)
+    sh(repo, sys.executable, "-m", "ced_csa2.compose", *OVERRIDES, *CUDA, *AMP_OVERRIDES)
     sh(repo, "dvc", "repro")
     dump = read(repo, "metrics/dump.json")
     assert dump["device"].startswith("cuda") and (dump["compute_dtype"], dump["storage_dtype"]) == ("bfloat16",) * 2

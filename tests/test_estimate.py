@@ -8,10 +8,9 @@ from pathlib import Path
 import h5py
 import pytest
 import yaml
-from conftest import tiny_params
+from conftest import compose, tiny_params
 
 from ced_csa2 import estimate, paths
-from ced_csa2.compose import compose
 from ced_csa2.config import Params, from_dict, load_params, to_dict
 from ced_csa2.h5store import DumpReader
 from ced_csa2.stages import dump, prepare

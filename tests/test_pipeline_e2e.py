@@ -1,4 +1,9 @@
-"""End to end: `dvc repro` on the tiny profile in a temporary copy of the repository."""
+"""End to end: `dvc repro` on the tiny profile in a temporary copy of the repository.
+
+The tests share one copy (module fixtures): ``reproduced`` runs the whole pipeline once,
+recording what each stage reads, for every test that inspects its outputs, so that any
+test runs alone; run together, the prepare/dump test goes first, on a fresh copy.
+"""
 
 import json
 import os
@@ -8,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import project_copy, read_curves
+from conftest import AMP_OVERRIDES, project_copy, read_curves
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -38,7 +43,7 @@ def repo(tmp_path_factory):
     dst = project_copy(tmp_path_factory.mktemp("repo"))
     sh(dst, "git", "config", "user.email", "ci@example.com")
     sh(dst, "git", "config", "user.name", "ci")
-    sh(dst, sys.executable, "-m", "ced_csa2.compose", *OVERRIDES)
+    sh(dst, sys.executable, "-m", "ced_csa2.compose", *OVERRIDES, *AMP_OVERRIDES)
     return dst
 
 
@@ -46,6 +51,12 @@ def repo(tmp_path_factory):
 def reads(tmp_path_factory):
     """Where the full run records, per stage, the params keys and artifact files it read."""
     return tmp_path_factory.mktemp("reads")
+
+
+@pytest.fixture(scope="module")
+def reproduced(repo, reads) -> str:
+    """The output of a full ``dvc repro`` of ``repo`` (each stage's reads recorded in ``reads``)."""
+    return sh(repo, "dvc", "repro", CED_CSA2_RECORD_READS=str(reads))
 
 
 def test_repro_prepare_dump_then_nothing_to_do(repo, reads):
@@ -56,8 +67,7 @@ def test_repro_prepare_dump_then_nothing_to_do(repo, reads):
     assert stages_run(sh(repo, "dvc", "repro", "prepare", "dump")) == set()
 
 
-def test_full_pipeline_writes_every_metric_and_the_report(repo, reads):
-    sh(repo, "dvc", "repro", CED_CSA2_RECORD_READS=str(reads))
+def test_full_pipeline_writes_every_metric_and_the_report(repo, reproduced):
     for name in ("prepare", "dump", "ridge", "projector", "adapters", "ppl", "gsm8k", "storage"):
         assert (repo / f"metrics/{name}.json").is_file(), name
     report = (repo / "reports/results.md").read_text()
@@ -76,7 +86,7 @@ def test_full_pipeline_writes_every_metric_and_the_report(repo, reads):
     assert stages_run(sh(repo, "dvc", "repro")) == set()
 
 
-def test_summary_is_the_headline_of_the_detailed_results(repo):
+def test_summary_is_the_headline_of_the_detailed_results(repo, reproduced):
     params = yaml.safe_load((repo / "params.yaml").read_text())
     summary = json.loads((repo / "metrics/summary.json").read_text())
     ppl, gsm, storage = (json.loads((repo / f"metrics/{n}.json").read_text()) for n in ("ppl", "gsm8k", "storage"))
@@ -119,7 +129,7 @@ def test_summary_is_the_headline_of_the_detailed_results(repo):
     assert all(numbers(f["data"]) for f in files.values())
 
 
-def test_curves_one_series_per_file_and_plots_render(repo):
+def test_curves_one_series_per_file_and_plots_render(repo, reproduced):
     curves = repo / "metrics/curves"
     for directory in {p.parent for p in curves.rglob("*.tsv")}:
         read_curves(directory)  # one series per file, strictly increasing x
@@ -150,7 +160,7 @@ def template(stage: str) -> str:
     return stage.split("@")[0]  # tune@distill -> tune: one dvc.yaml entry for every item
 
 
-def test_every_stage_declares_exactly_the_params_and_files_it_reads(repo, reads):
+def test_every_stage_declares_exactly_the_params_and_files_it_reads(repo, reads, reproduced):
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     recorded = {p.stem: json.loads(p.read_text()) for p in reads.glob("*.json")}
     assert set(recorded) == set(lock)
@@ -178,7 +188,7 @@ EDITS = {  # key -> new value (the tiny profile's params)
 
 
 @pytest.mark.parametrize("key", EDITS)
-def test_editing_a_param_marks_exactly_the_stages_that_read_it(repo, reads, key):
+def test_editing_a_param_marks_exactly_the_stages_that_read_it(repo, reads, reproduced, key):
     recorded = {p.stem: json.loads(p.read_text())["params"] for p in reads.glob("*.json")}
     readers = {template(s) for s, keys in recorded.items() if any(covers(key, k) or covers(k, key) for k in keys)}
     expected = {s for s in recorded if template(s) in readers}
@@ -200,7 +210,7 @@ def test_editing_a_param_marks_exactly_the_stages_that_read_it(repo, reads, key)
     assert expected and marked == expected
 
 
-def test_a_key_no_stage_reads_is_still_refused_by_dvc_repro(repo):
+def test_a_key_no_stage_reads_is_still_refused_by_dvc_repro(repo, reproduced):
     path = repo / "params.yaml"
     before = path.read_text()
     path.write_text(before + "ridge_lambda: 10.0\n")  # meant: ridge.lambda
@@ -217,7 +227,7 @@ def test_a_key_no_stage_reads_is_still_refused_by_dvc_repro(repo):
         path.write_text(before)
 
 
-def test_lambda_ablation_reruns_only_what_depends_on_it(repo):
+def test_lambda_ablation_reruns_only_what_depends_on_it(repo, reproduced):
     sh(repo, "git", "add", "-A")
     sh(repo, "git", "commit", "-qm", "tiny run")
     params = repo / "params.yaml"
@@ -234,7 +244,7 @@ def test_lambda_ablation_reruns_only_what_depends_on_it(repo):
     assert "ridge.lambda" in sh(repo, "dvc", "params", "diff")
 
 
-def test_dropping_an_objective_reruns_only_the_objectives_evaluation_and_report(repo):
+def test_dropping_an_objective_reruns_only_the_objectives_evaluation_and_report(repo, reproduced):
     sh(repo, "dvc", "repro")  # settle the previous test's ablation
     params = repo / "params.yaml"
     params.write_text(params.read_text().replace("  - ridge\n  - attn_out\n  - distill\n", "  - ridge\n"))

@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_OVERRIDES, tiny_params
+from conftest import TINY_OVERRIDES, compose, tiny_params
 
-from ced_csa2.compose import compose
 from ced_csa2.model_utils import Geometry
 from ced_csa2.paths import STORAGE_METRICS as METRICS_PATH
 from ced_csa2.stages.storage import qwen3_5_4b_geometry, run

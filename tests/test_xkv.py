@@ -317,7 +317,7 @@ def test_xkv_cannot_be_generated_with_and_rank_must_be_non_negative(tmp_path):
     import yaml
     from conftest import TINY_OVERRIDES
 
-    from ced_csa2.compose import compose
+    from conftest import compose
 
     raw = yaml.safe_load(compose(TINY_OVERRIDES))
     raw["eval_gsm8k"].update(groups=["baseline", "xkv"], generate=["xkv"])

@@ -162,7 +162,7 @@ def _dump_records(model, pad_id: int, plan: LayerPlan, ids: list[list[int]], cfg
                   max_batches: int | None) -> int | None:
     """Append ``ids`` in batches of ``cfg.batch_size`` and finalise; tokens written, ``None`` if ``max_batches`` stopped it."""
     batches = [ids[i:i + cfg.batch_size] for i in range(0, len(ids), cfg.batch_size)]
-    n_tokens = 0
+    n_tokens, total = 0, writer.n_records + len(ids)
     try:
         for b, rows in enumerate(tqdm(batches, desc="dump", unit="batch", disable=not distributed.is_main())):
             if max_batches is not None and b >= max_batches:
@@ -173,6 +173,8 @@ def _dump_records(model, pad_id: int, plan: LayerPlan, ids: list[list[int]], cfg
             flat = np.fromiter((t for r in rows for t in r), dtype=np.int32)
             writer.append(arrays, flat, [len(r) for r in rows])
             n_tokens += len(flat)
+            # Per rank (each names its own file): how far a resume would start, as the batch is committed.
+            log.info("%s: %d of %d records committed", writer.partial_path, writer.n_records, total)
         writer.finalize()
     except BaseException:
         # Interrupted or failed: close the partial file cleanly (it stays resumable; the writer has
