@@ -24,10 +24,14 @@ N_RECORDS = 60
 
 
 def params(**train):
-    """Tiny-profile params sized for seconds of CPU time."""
+    """Tiny-profile params sized for seconds of CPU time.
+
+    The projector starts from PyTorch's init here (the default starts from the ridge map,
+    ``tests/test_projector.py``): these tests check that the trainer learns.
+    """
     return tiny_params(
         split={"val_fraction": 0.2, "tokens_per_record": 16},
-        train_projector={"epochs": 4, "batch_size": 256, "lr": 2e-2, **train.get("projector", {})},
+        train_projector={"epochs": 4, "batch_size": 256, "lr": 2e-2, "init": "random", **train.get("projector", {})},
         train_adapters={"epochs": 12, "batch_size": 128, "base_lr": 1e-2, "refine_lr": 2.0,
                         **train.get("adapters", {})})
 
