@@ -252,7 +252,7 @@ def _deltas(d: dict, name: str, key: str) -> dict:
 
 def protocol_line(ppl: dict, gsm: dict) -> str:
     p, g = ppl["protocol"], gsm["protocol"]
-    return (f"Model **{p['model']}**, {p['dtype']} on {p['device']} ({p['threads']} threads); "
+    return (f"Model **{p['model']}**, {p['dtype']} on {p['device']}; "
             f"PPL on {p['records']} held-out records of `{p['data']}` ({p['tokens_scored']:,} scored tokens, "
             f"{p['basis']}); GSM8K on **{g.get('label', g.get('math_set'))}** (n = {g['n']}, "
             f"{g['num_fewshot']}-shot, greedy, ≤ {g['max_gen_toks']} new tokens, lm-eval {g.get('lm_eval')}). "
