@@ -70,7 +70,11 @@ def test_ppl_groups_and_mode_a(tmp_path, tiny_model):
     # The speed-up is a timing: recorded for timings/eval_ppl.json, never in the results.
     assert "timing" not in a and a["prefill_speedup_bound"] == geometry(model.config).n_layers / params.plan.split
     timing = entry.recorded_timings()["mode_a_prefill"]
-    assert timing["records"] == len(TEXTS) and 0 < timing["speedup"] <= timing["bound"] == a["prefill_speedup_bound"]
+    assert timing["records"] == len(TEXTS) and timing["bound"] == a["prefill_speedup_bound"]
+    # Never a ratio above the bound: the tiny model's millisecond arms, timed on a loaded machine,
+    # may come out above it, and then the speed-up is refused, not reported.
+    assert (timing["speedup"] is None and "exceeds its bound" in timing["refused"]) or \
+        0 < timing["speedup"] <= timing["bound"]
     assert m["protocol"]["records"] == len(TEXTS)
     assert json.loads((tmp_path / paths.PPL_METRICS).read_text()) == json.loads(json.dumps(m))
 
