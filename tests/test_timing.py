@@ -96,10 +96,14 @@ def test_mode_a_quality_is_the_scoring_path_bit_for_bit_whatever_is_timed(llama_
     assert every["covered"] and every["records"] == len(ids) and every["mode_a"]["ppl"] != every["baseline"]["ppl"]
 
     t = two["timing"]
-    assert set(t) == {"records", "repeats", "plain_s", "mode_a_s", "speedup", "bound", "protocol"}
+    assert {"records", "repeats", "plain_s", "mode_a_s", "speedup", "bound", "protocol"} <= set(t)
     assert t["records"] == 2 and t["repeats"] == 3 and t["bound"] == 3.0
-    assert t["plain_s"] > 0 and t["mode_a_s"] > 0 and t["speedup"] == pytest.approx(t["plain_s"] / t["mode_a_s"])
-    assert 0 < t["speedup"] <= t["bound"] and "warm-up" in t["protocol"] and "median" in t["protocol"]
+    assert t["plain_s"] > 0 and t["mode_a_s"] > 0 and "warm-up" in t["protocol"] and "median" in t["protocol"]
+    # Millisecond arms on a loaded machine may time above the bound: then refused, never reported.
+    if t["speedup"] is None:
+        assert "exceeds its bound" in t["refused"] and t["plain_s"] / t["mode_a_s"] > t["bound"]
+    else:
+        assert t["speedup"] == pytest.approx(t["plain_s"] / t["mode_a_s"]) and 0 < t["speedup"] <= t["bound"]
     assert every["timing"]["records"] == len(ids)
 
 
