@@ -7,10 +7,11 @@ from conftest import tiny_gemma3, tiny_llama
 from torch import nn
 
 from ced_csa2 import kv_hooks
-from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts
+from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_from, plain_prefill
 from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.groups import GROUP_NAMES as GROUPS
 from ced_csa2.model_utils import attention, geometry
+from ced_csa2.perplexity import prefill_bound
 from ced_csa2.plan import LayerPlan, PlanError
 from ced_csa2.projector import KVProjector
 from ced_csa2.xkv import XKVBasis
@@ -206,6 +207,48 @@ def test_mode_a_with_true_kv_reproduces_baseline(name, model, plan):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     wrong = CEDModeARuntime(model, plan, geo, random_parts(geo, plan)).continuation_logits(prompt, cont)
     assert not torch.allclose(wrong, ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_mode_a_replaying_the_whole_prompt_is_the_plain_prefill(name, tiny_model):
+    """Replay >= the prefilled length leaves nothing to the maps: the plain prefill exactly (maps random)."""
+    model, plan = (tiny_llama(), LayerPlan(2, 3, (5, 6), (4,))) if name == "llama" else (tiny_model[0], QWEN_PLAN)
+    geo = geometry(model.config)
+    plan = plan.validate(geo)
+    prompt, cont = torch.randint(0, 250, (2, 12)), torch.randint(0, 250, (2, 6))
+    ref = continue_from(model, plain_prefill(model, prompt[:, :-1]), prompt, cont)
+    for replay in (11, 40):
+        got = CEDModeARuntime(model, plan, geo, random_parts(geo, plan), replay=replay).continuation_logits(prompt, cont)
+        assert torch.equal(got, ref), replay
+    skip = CEDModeARuntime(model, plan, geo, random_parts(geo, plan), replay=4).continuation_logits(prompt, cont)
+    assert not torch.allclose(skip, ref, atol=1e-3)
+
+
+def test_mode_a_replay_with_true_kv_of_the_older_positions_reproduces_baseline():
+    """Older positions from exact maps + the replayed tail through every layer = the plain model (all-attention)."""
+    model, plan = tiny_llama(), LayerPlan(2, 3, (5, 6), (4,))
+    geo = geometry(model.config)
+    plan = plan.validate(geo)
+    prompt, cont = torch.randint(0, 300, (2, 15)), torch.randint(0, 300, (2, 9))
+    replay = 5
+    parts = identity_parts(model, prompt[:, :prompt.shape[1] - 1 - replay], plan)  # the mapped positions' true K/V
+    with torch.no_grad():
+        ref = model(torch.cat([prompt, cont], 1)).logits[:, prompt.shape[1] - 1:-1]
+    got = CEDModeARuntime(model, plan, geo, parts, replay=replay).continuation_logits(prompt, cont)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_bound_counts_the_replayed_layers():
+    geo, plan = geometry(tiny_llama().config), LayerPlan(2, 3, (5, 6), (4,))
+    n = geo.n_layers
+    assert prefill_bound(geo, plan) == n / 2
+    assert prefill_bound(geo, plan, replay=100, prefilled=[10, 30]) == 1.0  # everything replayed
+    assert prefill_bound(geo, plan, replay=5, prefilled=[10, 30]) == pytest.approx(
+        n * 40 / (2 * 40 + (n - 2) * (5 + 5)))
+    with pytest.raises(ValueError, match="prefilled lengths"):
+        prefill_bound(geo, plan, replay=5)
+    with pytest.raises(ValueError, match="replay must be >= 0"):
+        CEDModeARuntime(tiny_llama(), plan.validate(geo), geo, CEDParts(), replay=-1)
 
 
 def test_mode_a_refuses_a_non_covering_plan(tiny_model):

@@ -12,14 +12,17 @@ def metrics(tokens=1000):
                               **delta("top1_pct", 80.0, 75.5, 85.0)}}}
     gsm = {"groups": {"baseline": {"gold_nll": {"nll_per_token": 1.5}},
                       "ced": {"gold_nll": {"nll_per_token": 2.0, **delta("delta", 0.5, 0.25, 0.75)}}}}
-    run = {"run": {"steps": 10}}
+    run = {"run": {"steps": 10, "init": "ridge", "batch_size": 4, "keep": "best_val"}, "layers": {},
+           "seed_init": {"run": {"steps": 7}}}
+    seed_init = {"ced": {"ppl": 40.0, **delta("delta_pct", 100.0, 90.0, 110.0),
+                         "gold_nll": {"nll_per_token": 3.0, **delta("delta", 1.5, 1.25, 1.75)}}}
     tuned = {"distill": {"train": {"phases": {"ced": {"steps": 4, "tokens": 400},
                                               "csa2": {"steps": 6, "tokens": 200}}},
                          "eval": {"protocol": {"tokens_scored": tokens},
                                   "groups": {"ced": {"ppl": 22.0, **delta("delta_pct", 10.0, 8.0, 12.0),
                                                      "gold_nll": {"nll_per_token": 1.75,
                                                                   **delta("delta", 0.25, 0.125, 0.5)}}}}}}
-    return ppl, gsm, run, run, tuned
+    return ppl, gsm, run, run, tuned, seed_init
 
 
 def delta(key, value, lo, hi):
@@ -35,7 +38,9 @@ def cells(lines):
 def test_rows_per_group_and_objective():
     rows = cells(objective_table(*metrics(), groups=["ced"]))
     assert list(rows) == [("baseline", "— (no maps)"), ("share_plain", "— (no maps)"), ("ced", "kv_mse (seed)"),
-                          ("ced", "distill")]
+                          ("ced", "kv_mse, random init (seed read literally)"), ("ced", "distill")]
+    assert rows[("ced", "kv_mse, random init (seed read literally)")] == [
+        "40.000", "+100.00 [+90.00, +110.00]", "–", "–", "3.0000", "+1.5000 [+1.2500, +1.7500]", "7", "(dumped rows)"]
     assert rows[("baseline", "— (no maps)")] == ["20.000", "–", "–", "–", "1.5000", "–", "–", "–"]
     assert rows[("share_plain", "— (no maps)")] == ["30.000", "+50.00 [+40.00, +61.00]", "–", "–", "–", "–", "–",
                                                     "–"]
@@ -47,10 +52,10 @@ def test_rows_per_group_and_objective():
 
 
 def test_objective_scored_on_other_tokens_is_refused():
-    ppl, gsm, proj, adap, tuned = metrics()
+    ppl, gsm, proj, adap, tuned, seed_init = metrics()
     tuned["distill"]["eval"]["protocol"]["tokens_scored"] = 999
     with pytest.raises(ValueError, match=r"objectives/eval.json \(distill\) scored 999 tokens, metrics/ppl.json 1000"):
-        objective_table(ppl, gsm, proj, adap, tuned, ["ced"])
+        objective_table(ppl, gsm, proj, adap, tuned, seed_init, ["ced"])
 
 
 def summary_inputs():
@@ -62,8 +67,8 @@ def summary_inputs():
         "share_plain": {"ppl": 30.0, **delta("delta_pct", 50.0, 45.0, 55.0), "nll_per_token": 3.4, "tokens": 10}},
         "mode_a": {"covered": True, "prefix_fraction": 0.5, "records": 4, "baseline": {"ppl": 19.0},
                    "mode_a": {"ppl": 38.0}, **delta("delta_pct", 100.0, 90.0, 110.0), **delta("kl", 1.5, 1.25, 1.75),
-                   **delta("top1_pct", 50.0, 45.0, 55.0), "prefill_speedup_bound": 2.0,
-                   "note": "zero state"}}
+                   **delta("top1_pct", 50.0, 45.0, 55.0), "prefill_speedup_bound": 2.0, "replay": 0,
+                   "maps": "trained", "note": "zero state"}}
 
     def em(correct, lo, hi):
         return {"exact_match": correct / 100, "ci95": [lo, hi], "correct": correct, "n": 100}
@@ -127,16 +132,19 @@ def test_summary_holds_the_headline_per_group_and_objective():
 
 def test_mode_a_table_sets_the_skip_against_the_full_prefill():
     ppl, gsm, _, _ = summary_inputs()
-    lines = mode_a_table(ppl, gsm)
+    train = {"covered": True, "steps": 16, "tokens": 8192, "protocol": {"records": 64, "val_records": 8},
+             "val_before": {"kl": 1.5}, "val_after": {"kl": 0.75}}
+    lines = mode_a_table(ppl, gsm, train)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines[2:4]}
+    assert "held-out KL (8 records) 1.5000 → 0.7500" in lines[-1] and "16 AdamW steps" in lines[-1]
     assert rows["baseline (full prefill)"] == ["19.000", "–", "–", "–", "3.0 [1.0, 8.5]", "7.0 [3.4, 13.7]", "1.2500",
                                                "–", "1×"]
-    assert rows["mode_a (prefill skip)"] == ["38.000", "+100.00 [+90.00, +110.00]", "1.5000 [1.2500, 1.7500]",
+    assert rows["mode_a (prefill skip, replay 0, maps trained through the skip (tune_mode_a))"] == ["38.000", "+100.00 [+90.00, +110.00]", "1.5000 [1.2500, 1.7500]",
                                              "50.00 [45.00, 55.00]", "1.0 [0.2, 5.4]", "4.0 [1.6, 9.8]", "2.5000",
                                              "+1.2500 [+1.0000, +1.5000]", "≤ 2.00×"]
-    assert "zero state" in lines[-1] and "4 eval records" in lines[-1]
+    assert "zero state" in lines[-3] and "4 eval records" in lines[-3]
     ppl["mode_a"] = {"covered": False, "uncovered_attention_layers": [16, 17]}
-    assert mode_a_table(ppl, gsm) == ["Mode A: not run — the plan does not cover attention layers [16, 17] above the "
+    assert mode_a_table(ppl, gsm, {"covered": False}) == ["Mode A: not run — the plan does not cover attention layers [16, 17] above the "
                                       "cut (use a covering plan)."]
 
 

@@ -130,6 +130,22 @@ def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
     assert torch.equal(proj.proj.weight, proj2.proj.weight)
 
 
+def test_projector_keeps_its_best_held_out_epoch(workdir):
+    """From the ridge map (the held-out least-squares optimum's neighbour) a large AdamW lr only adds
+    noise: ``keep: best_val`` ends on the start itself, ``keep: last`` on the worse last epoch."""
+    kept = train_projector.run(params(projector={"init": "ridge", "lr": 0.5}), workdir)["layers"]["20"]
+    val = [v for _, v in read_curves(workdir / paths.PROJECTOR_CURVES)["layer20_val_loss"][1]]
+    assert min(val[1:]) > val[0]  # every trained epoch is worse than the start
+    assert kept["kept_epoch"] == 0 and kept["val_loss"] == pytest.approx(val[0], rel=1e-6)
+    proj, _ = load_projector(workdir / "models/projector_k20v20.pt")
+    maps, _ = load_ridge(workdir / paths.RIDGE_PATH)
+    # the start itself, as saved (fp16)
+    assert torch.equal(proj.proj.weight, maps["proj_20"]["W"].T.half().to(proj.proj.weight.dtype))
+    last = train_projector.run(params(projector={"init": "ridge", "lr": 0.5, "keep": "last"}), workdir)["layers"]["20"]
+    assert last["kept_epoch"] == 4 and last["val_loss"] == pytest.approx(val[-1], rel=1e-6)
+    assert last["val_loss"] > kept["val_loss"]
+
+
 def test_adapters_improve_on_ridge_and_rerun_identically(workdir, tmp_path_factory):
     p = params()
     m = train_adapters.run(p, workdir)

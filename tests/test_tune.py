@@ -133,3 +133,39 @@ def test_attn_out_lowers_every_phase_s_held_out_loss(tmp_path, frozen):
     assert set(m["phases"]) == {"ced", "csa2", "ced_csa2"}
     for group, phase in m["phases"].items():
         assert phase["val_after"]["loss"] < phase["val_before"]["loss"], (group, phase)
+
+
+@pytest.mark.parametrize("profile", ["qwen3_5", "gemma3"])
+def test_mode_a_objective_lowers_its_held_out_kl(tmp_path, profile):
+    """tune_mode_a trains every map Mode A reads through the skip itself: hybrid Qwen3.5 (zero DeltaNet
+    state above the cut) and Gemma-3 (sliding and full layers, extra sources)."""
+    import yaml
+    from conftest import TINY_GEMMA3_OVERRIDES, compose
+
+    from ced_csa2.ced_runtime import load_mode_a_parts
+    from ced_csa2.config import Params, from_dict
+    from ced_csa2.model_utils import load_model_and_tokenizer
+    from ced_csa2.stages import tune_mode_a
+
+    params = tiny_params() if profile == "qwen3_5" else from_dict(Params, yaml.safe_load(compose(TINY_GEMMA3_OVERRIDES)))
+    params = dataclasses.replace(
+        params, train=dataclasses.replace(params.train, online=dataclasses.replace(ONLINE, records=8, epochs=1)),
+        mode_a=dataclasses.replace(params.mode_a, maps="trained", train=dataclasses.replace(
+            params.mode_a.train, epochs=4, projector_lr=3e-3, adapters_lr=3e-3)))
+    model, tok = load_model_and_tokenizer(params.model, dtype=torch.float32)
+    maps = write_inputs(tmp_path, params, tok)
+    plan, geo = load_plan(params.plan, params.model)
+    g = torch.Generator().manual_seed(1)
+    for e in plan.extra_sources:  # the extra sources' ridge maps
+        maps[f"proj_{e}"] = {"W": 0.1 * torch.randn(geo.hidden_size, 2 * geo.kv_dim, generator=g),
+                             "b": torch.zeros(2 * geo.kv_dim)}
+    save_ridge(tmp_path / "models/ridge.pt", maps, {})
+    m = tune_mode_a.run(params, tmp_path, model_and_tok=(model, tok))
+    assert m["covered"] and m["steps"] == 4 * 2
+    assert m["val_after"]["kl"] < 0.9 * m["val_before"]["kl"]
+    curves = read_curves(tmp_path / paths.MODE_A_CURVES)
+    assert [s for s, _ in curves["loss"][1]] == list(range(1, 9))
+    assert curves["val_kl"][1] == [(0, pytest.approx(m["val_before"]["kl"])), (8, pytest.approx(m["val_after"]["kl"]))]
+    parts = load_mode_a_parts(tmp_path, params, plan, geo)  # what eval_ppl / eval_gsm8k run Mode A with
+    assert sorted(parts.extra) == sorted(plan.extra_sources)
+    assert not torch.equal(parts.projector.proj.weight, maps[f"proj_{plan.source}"]["W"].T.half().float())

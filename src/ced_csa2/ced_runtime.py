@@ -140,6 +140,16 @@ def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geo
     return CEDParts(projector, adapters, extra, xkv)
 
 
+def load_mode_a_parts(workdir: Path | str, params: Params, plan: LayerPlan, geo: Geometry, *, device=None) -> CEDParts:
+    """The maps Mode A runs with (``mode_a.maps``): the main branch's (``models/``) or ``tune_mode_a``'s
+    (``models/mode_a/``, marked ``objective: mode_a``), checked as :func:`load_parts` checks them."""
+    from .paths import MODE_A_MODELS, MODELS
+
+    if params.mode_a.maps == "main":
+        return load_parts(Path(workdir) / MODELS, params, plan, geo, device=device)
+    return load_parts(Path(workdir) / MODE_A_MODELS, params, plan, geo, device=device, also={"objective": "mode_a"})
+
+
 def parts_for(parts: CEDParts | Mapping[str, CEDParts] | None, group: str) -> CEDParts | None:
     """The maps ``group`` runs with: ``parts`` itself, or ``parts[group]`` for maps per group.
 
@@ -432,17 +442,27 @@ class CEDModeARuntime:
     The plan must cover every attention layer above the cut (refused otherwise, naming
     the uncovered layers).  Non-attention layers above the cut start from a zero state.
 
+    With ``replay = r > 0`` (bounded replay, as DeepSeek-V4.1 serves its compressed
+    prefixes) the last ``r`` prefilled tokens also run through the layers above the cut:
+    they get their own K/V there (attending to the mapped K/V of the older positions) and
+    a non-attention layer's state is built from them instead of staying zero.  ``r`` at
+    least the prefilled length is the plain prefill.
+
     Parameters
     ----------
     model, plan, parts
         As for :class:`CEDModeBRuntime`; ``parts.extra`` holds the extra sources.
     geo
         The model's geometry (for the covering check).
+    replay
+        Prefilled tokens (the last ones) that also run through the layers above the cut.
     """
 
-    def __init__(self, model: nn.Module, plan: LayerPlan, geo: Geometry, parts: CEDParts):
+    def __init__(self, model: nn.Module, plan: LayerPlan, geo: Geometry, parts: CEDParts, *, replay: int = 0):
         plan.require_covering(geo)
-        self.model, self.plan, self.geo, self.parts = model, plan, geo, parts
+        if replay < 0:
+            raise ValueError(f"CEDModeARuntime: replay must be >= 0 tokens, got {replay}")
+        self.model, self.plan, self.geo, self.parts, self.replay = model, plan, geo, parts, replay
 
     def predicted_kv(self, h: torch.Tensor) -> dict[int, KV]:
         """``{layer: (K, V)}`` for every covered layer, from ``H_split`` ``(B, T, hidden)``."""
@@ -454,11 +474,30 @@ class CEDModeARuntime:
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor):
-        """Cache for ``input_ids`` ``(B, T)`` (no padding) built with the prefill skip."""
+        """Cache for ``input_ids`` ``(B, T)`` (no padding) built with the prefill skip (and its replay)."""
+        return self.prefill_with_grad(input_ids)
+
+    def prefill_with_grad(self, input_ids: torch.Tensor):
+        """:meth:`prefill` under the caller's autograd mode: the mapped K/V carry the maps' gradients.
+
+        Layers ``1..split`` run without autograd (nothing below the cut depends on the maps); the
+        mapped entries and the replayed tail (which attends to them) keep their graph, for a
+        loss on the continuation that trains the maps (``tune@mode_a``).
+        """
         from transformers import DynamicCache
 
-        model, plan = self.model, self.plan
+        model = self.model
         cache = DynamicCache(config=model.config)
+        mapped = input_ids.shape[1] - min(self.replay, input_ids.shape[1])
+        if mapped:
+            self._skip(input_ids[:, :mapped], cache)
+        if mapped < input_ids.shape[1]:  # the replayed tail: every layer, after the mapped positions
+            model.model(input_ids=input_ids[:, mapped:], cache=cache, use_cache=True)
+        return cache
+
+    def _skip(self, input_ids: torch.Tensor, cache) -> None:
+        """Layers ``1..split`` on ``input_ids`` into ``cache``; the covered layers above get the mapped K/V."""
+        model, plan = self.model, self.plan
         h_split = {}
 
         def stop(mod, inp, out):
@@ -467,7 +506,8 @@ class CEDModeARuntime:
 
         handle = decoder_layer(model, plan.split).register_forward_hook(stop)
         try:
-            model.model(input_ids=input_ids, cache=cache, use_cache=True)
+            with torch.no_grad():
+                model.model(input_ids=input_ids, cache=cache, use_cache=True)
         except _StopForward:
             pass
         finally:
@@ -485,7 +525,6 @@ class CEDModeARuntime:
             _, k = _rope_fn(attn)(k, k, *rotary(model, layer, h, positions))
             # The cache layer keeps what its kind keeps (a sliding-window layer: the last window - 1).
             cache.update(k, v.view(shape).transpose(1, 2), layer - 1)
-        return cache
 
     @torch.inference_mode()
     def continuation_logits(self, prompt_ids: torch.Tensor, continuation_ids: torch.Tensor) -> torch.Tensor:

@@ -372,6 +372,8 @@ class ProjectorConfig(Section):
     batch_size: int = 256
     # ridge: the ridge stage's closed-form map; random: PyTorch's default init (the seed leaves it open)
     init: Literal["random", "ridge"] = "ridge"
+    # best_val: the weights of the epoch (0 = the start) with the lowest held-out MSE; last: the last epoch's
+    keep: Literal["best_val", "last"] = "best_val"
     warmup_fraction: float = 0.02
     weight_decay: float = 0.01
     amp_dtype: str = "auto"
@@ -394,6 +396,7 @@ class AdaptersConfig(Section):
     width_mult: float = 1.5  # ResidualMLP hidden width = width_mult * kv_dim
     activation: Literal["gelu", "silu", "relu"] = "gelu"
     input: Literal["kv", "own"] = "kv"  # adapters read the whole stored entry [K ‖ V], or K from K and V from V
+    keep: Literal["best_val", "last"] = "best_val"  # as train_projector.keep, per adapter
     amp_dtype: str = "auto"
 
     def __post_init__(self):
@@ -471,6 +474,35 @@ class TrainConfig(Section):
 
 
 @dataclass(frozen=True)
+class ModeATrainConfig(Section):
+    """Budget of stage ``tune_mode_a`` (train.online's records, seq_len, batch_size, warm-up and held-out records)."""
+
+    epochs: int = 1
+    projector_lr: float = 1e-5  # AdamW, the source's and the extra sources' projectors
+    adapters_lr: float = 1e-4  # AdamW, the targets' adapters
+
+    def __post_init__(self):
+        _check_finite(self, "mode_a.train")
+        _check_positive(self, "mode_a.train", "epochs", "projector_lr", "adapters_lr")
+
+
+@dataclass(frozen=True)
+class ModeAConfig(Section):
+    """Mode A, the prefill skip (covering plans), as eval_ppl and eval_gsm8k score it."""
+
+    # bounded replay: the last `replay` prefilled tokens also run through the layers above the cut
+    # (their own K/V there; a non-attention layer's state from them); 0 = the seed's pure skip
+    replay: int = 0
+    # the maps Mode A runs with: main (the main branch's projector, extra projectors and adapters) or
+    # trained (stage tune_mode_a: the same from the ridge start, trained through the skip, KL on the continuation)
+    maps: Literal["main", "trained"] = "trained"
+    train: ModeATrainConfig = field(default_factory=ModeATrainConfig)
+
+    def __post_init__(self):
+        _check(self.replay >= 0, "mode_a.replay", f"must be >= 0 tokens (0 = the pure skip), got {self.replay}")
+
+
+@dataclass(frozen=True)
 class EvalPPLConfig(Section):
     groups: list[str] = field(default_factory=lambda: list(RUNTIME_GROUPS))
     batch_size: int = 8
@@ -538,6 +570,7 @@ class Params(Section):
     train: TrainConfig
     eval_ppl: EvalPPLConfig
     eval_gsm8k: EvalGSM8KConfig
+    mode_a: ModeAConfig = field(default_factory=ModeAConfig)
     # A covering plan's extra sources (stage extra_projectors): the ridge maps as they are, or
     # trained with train_projector's recipe.
     extra_projectors: Literal["ridge", "trained"] = "ridge"

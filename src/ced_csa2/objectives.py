@@ -1,4 +1,4 @@
-"""Losses that train the maps *through* the frozen model: ``attn_out`` and ``distill``.
+"""Losses that train the maps *through* the frozen model: ``attn_out``, ``distill`` and Mode A's KL.
 
 K/V MSE (the seed's objective) weighs every K/V direction equally; attention does not.
 Both objectives here look at what the substituted K/V do instead, and both are computed
@@ -13,6 +13,11 @@ and logits are recomputed per batch, never stored.
   (:class:`~ced_csa2.ced_runtime.CEDModeBRuntime` active, gradients through the maps
   only); loss = ``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` per real
   token, plus ``kv_weight`` times the relative K/V MSE of the substituted layers.
+
+* :func:`mode_a_kl`: the maps Mode A uses (source and extra projectors, adapters) under
+  the prefill skip itself: the prompt prefilled by the skip, the continuation through every
+  layer, KL(plain ‖ Mode A) on the continuation (stage ``tune_mode_a``, as SwiftKV trains
+  its single-input K/V).
 
 A *phase* trains maps under one group: the projector under ``ced``, the adapters under
 ``csa2``, and both at once under ``ced_csa2`` (its own projector and adapters, from the
@@ -31,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kv_hooks
-from .ced_runtime import CEDModeBRuntime, CEDParts, _StopForward
+from .ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, _StopForward
 from .config import Params
 from .loader import record_split
 from .model_utils import Geometry, attention, decoder_layer
@@ -203,6 +208,24 @@ def objective_loss(objective: str, model: nn.Module, parts: CEDParts, plan: Laye
     if objective == "distill":
         return distill_loss(model, parts, plan, group, teacher, ids, mask, temperature, kv_weight)
     raise ValueError(f"objective {objective!r} does not train through the model; expected attn_out or distill")
+
+
+def mode_a_kl(model: nn.Module, runtime: CEDModeARuntime, row: torch.Tensor, fraction: float) -> torch.Tensor:
+    """KL(plain ‖ Mode A) per continuation token of one record ``row`` ``(1, T)``, through the prefill skip.
+
+    The prompt (the first ``max(2, int(T * fraction))`` tokens, as
+    :func:`ced_csa2.perplexity.mode_a_prefix` cuts) is prefilled by the skip with the
+    maps' gradients kept (:meth:`~ced_csa2.ced_runtime.CEDModeARuntime.prefill_with_grad`);
+    the continuation runs through every layer, reading the mapped K/V; the teacher is
+    the plain model on the whole row (no grad).  Temperature 1: what ``eval_ppl`` reports.
+    """
+    cut = max(2, int(row.shape[1] * fraction))
+    prompt, cont = row[:, :cut], row[:, cut:]
+    with torch.no_grad():
+        teacher = model(input_ids=row).logits[:, cut - 1:-1]
+    cache = runtime.prefill_with_grad(prompt[:, :-1])
+    student = model(input_ids=torch.cat([prompt[:, -1:], cont[:, :-1]], 1), cache=cache, use_cache=True).logits
+    return kl_distill(student, teacher, torch.ones(cont.shape, device=row.device), 1.0)
 
 
 SAMPLE_STREAM = 5  # numpy seed-sequence tag (loader.py uses 0-3, training.py 4)

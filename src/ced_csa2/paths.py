@@ -63,6 +63,12 @@ STORAGE_METRICS = METRICS / "storage.json"
 SUMMARY = METRICS / "summary.json"
 
 
+# The seed's recipe read literally (PyTorch's random init, the last epoch's weights), trained by
+# train_projector beside the main projector as the report's reference row.
+SEED_INIT = "seed_init"
+SEED_INIT_MODELS = MODELS / f"projector_{SEED_INIT}"
+
+
 def projector_path(layer: int, models: Path = MODELS) -> Path:
     """Checkpoint of the source layer's projector, named as in the seed (``projector_k20v20.pt``)."""
     return models / f"projector_k{layer}v{layer}.pt"
@@ -74,6 +80,11 @@ def objective_models(objective: str) -> Path:
 
 
 OBJECTIVES_EVAL = METRICS / "objectives" / "eval.json"  # eval_objectives: every objective's scores
+
+# tune_mode_a: the maps Mode A runs with under mode_a.maps: trained
+MODE_A_MODELS = MODELS / "mode_a"
+MODE_A_METRICS = METRICS / "mode_a" / "train.json"
+MODE_A_CURVES = CURVES / "tune_mode_a"
 
 
 def objective_metrics(objective: str) -> Path:

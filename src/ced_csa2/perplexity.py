@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from tqdm import tqdm
@@ -103,7 +103,8 @@ def _ci(v: dict, key: str) -> str:
 
 
 def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fraction: float, seed: int,
-                  timing_records: int = 8, timing_repeats: int = MIN_REPEATS, *, block_tokens: int = BLOCK_TOKENS) -> dict:
+                  timing_records: int = 8, timing_repeats: int = MIN_REPEATS, *, block_tokens: int = BLOCK_TOKENS,
+                  replay: int = 0) -> dict:
     """Prefix-conditioned perplexity, KL and top-1 of the prefill skip against the plain prefill, and its speed-up.
 
     Each record's first ``fraction`` is the prompt and the rest is scored.  Both arms run the
@@ -118,8 +119,9 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     prefills are timed by :func:`ced_csa2.timing.paired_seconds` (arms alternated,
     ``timing_repeats`` rounds, per-arm median).  ``plain_s``/``mode_a_s`` are the sums
     over the timed records of the per-record medians, ``speedup`` their ratio.  It is
-    checked against ``bound`` = decoder layers the plain prefill runs / layers Mode A runs
-    (``n_layers / split``; see :func:`prefill_bound`); a speed-up above it is refused,
+    checked against ``bound`` = decoder-layer passes of the plain prefill / of Mode A's over
+    the timed prompts (:func:`prefill_bound`: ``n_layers / split`` without ``replay``,
+    :class:`~ced_csa2.ced_runtime.CEDModeARuntime`'s bounded replay); a speed-up above it is refused,
     never reported: ``speedup`` is ``None`` and ``refused`` holds the
     :class:`~ced_csa2.timing.BoundExceeded` message (logged as an error), while the quality
     figures, which the timing cannot change, stand.
@@ -135,9 +137,9 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     -------
     dict
         Not covered: ``{"covered": False, "uncovered_attention_layers", "note"}``.  Covered:
-        ``{"covered": True, "prefix_fraction", "records", "baseline", "mode_a", "delta_pct",
-        "delta_pct_ci95", "kl", "kl_ci95", "top1_pct", "top1_pct_ci95", "prefill_speedup_bound", "note",
-        "timing"}``
+        ``{"covered": True, "prefix_fraction", "replay", "records", "baseline", "mode_a", "delta_pct",
+        "delta_pct_ci95", "kl", "kl_ci95", "top1_pct", "top1_pct_ci95", "prefill_speedup_bound" (over all
+        records), "note", "timing"}``
         with ``"timing"`` = ``{"records", "repeats", "plain_s", "mode_a_s", "speedup",
         "bound", "protocol"}``.
     """
@@ -145,11 +147,12 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     if missing:
         return {"covered": False, "uncovered_attention_layers": missing,
                 "note": f"plan {plan} does not cover every attention layer above the cut; Mode A not run"}
-    runtime = CEDModeARuntime(model, plan, geo, parts)
+    runtime = CEDModeARuntime(model, plan, geo, parts, replay=replay)
     device = next(model.parameters()).device
     plain, skip = torch.zeros(len(ids), 4, dtype=torch.float64), torch.zeros(len(ids), 4, dtype=torch.float64)
     timed = set(seeded_subset(len(ids), timing_records, seed, TIMING_SAMPLE_STREAM))
     seconds = torch.zeros(3, dtype=torch.float64)  # summed medians: plain, Mode A; records timed
+    timed_lengths = torch.zeros(len(ids), dtype=torch.float64)  # prefilled tokens of each timed record
     # Both timed arms under inference mode (Mode A's prefill is decorated with it).
     timed_plain = torch.inference_mode()(plain_prefill)
     lo, hi = distributed.bounds(len(ids))
@@ -163,32 +166,53 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
             t = paired_seconds({"plain": lambda: timed_plain(model, head), "mode_a": lambda: runtime.prefill(head)},
                                timing_repeats, warmup=False, device=device)
             seconds += torch.tensor([t.seconds["plain"], t.seconds["mode_a"], 1.0], dtype=torch.float64)
+            timed_lengths[i] = head.shape[1]
         keep = torch.ones_like(cont, dtype=torch.bool)
         hidden = {arm: continue_hidden(model, caches[arm], prompt, cont) for arm in ("plain", "mode_a")}
         score_hidden(model, {"plain": plain, "mode_a": skip}, i, hidden, cont, keep, block_tokens, reference="plain")
-    distributed.all_reduce_sum(plain, skip, seconds)
+    distributed.all_reduce_sum(plain, skip, seconds, timed_lengths)
     base, ced = _ppl(plain[:, :2]), _ppl(skip[:, :2])
     delta = paired_bootstrap(skip[:, :2].numpy(), plain[:, :2].numpy(), "delta_ppl_pct", seed=seed)
-    return {"covered": True, "prefix_fraction": fraction, "records": len(ids), "baseline": base, "mode_a": ced,
-            "delta_pct": delta["value"], "delta_pct_ci95": delta["ci95"], **agreement(skip, seed),
-            "prefill_speedup_bound": prefill_bound(geo, plan), "note": ZERO_STATE_NOTE,
-            "timing": _prefill_timing(seconds, timing_repeats, geo, plan)}
+    prefilled = [max(2, int(len(row) * fraction)) - 1 for row in ids]
+    timed = [int(t) for t in timed_lengths.tolist() if t]
+    timed_bound = prefill_bound(geo, plan, replay, timed or prefilled)
+    return {"covered": True, "prefix_fraction": fraction, "replay": replay, "records": len(ids), "baseline": base,
+            "mode_a": ced, "delta_pct": delta["value"], "delta_pct_ci95": delta["ci95"], **agreement(skip, seed),
+            "prefill_speedup_bound": prefill_bound(geo, plan, replay, prefilled), "note": mode_a_note(replay),
+            "timing": _prefill_timing(seconds, timing_repeats, timed_bound)}
 
 
-def prefill_bound(geo, plan) -> float:
-    """Most Mode A's prefill can gain: decoder layers the plain prefill runs / layers the skip runs.
+def prefill_bound(geo, plan, replay: int = 0, prefilled: Sequence[int] = ()) -> float:
+    """Most Mode A's prefill can gain: decoder-layer x token passes of the plain prefill / of the skip.
 
-    ``n_layers / split``, counting every decoder layer as the same work (the layers above
-    and below the cut are alike on the models run here).  It leaves out the embedding
-    (both arms), the maps and the cache writes of the layers above the cut (Mode A only),
-    so the reachable speed-up is lower.
+    ``n_layers / split`` without replay; with ``replay`` tokens the skip also runs the layers
+    above the cut on the last ``replay`` of each prompt's ``prefilled`` tokens, so the bound
+    is ``Σ n·T / Σ (split·T + (n - split)·min(replay, T))`` over them.  Every decoder layer
+    counts as the same work per token (the layers above and below the cut are alike on the
+    models run here; attention's share, quadratic in T, is left out).  It leaves out the
+    embedding (both arms), the maps and the cache writes of the layers above the cut (Mode A
+    only), so the reachable speed-up is lower.
     """
-    return geo.n_layers / plan.split
+    n, split = geo.n_layers, plan.split
+    if not replay:
+        return n / split
+    if not prefilled:
+        raise ValueError("prefill_bound: with replay the bound depends on the prefilled lengths; none given")
+    return sum(n * t for t in prefilled) / sum(split * t + (n - split) * min(replay, t) for t in prefilled)
 
 
-def _prefill_timing(seconds: torch.Tensor, repeats: int, geo, plan) -> dict:
+def mode_a_note(replay: int) -> str:
+    """What a Mode A figure approximates, for its protocol: the zero state, or the replayed tail."""
+    if not replay:
+        return ZERO_STATE_NOTE
+    return (f"Mode A with bounded replay: prompt tokens run through layers 1..split; attention layers above the cut "
+            f"get K/V from the projector/adapters for all but the last {replay} prefilled tokens, which run through "
+            "every layer (their own K/V above the cut; non-attention layers above the cut build their state from "
+            "these tokens only, from zero).")
+
+
+def _prefill_timing(seconds: torch.Tensor, repeats: int, bound: float) -> dict:
     plain_s, mode_a_s, n = seconds.tolist()
-    bound = prefill_bound(geo, plan)
     out = {"records": int(n), "repeats": repeats, "plain_s": plain_s, "mode_a_s": mode_a_s,
            "speedup": None, "bound": bound,
            "protocol": f"{PROTOCOL.format(repeats=repeats)}; the scoring prefill of each record is its warm-up; "

@@ -95,13 +95,15 @@ def train_projectors(params: Params, dump: Path, layers: tuple[int, ...], geo: G
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, cfg.warmup_fraction))
     log.info("training projectors for layers %s on %s: %d train rows, %d val rows, %d steps, %s autocast",
              list(layers), device, train.n_rows, val.n_rows, steps, cfg.amp_dtype)
-    curves, initial, final = fit(heads_for(projectors, geo.kv_dim), optimizer, train, val, epochs=cfg.epochs,
-                                 device=device, amp_dtype=cfg.amp_dtype, scheduler=scheduler, desc=desc)
+    curves, initial, final, kept = fit(heads_for(projectors, geo.kv_dim), optimizer, train, val, epochs=cfg.epochs,
+                                       device=device, amp_dtype=cfg.amp_dtype, keep=cfg.keep, scheduler=scheduler,
+                                       desc=desc)
     train.close()
     val.close()
-    fitted = {layer: {**res, "val_loss": val_summary(res)[0], "val_loss_init": val_summary(init)[0], "maps": "trained"}
-              for layer, res, init in zip(layers, final, initial)}
-    run = {"init": cfg.init, "epochs": cfg.epochs, "batch_size": cfg.batch_size, "steps": steps,
+    fitted = {layer: {**res, "val_loss": val_summary(res)[0], "val_loss_init": val_summary(init)[0], "maps": "trained",
+                      "kept_epoch": epoch}
+              for layer, res, init, epoch in zip(layers, final, initial, kept)}
+    run = {"init": cfg.init, "keep": cfg.keep, "epochs": cfg.epochs, "batch_size": cfg.batch_size, "steps": steps,
            "train_rows": train.n_rows, "val_rows": val.n_rows, "device": device.type, "amp_dtype": cfg.amp_dtype,
            "compute_dtype": training.compute_dtype_name(device, cfg.amp_dtype)}
     return Fitted({layer: p.cpu() for layer, p in projectors.items()}, fitted, curves, run)

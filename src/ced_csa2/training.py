@@ -210,6 +210,9 @@ def warn_if_amp_is_emulated(device: torch.device, amp_dtype: str) -> None:
                     torch.backends.cpu.get_cpu_capability())
 
 
+KEEP_CHOICES = ("best_val", "last")  # which epoch's weights fit() ends with
+
+
 def warmup_cosine(total_steps: int, warmup_fraction: float):
     """LR multiplier: linear warm-up over ``warmup_fraction`` of the steps, then cosine decay to 0."""
     warmup = max(1, round(warmup_fraction * total_steps)) if warmup_fraction > 0 else 0
@@ -286,9 +289,15 @@ def train_epoch(heads: list[Head], optimizer: torch.optim.Optimizer, batches: Ba
 
 
 def fit(heads: list[Head], optimizer: torch.optim.Optimizer, train: Batches, val: Batches, *, epochs: int,
-        device: torch.device, amp_dtype: str, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-        desc: str = "train") -> tuple[list[dict], list[dict], list[dict]]:
+        device: torch.device, amp_dtype: str, keep: str = "best_val",
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        desc: str = "train") -> tuple[dict, list[dict], list[dict], list[int]]:
     """Train all heads together with MSE, validating before the first and after every epoch.
+
+    With ``keep="best_val"`` each head ends with the weights of the epoch (0 = its start)
+    whose held-out MSE was lowest -- a start that is already the least-squares optimum (the
+    ridge map) is kept when training only adds optimizer noise to it; ``keep="last"`` keeps
+    the last epoch's weights.
 
     Parameters
     ----------
@@ -309,8 +318,12 @@ def fit(heads: list[Head], optimizer: torch.optim.Optimizer, train: Batches, val
         ``<name>_train_loss`` (row-weighted mean over the epoch) from epoch 1, ``<name> =
         curve_name(head.label)``; :func:`write_curves` writes them.
     initial, final
-        Per head, the :func:`evaluate` results before training and after the last epoch.
+        Per head, the :func:`evaluate` results before training and of the weights it ends with.
+    kept
+        Per head, the epoch whose weights it ends with (0 = the start).
     """
+    if keep not in KEEP_CHOICES:
+        raise ValueError(f"fit: keep must be one of {KEEP_CHOICES}, got {keep!r}")
     warn_if_amp_is_emulated(device, amp_dtype)
     initial = evaluate(heads, val, device)
     trained = heads
@@ -321,10 +334,14 @@ def fit(heads: list[Head], optimizer: torch.optim.Optimizer, train: Batches, val
     names = [curve_name(h.label) for h in heads]
     if len(set(names)) != len(names):
         raise ValueError(f"heads need distinct labels, got {names}")
+    if len({id(h.module) for h in heads}) != len(heads):
+        raise ValueError("heads need distinct modules: each ends with the weights of its own best epoch")
     curves: dict[str, list[tuple[int, float]]] = {}
     for name, res in zip(names, initial):
         curves[f"{name}_train_loss"] = []
         curves[f"{name}_val_loss"], curves[f"{name}_val_cos"] = [(0, val_summary(res)[0])], [(0, val_summary(res)[1])]
+    # Per head: (held-out MSE, epoch, results, weights) of the epoch it will end with.
+    best = [(val_summary(res)[0], 0, res, _weights(h)) for h, res in zip(heads, initial)]
     with tqdm(total=epochs * len(train), desc=desc, unit="step", disable=not distributed.is_main()) as bar:
         for epoch in range(1, epochs + 1):
             train.set_epoch(epoch)
@@ -335,12 +352,21 @@ def fit(heads: list[Head], optimizer: torch.optim.Optimizer, train: Batches, val
                 curves[f"{name}_train_loss"].append((epoch, tl))
                 curves[f"{name}_val_loss"].append((epoch, vl))
                 curves[f"{name}_val_cos"].append((epoch, vc))
+            for i, (h, res, (vl, _)) in enumerate(zip(heads, result, summaries)):
+                if keep == "last" or vl < best[i][0]:
+                    best[i] = (vl, epoch, res, _weights(h))
             mean_val = sum(vl for vl, _ in summaries) / len(heads)
             bar.set_postfix(val_loss=f"{mean_val:.4g}")
             log.info("%s epoch %d/%d: train loss %.5g, val loss %.5g, val cos %.4f (means over %d maps)", desc,
                      epoch, epochs, sum(train_loss) / len(heads), mean_val,
                      sum(vc for _, vc in summaries) / len(heads), len(heads))
-    return curves, initial, result
+    for h, (_, _, _, weights) in zip(heads, best):
+        h.module.load_state_dict(weights)
+    return curves, initial, [b[2] for b in best], [b[1] for b in best]
+
+
+def _weights(head: Head) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in head.module.state_dict().items()}
 
 
 # ----------------------------------------------------------------------------- outputs

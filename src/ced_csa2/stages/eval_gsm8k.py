@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 from .. import distributed
-from ..ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDParts, load_parts
+from ..ced_runtime import CEDModeARuntime, CEDParts, load_mode_a_parts, load_parts
 from ..config import Params
 from ..entry import record_timing, run_stage
 from ..groups import GROUPS
@@ -81,6 +81,7 @@ from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..paths import GOLD_PATH, GSM8K_JSONL, MODELS
 from ..paths import GSM8K_METRICS as METRICS_PATH
+from ..perplexity import mode_a_note
 from ..plan import load_plan
 
 log = logging.getLogger(__name__)
@@ -121,8 +122,8 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     model, tok = model_and_tok or load_model_and_tokenizer(
         params.model, device=distributed.local_device(resolve_device(cfg.device)))
     low_rank = any(GROUPS[g].low_rank for g in cfg.groups)  # xkv: models/xkv.pt
-    if parts is None and (any(GROUPS[g].uses_maps for g in cfg.groups) or low_rank or
-                          (cfg.mode_a != "off" and not plan.uncovered(geo))):
+    given = parts
+    if parts is None and (any(GROUPS[g].uses_maps for g in cfg.groups) or low_rank):
         parts = load_parts(workdir / MODELS, params, plan, geo, device=model.device, low_rank=low_rank)
     lm = DataParallelLM(pretrained=model, tokenizer=tok, batch_size=cfg.batch_size)
     log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d): generation for %s, gold NLL for %s",
@@ -144,7 +145,9 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
                 raise RuntimeError(f"lm-eval evaluated {g['strict-match']['n']} problems, expected all {n}")
             log.info("%s: strict-match %d/%d, flexible-extract %d/%d", group, g["strict-match"]["correct"], n,
                      g["flexible-extract"]["correct"], n)
-        mode_a, more = mode_a_arm(params, model, tok, plan, geo, parts, task_manager, pairs)
+        mode_a_parts = parts if given is not None or plan.uncovered(geo) or cfg.mode_a == "off" else \
+            load_mode_a_parts(workdir, params, plan, geo, device=model.device)
+        mode_a, more = mode_a_arm(params, model, tok, plan, geo, mode_a_parts, task_manager, pairs)
     # Gold NLL of every group on the prompts lm-eval built, all groups at once (shared trunk).
     t0 = time.perf_counter()
     gold = groups_gold_nll(model, plan, list(cfg.groups), parts, pairs, cfg.batch_size, tok.pad_token_id,
@@ -194,7 +197,9 @@ def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, ta
                 "note": f"plan {plan} does not cover every attention layer above the cut; Mode A not run"}, {}
     from ..mode_a_lm import ModeALM
 
-    lm = ModeALM(CEDModeARuntime(model, plan, geo, parts), tok, block_tokens=params.eval_ppl.score_block_tokens)
+    replay = params.mode_a.replay
+    lm = ModeALM(CEDModeARuntime(model, plan, geo, parts, replay=replay), tok,
+                 block_tokens=params.eval_ppl.score_block_tokens)
     entry = {}
     if setting == "generate":
         log.info("Mode A: generation through the prefill skip, one problem at a time")
@@ -204,7 +209,7 @@ def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, ta
     t0 = time.perf_counter()
     rows = mode_a_gold_rows(lm, pairs)
     log.info("Mode A gold NLL: %.1f s", time.perf_counter() - t0)
-    return {"covered": True, **entry, "note": ZERO_STATE_NOTE}, {"mode_a": rows}
+    return {"covered": True, **entry, "replay": replay, "note": mode_a_note(replay)}, {"mode_a": rows}
 
 
 def main() -> None:

@@ -17,9 +17,13 @@ run once per batch for all objectives, and the baseline is the reference of ever
 interval.  Two labels whose maps are the same tensors (a digest of what the group reads)
 are scored once; ``scored_as`` in the output names the label a row was copied from.
 
+``ced`` is also scored with the projector of the seed's recipe read literally (stage
+``train_projector``'s reference, ``models/projector_seed_init/``: PyTorch's random init),
+the reference the main branch's ridge start is judged against.
+
 Writes ``metrics/objectives/eval.json``: ``{"protocol", "gold_protocol", "objectives":
 {objective: {"groups": {group: {ppl, nll_per_token, tokens, delta_pct, kl, top1_pct, ...,
-gold_nll}}}}, "scored_as": {label: label}}``.
+gold_nll}}}}, "seed_init": {"ced": {...}}, "scored_as": {label: label}}``.
 """
 
 from __future__ import annotations
@@ -28,15 +32,17 @@ import hashlib
 from pathlib import Path
 
 from ..ced_runtime import CEDModeBRuntime, CEDParts, load_parts
+from ..checkpoint import expected_meta
 from ..config import Params, require_listed
 from ..entry import run_stage
 from ..groups import GROUPS
 from ..gsm8k import groups_gold_nll, load_gold_pairs
 from ..io_utils import write_json
 from ..model_utils import Geometry, load_model_and_tokenizer, resolve_device
-from ..paths import GOLD_PATH, OBJECTIVES_EVAL, objective_models
+from ..paths import GOLD_PATH, OBJECTIVES_EVAL, SEED_INIT, SEED_INIT_MODELS, objective_models, projector_path
 from ..perplexity import eval_ids, groups_ppl, protocol
 from ..plan import LayerPlan, load_plan
+from ..projector import load_projector
 
 
 def load_objective_parts(workdir: Path, objective: str, params: Params, plan: LayerPlan, geo: Geometry,
@@ -54,6 +60,13 @@ def load_objective_parts(workdir: Path, objective: str, params: Params, plan: La
                              extra_sources=False) for sub in ("", "ced_csa2")}
     return {g: pairs["ced_csa2" if GROUPS[g].projected_source and GROUPS[g].adapters else ""]
             for g in params.train.eval_groups}
+
+
+def load_seed_init(workdir: Path, params: Params, plan: LayerPlan, geo: Geometry, device) -> CEDParts:
+    """``ced``'s maps under the seed's literal projector recipe (stage ``train_projector``'s reference)."""
+    want = {**expected_meta(params, plan, geo)["projector"], "recipe": SEED_INIT}
+    projector, _ = load_projector(workdir / projector_path(plan.source, SEED_INIT_MODELS), expect=want, device=device)
+    return CEDParts(projector=projector)
 
 
 def maps_digest(group: str, parts: CEDParts) -> str:
@@ -89,6 +102,9 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
             scored_as[label(g, o)] = first.setdefault(maps_digest(g, parts[o][g]), label(g, o))
     branches = {lab: CEDModeBRuntime(model, plan, lab.split("@")[0], parts[lab.split("@")[1]][lab.split("@")[0]],
                                      kv_format=params.kv_format) for lab in dict.fromkeys(scored_as.values())}
+    seed_label = label("ced", SEED_INIT)
+    branches[seed_label] = CEDModeBRuntime(model, plan, "ced", load_seed_init(workdir, params, plan, geo, model.device),
+                                           kv_format=params.kv_format)
     # The baseline rides along (the trunk itself) as every paired interval's reference.
     ppl = groups_ppl(model, plan, ["baseline"], None, ids, params, tok.pad_token_id, extra=branches)
     gold = groups_gold_nll(model, plan, ["baseline"], None, pairs, params.eval_gsm8k.batch_size, tok.pad_token_id,
@@ -100,6 +116,7 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
                           "n": len(pairs), "num_fewshot": params.eval_gsm8k.num_fewshot, "source": str(GOLD_PATH)},
         "objectives": {o: {"groups": {g: {**ppl[scored_as[label(g, o)]], "gold_nll": gold[scored_as[label(g, o)]]}
                                       for g in params.train.eval_groups}} for o in objectives},
+        SEED_INIT: {"ced": {**ppl[seed_label], "gold_nll": gold[seed_label]}},
         "scored_as": {lab: src for lab, src in scored_as.items() if lab != src},
     }
     write_json(workdir / OBJECTIVES_EVAL, metrics)

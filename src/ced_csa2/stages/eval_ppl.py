@@ -13,8 +13,9 @@ scored once.
   whose argmax is the baseline's) on the same scored tokens, with paired CIs.
 * Mode A: prompt = first ``prefix_fraction`` of each record, scored on the rest, for the
   plain model and for the prefill skip (non-attention layers above the cut start from
-  a zero state): prefix PPL, ΔPPL, KL and top-1 against the plain prefill, and the
-  prefill speed-up's bound (``n_layers / split``).  The speed-up itself is a timing of the
+  a zero state; ``mode_a.replay`` tokens replayed through every layer) with the maps of
+  ``mode_a.maps`` (``trained``: stage ``tune_mode_a``'s): prefix PPL, ΔPPL, KL and top-1
+  against the plain prefill, and the prefill speed-up's bound (layer passes saved).  The speed-up itself is a timing of the
   machine (``eval_ppl.timing_records`` seeded prompts, each arm warmed up, arms alternated,
   median of 3): it goes to ``timings/eval_ppl.json``, never into the results, and a ratio
   above the bound is an error.  Needs a covering plan; otherwise an explicit "not
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from .. import distributed
-from ..ced_runtime import CEDParts, load_parts
+from ..ced_runtime import CEDParts, load_mode_a_parts, load_parts
 from ..config import Params
 from ..entry import record_timing, run_stage
 from ..groups import LOW_RANK_GROUPS
@@ -66,6 +67,7 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     plan, geo = load_plan(params.plan, params.model)
     device = distributed.local_device(resolve_device(cfg.device))
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
+    given = parts
     if parts is None:
         parts = load_parts(workdir / MODELS, params, plan, geo, device=device,
                            low_rank=any(g in LOW_RANK_GROUPS for g in cfg.groups))  # models/xkv.pt
@@ -74,8 +76,13 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     # All groups at once: the layers below the first one a group changes run once per batch.
     groups = groups_ppl(model, plan, cfg.groups, parts, ids, params, tok.pad_token_id)
     t1 = time.perf_counter()
+    if given is None and not plan.uncovered(geo):
+        parts = load_mode_a_parts(workdir, params, plan, geo, device=device)
     mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, params.seed,
-                           timing_records=cfg.timing_records, block_tokens=cfg.score_block_tokens)
+                           timing_records=cfg.timing_records, block_tokens=cfg.score_block_tokens,
+                           replay=params.mode_a.replay)
+    if mode_a["covered"]:
+        mode_a["maps"] = "given" if given is not None else params.mode_a.maps
     record_timing(groups_s=round(t1 - t0, 1), mode_a_s=round(time.perf_counter() - t1, 1),
                   threads=torch.get_num_threads(), mode_a_prefill=mode_a.pop("timing", None))
     metrics = {

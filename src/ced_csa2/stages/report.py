@@ -23,7 +23,7 @@ from ..config import Params
 from ..entry import run_stage
 from ..groups import GROUP_NAMES
 from ..io_utils import atomic_write_text, write_json
-from ..paths import METRICS, OBJECTIVES_EVAL, REPORTS, SUMMARY
+from ..paths import METRICS, OBJECTIVES_EVAL, REPORTS, SEED_INIT, SUMMARY
 from ..ridge import adapter_map
 
 log = logging.getLogger(__name__)
@@ -81,8 +81,15 @@ def _agreement(d: dict) -> list[str]:
     return [_delta(d, "kl", "{:.4f}"), _delta(d, "top1_pct", "{:.2f}")]
 
 
-def mode_a_table(ppl: dict, gsm: dict) -> list[str]:
-    """Mode A (prefill skip) against the plain prefill: quality, GSM8K through lm-eval, speed-up."""
+MODE_A_MAPS = {"main": "the main branch's maps", "trained": "maps trained through the skip (tune_mode_a)",
+               "given": "maps given by the caller"}
+
+
+def mode_a_table(ppl: dict, gsm: dict, train: dict) -> list[str]:
+    """Mode A (prefill skip) against the plain prefill: quality, GSM8K through lm-eval, speed-up.
+
+    ``train``: ``metrics/mode_a/train.json`` (the held-out KL of the trained maps before/after).
+    """
     a, g = ppl["mode_a"], gsm.get("mode_a", {})
     if not a["covered"]:
         return [f"Mode A: not run — the plan does not cover attention layers {a['uncovered_attention_layers']} "
@@ -97,7 +104,7 @@ def mode_a_table(ppl: dict, gsm: dict) -> list[str]:
                else ["–"] * 2),
              f"{gsm['groups']['baseline']['gold_nll']['nll_per_token']:.4f}" if "baseline" in gsm["groups"] else "–",
              "–", "1×"],
-            ["mode_a (prefill skip)", f"{a['mode_a']['ppl']:.3f}", _delta(a, "delta_pct", "{:+.2f}"), *_agreement(a),
+            [f"mode_a (prefill skip, replay {a['replay']}, {MODE_A_MAPS[a['maps']]})", f"{a['mode_a']['ppl']:.3f}", _delta(a, "delta_pct", "{:+.2f}"), *_agreement(a),
              *gen, f"{gold['nll_per_token']:.4f}" if gold else "–", _delta(gold, "delta", "{:+.4f}") if gold else "–",
              f"≤ {a['prefill_speedup_bound']:.2f}×"]]
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows),
@@ -107,7 +114,11 @@ def mode_a_table(ppl: dict, gsm: dict) -> list[str]:
             "and measured in `benchmarks/mode_a_prefill.py`, never in the results. "
             f"GSM8K: the same lm-eval task, each prompt prefilled by the skip (lm-eval `ModeALM`)"
             f"{'' if 'strict-match' in g else '; exact match not generated here (eval_gsm8k.mode_a: gold_nll)'}. "
-            f"{a['note']}"]
+            f"{a['note']}", *([""] if train.get("covered") else []), *([
+                f"Trained maps (tune_mode_a): from the ridge maps, {train['steps']} AdamW steps on "
+                f"{train['protocol']['records']} train records ({train['tokens']:,} tokens) under the pure skip, "
+                f"KL(plain ‖ Mode A) on the continuation; held-out KL ({train['protocol']['val_records']} records) "
+                f"{train['val_before']['kl']:.4f} → {train['val_after']['kl']:.4f}."] if train.get("covered") else [])]
 
 
 def fit_table(ridge: dict, projector: dict, adapters: dict) -> list[str]:
@@ -138,10 +149,11 @@ def served_fit_table(ridge: dict, targets: list[str], adapter_input: str) -> lis
 
 
 def objective_table(ppl: dict, gsm: dict, projector: dict, adapters: dict, objectives: dict[str, dict],
-                    groups: list[str]) -> list[str]:
+                    seed_init: dict, groups: list[str]) -> list[str]:
     """Rows ``(group, objective)``: the seed's ``kv_mse`` maps and every tuned objective, same protocols.
 
-    ``objectives[name] = {"train": tune's train.json, "eval": {"protocol", "groups"} from eval_objectives}``.
+    ``objectives[name] = {"train": tune's train.json, "eval": {"protocol", "groups"} from eval_objectives}``;
+    ``seed_init`` = eval_objectives' ``{"ced": ...}`` under the seed's literal projector recipe (random init).
     """
     for name, o in objectives.items():
         if o["eval"]["protocol"]["tokens_scored"] != ppl["protocol"]["tokens_scored"]:
@@ -166,12 +178,26 @@ def objective_table(ppl: dict, gsm: dict, projector: dict, adapters: dict, objec
     for group in groups:
         if group in ppl["groups"]:
             row(group, "kv_mse (seed)", *main_branch(group), f"{kv_mse_steps:,}", "(dumped rows)")
+        if group in seed_init:
+            row(group, "kv_mse, random init (seed read literally)", seed_init[group], seed_init[group]["gold_nll"],
+                f"{projector[SEED_INIT]['run']['steps']:,}", "(dumped rows)")
         for name, o in objectives.items():
             phases = o["train"]["phases"].values()
             g = o["eval"]["groups"][group]
             row(group, name, g, g["gold_nll"], f"{sum(ph['steps'] for ph in phases):,}",
                 f"{sum(ph['tokens'] for ph in phases):,}")
     return lines
+
+
+KEPT = {"best_val": "the epoch of lowest held-out MSE kept (0 = the start)", "last": "the last epoch kept"}
+
+
+def _kept(fit: dict) -> str:
+    """The epochs a trainer's maps ended with (``kept_epoch`` of each map in its metrics), e.g. ``0`` or ``0, 20``."""
+    epochs = [m["kept_epoch"] for m in fit["layers"].values() if "kept_epoch" in m]
+    epochs += [m[kind]["kept_epoch"] for m in fit["layers"].values() for kind in ("k", "v")
+               if isinstance(m.get(kind), dict) and "kept_epoch" in m[kind]]
+    return ", ".join(str(e) for e in sorted(set(epochs)))
 
 
 SUMMARY_BASIS = "decoder_attention"  # summary.json's KV bytes: bf16, the decoder's attention layers
@@ -324,7 +350,8 @@ def run(params: Params, workdir: Path = Path(".")) -> str:
     ridge, projector, adapters = (_load(workdir, n) for n in ("ridge", "projector", "adapters"))
     evals = _load(workdir, Path("objectives") / "eval")
     missing = [o for o in params.train.objectives if o not in evals.get("objectives", {})]
-    if missing:
+    if missing or SEED_INIT not in evals:
+        missing = missing or [SEED_INIT]
         raise ValueError(f"{workdir / OBJECTIVES_EVAL} has no scores for objectives {missing}: "
                          "run `dvc repro eval_objectives`")
     objectives = {o: {"train": _load(workdir, Path("objectives") / o / "train"),
@@ -334,19 +361,22 @@ def run(params: Params, workdir: Path = Path(".")) -> str:
     text = "\n".join([
         "# Results", "", protocol_line(ppl, gsm), "", *([windows, ""] if windows else []),
         *results_table(ppl, gsm, storage), "",
-        "## Mode A: true CED (prefill skip)", "", *mode_a_table(ppl, gsm), "",
+        "## Mode A: true CED (prefill skip)", "", *mode_a_table(ppl, gsm, _load(workdir, Path("mode_a") / "train")), "",
         "## Training objectives", "",
         "Same PPL and gold-NLL protocols as above; Δ against the baseline. `kv_mse (seed)` is the main "
-        f"branch (projector from {projector['run'].get('init', 'random')} init, batch "
-        f"{projector['run'].get('batch_size', '?')}, {projector['run']['steps']:,} AdamW steps; adapters from "
-        "ridge on the true source K/V; K/V MSE); every other objective starts from the ridge maps (`ridge` = "
+        f"branch (projector from {projector['run']['init']} init, batch "
+        f"{projector['run']['batch_size']}, {projector['run']['steps']:,} AdamW steps, "
+        f"{KEPT[projector['run']['keep']]} (kept: epoch {_kept(projector)}); adapters from ridge on the true "
+        f"source K/V, {KEPT[adapters['run']['keep']]} (kept epochs {_kept(adapters)}); K/V MSE); "
+        "`kv_mse, random init` is the seed's projector recipe read literally (PyTorch's init, the last "
+        "epoch), for `ced`; every other objective starts from the ridge maps (`ridge` = "
         "that start, untrained) and gives each group the maps made for it: `ced_csa2` gets its own projector "
         f"and adapters (starting from {CED_CSA2_START[params.train.ced_csa2_start]}), trained jointly under "
         "`ced_csa2` by the online objectives. Optimizer steps: for `kv_mse` the projector's AdamW and the "
         "adapters' SGD steps over dumped K/V rows; for the online objectives the steps and tokens of their "
         "phases (ced, csa2, ced_csa2; metrics/objectives/*/train.json). Wall times of every stage: "
         "`timings/<stage>.json` after a run.", "",
-        *objective_table(ppl, gsm, projector, adapters, objectives, groups), "",
+        *objective_table(ppl, gsm, projector, adapters, objectives, evals[SEED_INIT], groups), "",
         "## Fit of the maps (held-out tokens)", "", *fit_table(ridge, projector, adapters), "",
         *served_fit_table(ridge, list(adapters["layers"]), params.train_adapters.input), "",
         "Qwen3.5-4B geometry (computed from its config, no weights): "

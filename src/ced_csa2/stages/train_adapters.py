@@ -109,20 +109,21 @@ def _run(params: Params, workdir: Path) -> dict:
     log.info("training adapters KV_%d -> KV_%s on %s: %d train pairs, %d val pairs, MLP width %d, %s autocast",
              plan.source, list(plan.targets), device, train.n_rows, val.n_rows, adapters.width, cfg.amp_dtype)
     heads = heads_for(adapters, kv)
-    curves, ridge, trained = fit(heads, optimizer_for(adapters, params), train, val, epochs=cfg.epochs,
-                               device=device, amp_dtype=cfg.amp_dtype, desc="train_adapters")
+    curves, ridge, trained, kept = fit(heads, optimizer_for(adapters, params), train, val, epochs=cfg.epochs,
+                                       device=device, amp_dtype=cfg.amp_dtype, keep=cfg.keep, desc="train_adapters")
 
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
                            params.train_adapters)["adapters"]
 
     layers: dict[str, dict] = {}
-    for h, r, tr in zip(heads, ridge, trained):
+    for h, r, tr, epoch in zip(heads, ridge, trained, kept):
         kind = h.label["kind"]
         layers.setdefault(str(h.label["layer"]), {})[kind] = {
-            "trained": tr[kind], "ridge": r[kind], "gain": {k: tr[kind][k] - r[kind][k] for k in GAIN_KEYS}}
+            "trained": tr[kind], "ridge": r[kind], "gain": {k: tr[kind][k] - r[kind][k] for k in GAIN_KEYS},
+            "kept_epoch": epoch}
     metrics = {
         "layers": layers,
-        "run": {"epochs": cfg.epochs, "steps": cfg.epochs * len(train), "train_pairs": train.n_rows,
+        "run": {"epochs": cfg.epochs, "keep": cfg.keep, "steps": cfg.epochs * len(train), "train_pairs": train.n_rows,
                 "val_pairs": val.n_rows, "width": adapters.width, "device": device.type,
                 "amp_dtype": cfg.amp_dtype, "compute_dtype": compute_dtype_name(device, cfg.amp_dtype)},
     }

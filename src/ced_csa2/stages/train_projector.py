@@ -22,15 +22,22 @@ on every token of the training records
 
 A covering plan's extra sources are the ``extra_sources`` stage's.
 
+Beside it, the seed's recipe read literally -- PyTorch's default init, the last epoch's
+weights (``init: random, keep: last``), all else the same -- is trained as a reference
+(the report's ``ced`` row "seed init"; it is the main projector itself when the params
+already say so) and written to ``models/projector_seed_init/projector_k{src}v{src}.pt``.
+
 Writes ``models/projector_k{src}v{src}.pt``, the curves
 ``metrics/curves/train_projector/layer{src}_{train_loss,val_loss,val_cos}.tsv`` (one series
 per file, x = epoch, ``val_*`` from epoch 0 = before training; ``val_*`` are means of the
 K and V halves) and ``metrics/projector.json`` (``layers.<src>``: r2, cos, rel_mse, mse for K
-and V, the val loss before and after training; ``run``: facts and wall time).
+and V, the val loss before and after training, the kept epoch; ``run``: facts; ``seed_init``:
+the same for the reference).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -39,7 +46,7 @@ from ..checkpoint import checkpoint_meta
 from ..config import Params
 from ..entry import run_stage
 from ..io_utils import write_json
-from ..paths import DUMP_PATH, PROJECTOR_CURVES, PROJECTOR_METRICS, RIDGE_PATH, projector_path
+from ..paths import DUMP_PATH, PROJECTOR_CURVES, PROJECTOR_METRICS, RIDGE_PATH, SEED_INIT, SEED_INIT_MODELS, projector_path
 from ..plan import load_plan
 from ..projector import save_projector
 from ..projector_training import train_projectors
@@ -60,11 +67,20 @@ def _run(params: Params, workdir: Path) -> dict:
     train_mask, val_mask = split_masks(dump, params, plan, geo, [plan.source], tokens_per_record=0)
     fitted = train_projectors(params, dump, (plan.source,), geo, train_mask, val_mask, desc="train_projector",
                                ridge=workdir / RIDGE_PATH)
-    meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.train_projector)
+    literal = dataclasses.replace(params, train_projector=dataclasses.replace(params.train_projector, init="random",
+                                                                               keep="last"))
+    seed = fitted if literal == params else train_projectors(
+        literal, dump, (plan.source,), geo, train_mask, val_mask, desc="train_projector (seed init)",
+        ridge=workdir / RIDGE_PATH)
+    meta, seed_meta = (checkpoint_meta(p, plan, geo, p.model, p.plan, p.split, p.train_projector)["projector"]
+                       for p in (params, literal))
     metrics = {"layers": {str(layer): m for layer, m in fitted.layers.items()},
-               "run": fitted.run}
+               "run": fitted.run,
+               "seed_init": {"layers": {str(layer): m for layer, m in seed.layers.items()}, "run": seed.run}}
     if distributed.is_main():
-        save_projector(workdir / projector_path(plan.source), fitted.projectors[plan.source], meta["projector"])
+        save_projector(workdir / projector_path(plan.source), fitted.projectors[plan.source], meta)
+        save_projector(workdir / projector_path(plan.source, SEED_INIT_MODELS), seed.projectors[plan.source],
+                       {**seed_meta, "recipe": SEED_INIT})
         write_curves(workdir / PROJECTOR_CURVES, fitted.curves, x="epoch")
         write_json(workdir / PROJECTOR_METRICS, metrics)
     for layer, m in metrics["layers"].items():
