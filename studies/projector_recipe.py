@@ -124,7 +124,8 @@ def main() -> None:
     for init in ("random", "ridge"):
         rows = results[init] = []
         for batch in map(int, getattr(args, f"{init}_batch_sizes").split(",")):
-            recipe = dataclasses.replace(params.train_projector, batch_size=batch, init=init)
+            # keep: last -- the recipe as the seed runs it (the main branch keeps its best held-out epoch)
+            recipe = dataclasses.replace(params.train_projector, batch_size=batch, init=init, keep="last")
             t0 = time.perf_counter()
             fitted = train_projectors(dataclasses.replace(params, train_projector=recipe), DUMP_PATH,
                                       (plan.source,), geo, train_mask, val_mask, desc=f"{init} batch {batch}",

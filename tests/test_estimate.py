@@ -87,7 +87,8 @@ def test_full_profile_offline_and_the_readme_shows_its_output(tmp_path, capsys):
         estimate.est_dump(s).disk, rel=1e-4)
     stages = {e.stage: e for e in estimate.estimate(s)}
     train_rows = int(s.dump.tokens[s.split[0]].sum())  # 2,280 of 2,400 records, 512 tokens each at most
-    assert stages["train_projector"].steps == 12 * -(-train_rows // 256)
+    # the main projector and the seed-literal reference (random init, last epoch), each 12 epochs at batch 256
+    assert stages["train_projector"].steps == 2 * 12 * -(-train_rows // 256)
     assert stages["train_adapters"].steps == 120 * 9  # 2,280 train records x 256 pairs in batches of 65,536
 
     command = "python -m ced_csa2.estimate " + " ".join(FULL) + " --device cuda"

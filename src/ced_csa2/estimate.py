@@ -417,9 +417,12 @@ def projector_training(s: Setup, stage: str, layers: tuple[int, ...], trained: b
     # weights, grads and AdamW's two moments in fp32; a batch of inputs, targets, outputs and their grads
     work = n_params * 4 * 4 + min(cfg.batch_size, train) * (geo.hidden_size + 6 * geo.kv_dim * len(layers)) * 4
     host, device = peaks(s, model=False, device_work=work, host_work=rows_bytes)
-    seconds = map_seconds(s, n_params, train, val, cfg.epochs) + dump_read_bytes(s, names) / s.rates.read_bytes
-    return StageEstimate(stage, f"{train:,} + {val:,} val", host=host, device=device, steps=steps, seconds=seconds,
-                         note="rows preloaded (streamed when over 1/4 of RAM)")
+    # train_projector also trains the seed's literal recipe (random init, last epoch) unless the params are it
+    runs = 2 if stage == "train_projector" and (cfg.init, cfg.keep) != ("random", "last") else 1
+    seconds = runs * map_seconds(s, n_params, train, val, cfg.epochs) + dump_read_bytes(s, names) / s.rates.read_bytes
+    return StageEstimate(stage, f"{train:,} + {val:,} val", host=host, device=device, steps=runs * steps,
+                         seconds=seconds, note="rows preloaded (streamed when over 1/4 of RAM)"
+                         + ("; + the seed-literal reference" if runs == 2 else ""))
 
 
 def est_extra_projectors(s: Setup) -> StageEstimate | None:
@@ -523,12 +526,32 @@ def est_tune(s: Setup, objective: str) -> StageEstimate:
                          note=f"{len(PHASE_GROUPS)} phases, batch {cfg.batch_size}")
 
 
+def est_tune_mode_a(s: Setup) -> StageEstimate | None:
+    """Mode A's maps trained through the skip: per record a teacher forward, the skip and the continuation's
+    forward and backward (3x a forward) -- one record at a time; the held-out KL before and after."""
+    if not mode_a_covered(s):
+        return None
+    cfg, geo, online = s.params.mode_a.train, s.model.geo, s.params.train.online
+    records, val, seq = online_counts(s)
+    half = seq - max(2, int(seq * s.params.eval_ppl.prefix_fraction))
+    skip = s.plan.split / geo.n_layers * forward_flops(s.model, seq - half)
+    record = forward_flops(s.model, seq) + skip + 3 * forward_flops(s.model, half)
+    checks = 2 * val * (forward_flops(s.model, seq) + skip + forward_flops(s.model, half))
+    steps = cfg.epochs * math.ceil(records / online.batch_size)
+    # the continuation's activations, every layer, for the backward; teacher and student logits and log-softmax
+    work = half * geo.n_layers * (8 * geo.hidden_size + 4 * s.model.intermediate) * s.b + 2 * logits_bytes(s, half)
+    host, device = peaks(s, model=True, device_work=work)
+    return StageEstimate("tune_mode_a", f"{records:,} records x {seq} tokens", host=host, device=device, steps=steps,
+                         seconds=(cfg.epochs * records * record + checks) / s.rates.model_flops,
+                         note=f"one record per forward, {online.batch_size} per step")
+
+
 def est_eval_objectives(s: Setup) -> StageEstimate | None:
     objectives = s.params.train.objectives
     if not objectives:
         return None
     # One shared trunk: the baseline once, every group once per objective.
-    groups = ["baseline", *(g for _ in objectives for g in s.params.train.eval_groups)]
+    groups = ["baseline", *(g for _ in objectives for g in s.params.train.eval_groups), "ced"]  # + the seed-literal
     seconds = scoring_seconds(s, groups, s.eval.total) + scoring_seconds(s, groups, s.gold.total)
     longest = max(s.params.eval_ppl.batch_size * int(s.eval.tokens.max()),
                   s.params.eval_gsm8k.batch_size * (int(s.gold.tokens.max()) if s.gold.exact else GOLD_MAX_TOKENS))
@@ -542,7 +565,7 @@ def estimate(s: Setup) -> list[StageEstimate]:
     objectives = s.params.train.objectives
     stages = [est_prepare(s), est_dump(s), est_ridge(s), est_fit_xkv(s),
               projector_training(s, "train_projector", (s.plan.source,), trained=True), est_extra_projectors(s),
-              est_train_adapters(s), est_eval_ppl(s), est_eval_gsm8k(s),
+              est_train_adapters(s), est_tune_mode_a(s), est_eval_ppl(s), est_eval_gsm8k(s),
               *(est_tune(s, o) for o in objectives), est_eval_objectives(s)]
     return [e for e in stages if e is not None]
 

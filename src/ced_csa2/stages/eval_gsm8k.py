@@ -33,7 +33,8 @@ and for each group of ``eval_gsm8k.groups`` (a superset)
   the signal that still moves.  All groups are scored at once with a shared trunk
   (:func:`ced_csa2.scoring.multi_group_nll`).
 
-Mode A (``eval_gsm8k.mode_a``, when the plan covers every attention layer above the cut):
+Mode A (``eval_gsm8k.mode_a``, when the plan covers every attention layer above the cut;
+the maps of ``mode_a.maps``, ``mode_a.replay`` tokens replayed):
 the same lm-eval task through :class:`~ced_csa2.mode_a_lm.ModeALM` -- each prompt
 prefilled by the prefill skip, the answer scored (``gold_nll``: gold NLL, paired against
 the baseline) and with ``generate`` also generated (exact match) through all layers -- one
@@ -148,6 +149,8 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
         mode_a_parts = parts if given is not None or plan.uncovered(geo) or cfg.mode_a == "off" else \
             load_mode_a_parts(workdir, params, plan, geo, device=model.device)
         mode_a, more = mode_a_arm(params, model, tok, plan, geo, mode_a_parts, task_manager, pairs)
+        if mode_a["covered"]:
+            mode_a["maps"] = "given" if given is not None else params.mode_a.maps
     # Gold NLL of every group on the prompts lm-eval built, all groups at once (shared trunk).
     t0 = time.perf_counter()
     gold = groups_gold_nll(model, plan, list(cfg.groups), parts, pairs, cfg.batch_size, tok.pad_token_id,
