@@ -477,9 +477,11 @@ class TrainConfig(Section):
 class ModeATrainConfig(Section):
     """Budget of stage ``tune_mode_a`` (train.online's records, seq_len, batch_size, warm-up and held-out records)."""
 
-    epochs: int = 1
-    projector_lr: float = 1e-5  # AdamW, the source's and the extra sources' projectors
-    adapters_lr: float = 1e-4  # AdamW, the targets' adapters
+    epochs: int = 2
+    # AdamW, the source's and the extra sources' projectors: AdamW moves every weight by ~lr per step,
+    # and on H_split's outlier channels 1e-5 already throws them off their ridge start
+    projector_lr: float = 1e-6
+    adapters_lr: float = 3e-4  # AdamW, the targets' adapters
 
     def __post_init__(self):
         _check_finite(self, "mode_a.train")
