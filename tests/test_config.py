@@ -67,3 +67,26 @@ def test_unknown_profile_is_a_clear_error():
         compose(["model=gpt5"])
     with pytest.raises(ParamsError, match="parameter file not found"):
         load_params("/nonexistent/params.yaml")
+
+
+def test_compose_cli_keeps_hand_edits_unless_forced_and_answers_in_one_line(tmp_path, monkeypatch, capsys):
+    from ced_csa2.compose import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["ridge.lambda=3"])  # no params.yaml yet: written
+    assert load_params(tmp_path / "params.yaml").ridge.lam == 3
+    main(["ridge.lambda=3"])  # the same composition again: nothing to protect
+    with pytest.raises(SystemExit, match=r"^error: params.yaml holds other values than this composition for "
+                                         r"ridge.lambda; rerun with --force"):
+        main([])  # back to the defaults would drop ridge.lambda=3
+    assert load_params(tmp_path / "params.yaml").ridge.lam == 3  # untouched
+    main(["--force"])
+    assert (tmp_path / "params.yaml").read_text() == compose([])
+    main(["kv_format=mxfp4"])  # from the defaults: no edit to protect
+    main(["kv_format=mxfp4", "--stdout"])
+    assert capsys.readouterr().out == compose(["kv_format=mxfp4"])
+    for bad, message in ((["modle=x"], "Could not override 'modle'"),
+                         (["eval_ppl.records=-1"], "'eval_ppl.records' must be >= 0")):
+        with pytest.raises(SystemExit) as exc:
+            main(bad)
+        assert str(exc.value).startswith("error: ") and message in str(exc.value) and "\n" not in str(exc.value)

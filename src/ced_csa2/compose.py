@@ -1,7 +1,13 @@
 """Compose ``conf/`` into ``params.yaml`` -- what ``dvc exp run`` does, without DVC.
 
     python -m ced_csa2.compose                                  # embedded default
-    python -m ced_csa2.compose model=tiny_qwen3_5 data=tiny plan=qwen3_5
+    python -m ced_csa2.compose model=tiny_qwen3_5 data=tiny plan=qwen3_5 --force
+    python -m ced_csa2.compose budget=cpu_full --stdout         # print, write nothing
+
+It refuses to overwrite a ``params.yaml`` that holds values conf/'s defaults do not give (hand
+edits, or an earlier composition's overrides) where the new composition changes them, unless
+``--force``, naming the keys; an override Hydra cannot apply or a value out of
+range is one line, ``error: ...``, exit status 1.
 
 ``dvc repro`` never composes (it reads the committed ``params.yaml`` as is);
 ``dvc exp run -S group=option`` recomposes it with the same Hydra API as here.  A test
@@ -32,9 +38,56 @@ def compose(overrides: list[str] = (), conf_dir: Path = CONF_DIR) -> str:
     return OmegaConf.to_yaml(cfg)  # what dvc.utils.hydra.compose_and_dump writes
 
 
+def compose_or_exit(overrides: list[str]) -> str:
+    """:func:`compose` for a command line: a bad override or value ends the program with one line, ``error: ...``."""
+    try:
+        return compose(overrides)
+    except ValueError as exc:  # ParamsError: a value out of range, named by its key
+        raise SystemExit(f"error: {exc}") from None
+    except Exception as exc:  # Hydra's override errors: keep their first line, drop the traceback
+        if type(exc).__module__.startswith(("hydra", "omegaconf")):
+            raise SystemExit(f"error: overrides {list(overrides)}: {str(exc).splitlines()[0]}") from None
+        raise
+
+
+def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested params dicts (added and removed keys included)."""
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b, name = old.get(key), new.get(key), f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_keys(a, b, f"{name}.")
+        elif a != b:
+            out.append(name)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
-    overrides = sys.argv[1:] if argv is None else argv
-    atomic_write_text(Path("params.yaml"), compose(overrides))
+    import argparse
+
+    import yaml
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/, e.g. budget=cpu_full ridge.lambda=10")
+    ap.add_argument("--force", action="store_true",
+                    help="overwrite params.yaml even where it holds values the composition changes (hand edits)")
+    ap.add_argument("--stdout", action="store_true", help="print the composition instead of writing params.yaml")
+    args = ap.parse_args(argv)
+    text = compose_or_exit(args.overrides)
+    if args.stdout:
+        print(text, end="")
+        return
+    target = Path("params.yaml")
+    if target.is_file() and not args.force:
+        # Values that conf/'s defaults do not give are edits (by hand or by an earlier composition with
+        # overrides): overwrite them only when asked to.
+        current = yaml.safe_load(target.read_text()) or {}
+        changed = changed_keys(current, yaml.safe_load(text))
+        if changed and changed_keys(current, yaml.safe_load(compose([]))):
+            shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+            raise SystemExit(f"error: {target} holds other values than this composition for {shown}; "
+                             "rerun with --force to overwrite them (or --stdout to see the composition)")
+    atomic_write_text(target, text)
 
 
 if __name__ == "__main__":

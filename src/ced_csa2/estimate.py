@@ -631,9 +631,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", type=Path, default=Path("."), help="where data/ and metrics/ are (default: here)")
     args = ap.parse_args(argv)
     if args.overrides:
-        from .compose import compose
+        from .compose import compose_or_exit
 
-        params = from_dict(Params, yaml.safe_load(compose(args.overrides)))
+        params = from_dict(Params, yaml.safe_load(compose_or_exit(args.overrides)))
     else:
         params = load_params(args.workdir / "params.yaml")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
