@@ -127,9 +127,8 @@ def main() -> None:
             # keep: last -- the recipe as the seed runs it (the main branch keeps its best held-out epoch)
             recipe = dataclasses.replace(params.train_projector, batch_size=batch, init=init, keep="last")
             t0 = time.perf_counter()
-            fitted = train_projectors(dataclasses.replace(params, train_projector=recipe), DUMP_PATH,
-                                      (plan.source,), geo, train_mask, val_mask, desc=f"{init} batch {batch}",
-                                      ridge=RIDGE_PATH)
+            fitted = train_projectors(params, DUMP_PATH, (plan.source,), geo, train_mask, val_mask,
+                                      desc=f"{init} batch {batch}", ridge=RIDGE_PATH, cfg=recipe)
             wall = time.perf_counter() - t0
             m = fitted.layers[plan.source]
             row = {"init": init, "batch_size": batch, "epochs": recipe.epochs, "steps": fitted.run["steps"],

@@ -132,7 +132,7 @@ STAGE_CASES = [
      ["params.yaml", "'seed'", "must be >= 0, got -1"]),
     ("lr-negative", "storage", edit("  lr: 0.002\n", "  lr: -0.002\n"),
      ["params.yaml", "'train_projector.lr'", "must be positive, got -0.002"]),
-    ("online-lr-zero", "storage", edit("  adapters_lr: 0.0003\n", "  adapters_lr: 0.0\n"),
+    ("online-lr-zero", "storage", edit("  adapters_lr: 0.0003\n    weight_decay", "  adapters_lr: 0.0\n    weight_decay"),
      ["params.yaml", "'train.online.adapters_lr'", "must be positive, got 0.0"]),
     ("momentum-one", "storage", edit("  momentum: 0.9\n", "  momentum: 1.0\n"),
      ["params.yaml", "'train_adapters.momentum'", "must be in [0, 1), got 1.0"]),
@@ -429,10 +429,10 @@ def test_auto_and_cpu_devices_load(tmp_path):
         assert _load(tmp_path, _set(tiny_raw(), "eval_gsm8k.device", value)).eval_gsm8k.device == value
 
 
-NUMBER_STRINGS = [  # (line of the tiny params.yaml, value as typed by hand, key, hint)
+NUMBER_STRINGS = [  # (line of the tiny params.yaml [+ context], value as typed by hand, key, hint)
     ("  lr: 0.002\n", "1e-3", "train_projector.lr", "write 1.0e-3"),
     ("  base_lr: 0.0003\n", "1E-3", "train_adapters.base_lr", "write 1.0e-3"),
-    ("  adapters_lr: 0.0003\n", "3e-4", "train.online.adapters_lr", "write 3.0e-4"),
+    ("  adapters_lr: 0.0003\n    weight_decay", "3e-4", "train.online.adapters_lr", "write 3.0e-4"),
     ("  lambda: 1.0\n", "1.0e3", "ridge.lambda", "write 1.0e+3"),
     ("  lambda: 1.0\n", "1e+2", "ridge.lambda", "write 1.0e+2"),
     ("  momentum: 0.9\n", "'0.5'", "train_adapters.momentum", "write 0.5 without quotes"),
@@ -443,13 +443,14 @@ NUMBER_STRINGS = [  # (line of the tiny params.yaml, value as typed by hand, key
 @pytest.mark.parametrize("line,typed,key,hint", NUMBER_STRINGS, ids=[t for _, t, _, _ in NUMBER_STRINGS])
 def test_number_yaml_reads_as_a_string_is_refused_with_a_hint(tmp_path, line, typed, key, hint):
     assert TINY_YAML.count(line) == 1
-    name = line.split(":")[0]
+    head, _, after = line.partition("\n")  # the key's line, then context that makes it unique
+    name = head.split(":")[0]
     with pytest.raises(ParamsError) as err:
-        _load(tmp_path, text=TINY_YAML.replace(line, f"{name}: {typed}\n"))
+        _load(tmp_path, text=TINY_YAML.replace(line, f"{name}: {typed}\n{after}"))
     assert f"'{key}' must be " in str(err.value) and hint in str(err.value), str(err.value)
     fixed = hint.removeprefix("write ").removesuffix(" without quotes")
     assert isinstance(yaml.safe_load(f"x: {fixed}")["x"], (int, float))  # the hint is right: it loads
-    assert _load(tmp_path, text=TINY_YAML.replace(line, f"{name}: {fixed}\n")) is not None
+    assert _load(tmp_path, text=TINY_YAML.replace(line, f"{name}: {fixed}\n{after}")) is not None
 
 
 def test_a_real_string_gets_no_number_hint(tmp_path):

@@ -78,6 +78,10 @@ def test_full_pipeline_writes_every_metric_and_the_report(repo, reproduced):
                       if line.startswith("| ")}
     for group in ("ced", "csa2", "ced_csa2"):
         assert {(group, o) for o in ("kv_mse (seed)", "ridge", "attn_out", "distill")} <= objective_rows
+    assert ("ced", "kv_mse, random init (seed read literally)") in objective_rows
+    assert "mode_a (prefill skip, replay 0, maps trained through the skip (tune_mode_a))" in rows
+    mode_a = json.loads((repo / "metrics/mode_a/train.json").read_text())
+    assert mode_a["covered"] and mode_a["val_after"]["kl"] < mode_a["val_before"]["kl"]
     for objective in ("attn_out", "distill"):
         phases = json.loads((repo / f"metrics/objectives/{objective}/train.json").read_text())["phases"]
         assert set(phases) == {"ced", "csa2", "ced_csa2"} and all(p["tokens"] > 0 for p in phases.values())
@@ -252,4 +256,4 @@ def test_dropping_an_objective_reruns_only_the_objectives_evaluation_and_report(
     assert stages_run(sh(repo, "dvc", "repro")) == {"check_params", "eval_objectives", "report"}
     table = (repo / "reports/results.md").read_text().split("## Training objectives")[1].split("##")[0]
     objectives = {line.split("|")[2].strip() for line in table.splitlines() if line.startswith("| ced |")}
-    assert objectives == {"kv_mse (seed)", "ridge"}
+    assert objectives == {"kv_mse (seed)", "kv_mse, random init (seed read literally)", "ridge"}

@@ -205,6 +205,8 @@ def test_eval_objectives_gives_each_group_what_one_group_at_a_time_gives(tmp_pat
     served = {o: {g: p for g in params.train.eval_groups} for o, p in parts.items()}
     # loading is tested elsewhere (test_checkpoint_match.py)
     monkeypatch.setattr(eval_objectives, "load_objective_parts", lambda workdir, o, *args: served[o])
+    seed_init = random_parts(geo, plan, seed=5)  # ced under the seed-literal projector rides along
+    monkeypatch.setattr(eval_objectives, "load_seed_init", lambda *args: seed_init)
     write_eval(tmp_path, tok)
     seqs, cut = rows(250, seed=1)
     pairs = [(s, c) for s, c in zip(seqs, cut) if c < len(s)]
@@ -224,3 +226,6 @@ def test_eval_objectives_gives_each_group_what_one_group_at_a_time_gives(tmp_pat
         assert {k: v for k, v in got.items() if not k.startswith(("delta", "kl", "top1")) and k != "gold_nll"} == \
             {k: v for k, v in want.items() if k != "gold_nll"}, group
         assert got_gold == want["gold_nll"] and got["delta_pct_ci95"][0] <= got["delta_pct"], group
+    want = group_ppl(model, plan, "ced", seed_init, ids, params, tok.pad_token_id)
+    got = m["seed_init"]["ced"]
+    assert {k: v for k, v in got.items() if not k.startswith(("delta", "kl", "top1")) and k != "gold_nll"} == want

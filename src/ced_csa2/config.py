@@ -115,6 +115,13 @@ def _place(section: Section, where: str) -> None:
                 _place(v, f"{where}.{_key(f)}" + (f".{i}" if i is not None else "") if where else _key(f))
 
 
+def replaced(section: Section, **changes) -> Section:
+    """``dataclasses.replace`` keeping the section's dotted place: reads of the copy record under the same keys."""
+    new = dataclasses.replace(section, **changes)
+    _place(new, object.__getattribute__(section, "__dict__").get("_where", ""))
+    return new
+
+
 @contextlib.contextmanager
 def record_reads() -> Iterator[set[str]]:
     """Collect the dotted params keys read inside the block (leaves, YAML names)."""

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import distributed
-from .config import Params
+from .config import Params, ProjectorConfig
 from .loader import BlockLoader
 from .model_utils import Geometry, resolve_device
 from .projector import KVProjector
@@ -71,14 +71,15 @@ class Fitted:
 
 
 def train_projectors(params: Params, dump: Path, layers: tuple[int, ...], geo: Geometry, train_mask: np.ndarray,
-                     val_mask: np.ndarray, desc: str, ridge: Path) -> Fitted:
+                     val_mask: np.ndarray, desc: str, ridge: Path, cfg: ProjectorConfig | None = None) -> Fitted:
     """The seed's recipe (``train_projector``: MSE, AdamW, warm-up + cosine, autocast) for ``layers``.
 
     Starts from PyTorch's default init (``init: random``, the seed's) or from the ridge
     maps in ``ridge`` (``init: ridge``).  Validation (float32) on every row of ``val_mask``
-    before training and after each epoch.
+    before training and after each epoch.  ``cfg`` replaces ``params.train_projector``
+    (another recipe, e.g. the seed read literally, on the same params).
     """
-    cfg = params.train_projector
+    cfg = cfg or params.train_projector
     if cfg.init == "ridge":
         projectors = ridge_projectors(ridge, list(layers), geo)
     else:

@@ -37,13 +37,12 @@ the same for the reference).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
 from .. import distributed
 from ..checkpoint import checkpoint_meta
-from ..config import Params
+from ..config import Params, replaced
 from ..entry import run_stage
 from ..io_utils import write_json
 from ..paths import DUMP_PATH, PROJECTOR_CURVES, PROJECTOR_METRICS, RIDGE_PATH, SEED_INIT, SEED_INIT_MODELS, projector_path
@@ -67,13 +66,12 @@ def _run(params: Params, workdir: Path) -> dict:
     train_mask, val_mask = split_masks(dump, params, plan, geo, [plan.source], tokens_per_record=0)
     fitted = train_projectors(params, dump, (plan.source,), geo, train_mask, val_mask, desc="train_projector",
                                ridge=workdir / RIDGE_PATH)
-    literal = dataclasses.replace(params, train_projector=dataclasses.replace(params.train_projector, init="random",
-                                                                               keep="last"))
-    seed = fitted if literal == params else train_projectors(
-        literal, dump, (plan.source,), geo, train_mask, val_mask, desc="train_projector (seed init)",
-        ridge=workdir / RIDGE_PATH)
-    meta, seed_meta = (checkpoint_meta(p, plan, geo, p.model, p.plan, p.split, p.train_projector)["projector"]
-                       for p in (params, literal))
+    literal = replaced(params.train_projector, init="random", keep="last")
+    seed = fitted if literal == params.train_projector else train_projectors(
+        params, dump, (plan.source,), geo, train_mask, val_mask, desc="train_projector (seed init)",
+        ridge=workdir / RIDGE_PATH, cfg=literal)
+    meta, seed_meta = (checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, cfg)["projector"]
+                       for cfg in (params.train_projector, literal))
     metrics = {"layers": {str(layer): m for layer, m in fitted.layers.items()},
                "run": fitted.run,
                "seed_init": {"layers": {str(layer): m for layer, m in seed.layers.items()}, "run": seed.run}}
