@@ -117,7 +117,11 @@ def _place(section: Section, where: str) -> None:
 
 def replaced(section: Section, **changes) -> Section:
     """``dataclasses.replace`` keeping the section's dotted place: reads of the copy record under the same keys."""
-    new = dataclasses.replace(section, **changes)
+    token = _READS.set(None)  # copying (and the copy's own checks) reads every field: not a use of them
+    try:
+        new = dataclasses.replace(section, **changes)
+    finally:
+        _READS.reset(token)
     _place(new, object.__getattribute__(section, "__dict__").get("_where", ""))
     return new
 
