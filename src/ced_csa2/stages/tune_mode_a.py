@@ -129,6 +129,7 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
         summary, curves = train(model, parts, plan, geo, train_rows, val_rows, params)
         metrics |= summary
         metrics["protocol"] = {"model": params.model.name, "data": params.data.name,
+                               "model_revision": params.model.revision, "data_revision": params.data.revision,
                                "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
                                "prefix_fraction": params.eval_ppl.prefix_fraction, "replay": 0,
                                "records": len(train_rows), "val_records": len(val_rows),
