@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ced_csa2.ced_runtime import CEDModeARuntime, load_parts
 from ced_csa2.config import load_params
+from ced_csa2.io_utils import write_tsv
 from ced_csa2.gsm8k import _offline, groups_gold_nll, load_gold_pairs, mode_a_gold_rows
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.objectives import ridge_parts
@@ -44,17 +45,6 @@ from ced_csa2.projector_training import ridge_projectors
 OUT = Path("studies/mode_a_replay")
 REPLAYS = (0, 16, 64, 128)
 log = logging.getLogger("mode_a_replay")
-
-
-def write_tsv(path: Path, rows: list[dict]) -> None:
-    """Rows as a tab-separated table (every row has the first row's columns)."""
-    cols = list(rows[0])
-    lines = ["\t".join(cols)] + ["\t".join(f"{r[c]:.6g}" if isinstance(r[c], float) else str(r[c]) for c in cols)
-                                 for r in rows]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ced_csa2.ced_runtime import CEDParts
 from ced_csa2.config import load_params
+from ced_csa2.io_utils import write_tsv
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.paths import DUMP_PATH, RIDGE_PATH
 from ced_csa2.perplexity import eval_ids
@@ -45,17 +46,6 @@ OUT = Path("studies/projector_recipe")
 BATCH_SIZES = {"random": (4096, 2048, 1024, 512, 256, 128, 64),
                "ridge": (4096, 256)}  # from the ridge map: already at the MSE optimum, two points suffice
 log = logging.getLogger("projector_recipe")
-
-
-def write_tsv(path: Path, rows: list[dict]) -> None:
-    """Rows as a tab-separated table (every row has the first row's columns)."""
-    cols = list(rows[0])
-    lines = ["\t".join(cols)] + ["\t".join(f"{r[c]:.6g}" if isinstance(r[c], float) else str(r[c]) for c in cols)
-                                 for r in rows]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> None:

@@ -102,3 +102,11 @@ def write_json(path: Path, obj) -> None:
         raise TypeError(f"{path}: {exc}") from None
     atomic_write_text(path, text + "\n")
 
+
+
+def write_tsv(path: Path, rows: list[dict]) -> None:
+    """Rows as a tab-separated table (every row has the first row's columns; floats to 6 significant digits)."""
+    cols = list(rows[0])
+    lines = ["\t".join(cols)] + ["\t".join(f"{r[c]:.6g}" if isinstance(r[c], float) else str(r[c]) for c in cols)
+                                 for r in rows]
+    atomic_write_text(Path(path), "\n".join(lines) + "\n")
