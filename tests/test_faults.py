@@ -119,53 +119,55 @@ PRIOR = {  # stand-ins for earlier good outputs of the stages that run on a faul
 NO_CUDA = "torch.cuda.is_available() is false"
 ZEROS = "0" * 64
 
-# (id, stage, fault, substrings the one error line must contain)
+# (id, stage, fault, substrings the one error line must contain).  The params cases run
+# check_params, the stage `dvc repro` runs first after any edit (its imports take 0.2 s, a
+# model stage's 3 s); two of them also run storage, as every stage validates the same way.
 STAGE_CASES = [
     # param ranges
-    ("lambda-inf", "storage", edit("  lambda: 1.0\n", "  lambda: .inf\n"),
+    ("lambda-inf", "check_params", edit("  lambda: 1.0\n", "  lambda: .inf\n"),
      ["params.yaml", "'ridge.lambda'", "must be a finite number, got inf"]),
-    ("lambda-nan", "storage", edit("  lambda: 1.0\n", "  lambda: .nan\n"),
+    ("lambda-nan", "check_params", edit("  lambda: 1.0\n", "  lambda: .nan\n"),
      ["params.yaml", "'ridge.lambda'", "must be a finite number, got nan"]),
     ("lambda-negative", "storage", edit("  lambda: 1.0\n", "  lambda: -1.0\n"),
      ["params.yaml", "'ridge.lambda'", "must be >= 0, got -1.0"]),
-    ("seed-negative", "storage", edit("\nseed: 0\n", "\nseed: -1\n"),
+    ("seed-negative", "check_params", edit("\nseed: 0\n", "\nseed: -1\n"),
      ["params.yaml", "'seed'", "must be >= 0, got -1"]),
-    ("lr-negative", "storage", edit("  lr: 0.002\n", "  lr: -0.002\n"),
+    ("lr-negative", "check_params", edit("  lr: 0.002\n", "  lr: -0.002\n"),
      ["params.yaml", "'train_projector.lr'", "must be positive, got -0.002"]),
-    ("online-lr-zero", "storage", edit("  adapters_lr: 0.0003\n    weight_decay", "  adapters_lr: 0.0\n    weight_decay"),
+    ("online-lr-zero", "check_params", edit("  adapters_lr: 0.0003\n    weight_decay", "  adapters_lr: 0.0\n    weight_decay"),
      ["params.yaml", "'train.online.adapters_lr'", "must be positive, got 0.0"]),
-    ("momentum-one", "storage", edit("  momentum: 0.9\n", "  momentum: 1.0\n"),
+    ("momentum-one", "check_params", edit("  momentum: 0.9\n", "  momentum: 1.0\n"),
      ["params.yaml", "'train_adapters.momentum'", "must be in [0, 1), got 1.0"]),
     # devices
-    ("device-gpu", "storage", edit("  chunk_kib: 512\n  device: auto\n", "  chunk_kib: 512\n  device: gpu\n"),
+    ("device-gpu", "check_params", edit("  chunk_kib: 512\n  device: auto\n", "  chunk_kib: 512\n  device: gpu\n"),
      ["params.yaml", "'dump.device'", "must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"]),
-    pytest.param("device-cuda-without-cuda", "storage", edit("  chunk_kib: 512\n  device: auto\n", "  chunk_kib: 512\n  device: cuda\n"),
+    pytest.param("device-cuda-without-cuda", "check_params", edit("  chunk_kib: 512\n  device: auto\n", "  chunk_kib: 512\n  device: cuda\n"),
                  ["params.yaml", "'dump.device' is 'cuda'", NO_CUDA],
                  marks=pytest.mark.skipif("__import__('torch').cuda.is_available()", reason="this machine has CUDA")),
-    ("device-cuda-index-absent", "storage", edit("  prefix_fraction: 0.5\n  device: auto\n", "  prefix_fraction: 0.5\n  device: cuda:64\n"),
+    ("device-cuda-index-absent", "check_params", edit("  prefix_fraction: 0.5\n  device: auto\n", "  prefix_fraction: 0.5\n  device: cuda:64\n"),
      ["params.yaml", "'eval_ppl.device' is 'cuda:64' but"]),
     # types and numbers YAML reads as strings
-    ("float-as-string-1e-3", "storage", edit("  lr: 0.002\n", "  lr: 1e-3\n"),
+    ("float-as-string-1e-3", "check_params", edit("  lr: 0.002\n", "  lr: 1e-3\n"),
      ["params.yaml", "'train_projector.lr'", "must be a number, got '1e-3'", "write 1.0e-3"]),
-    ("wrong-type", "storage", edit("  batch_size: 8\n  storage_dtype", "  batch_size: eight\n  storage_dtype"),
+    ("wrong-type", "check_params", edit("  batch_size: 8\n  storage_dtype", "  batch_size: eight\n  storage_dtype"),
      ["params.yaml", "'dump.batch_size'", "must be of type int, got 'eight'"]),
-    ("int-as-quoted-string", "storage", edit("  epochs: 12\n", "  epochs: '12'\n"),
+    ("int-as-quoted-string", "check_params", edit("  epochs: 12\n", "  epochs: '12'\n"),
      ["params.yaml", "'train_projector.epochs'", "must be of type int, got '12'", "write 12 without quotes"]),
     # keys
-    ("unknown-top-level-key", "storage", edit("\nseed: 0\n", "\nseed: 0\nridgee:\n  lambda: 2.0\n"),
+    ("unknown-top-level-key", "check_params", edit("\nseed: 0\n", "\nseed: 0\nridgee:\n  lambda: 2.0\n"),
      ["params.yaml", "'ridgee'", "is not a known top-level section", "did you mean 'ridge'"]),
-    ("misspelt-nested-key", "storage", edit("  lambda: 1.0\n", "  lamda: 1.0\n"),
+    ("misspelt-nested-key", "check_params", edit("  lambda: 1.0\n", "  lamda: 1.0\n"),
      ["params.yaml", "'ridge.lamda'", "is not a known parameter", "did you mean 'ridge.lambda'"]),
     ("missing-key", "storage", edit("  source: 20\n", ""), ["params.yaml", "'plan.source'", "is missing"]),
-    ("missing-section", "storage", edit("ridge:\n  lambda: 1.0\n  block_rows: 8192\n", ""),
+    ("missing-section", "check_params", edit("ridge:\n  lambda: 1.0\n  block_rows: 8192\n", ""),
      ["params.yaml", "'ridge'", "is missing"]),
     # the file itself
-    ("params-absent", "storage", remove("params.yaml"), ["params.yaml", "parameter file not found"]),
-    ("params-empty", "storage", write("params.yaml", ""), ["params.yaml", "is empty"]),
-    ("invalid-yaml", "storage", edit("ridge:\n", "ridge: [\n"), ["params.yaml", "not valid YAML at line"]),
-    ("duplicate-key", "storage", edit("  lambda: 1.0\n", "  lambda: 1.0\n  lambda: 100.0\n"),
+    ("params-absent", "check_params", remove("params.yaml"), ["params.yaml", "parameter file not found"]),
+    ("params-empty", "check_params", write("params.yaml", ""), ["params.yaml", "is empty"]),
+    ("invalid-yaml", "check_params", edit("ridge:\n", "ridge: [\n"), ["params.yaml", "not valid YAML at line"]),
+    ("duplicate-key", "check_params", edit("  lambda: 1.0\n", "  lambda: 1.0\n  lambda: 100.0\n"),
      ["params.yaml", "found duplicate key 'lambda'"]),
-    ("not-utf8", "storage", write("params.yaml", b"seed: \xff\n"), ["params.yaml", "not UTF-8"]),
+    ("not-utf8", "check_params", write("params.yaml", b"seed: \xff\n"), ["params.yaml", "not UTF-8"]),
     # valid params, bad world: the plan, missing and corrupt artifacts
     ("plan-layer-absent", "storage", edit("  - 32\n", "  - 36\n"), ["layer 36 does not exist", "1..32"]),
     ("local-model-absent", "storage", local_model("nowhere/my_model"),

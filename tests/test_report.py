@@ -1,8 +1,8 @@
-"""The report's tables and summary.json: one row per (group, objective), each change with its CI, protocol checked."""
+"""The report's tables, groups.tsv and summary.json: one row per (group, objective), each change with its CI, protocol checked."""
 
 import pytest
 
-from ced_csa2.stages.report import mode_a_table, objective_table, summary
+from ced_csa2.stages.report import HEADLINE, group_rows, groups_table, mode_a_table, objective_table, summary
 
 
 def metrics(tokens=1000):
@@ -101,9 +101,9 @@ def numbers_only(obj):
     return isinstance(obj, (int, float)) and not isinstance(obj, bool)
 
 
-def test_summary_holds_the_headline_per_group_and_objective():
+def test_group_rows_hold_every_number_per_group_and_objective():
     ppl, gsm, storage, tuned = summary_inputs()
-    s = summary(ppl, gsm, storage, tuned, groups=["csa2"])
+    s = group_rows(ppl, gsm, storage, tuned, groups=["csa2"])
     assert numbers_only(s) and all(len(v) <= 22 for v in s.values())  # flat and short
     assert list(s) == ["baseline", "csa2", "share_plain", "csa2@distill", "mode_a"]
     assert s["csa2"] == pytest.approx({
@@ -128,6 +128,23 @@ def test_summary_holds_the_headline_per_group_and_objective():
         "kl_hi": 1.75, "top1": 50.0, "top1_lo": 45.0, "top1_hi": 55.0, "em_strict": 1.0,
         "em_strict_lo": 0.2, "em_strict_hi": 5.4, "em_flex": 4.0, "em_flex_lo": 1.6, "em_flex_hi": 9.8,
         "gold_nll": 2.5, "dgold_nll": 1.25, "dgold_nll_lo": 1.0, "dgold_nll_hi": 1.5})
+
+
+def test_summary_is_a_screen_of_changes_and_groups_table_has_the_rest():
+    ppl, gsm, storage, tuned = summary_inputs()
+    rows = group_rows(ppl, gsm, storage, tuned, groups=["csa2"])
+    s = summary(rows)
+    # the DVC metrics: the baseline's own figures, then only the changes; no interval, no objective row
+    assert s == {"baseline": {"ppl": 20.0, "gold_nll": 1.25},
+                 "csa2": {k: rows["csa2"][k] for k in HEADLINE},
+                 "share_plain": {"dppl_pct": 50.0, "dgold_nll": 0.75},  # share_plain has no KL in its input
+                 "mode_a": {k: rows["mode_a"][k] for k in HEADLINE}}
+    table = groups_table(rows)
+    assert [r["group"] for r in table] == list(rows)
+    assert all(list(r) == list(table[0]) for r in table)  # one column set: a TSV
+    by_group = {r["group"]: r for r in table}
+    assert by_group["csa2@distill"]["dppl_pct_lo"] == 4.0 and by_group["csa2@distill"]["kv_bytes"] == ""
+    assert by_group["baseline"]["dppl_pct"] == "" and by_group["csa2"]["kv_compression"] == 1.25
 
 
 def test_mode_a_table_sets_the_skip_against_the_full_prefill():

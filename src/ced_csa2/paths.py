@@ -18,6 +18,9 @@ def timings_path(stage: str) -> Path:
     """``timings/<stage>.json`` (``stage`` as DVC names it, ``@`` kept: ``tune@attn_out``)."""
     return TIMINGS / f"{stage}.json"
 
+# check_params: params.yaml validated, every default filled in
+VALIDATED_PARAMS = DATA / "params.json"
+
 # prepare
 CORPUS_DIR = DATA / "corpus"
 TRAIN_JSONL = CORPUS_DIR / "train.jsonl"
@@ -60,7 +63,8 @@ PPL_METRICS = METRICS / "ppl.json"
 GSM8K_METRICS = METRICS / "gsm8k.json"
 GOLD_PATH = DATA / "gsm8k_gold.json"
 STORAGE_METRICS = METRICS / "storage.json"
-SUMMARY = METRICS / "summary.json"
+SUMMARY = METRICS / "summary.json"  # the DVC metrics (the headline)
+GROUPS_TABLE = METRICS / "groups.tsv"  # every group's numbers with their intervals (a DVC plot)
 
 
 # The seed's recipe read literally (PyTorch's random init, the last epoch's weights), trained by

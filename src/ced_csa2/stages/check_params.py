@@ -6,7 +6,8 @@ Every other stage declares only the keys it reads, so DVC re-runs nothing after 
 that no stage reads -- a misspelt new top-level key, say -- and no stage would ever refuse
 it.  This one declares the whole file: DVC runs it after any edit (about a second), and
 :func:`ced_csa2.entry.run_stage` validates ``params.yaml`` first, so ``dvc repro`` fails with
-one line naming the key.  It writes nothing.
+one line naming the key.  It writes the validated params, every default filled in
+(``data/params.json``): a stage needs an output for DVC's run cache to restore it.
 """
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..config import Params, params_hash
+from ..config import Params, params_hash, to_dict
 from ..entry import run_stage
+from ..io_utils import write_json
+from ..paths import VALIDATED_PARAMS
 
 log = logging.getLogger(__name__)
 
 
 def run(params: Params, workdir: Path = Path(".")) -> str:
-    """Log the digest of the validated params (reading every key, as the whole file is declared)."""
+    """Write the validated params (reading every key, as the whole file is declared); return their digest."""
     digest = params_hash(params)
-    log.info("params.yaml is valid (%s)", digest)
+    write_json(Path(workdir) / VALIDATED_PARAMS, to_dict(params))
+    log.info("params.yaml is valid (%s): %s", digest, VALIDATED_PARAMS)
     return digest
 
 

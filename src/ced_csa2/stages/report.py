@@ -7,8 +7,9 @@ GSM8K exact match with Wilson 95% interval, gold-solution NLL, KV bytes/token an
 compression, each with its protocol line; Mode A against the plain prefill with its
 prefill speed-up; then one row per (group, training objective) of ``train.objectives``
 next to the seed's ``kv_mse`` and ``share_plain``),
-``reports/{ppl_by_group,adapter_cosine,bytes_vs_ppl}.png`` and the headline numbers
-``metrics/summary.json`` (:func:`summary`: numbers only, for ``dvc metrics diff``).  Every
+``reports/{ppl_by_group,adapter_cosine,bytes_vs_ppl}.png``, the headline numbers
+``metrics/summary.json`` (:func:`summary`: the DVC metrics) and every group's numbers with
+their intervals, ``metrics/groups.tsv`` (:func:`groups_table`: a DVC plot).  Every
 figure names its model and data: the embedded default's numbers are SmolLM2-135M on a
 Wikipedia sample, not Qwen3.5-4B results.
 """
@@ -22,8 +23,8 @@ from pathlib import Path
 from ..config import Params
 from ..entry import run_stage
 from ..groups import GROUP_NAMES
-from ..io_utils import atomic_write_text, write_json
-from ..paths import METRICS, OBJECTIVES_EVAL, REPORTS, SEED_INIT, SUMMARY
+from ..io_utils import atomic_write_text, write_json, write_tsv
+from ..paths import GROUPS_TABLE, METRICS, OBJECTIVES_EVAL, REPORTS, SEED_INIT, SUMMARY
 from ..ridge import adapter_map
 
 log = logging.getLogger(__name__)
@@ -200,11 +201,11 @@ def _kept(fit: dict) -> str:
     return ", ".join(str(e) for e in sorted(set(epochs)))
 
 
-SUMMARY_BASIS = "decoder_attention"  # summary.json's KV bytes: bf16, the decoder's attention layers
+SUMMARY_BASIS = "decoder_attention"  # the groups' KV bytes: bf16, the decoder's attention layers
 
 
-def summary(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], groups: list[str]) -> dict:
-    """``metrics/summary.json``: the headline numbers, numbers only, for `dvc metrics diff` / `dvc exp show`.
+def group_rows(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], groups: list[str]) -> dict:
+    """Every scored group's numbers, flat: ``metrics/groups.tsv`` (all of them) and the headline's source.
 
     ``{group: {...}}`` for every runtime group of ``ppl.json``:
 
@@ -239,7 +240,7 @@ def summary(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], gr
             row |= {"kv_bytes": kv[group]["bytes_per_token"], "kv_compression": kv[group]["compression_vs_baseline"]}
         out[group] = row
     for name, o in objectives.items():
-        for group in groups:
+        for group in (g for g in groups if g in o["eval"]["groups"]):  # seed_init scores ced only
             e = o["eval"]["groups"][group]
             out[f"{group}@{name}"] = {"ppl": e["ppl"], **_deltas(e, "dppl_pct", "delta_pct"), **_agreements(e),
                                       "gold_nll": e["gold_nll"]["nll_per_token"],
@@ -253,6 +254,26 @@ def summary(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], gr
             gold = g["gold_nll"]
             out["mode_a"] |= {"gold_nll": gold["nll_per_token"], **_deltas(gold, "dgold_nll", "delta")}
     return out
+
+
+HEADLINE = ("dppl_pct", "kl", "dgold_nll")  # per compressed group; the baseline's own: ppl, gold_nll
+
+
+def summary(rows: dict[str, dict[str, float]]) -> dict:
+    """``metrics/summary.json``, the DVC metrics: a screen of numbers that `dvc metrics diff` compares.
+
+    Of :func:`group_rows`: the baseline's ``ppl`` and ``gold_nll``; for every other runtime group
+    and ``mode_a``, the changes :data:`HEADLINE` (no intervals, no fits, no timings; the
+    ``<group>@<objective>`` rows, intervals, top-1, EM and bytes are in ``metrics/groups.tsv``).
+    """
+    return {group: {k: row[k] for k in (HEADLINE if "dppl_pct" in row else ("ppl", "gold_nll")) if k in row}
+            for group, row in rows.items() if "@" not in group}
+
+
+def groups_table(rows: dict[str, dict[str, float]]) -> list[dict]:
+    """``metrics/groups.tsv``: one row per group of :func:`group_rows`, every column; '' where a group has none."""
+    columns = list(dict.fromkeys(k for row in rows.values() for k in row))
+    return [{"group": group, **{c: row.get(c, "") for c in columns}} for group, row in rows.items()]
 
 
 def _agreements(d: dict) -> dict:
@@ -389,8 +410,10 @@ def run(params: Params, workdir: Path = Path(".")) -> str:
     out = workdir / REPORTS
     plots(out, ppl, adapters, storage)
     atomic_write_text(out / "results.md", text)
-    write_json(workdir / SUMMARY, summary(ppl, gsm, storage, objectives, groups))
-    log.info("wrote %s and %s", out / "results.md", workdir / SUMMARY)
+    rows = group_rows(ppl, gsm, storage, objectives | {SEED_INIT: {"eval": {"groups": evals[SEED_INIT]}}}, groups)
+    write_json(workdir / SUMMARY, summary(rows))
+    write_tsv(workdir / GROUPS_TABLE, groups_table(rows))
+    log.info("wrote %s, %s and %s", out / "results.md", workdir / SUMMARY, workdir / GROUPS_TABLE)
     return text
 
 

@@ -29,13 +29,12 @@ tokens/s, held-out losses) and, for the objectives that train, its curves
 ``metrics/curves/tune/<objective>/<phase>_{loss,val_loss,val_kl}.tsv``: one series per
 file, x = the optimizer step counted across the phases (each phase's steps continue
 after the previous one's); ``loss`` per step, ``val_*`` the held-out values at
-the phase's first and last step.  ``ridge`` writes no curves (and removes stale ones).
+the phase's first and last step.  ``ridge`` trains nothing: its curve dir is empty.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 
@@ -206,10 +205,8 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
     out = workdir / objective_models(objective)
     save_parts(out, objective, parts, params, plan, geo)
     save_parts(out / "ced_csa2", objective, served["ced_csa2"], params, plan, geo)
-    if curves:
-        write_curves(workdir / objective_curves(objective), curves, x="step")
-    else:  # ridge trains nothing: no curve (an empty plot would read as a failed run)
-        shutil.rmtree(workdir / objective_curves(objective), ignore_errors=True)
+    # ridge trains nothing: its (declared) curve dir is left empty, not given a flat line
+    write_curves(workdir / objective_curves(objective), curves, x="step")
     write_json(workdir / objective_metrics(objective) / "train.json", metrics)
     return metrics
 
