@@ -7,6 +7,7 @@ test runs alone; run together, the prepare/dump test goes first, on a fresh copy
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,7 +146,7 @@ def test_curves_one_series_per_file_and_plots_render(repo, reproduced):
     curves = repo / "metrics/curves"
     for directory in {p.parent for p in curves.rglob("*.tsv")}:
         read_curves(directory)  # one series per file, strictly increasing x
-    assert {p.name for p in (curves / "tune").iterdir()} == {"attn_out", "distill", "ridge"}
+    assert {p.name for p in (curves / "tune").iterdir() if p.is_dir()} == {"attn_out", "distill", "ridge"}
     assert not list((curves / "tune" / "ridge").iterdir())  # ridge trains nothing
     for objective in ("attn_out", "distill"):
         tuned = read_curves(curves / "tune" / objective)
@@ -241,6 +242,12 @@ def test_a_key_no_stage_reads_is_still_refused_by_dvc_repro(repo, reproduced):
         path.write_text(before)
 
 
+def preview(repo) -> dict[str, str]:
+    """``{stage: why}`` of ``python -m ced_csa2.estimate --changed`` (its rows between header and total)."""
+    rows = sh(repo, sys.executable, "-m", "ced_csa2.estimate", "--changed").strip().splitlines()[1:-1]
+    return {cells[0]: cells[-1] for cells in (re.split(r"\s{2,}", row.strip()) for row in rows)}
+
+
 def test_an_ablation_reruns_what_reads_it_and_its_revert_restores_from_the_run_cache(repo, reproduced):
     sh(repo, "git", "add", "-A")
     sh(repo, "git", "commit", "-qm", "tiny run")
@@ -250,7 +257,10 @@ def test_an_ablation_reruns_what_reads_it_and_its_revert_restores_from_the_run_c
     original = params.read_text()
     assert "  refine_lr: 0.003\n" in original  # read by train_adapters alone
     params.write_text(original.replace("  refine_lr: 0.003\n", "  refine_lr: 0.03\n"))
+    previewed = preview(repo)  # the cost of the edit before it runs
+    assert previewed["train_adapters"] == "changed: changed deps" and previewed["eval_ppl"].startswith("downstream")
     ran = stages_run(sh(repo, "dvc", "repro"))
+    assert set(previewed) == ran
     assert {"check_params", "train_adapters", "eval_ppl", "eval_gsm8k", "report"} <= ran
     assert not ran & {"prepare", "dump", "ridge", "train_projector", "tune@ridge", "tune@attn_out", "eval_objectives"}
     diff = json.loads(sh(repo, "dvc", "metrics", "diff", "--json"))
@@ -258,6 +268,8 @@ def test_an_ablation_reruns_what_reads_it_and_its_revert_restores_from_the_run_c
     assert "train_adapters.refine_lr" in sh(repo, "dvc", "params", "diff")
 
     params.write_text(original)  # the way back: no stage command runs, every output comes back
+    previewed = preview(repo)
+    assert previewed["check_params"] == previewed["train_adapters"] == "run cache"
     out = sh(repo, "dvc", "repro")
     assert stages_run(out) == set() and "is cached - skipping run" in out
     assert {p: (repo / p).read_bytes() for p in tracked} == tracked

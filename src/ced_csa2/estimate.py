@@ -623,12 +623,80 @@ def report(s: Setup, stages: list[StageEstimate]) -> str:
     return "\n".join(lines)
 
 
+def rerun_plan(workdir: Path) -> list[tuple[str, str]]:
+    """What ``dvc repro`` of ``dvc.yaml`` would do now, stage by stage in pipeline order: ``[(stage, why)]``.
+
+    A stage DVC reports changed (``dvc status``) whose inputs are all in the workspace already
+    is looked up in DVC's run cache: ``"run cache"`` when an earlier run with these inputs is
+    there (restored in seconds, nothing computed), else ``"changed: <what>"``.  Stages downstream
+    of a changed one get ``"downstream of <stage>"``: they re-run unless the run cache also holds
+    the inputs their upstream stages will write (which is only known once those ran).
+    """
+    import networkx as nx
+    from dvc.repo import Repo
+    from dvc.stage.cache import RunCacheNotFoundError
+
+    with Repo(str(workdir)) as repo:
+        graph = repo.index.graph  # an edge points from a stage to a stage it depends on
+        status = repo.status(targets=[str(workdir / "dvc.yaml")])
+        plan = []
+        for stage in reversed(list(nx.topological_sort(graph))):
+            upstream = sorted(d.addressing for d in nx.descendants(graph, stage) if d.addressing in status)
+            if upstream:
+                plan.append((stage.addressing, f"downstream of {', '.join(upstream)}"))
+            elif stage.addressing in status:
+                stage.save_deps()  # the inputs' current hashes (in memory): the run cache's key
+                try:
+                    repo.stage_cache.restore(stage, dry=True)
+                    plan.append((stage.addressing, "run cache"))
+                except RunCacheNotFoundError:
+                    what = sorted({k for change in status[stage.addressing] if isinstance(change, dict) for k in change})
+                    plan.append((stage.addressing, f"changed: {', '.join(what) or 'always'}"))
+    return plan
+
+
+def changed_report(plan: list[tuple[str, str]], estimated: dict[str, float], measured: dict[str, float]) -> str:
+    """The printed ``--changed`` preview: each stage ``dvc repro`` would touch, why, and its minutes.
+
+    ``measured``: wall seconds of the stage's last run here (``timings/<stage>.json``);
+    ``estimated``: :func:`estimate`'s seconds, used where nothing was measured.
+    """
+    if not plan:
+        return "dvc repro: nothing to do (every stage up to date)"
+    lines = [f"{'stage':<22} {'time':>8}  why"]
+    total = 0.0
+    for stage, why in plan:
+        if why == "run cache":
+            text = "seconds"
+        elif stage in measured or stage in estimated:
+            seconds = measured.get(stage, estimated.get(stage))
+            total += seconds
+            text = fmt_seconds(seconds) + ("" if stage in measured else " (est.)")
+        else:
+            text = "-"
+        lines.append(f"{stage:<22} {text:>8}  {why}")
+    lines.append(f"{'total':<22} {fmt_seconds(total):>8}  time: last run here (timings/), else estimated; "
+                 "a downstream stage may still come from the run cache")
+    return "\n".join(lines)
+
+
+def measured_seconds(workdir: Path) -> dict[str, float]:
+    """``{stage: wall seconds}`` of the last run of each stage in ``workdir`` (``timings/``)."""
+    from .paths import TIMINGS
+
+    return {p.stem: json.loads(p.read_text())["wall_s"] for p in sorted((workdir / TIMINGS).glob("*.json"))
+            if "wall_s" in json.loads(p.read_text())}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/ (none: read params.yaml)")
     ap.add_argument("--device", choices=list(RATES), default=None,
                     help="where the model stages run (default: cuda when this machine has it, else cpu)")
     ap.add_argument("--workdir", type=Path, default=Path("."), help="where data/ and metrics/ are (default: here)")
+    ap.add_argument("--changed", action="store_true",
+                    help="preview the edit: the stages `dvc repro` would run now (params.yaml against dvc.lock), "
+                         "why, and their minutes")
     args = ap.parse_args(argv)
     if args.overrides:
         from .compose import compose_or_exit
@@ -638,6 +706,12 @@ def main(argv: list[str] | None = None) -> None:
         params = load_params(args.workdir / "params.yaml")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     s = setup(params, device, args.workdir)
+    if args.changed:
+        if args.overrides:
+            ap.error("--changed previews params.yaml as it is: give no overrides")
+        estimated = {e.stage: e.seconds for e in estimate(s) if e.seconds is not None}
+        print(changed_report(rerun_plan(args.workdir), estimated, measured_seconds(args.workdir)))
+        return
     print(report(s, estimate(s)))
 
 

@@ -16,8 +16,9 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from . import kv_hooks
+from . import distributed, kv_hooks
 from .ced_runtime import CEDModeBRuntime, CEDParts, parts_for
 from .model_utils import decoder_layer
 from .plan import LayerPlan
@@ -41,6 +42,12 @@ def _batches(sequences: Sequence[Sequence[int]], score_from: Sequence[int], batc
             mask[i, :len(r)] = 1
             scored[i, max(1, score_from[start + i]):len(r)] = True
         yield start, ids, mask, scored
+
+
+def _progress(batches: Iterator, sequences: Sequence, batch_size: int, desc: str) -> Iterator:
+    """``batches`` with a progress bar (on the main process only)."""
+    return tqdm(batches, total=-(-len(sequences) // batch_size), desc=desc, unit="batch",
+                disable=not distributed.is_main())
 
 
 def head_logits(model, rows: torch.Tensor) -> torch.Tensor:
@@ -193,7 +200,8 @@ def sequence_nll(model, sequences: Sequence[Sequence[int]], score_from: Sequence
     """
     device = next(model.parameters()).device
     out = torch.zeros(len(sequences), 2, dtype=torch.float64)
-    for start, ids, mask, scored in _batches(sequences, score_from, batch_size, pad_id):
+    for start, ids, mask, scored in _progress(_batches(sequences, score_from, batch_size, pad_id), sequences,
+                                              batch_size, "score"):
         h = final_hidden(model, input_ids=ids.to(device), attention_mask=mask.to(device))
         # position t-1 predicts token t
         score_hidden(model, {"": out}, start, {"": h[:, :-1]}, ids[:, 1:], scored[:, 1:], block_tokens)
@@ -327,7 +335,8 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
         return [decoder_layer(model, i).register_forward_pre_hook(record(i), with_kwargs=True)
                 for i in range(1, (stop or n) + 1)]
 
-    for start, ids, mask, scored in _batches(sequences, score_from, batch_size, pad_id):
+    batches = _batches(sequences, score_from, batch_size, pad_id)
+    for start, ids, mask, scored in _progress(batches, sequences, batch_size, f"score {len(runtimes)} groups"):
         inputs.clear()
         layer_kwargs.clear()
         hidden = {}  # each group's final hidden state (after the final norm), in runtimes' order
