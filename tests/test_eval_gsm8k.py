@@ -108,6 +108,46 @@ def test_gold_pairs_stage_builds_lm_eval_prompts_from_the_tokenizer_alone(tmp_pa
     assert all(tok.decode(ids[:cut]).startswith(f"Question: {exemplar}") and cut < len(ids) for ids, cut in pairs)
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_chat_template_and_multiturn_shape_generation_and_gold_pairs_alike(tmp_path, tiny_model):
+    """eval_gsm8k.apply_chat_template / fewshot_as_multiturn reach lm-eval: each exemplar a turn, the same pairs."""
+    model, tok = tiny_model
+    data = write_problems(tmp_path)
+    params = tiny_params(eval_gsm8k={"num_fewshot": 2, "apply_chat_template": True, "fewshot_as_multiturn": True,
+                                     "groups": ["baseline"], "generate": ["baseline"]})
+    with pytest.raises(ValueError, match=r"apply_chat_template is true, but model .* has no chat template"):
+        gsm8k.check_chat_template(_without_template(tok), params)
+    chat_tok = _with_template(tok)
+    with gsm8k.local_task(data, 2) as manager:
+        pairs = gsm8k.prompt_pairs(chat_tok, manager, params)
+        _, generated = gsm8k.evaluate_lm(scripted_lm(model, chat_tok, _gold), manager, params, "baseline")
+        plain = gsm8k.prompt_pairs(chat_tok, manager, tiny_params(eval_gsm8k={"num_fewshot": 2}))
+    assert generated == pairs and len(pairs) == len(PROBLEMS) and pairs != plain
+    prompt = chat_tok.decode(pairs[0][0][:pairs[0][1]])
+    # two exemplars as user/assistant turns, then the question, then the assistant's turn opens
+    assert prompt.count("<|user|>") == 3 and prompt.count("<|assistant|>") == 3 and prompt.endswith("<|assistant|>")
+    assert PROBLEMS[0]["question"] in prompt.rsplit("<|user|>", 1)[1]
+
+
+def _with_template(tok):
+    import copy
+
+    out = copy.deepcopy(tok)
+    out.chat_template = CHAT_TEMPLATE
+    return out
+
+
+def _without_template(tok):
+    import copy
+
+    out = copy.deepcopy(tok)
+    out.chat_template = None
+    return out
+
+
 def test_gold_nll_without_generation(tmp_path, tiny_model):
     """eval_gsm8k.generate may be empty: gold NLL on the saved pairs, no exact match."""
     model, tok = tiny_model

@@ -394,6 +394,7 @@ RANGE_CASES = [
     ("dump.batch_size", 0, "must be positive"),
     ("train_projector.init", "zeros", "must be one of ('random', 'ridge')"),
     ("train_adapters.input", "k", "must be one of ('kv', 'own')"),
+    ("eval_gsm8k.fewshot_as_multiturn", True, "needs eval_gsm8k.apply_chat_template: true and num_fewshot > 0"),
 ]
 
 

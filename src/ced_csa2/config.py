@@ -546,6 +546,11 @@ class EvalGSM8KConfig(Section):
     # lm-eval generation (EM), of groups; never a low-rank group (it compresses a finished prefill, no cached decoding)
     generate: list[str] = field(default_factory=lambda: [g for g in RUNTIME_GROUPS if g not in LOW_RANK_GROUPS])
     num_fewshot: int = 0
+    # lm-eval's chat formatting: each prompt through the tokenizer's chat template; with
+    # fewshot_as_multiturn each exemplar is its own user/assistant turn (as vLLM's and SGLang's
+    # GSM8K gates run an instruct model)
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool = False
     max_gen_toks: int = 256
     batch_size: int = 16
     device: str = "auto"
@@ -564,6 +569,8 @@ class EvalGSM8KConfig(Section):
                f"support cached generation (its gold NLL is scored through eval_gsm8k.groups)")
         _check_device(self.device, "eval_gsm8k.device")
         _check(0 <= self.num_fewshot <= 8, "eval_gsm8k.num_fewshot", "must be in [0, 8]")
+        _check(not self.fewshot_as_multiturn or (self.apply_chat_template and self.num_fewshot > 0),
+               "eval_gsm8k.fewshot_as_multiturn", "needs eval_gsm8k.apply_chat_template: true and num_fewshot > 0")
         _check_positive(self, "eval_gsm8k", "max_gen_toks", "batch_size")
 
 

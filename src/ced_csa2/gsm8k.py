@@ -253,6 +253,7 @@ def prompt_pairs(tokenizer, task_manager, params: Params) -> list[tuple[list[int
             TemplateLM.__init__(self)  # not HFLM's: that one needs the model
             # What HFLM.tok_encode reads, as HFLM(pretrained=model, tokenizer=tokenizer) sets it.
             self.tokenizer, self.add_bos_token, self.custom_prefix_token_id = tokenizer, None, None
+            self.chat_template_args = {}  # HFLM.apply_chat_template's extra arguments (none)
 
         def generate_until(self, requests, disable_tqdm=False):
             return [""] * len(requests)
@@ -264,8 +265,22 @@ def prompt_pairs(tokenizer, task_manager, params: Params) -> list[tuple[list[int
     return gold_pairs(lm, _simple_evaluate(lm, task_manager, params))
 
 
+def prompt_protocol(params: Params) -> dict:
+    """The settings that shape a GSM8K prompt; gold pairs are built, and checked, for exactly these."""
+    cfg = params.eval_gsm8k
+    return {"num_fewshot": cfg.num_fewshot, "apply_chat_template": cfg.apply_chat_template,
+            "fewshot_as_multiturn": cfg.fewshot_as_multiturn}
+
+
+def check_chat_template(tokenizer, params: Params) -> None:
+    """Refuse ``eval_gsm8k.apply_chat_template`` for a tokenizer that has no chat template (before any work)."""
+    if params.eval_gsm8k.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"eval_gsm8k.apply_chat_template is true, but model {params.model.name}'s tokenizer "
+                         "has no chat template: set it to false (a base model) or use an instruct model")
+
+
 def _simple_evaluate(lm, task_manager, params: Params, gen_kwargs: dict | None = None) -> dict | None:
-    """lm-eval's ``simple_evaluate`` of the local task: ``eval_gsm8k.num_fewshot``, every seed ``seed``, samples logged.
+    """lm-eval's ``simple_evaluate`` of the local task (:func:`prompt_protocol`), every seed ``seed``, samples logged.
 
     ``None`` where ``LOCAL_RANK`` is not 0 (lm-eval reports on one process of a torchrun launch).
     """
@@ -273,7 +288,7 @@ def _simple_evaluate(lm, task_manager, params: Params, gen_kwargs: dict | None =
 
     seed = params.seed
     return simple_evaluate(
-        model=lm, tasks=[TASK], task_manager=task_manager, num_fewshot=params.eval_gsm8k.num_fewshot,
+        model=lm, tasks=[TASK], task_manager=task_manager, **prompt_protocol(params),
         gen_kwargs=gen_kwargs, bootstrap_iters=0, log_samples=True,
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
 
@@ -303,8 +318,8 @@ def count_problems(path: Path) -> int:
 
 def write_gold_pairs(path: Path, params: Params, pairs: list[tuple[list[int], int]]) -> None:
     """Write the gold pairs with the settings they were built for (checked by :func:`load_gold_pairs`)."""
-    write_json(path, {"model": params.model.name, "math_set": params.data.math.label,
-                      "num_fewshot": params.eval_gsm8k.num_fewshot, "pairs": pairs})
+    write_json(path, {"model": params.model.name, "math_set": params.data.math.label, **prompt_protocol(params),
+                      "pairs": pairs})
 
 
 def load_gold_pairs(path: Path, params: Params) -> list[tuple[list[int], int]]:
@@ -312,7 +327,7 @@ def load_gold_pairs(path: Path, params: Params) -> list[tuple[list[int], int]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run `dvc repro gold_pairs` first")
     data = json.loads(path.read_text())
-    want = {"model": params.model.name, "num_fewshot": params.eval_gsm8k.num_fewshot}
+    want = {"model": params.model.name, **prompt_protocol(params)}
     got = {k: data.get(k) for k in want}
     if got != want:
         raise ValueError(f"{path} was written for {got}, but params.yaml has {want}; rerun `dvc repro gold_pairs`")

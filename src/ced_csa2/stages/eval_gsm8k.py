@@ -70,6 +70,7 @@ from ..groups import GROUPS
 from ..gsm8k import (
     FEWSHOT_SOURCE,
     _offline,
+    check_chat_template,
     count_problems,
     evaluate_group,
     evaluate_lm,
@@ -77,6 +78,7 @@ from ..gsm8k import (
     load_gold_pairs,
     local_task,
     mode_a_gold_rows,
+    prompt_protocol,
 )
 from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device
@@ -126,6 +128,7 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     given = parts
     if parts is None and (any(GROUPS[g].uses_maps for g in cfg.groups) or low_rank):
         parts = load_parts(workdir / MODELS, params, plan, geo, device=model.device, low_rank=low_rank)
+    check_chat_template(tok, params)
     lm = DataParallelLM(pretrained=model, tokenizer=tok, batch_size=cfg.batch_size)
     log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d): generation for %s, gold NLL for %s",
              params.data.math.label, n, cfg.num_fewshot, cfg.max_gen_toks, list(cfg.generate), list(cfg.groups))
@@ -169,7 +172,7 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
         "protocol": {
             "model": params.model.name, "math_set": params.data.math.label, "n": n,
             "model_revision": params.model.revision, "math_revision": params.data.math.revision,
-            "num_fewshot": cfg.num_fewshot, "fewshot_source": FEWSHOT_SOURCE if cfg.num_fewshot else None,
+            **prompt_protocol(params), "fewshot_source": FEWSHOT_SOURCE if cfg.num_fewshot else None,
             "max_gen_toks": cfg.max_gen_toks, "generated_groups": list(cfg.generate), "mode_a": cfg.mode_a,
             "dtype": str(model.dtype).removeprefix("torch."),
             "device": str(model.device), "lm_eval": lm_eval_version, "task": "lm-eval gsm8k.yaml on local data",

@@ -36,7 +36,7 @@ from ..checkpoint import expected_meta
 from ..config import Params, require_listed
 from ..entry import run_stage
 from ..groups import GROUPS
-from ..gsm8k import groups_gold_nll, load_gold_pairs
+from ..gsm8k import groups_gold_nll, load_gold_pairs, prompt_protocol
 from ..io_utils import write_json
 from ..model_utils import Geometry, load_model_and_tokenizer, resolve_device
 from ..paths import GOLD_PATH, OBJECTIVES_EVAL, SEED_INIT, SEED_INIT_MODELS, objective_models, projector_path
@@ -113,7 +113,7 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
     metrics = {
         "protocol": protocol(params, model, plan, ids, ppl["baseline"]["tokens"]),
         "gold_protocol": {"math_set": params.data.math.label, "math_revision": params.data.math.revision,
-                          "n": len(pairs), "num_fewshot": params.eval_gsm8k.num_fewshot, "source": str(GOLD_PATH)},
+                          "n": len(pairs), **prompt_protocol(params), "source": str(GOLD_PATH)},
         "objectives": {o: {"groups": {g: {**ppl[scored_as[label(g, o)]], "gold_nll": gold[scored_as[label(g, o)]]}
                                       for g in params.train.eval_groups}} for o in objectives},
         SEED_INIT: {"ced": {**ppl[seed_label], "gold_nll": gold[seed_label]}},

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..config import Params
 from ..entry import run_stage
-from ..gsm8k import _offline, count_problems, local_task, prompt_pairs, write_gold_pairs
+from ..gsm8k import _offline, check_chat_template, count_problems, local_task, prompt_pairs, write_gold_pairs
 from ..model_utils import load_tokenizer
 from ..paths import GOLD_PATH, GSM8K_JSONL
 
@@ -35,8 +35,10 @@ def run(params: Params, workdir: Path = Path(".")) -> list[tuple[list[int], int]
     workdir, num_fewshot = Path(workdir), params.eval_gsm8k.num_fewshot
     data_file = workdir / GSM8K_JSONL
     n = count_problems(data_file)
+    tokenizer = load_tokenizer(params.model)
+    check_chat_template(tokenizer, params)
     with local_task(data_file, num_fewshot) as task_manager:
-        pairs = prompt_pairs(load_tokenizer(params.model), task_manager, params)
+        pairs = prompt_pairs(tokenizer, task_manager, params)
     if len(pairs) != n:
         raise RuntimeError(f"lm-eval built {len(pairs)} prompts for the {n} problems of {data_file}")
     write_gold_pairs(workdir / GOLD_PATH, params, pairs)

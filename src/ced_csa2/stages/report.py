@@ -297,12 +297,20 @@ def _deltas(d: dict, name: str, key: str) -> dict:
     return {name: d[key], f"{name}_lo": lo, f"{name}_hi": hi}
 
 
+def chat_note(gsm_protocol: dict) -> str:
+    """', chat template (exemplars as turns)' when lm-eval formatted the prompts as a chat ('' otherwise)."""
+    if not gsm_protocol.get("apply_chat_template"):
+        return ""
+    return ", chat template" + (" (exemplars as turns)" if gsm_protocol.get("fewshot_as_multiturn") else "")
+
+
 def protocol_line(ppl: dict, gsm: dict) -> str:
     p, g = ppl["protocol"], gsm["protocol"]
     return (f"Model **{p['model']}**, {p['dtype']} on {p['device']}; "
             f"PPL on {p['records']} held-out records of `{p['data']}` ({p['tokens_scored']:,} scored tokens, "
             f"{p['basis']}); GSM8K on **{g.get('label', g.get('math_set'))}** (n = {g['n']}, "
-            f"{g['num_fewshot']}-shot, greedy, ≤ {g['max_gen_toks']} new tokens, lm-eval {g.get('lm_eval')}). "
+            f"{g['num_fewshot']}-shot{chat_note(g)}, greedy, ≤ {g['max_gen_toks']} new tokens, lm-eval "
+            f"{g.get('lm_eval')}). "
             "KV bytes: bf16, per token, on the stated basis (docs/design.md §6).")
 
 
