@@ -12,7 +12,7 @@ of the dump's shards.  One process runs twice, with torch's default threads and 
 ``OMP_NUM_THREADS=1`` as torchrun gives each of its processes: on a busy machine a 2-thread
 process can lose far more to oversubscription than to anything data-parallel, and the
 1-thread column separates the two.  Per stage the three commands go through
-:func:`ced_csa2.timing.paired_seconds`: one untimed run of each (the page cache holds the
+:func:`ced_csa2.pipeline.timing.paired_seconds`: one untimed run of each (the page cache holds the
 stage's inputs and the Python files afterwards), then ``--repeats`` (>= 3) rounds of the
 three, their order rotated each round, per-command median.  Prints a Markdown table of the walls and their ratios
 (with the machine's load average, since other jobs move them) and writes it to
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from ced_csa2.timing import PROTOCOL, paired_seconds  # noqa: E402
+from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["dump", "ridge", "train_projector", "train_adapters", "eval_ppl"]

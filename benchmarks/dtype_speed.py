@@ -8,7 +8,7 @@ this prints, for the decoder forward (SmolLM2-135M, ``batch x seq`` tokens, infe
 and for one projector training step (AdamW on ``hidden -> K|V`` rows, autocast vs none),
 tokens (rows) per second in each dtype and the ratio ``bf16 / fp32`` (> 1: bf16 is faster),
 together with the CPU capabilities :func:`ced_csa2.model_utils.fast_dtype` looks at.
-Each pair through :func:`ced_csa2.timing.paired_seconds` (one untimed warm-up of each
+Each pair through :func:`ced_csa2.pipeline.timing.paired_seconds` (one untimed warm-up of each
 dtype, the two alternated over ``--repeats`` >= 3 rounds, per-arm median).  No bound: the
 two dtypes do the same operations.
 """
@@ -23,7 +23,7 @@ import torch
 
 from ced_csa2.config import load_params
 from ced_csa2.model_utils import load_model_and_tokenizer
-from ced_csa2.timing import PROTOCOL, paired_seconds
+from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds
 
 
 def forward_tok_s(params, batch: int, seq: int, repeats: int) -> dict[str, float]:

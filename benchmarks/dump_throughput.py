@@ -6,7 +6,7 @@
 Both paths see identical padded batches.  "plain" is ``model.model(...)`` (the base
 model without LM head, as the dump runs it) with no hooks; "dump" is the stage's own
 per-batch work: capture hooks, gathering real tokens, conversion to the storage dtype
-and the HDF5 append.  Each batch (a shape) goes through :func:`ced_csa2.timing.paired_seconds`:
+and the HDF5 append.  Each batch (a shape) goes through :func:`ced_csa2.pipeline.timing.paired_seconds`:
 one untimed call of each path, the two alternated over ``--repeats`` (>= 3) rounds, per-path
 median, every reading synchronised with the device; a path's figure is the sum of its
 per-batch medians.  Goal: ratio >= 0.85; no bound above 1 is claimed (the dump path
@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from ced_csa2.config import load_params
-from ced_csa2.h5store import DumpLayout, DumpWriter
+from ced_csa2.data.h5store import DumpLayout, DumpWriter
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
+from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds
 from ced_csa2.plan import load_plan
 from ced_csa2.stages import dump
-from ced_csa2.timing import PROTOCOL, paired_seconds
 
 
 def main() -> None:

@@ -6,7 +6,7 @@
 Writes a synthetic dump with the embedded default's geometry (``h_split`` 576 wide, K/V
 of 4 layers at kv_dim 192: 8,448 bytes per row in float32) through ``DumpWriter`` and
 measures, each the median of ``--repeats`` (>= 3) runs after one untimed run, the
-verified and unverified reads alternated (:func:`ced_csa2.timing.paired_seconds`):
+verified and unverified reads alternated (:func:`ced_csa2.pipeline.timing.paired_seconds`):
 
 * ``crc+finite``: CRC32 and the non-finite check alone, on rows already in memory
   (what the writer adds per GB, and the CPU part of verification);
@@ -32,14 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ced_csa2.timing import median_seconds, paired_seconds
+from ced_csa2.pipeline.timing import median_seconds, paired_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def build(path: Path, rows: int, hidden: int, kv_dim: int, layers: tuple[int, ...]) -> float:
     """Write the dump; returns the seconds spent in ``DumpWriter.append`` + ``finalize``."""
-    from ced_csa2.h5store import DumpLayout, DumpWriter
+    from ced_csa2.data.h5store import DumpLayout, DumpWriter
 
     rng = np.random.default_rng(0)
     w = DumpWriter(path, path.with_suffix(".partial.h5"), DumpLayout(hidden, kv_dim, layers), chunk_kib=512,
@@ -84,12 +84,12 @@ def main() -> None:
 
     import torch
 
-    from ced_csa2 import loader
     from ced_csa2.config import load_params
-    from ced_csa2.h5store import DumpReader, nonfinite_rows
-    from ced_csa2.paths import DUMP_PATH
+    from ced_csa2.data import loader
+    from ced_csa2.data.h5store import DumpReader, nonfinite_rows
+    from ced_csa2.maps.ridge import map_groups
+    from ced_csa2.pipeline.paths import DUMP_PATH
     from ced_csa2.plan import LayerPlan
-    from ced_csa2.ridge import map_groups
     from ced_csa2.stages import ridge as ridge_stage
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))

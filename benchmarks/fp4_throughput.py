@@ -4,11 +4,11 @@
     python benchmarks/fp4_throughput.py --rows 8192 --repeats 5 --dtypes float32
 
 For each input dtype: ``clone`` (one read + one write of the tensor, the memory-bound
-reference), then per format (:class:`~ced_csa2.fp4.NVFP4`, :class:`~ced_csa2.fp4.MXFP4`)
+reference), then per format (:class:`~ced_csa2.kv.fp4.NVFP4`, :class:`~ced_csa2.kv.fp4.MXFP4`)
 ``quantize``, ``dequantize`` (back to the input dtype) and the round trip.  GB/s counts
 the *input tensor's* bytes (``rows · D · itemsize``) per second for every path, so the
 figures compare directly; "ratio" is a path's GB/s over ``clone``'s.  All paths of one
-dtype through :func:`ced_csa2.timing.paired_seconds` (one untimed warm-up of each, the
+dtype through :func:`ced_csa2.pipeline.timing.paired_seconds` (one untimed warm-up of each, the
 paths' order rotated over ``--repeats`` >= 3 rounds, per-path median).  No bound: a
 path may read or write less than ``clone``.  Not part of the tests.
 """
@@ -19,8 +19,8 @@ import argparse
 
 import torch
 
-from ced_csa2.fp4 import MXFP4, NVFP4
-from ced_csa2.timing import paired_seconds
+from ced_csa2.kv.fp4 import MXFP4, NVFP4
+from ced_csa2.pipeline.timing import paired_seconds
 
 
 def main() -> None:

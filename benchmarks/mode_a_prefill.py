@@ -17,11 +17,11 @@ are seeded random ids of the vocabulary.
 
 Each (length, dtype): the two arms that ``eval_ppl`` times (the plain prefill and
 :meth:`~ced_csa2.ced_runtime.CEDModeARuntime.prefill`, both under inference mode) through
-:func:`ced_csa2.timing.paired_seconds` (one untimed warm-up of each, arms alternated,
+:func:`ced_csa2.pipeline.timing.paired_seconds` (one untimed warm-up of each, arms alternated,
 median of ``--repeats``).  ``bound`` = ``n_layers / split``
-(:func:`ced_csa2.perplexity.prefill_bound`: embedding and maps left out, so the reachable
+(:func:`ced_csa2.eval.perplexity.prefill_bound`: embedding and maps left out, so the reachable
 speed-up is lower); a ratio above it is flagged in its row and, once the table is
-complete, stops the run (:class:`~ced_csa2.timing.BoundExceeded`, naming every such row).
+complete, stops the run (:class:`~ced_csa2.pipeline.timing.BoundExceeded`, naming every such row).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ import torch
 from ced_csa2.ced_runtime import CEDModeARuntime, CEDParts, load_parts, plain_prefill
 from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
+from ced_csa2.eval.perplexity import eval_ids, prefill_bound
 from ced_csa2.model_utils import load_model_and_tokenizer
-from ced_csa2.paths import EVAL_JSONL
-from ced_csa2.perplexity import eval_ids, prefill_bound
+from ced_csa2.pipeline.paths import EVAL_JSONL
+from ced_csa2.pipeline.timing import PROTOCOL, BoundExceeded, check_bound, paired_seconds
 from ced_csa2.plan import load_plan
 from ced_csa2.projector import KVProjector
-from ced_csa2.timing import PROTOCOL, BoundExceeded, check_bound, paired_seconds
 
 DEFAULT_PROMPT = 220  # the embedded default's median Mode A prompt, when its eval records are absent
 

@@ -10,7 +10,7 @@ For one batch of ``--batch`` train records cropped to ``--seq-len`` tokens, time
   ``ced``, adapters under ``csa2``): teacher pass, loss, backward, AdamW step;
 
 and prints tokens/s and the step time as a multiple of the plain forward (all five through
-:func:`ced_csa2.timing.paired_seconds`: one untimed warm-up of each, their order rotated
+:func:`ced_csa2.pipeline.timing.paired_seconds`: one untimed warm-up of each, their order rotated
 over ``--repeats`` >= 3 rounds, per-arm median, the device synchronised at each reading).
 No bound is claimed: a step's teacher pass and backward are not a fixed multiple of a forward.
 The maps start at the ridge solution (``models/ridge.pt``); speed does not depend on their values.
@@ -23,12 +23,12 @@ import argparse
 import torch
 
 from ced_csa2.config import load_params
+from ced_csa2.data.records import batches
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
-from ced_csa2.objectives import objective_loss, online_records, ridge_parts
-from ced_csa2.paths import RIDGE_PATH
+from ced_csa2.pipeline.paths import RIDGE_PATH
+from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import load_plan
-from ced_csa2.records import batches
-from ced_csa2.timing import paired_seconds
+from ced_csa2.train.objectives import objective_loss, online_records, ridge_parts
 
 
 def main() -> None:

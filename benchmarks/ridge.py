@@ -1,4 +1,4 @@
-"""Streaming ridge (``ced_csa2.ridge.RidgeAccumulator``) against scikit-learn's in-memory Ridge.
+"""Streaming ridge (``ced_csa2.maps.ridge.RidgeAccumulator``) against scikit-learn's in-memory Ridge.
 
     python benchmarks/ridge.py                              # synthetic dump, SmolLM2-135M widths
     python benchmarks/ridge.py --rows 200000 --hidden 2560 --kv-dim 1024
@@ -9,7 +9,7 @@ that each peak resident memory is honest: (a) streaming over chunk-aligned block
 float64 sufficient statistics, (b) loading all rows as float64 and fitting
 ``sklearn.linear_model.Ridge(alpha=λ, fit_intercept=True)``.  Prints wall time, peak
 RSS above the post-import baseline, their ratios, and the largest coefficient and
-intercept differences.  The two workers go through :func:`ced_csa2.timing.paired_seconds`
+intercept differences.  The two workers go through :func:`ced_csa2.pipeline.timing.paired_seconds`
 (one untimed run of each, ``--repeats`` >= 3 alternated runs, per-kind median of the fit's
 own seconds, the subprocess start-up left out; peak memory of the last run, which repeats).
 No bound: the two do different arithmetic.  Not part of the tests.
@@ -35,7 +35,7 @@ def peak_rss_mb() -> float:
 
 def build_dump(path: Path, rows: int, hidden: int, kv_dim: int, seed: int = 0) -> Path:
     """A dump of ``rows`` tokens (records of 50-512) where K/V are a noisy linear map of ``h_split``."""
-    from ced_csa2.h5store import DumpLayout, DumpWriter
+    from ced_csa2.data.h5store import DumpLayout, DumpWriter
 
     rng = np.random.default_rng(seed)
     A = rng.standard_normal((hidden, 2 * kv_dim)).astype(np.float32) / np.sqrt(hidden)
@@ -61,10 +61,10 @@ def worker(kind: str, dump: Path, x: str, y: list[str], lam: float, block_rows: 
     import torch
     from sklearn.linear_model import Ridge
 
-    from ced_csa2.h5store import DumpReader
-    from ced_csa2.timing import PROTOCOL, paired_seconds
-    from ced_csa2.loader import aligned_block_rows, cat_features, iter_blocks, load_rows
-    from ced_csa2.ridge import RidgeAccumulator
+    from ced_csa2.data.h5store import DumpReader
+    from ced_csa2.data.loader import aligned_block_rows, cat_features, iter_blocks, load_rows
+    from ced_csa2.maps.ridge import RidgeAccumulator
+    from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds
 
     with DumpReader(dump) as r:
         n, widths = r.n_tokens, r.layout.widths()
@@ -116,8 +116,8 @@ def main() -> None:
         worker(args.worker, args.dump, args.x, args.y, args.lam, args.block_rows, args.out)
         return
 
-    from ced_csa2.h5store import DumpReader
-    from ced_csa2.timing import PROTOCOL, paired_seconds
+    from ced_csa2.data.h5store import DumpReader
+    from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -10,12 +10,12 @@
    from the maps) vs the plain model's prefill, on a covering plan built for the active
    model (the source, the targets and one extra projector per remaining attention layer
    above the cut).  Its bound is ``n_layers / split`` (2x for a cut at half depth;
-   :func:`ced_csa2.perplexity.prefill_bound`: embedding and maps left out, so the
+   :func:`ced_csa2.eval.perplexity.prefill_bound`: embedding and maps left out, so the
    reachable speed-up is lower); a speed-up above it stops the run.
 
 Maps: the trained ones from ``models/`` when they match the plan, else random maps
 of the right shapes (speed does not depend on the weights); the output says which.
-Every comparison goes through :func:`ced_csa2.timing.paired_seconds`: per shape one untimed
+Every comparison goes through :func:`ced_csa2.pipeline.timing.paired_seconds`: per shape one untimed
 warm-up of each arm, the arms alternated over ``--repeats`` (>= 3) rounds, per-arm median,
 the device synchronised at each reading (on CUDA the work, not its launch).
 """
@@ -30,14 +30,14 @@ import torch
 from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, load_parts
 from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
-from ced_csa2.groups import GROUPS
+from ced_csa2.data.records import read_records
+from ced_csa2.eval.perplexity import prefill_bound
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
-from ced_csa2.paths import EVAL_JSONL
-from ced_csa2.perplexity import prefill_bound
+from ced_csa2.pipeline.paths import EVAL_JSONL
+from ced_csa2.pipeline.timing import PROTOCOL, check_bound, paired_seconds
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.projector import KVProjector
-from ced_csa2.records import read_records
-from ced_csa2.timing import PROTOCOL, check_bound, paired_seconds
+from ced_csa2.runtime.groups import GROUPS
 
 
 def random_parts(geo, plan: LayerPlan) -> CEDParts:

@@ -6,21 +6,21 @@
 On the model, plan and dtype of ``params.yaml`` (the embedded SmolLM2 by default), for
 each context length ``T`` it prefills ``T`` random tokens into every cache below, then
 times ``--steps`` (>= 3) greedy decode steps of each through
-:func:`ced_csa2.timing.paired_seconds`: one untimed step of each cache, then rounds of one
+:func:`ced_csa2.pipeline.timing.paired_seconds`: one untimed step of each cache, then rounds of one
 step per cache, their order rotated each round, per-cache median (each step enters and
 leaves its cache's hooks: microseconds against a step).  Caches:
 
 * ``baseline / dynamic`` -- the plain model with transformers' ``DynamicCache``: the reference;
 * ``{group} / dynamic`` -- Mode B (:class:`~ced_csa2.ced_runtime.CEDModeBRuntime`) with a
   ``DynamicCache``: the same outputs as the shared store, every layer storing its own K/V;
-* ``{group} / shared-{storage}`` -- :class:`~ced_csa2.shared_kv.SharedKVCache`: the
+* ``{group} / shared-{storage}`` -- :class:`~ced_csa2.runtime.shared_kv.SharedKVCache`: the
   source's pre-norm K/V stored once, every target's K/V recomputed from it at each step;
-* ``baseline / fp4-{format}`` -- :class:`~ced_csa2.shared_kv.FP4KVCache`: every layer's
+* ``baseline / fp4-{format}`` -- :class:`~ced_csa2.runtime.shared_kv.FP4KVCache`: every layer's
   K/V in FP4, no sharing (the cost of FP4 alone).
 
 Columns: ms per decode step and its ratio to the reference; the K/V bytes the cache
-actually holds after the run (:func:`~ced_csa2.shared_kv.kv_held_bytes`), their ratio to
-the :mod:`ced_csa2.kv_bytes` accounting (``all_attention`` basis, ``T + steps`` cached
+actually holds after the run (:func:`~ced_csa2.runtime.shared_kv.kv_held_bytes`), their ratio to
+the :mod:`ced_csa2.kv.kv_bytes` accounting (``all_attention`` basis, ``T + steps`` cached
 positions) and to the reference's bytes.  Maps: the trained ones in ``--models-dir`` when
 ``projector_k{s}v{s}.pt`` and ``adapters.pt`` are there, else random maps of the trained
 shapes (the timing depends on shapes only); the first line says which.  Not part of the
@@ -39,12 +39,19 @@ from transformers import DynamicCache
 from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_parts
 from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
-from ced_csa2.kv_bytes import bytes_per_token
+from ced_csa2.kv.kv_bytes import bytes_per_token
 from ced_csa2.model_utils import geometry, load_model_and_tokenizer
+from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import LayerPlan
 from ced_csa2.projector import KVProjector
-from ced_csa2.shared_kv import SHARED_GROUPS, STORAGES, FP4KVCache, SharedKVCache, accounted_copies, kv_held_bytes
-from ced_csa2.timing import paired_seconds
+from ced_csa2.runtime.shared_kv import (
+    SHARED_GROUPS,
+    STORAGES,
+    FP4KVCache,
+    SharedKVCache,
+    accounted_copies,
+    kv_held_bytes,
+)
 
 
 def maps(models_dir: Path, plan: LayerPlan, geo, params, model) -> tuple[CEDParts, str]:

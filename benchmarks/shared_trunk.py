@@ -3,10 +3,10 @@
     OMP_NUM_THREADS=1 python benchmarks/shared_trunk.py                 # tiny Qwen3.5, then SmolLM2
     python benchmarks/shared_trunk.py --models tiny --records 32 --repeats 3
 
-Times scoring every group of :data:`ced_csa2.groups.GROUP_NAMES` teacher-forced on the
-same records, (a) one :func:`~ced_csa2.scoring.sequence_nll` pass per group under its
+Times scoring every group of :data:`ced_csa2.runtime.groups.GROUP_NAMES` teacher-forced on the
+same records, (a) one :func:`~ced_csa2.eval.scoring.sequence_nll` pass per group under its
 :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (what ``eval_ppl`` did), (b) one
-:func:`~ced_csa2.scoring.multi_group_nll` call (the layers below each group's first
+:func:`~ced_csa2.eval.scoring.multi_group_nll` call (the layers below each group's first
 changed layer run once per batch), and prints ``shared / separate`` (goal <= 0.65) and
 whether every group's per-record NLL sums are bit-identical.  Its bound is the ratio of
 decoder-layer runs per batch (``layer_runs_ratio``: the shared trunk's layers once plus
@@ -19,7 +19,7 @@ plan 16/20/24,28,32; synthetic records, ``data=tiny``); ``smollm2`` -- the embed
 (``params.yaml`` as committed: SmolLM2-135M, plan 15/18/22,26,30, eval records of
 ``data/corpus/eval.jsonl``, or the same held-out Wikipedia records built from the
 pinned gensim sample when that file is absent).  Maps are random (speed does not depend on
-the weights).  Timing: :func:`ced_csa2.timing.paired_seconds` (one untimed warm-up of
+the weights).  Timing: :func:`ced_csa2.pipeline.timing.paired_seconds` (one untimed warm-up of
 each, the two alternated over ``--repeats`` >= 3 rounds, per-arm median).
 """
 
@@ -35,13 +35,13 @@ from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts
 from ced_csa2.compose import compose
 from ced_csa2.config import Params, from_dict
 from ced_csa2.csa2 import CSA2Adapters
-from ced_csa2.groups import GROUP_NAMES
+from ced_csa2.data.records import read_records
+from ced_csa2.eval.scoring import branch_point, multi_group_nll, sequence_nll
 from ced_csa2.model_utils import load_model_and_tokenizer
-from ced_csa2.paths import EVAL_JSONL
+from ced_csa2.pipeline.paths import EVAL_JSONL
+from ced_csa2.pipeline.timing import check_bound, paired_seconds
 from ced_csa2.plan import load_plan
-from ced_csa2.records import read_records
-from ced_csa2.scoring import branch_point, multi_group_nll, sequence_nll
-from ced_csa2.timing import check_bound, paired_seconds
+from ced_csa2.runtime.groups import GROUP_NAMES
 
 PROFILES = {"tiny": ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5"], "smollm2": []}
 

@@ -4,13 +4,13 @@
     python benchmarks/train_throughput.py --records 64 --epochs 16
 
 Three runs train the stage's own projector (same heads, optimizer, schedule, autocast
-and batch size, via :func:`ced_csa2.training.train_epoch`) on the train rows of the
+and batch size, via :func:`ced_csa2.train.training.train_epoch`) on the train rows of the
 first ``--records`` records: from tensors loaded up front (``TensorBatches``, the
 baseline), and with ``BlockLoader`` streaming every epoch from the dump
 (``preload_bytes=0``) and with its default (rows read once on the first epoch, then
 gathered from memory).  The three advance one epoch each in turn: the first epoch of each
 (its warm-up; the preloading loader's read) timed once, then the rest through
-:func:`ced_csa2.timing.paired_seconds` (``warmup=False``: the first epoch was it; order
+:func:`ced_csa2.pipeline.timing.paired_seconds` (``warmup=False``: the first epoch was it; order
 rotated every round, per-run median).  Reported: total seconds including loading and the
 first epoch, the median epoch after the first, and each loader's overhead over the
 baseline on both.  Goal: overhead <= 20%.  ``--epochs`` >= 4 (a median of >= 3).
@@ -26,13 +26,13 @@ import numpy as np
 import torch
 
 from ced_csa2.config import load_params
-from ced_csa2.h5store import DumpReader
-from ced_csa2.loader import BlockLoader, load_rows, record_split
+from ced_csa2.data.h5store import DumpReader
+from ced_csa2.data.loader import BlockLoader, load_rows, record_split
 from ced_csa2.model_utils import resolve_device
+from ced_csa2.pipeline.timing import Clock, paired_seconds
 from ced_csa2.plan import LayerPlan
-from ced_csa2.projector_training import build_projectors, heads_for
-from ced_csa2.timing import Clock, paired_seconds
-from ced_csa2.training import TensorBatches, train_epoch
+from ced_csa2.train.projector_training import build_projectors, heads_for
+from ced_csa2.train.training import TensorBatches, train_epoch
 
 DUMP = "data/dump/dump.h5"
 

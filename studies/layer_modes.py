@@ -4,9 +4,9 @@
 
 A training-free ablation (issue 15; seed 002, seed 003 §4.3/§4.7; docs/design.md §7): every
 attention layer above the cut reads its last ``window`` positions plus ``k`` selected
-entries (:mod:`ced_csa2.sparse_attention`), each group assigning the layers' modes as
+entries (:mod:`ced_csa2.runtime.sparse_attention`), each group assigning the layers' modes as
 V4.1's ``kv_source_layer_ids`` / ``index_source_layer_ids`` do
-(:class:`ced_csa2.layer_modes.LayerModes`, validated before the model loads).  The KV comes
+(:class:`ced_csa2.runtime.layer_modes.LayerModes`, validated before the model loads).  The KV comes
 from the maps the pipeline trained (``models/``: ``csa2``'s adapters give the targets
 ``adapter(KV_source)``); nothing is trained here.
 
@@ -20,7 +20,7 @@ file order, joined with blank lines and cut into consecutive ``context``-token s
 Per group and ``k``: corpus-level PPL, ΔPPL % against ``baseline`` (dense, unchanged
 model) with a paired bootstrap 95% CI over sequences, mean per-token KL(baseline ‖ group)
 and top-1 agreement (the same scoring as ``eval_ppl``,
-:func:`ced_csa2.scoring.multi_group_nll`); entries read and entries the indexers scored
+:func:`ced_csa2.eval.scoring.multi_group_nll`); entries read and entries the indexers scored
 per token (summed over the sparse layers, averaged over every position of a sequence)
 next to the KV bytes stored per token; the share of entries consecutive sparse layers both
 select (IndexCache's question) against its chance level; and, under HSI, the share of a
@@ -46,17 +46,17 @@ import yaml
 
 from ced_csa2.ced_runtime import CEDModeBRuntime, load_parts
 from ced_csa2.config import Params, from_dict, load_params
-from ced_csa2.io_utils import write_json
-from ced_csa2.kv_bytes import bytes_per_token, dense_entry_bytes, kv_copies
-from ced_csa2.layer_modes import LayerModes, sparse_layers
+from ced_csa2.data.records import read_records
+from ced_csa2.eval.perplexity import agreement
+from ced_csa2.eval.scoring import multi_group_nll
+from ced_csa2.eval.stats import paired_deltas
+from ced_csa2.kv.kv_bytes import bytes_per_token, dense_entry_bytes, kv_copies
 from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
-from ced_csa2.paths import EVAL_JSONL, MODELS
-from ced_csa2.perplexity import agreement
+from ced_csa2.pipeline.io_utils import write_json
+from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
 from ced_csa2.plan import LayerPlan, load_plan
-from ced_csa2.records import read_records
-from ced_csa2.scoring import multi_group_nll
-from ced_csa2.sparse_attention import HSI, SelectionStats, SparseAttention, SparseGroup, SparseReads
-from ced_csa2.stats import paired_deltas
+from ced_csa2.runtime.layer_modes import LayerModes, sparse_layers
+from ced_csa2.runtime.sparse_attention import HSI, SelectionStats, SparseAttention, SparseGroup, SparseReads
 
 STUDY_PARAMS = Path("studies/layer_modes.yaml")
 OUT = Path("studies/layer_modes")
@@ -94,7 +94,7 @@ def load_study(path: Path = STUDY_PARAMS) -> Study:
 
 
 def group_modes(study: Study, plan: LayerPlan, geo: Geometry) -> dict[str, LayerModes]:
-    """Every group's validated modes (a :class:`~ced_csa2.layer_modes.ModeError` names the layer)."""
+    """Every group's validated modes (a :class:`~ced_csa2.runtime.layer_modes.ModeError` names the layer)."""
     return {name: LayerModes.build(plan, geo, spec.kv, spec.index_source_layer_ids)
             for name, spec in study.groups.items()}
 
@@ -114,7 +114,7 @@ def _ppl(v: np.ndarray) -> dict:
 
 
 def stored_bytes(geo: Geometry, plan: LayerPlan, kv: str) -> dict:
-    """KV bytes stored per token in bf16 (:mod:`ced_csa2.kv_bytes`), on both bases."""
+    """KV bytes stored per token in bf16 (:mod:`ced_csa2.kv.kv_bytes`), on both bases."""
     return {basis: bytes_per_token(kv_copies(geo, plan, kv, basis, BF16))
             for basis in ("decoder_attention", "all_attention")}
 

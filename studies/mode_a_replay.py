@@ -33,14 +33,14 @@ from pathlib import Path
 
 from ced_csa2.ced_runtime import CEDModeARuntime, load_parts
 from ced_csa2.config import load_params
-from ced_csa2.io_utils import write_tsv
-from ced_csa2.gsm8k import _offline, groups_gold_nll, load_gold_pairs, mode_a_gold_rows
+from ced_csa2.eval.gsm8k import _offline, groups_gold_nll, load_gold_pairs, mode_a_gold_rows
+from ced_csa2.eval.perplexity import eval_ids, mode_a_prefix
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
-from ced_csa2.objectives import ridge_parts
-from ced_csa2.paths import GOLD_PATH, MODE_A_MODELS, RIDGE_PATH
-from ced_csa2.perplexity import eval_ids, mode_a_prefix
+from ced_csa2.pipeline.io_utils import write_tsv
+from ced_csa2.pipeline.paths import GOLD_PATH, MODE_A_MODELS, RIDGE_PATH
 from ced_csa2.plan import load_plan
-from ced_csa2.projector_training import ridge_projectors
+from ced_csa2.train.objectives import ridge_parts
+from ced_csa2.train.projector_training import ridge_projectors
 
 OUT = Path("studies/mode_a_replay")
 REPLAYS = (0, 16, 64, 128)
@@ -92,7 +92,7 @@ def main() -> None:
     maps = {"ridge": ridge,
             "trained": load_parts(MODE_A_MODELS, params, plan, geo, also={"objective": "mode_a"})}
     _offline()
-    from ced_csa2.mode_a_lm import ModeALM  # imports lm-eval: after _offline()
+    from ced_csa2.eval.mode_a_lm import ModeALM  # imports lm-eval: after _offline()
 
     rows, gold_rows = [], {}
     for name, parts in maps.items():

@@ -32,15 +32,15 @@ from pathlib import Path
 
 from ced_csa2.ced_runtime import CEDParts
 from ced_csa2.config import load_params
-from ced_csa2.io_utils import write_tsv
+from ced_csa2.eval.perplexity import eval_ids
+from ced_csa2.eval.scoring import multi_group_nll
+from ced_csa2.eval.stats import paired_bootstrap
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
-from ced_csa2.paths import DUMP_PATH, RIDGE_PATH
-from ced_csa2.perplexity import eval_ids
+from ced_csa2.pipeline.io_utils import write_tsv
+from ced_csa2.pipeline.paths import DUMP_PATH, RIDGE_PATH
 from ced_csa2.plan import load_plan
-from ced_csa2.projector_training import ridge_fitted, train_projectors
-from ced_csa2.scoring import multi_group_nll
-from ced_csa2.stats import paired_bootstrap
-from ced_csa2.training import split_masks
+from ced_csa2.train.projector_training import ridge_fitted, train_projectors
+from ced_csa2.train.training import split_masks
 
 OUT = Path("studies/projector_recipe")
 BATCH_SIZES = {"random": (4096, 2048, 1024, 512, 256, 128, 64),

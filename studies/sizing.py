@@ -9,7 +9,7 @@
 2. **Half-width of the ΔPPL 95% CI against eval tokens.**  With the maps fitted on all
    train rows, every Mode B group's per-record NLL on the eval records; for the first ``n``
    records of a seeded order, the paired bootstrap interval of ΔPPL % vs baseline
-   (:func:`ced_csa2.stats.paired_bootstrap`).  How many eval tokens a ΔPPL needs to be
+   (:func:`ced_csa2.eval.stats.paired_bootstrap`).  How many eval tokens a ΔPPL needs to be
    told apart from its neighbours.
 
 Writes ``studies/sizing/{ridge_r2_vs_rows,dppl_ci_vs_eval_tokens}.tsv`` (declared as plots
@@ -31,17 +31,17 @@ import torch
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.config import load_params
-from ced_csa2.groups import GROUP_NAMES
-from ced_csa2.h5store import DumpReader
-from ced_csa2.loader import aligned_block_rows, record_split, row_mask
+from ced_csa2.data.h5store import DumpReader
+from ced_csa2.data.loader import aligned_block_rows, record_split, row_mask
+from ced_csa2.data.records import read_records, tokenize
+from ced_csa2.eval.scoring import sequence_nll
+from ced_csa2.eval.stats import paired_bootstrap
+from ced_csa2.maps.ridge import evaluate_maps, fit_maps, map_groups, save_ridge
 from ced_csa2.model_utils import load_model_and_tokenizer
-from ced_csa2.objectives import ridge_parts
-from ced_csa2.paths import DUMP_PATH, EVAL_JSONL
+from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL
 from ced_csa2.plan import load_plan
-from ced_csa2.records import read_records, tokenize
-from ced_csa2.ridge import evaluate_maps, fit_maps, map_groups, save_ridge
-from ced_csa2.scoring import sequence_nll
-from ced_csa2.stats import paired_bootstrap
+from ced_csa2.runtime.groups import GROUP_NAMES
+from ced_csa2.train.objectives import ridge_parts
 
 OUT = Path(__file__).resolve().parent / "sizing"
 log = logging.getLogger("sizing")

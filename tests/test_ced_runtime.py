@@ -9,12 +9,12 @@ from torch import nn
 from ced_csa2 import kv_hooks
 from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_from, plain_prefill
 from ced_csa2.csa2 import CSA2Adapters
-from ced_csa2.groups import GROUP_NAMES as GROUPS
+from ced_csa2.eval.perplexity import prefill_bound
+from ced_csa2.maps.xkv import XKVBasis
 from ced_csa2.model_utils import attention, geometry
-from ced_csa2.perplexity import prefill_bound
 from ced_csa2.plan import LayerPlan, PlanError
 from ced_csa2.projector import KVProjector
-from ced_csa2.xkv import XKVBasis
+from ced_csa2.runtime.groups import GROUP_NAMES as GROUPS
 
 QWEN_PLAN = LayerPlan(16, 20, (24, 28, 32))
 # Tiny Gemma-3 (window 6; full at 3, 6): a full source read by sliding (5, 8) and full (6) targets,
@@ -143,7 +143,7 @@ def test_share_plain_targets_read_the_source_kv_verbatim(tiny_model):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fp4_groups_store_the_fp4_rounded_source(tiny_model, fmt):
-    from ced_csa2.fp4 import FORMATS
+    from ced_csa2.kv.fp4 import FORMATS
 
     model, _ = tiny_model
     parts = random_parts(geometry(model.config), QWEN_PLAN)

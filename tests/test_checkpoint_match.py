@@ -6,9 +6,10 @@ import pytest
 import torch
 from conftest import tiny_params
 
-from ced_csa2 import csa2, paths, projector
+from ced_csa2 import csa2, projector
 from ced_csa2.ced_runtime import load_parts
-from ced_csa2.checkpoint import CheckpointError, checkpoint_meta
+from ced_csa2.pipeline import paths
+from ced_csa2.pipeline.checkpoint import CheckpointError, checkpoint_meta
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.stages import eval_gsm8k, eval_objectives, eval_ppl, gold_pairs
 

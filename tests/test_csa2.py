@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ced_csa2.checkpoint import CheckpointError
 from ced_csa2.csa2 import CSA2Adapters, KVAdapter, ResidualMLP, load_adapters, mlp_width, save_adapters
+from ced_csa2.pipeline.checkpoint import CheckpointError
 
 META = {"source": 20, "split": 16, "plan": {"split": 16, "source": 20, "targets": [24, 28, 32]},
         "model": "qwen3_5_4b", "model_id": "Qwen/Qwen3.5-4B", "hidden_size": 64, "params_hash": "0123456789abcdef"}

@@ -11,7 +11,7 @@ import yaml
 from ced_csa2.compose import compose
 from ced_csa2.config import Params, from_dict
 from ced_csa2.model_utils import resolve_dtype
-from ced_csa2.training import amp_context, compute_dtype_name
+from ced_csa2.train.training import amp_context, compute_dtype_name
 
 CPU = torch.device("cpu")
 

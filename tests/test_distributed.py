@@ -62,7 +62,7 @@ def repo(tmp_path_factory):
 def output(repo: Path, name: str) -> Path:
     """The file of stage ``name`` that the downstream stages here read."""
     from ced_csa2.config import load_params
-    from ced_csa2.paths import ADAPTERS_PATH, DUMP_PATH, RIDGE_PATH, projector_path
+    from ced_csa2.pipeline.paths import ADAPTERS_PATH, DUMP_PATH, RIDGE_PATH, projector_path
 
     return repo / {"dump": DUMP_PATH, "ridge": RIDGE_PATH, "train_adapters": ADAPTERS_PATH,
                    "train_projector": projector_path(load_params(repo / "params1.yaml").plan.source)}[name]
@@ -99,12 +99,12 @@ def test_sharded_dump_holds_exactly_the_single_process_rows(repo):
 
 def ridge_float64(workdir: Path, out: Path) -> None:
     """The float64 ridge solutions of the plan's maps on the train records, in as many processes as torchrun started."""
-    from ced_csa2 import distributed
     from ced_csa2.config import DistributedConfig, load_params
-    from ced_csa2.h5store import DumpReader
-    from ced_csa2.loader import aligned_block_rows, record_split, row_mask
+    from ced_csa2.data.h5store import DumpReader
+    from ced_csa2.data.loader import aligned_block_rows, record_split, row_mask
+    from ced_csa2.maps.ridge import accumulate, map_groups
+    from ced_csa2.pipeline import distributed
     from ced_csa2.plan import LayerPlan
-    from ced_csa2.ridge import accumulate, map_groups
 
     params = load_params(workdir / "params.yaml")
     with distributed.session(DistributedConfig(nproc=distributed.launched_world())):
@@ -211,8 +211,9 @@ GENERATE_BAR = re.compile(r"Running generate_until requests: 100%\|[^|\n]*\| (\d
 
 def save_random_maps(workdir: Path, params) -> None:
     """Random maps of the plan (projector, extra projectors, adapters), saved as the stages save them."""
-    from ced_csa2 import csa2, paths, projector
-    from ced_csa2.checkpoint import checkpoint_meta
+    from ced_csa2 import csa2, projector
+    from ced_csa2.pipeline import paths
+    from ced_csa2.pipeline.checkpoint import checkpoint_meta
     from ced_csa2.plan import load_plan
 
     plan, geo = load_plan(params.plan, params.model)
@@ -259,7 +260,7 @@ def test_distributed_gsm8k_is_single_process_gsm8k(tmp_path):
     from conftest import compose
 
     from ced_csa2.config import load_params
-    from ced_csa2.paths import GSM8K_METRICS
+    from ced_csa2.pipeline.paths import GSM8K_METRICS
     from ced_csa2.stages import eval_gsm8k, gold_pairs, prepare
 
     for n in (1, 2):
@@ -293,7 +294,7 @@ def test_two_process_dump_killed_midway_resumes_to_the_uninterrupted_file(repo, 
     """
     from test_faults import committed, dump_contents, wait_until
 
-    from ced_csa2.paths import DUMP_PATH
+    from ced_csa2.pipeline.paths import DUMP_PATH
 
     ref, work = tmp_path / "ref", tmp_path / "work"
     for folder in (ref, work):
@@ -346,9 +347,9 @@ def test_device_map_auto_keeps_dump_rows_and_logits(tmp_path, tiny_model):
     from test_ced_runtime import random_parts
 
     from ced_csa2.ced_runtime import CEDModeBRuntime
+    from ced_csa2.data.records import pad_batch
     from ced_csa2.model_utils import dispatch_auto, geometry, load_model_and_tokenizer
     from ced_csa2.plan import LayerPlan
-    from ced_csa2.records import pad_batch
     from ced_csa2.stages.dump import forward_batch
 
     params = tiny_params()
@@ -381,7 +382,7 @@ def test_device_map_auto_keeps_dump_rows_and_logits(tmp_path, tiny_model):
 
 
 def test_contiguous_shards_cover_every_item_once_in_order():
-    from ced_csa2.distributed import bounds
+    from ced_csa2.pipeline.distributed import bounds
 
     for n in (0, 1, 5, 17):
         for world in (1, 2, 3):
@@ -391,8 +392,8 @@ def test_contiguous_shards_cover_every_item_once_in_order():
 
 
 def test_nproc_must_match_the_processes_started(monkeypatch):
-    from ced_csa2 import distributed
     from ced_csa2.config import DistributedConfig
+    from ced_csa2.pipeline import distributed
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="'distributed.nproc' is 2 but this stage runs in 1 process"):

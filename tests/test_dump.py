@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import tiny_params
 
-from ced_csa2 import paths
-from ced_csa2.h5store import DumpError, DumpReader
+from ced_csa2.data.h5store import DumpError, DumpReader
 from ced_csa2.model_utils import load_model_and_tokenizer
+from ced_csa2.pipeline import paths
 from ced_csa2.stages import dump
 
 TEXTS = [f"Record {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][: 1 + i % 4] * (3 + i)) for i in range(11)]

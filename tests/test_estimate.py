@@ -10,9 +10,10 @@ import pytest
 import yaml
 from conftest import compose, tiny_params
 
-from ced_csa2 import estimate, paths
+from ced_csa2 import estimate
 from ced_csa2.config import Params, from_dict, load_params, to_dict
-from ced_csa2.h5store import DumpReader
+from ced_csa2.data.h5store import DumpReader
+from ced_csa2.pipeline import paths
 from ced_csa2.stages import dump, prepare
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,9 +9,10 @@ import torch
 from conftest import tiny_params
 from test_ced_runtime import random_parts
 
-from ced_csa2 import gsm8k, paths
 from ced_csa2.ced_runtime import CEDModeARuntime
+from ced_csa2.eval import gsm8k
 from ced_csa2.model_utils import geometry
+from ced_csa2.pipeline import paths
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.stages import eval_gsm8k, gold_pairs, prepare
 

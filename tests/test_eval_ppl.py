@@ -10,9 +10,9 @@ from conftest import tiny_params
 from test_ced_runtime import random_parts
 from test_dump import TEXTS as ALL_TEXTS
 
-from ced_csa2 import entry, paths
 from ced_csa2.config import PlanConfig
 from ced_csa2.model_utils import geometry
+from ced_csa2.pipeline import entry, paths
 from ced_csa2.plan import LayerPlan
 from ced_csa2.stages import eval_ppl
 

@@ -50,14 +50,15 @@ import pytest
 import yaml
 from conftest import AMP_OVERRIDES, TINY_OVERRIDES, compose, project_copy, tiny_params
 
-from ced_csa2 import assets, io_utils
+from ced_csa2 import assets
 from ced_csa2.assets import AssetError, fetch_member
-from ced_csa2.checkpoint import CheckpointError
 from ced_csa2.config import DEVICE_KEYS, ParamsError, WheelPin, load_params
-from ced_csa2.entry import DEBUG_ENV, error_line, run_stage
-from ced_csa2.h5store import BlockCrc, DumpError, DumpLayout, DumpReader, DumpWriter
-from ced_csa2.io_utils import atomic_write_bytes, atomic_write_text, nonfinite_keys, write_json
-from ced_csa2.paths import (
+from ced_csa2.data.h5store import BlockCrc, DumpError, DumpLayout, DumpReader, DumpWriter
+from ced_csa2.pipeline import io_utils
+from ced_csa2.pipeline.checkpoint import CheckpointError
+from ced_csa2.pipeline.entry import DEBUG_ENV, error_line, run_stage
+from ced_csa2.pipeline.io_utils import atomic_write_bytes, atomic_write_text, nonfinite_keys, write_json
+from ced_csa2.pipeline.paths import (
     ADAPTERS_METRICS,
     ADAPTERS_PATH,
     DUMP_METRICS,
@@ -856,7 +857,7 @@ def test_dump_fault_is_one_line_exit_2_and_loses_nothing(dumped_workdir, tmp_pat
 
 FUZZ = r"""
 import sys, shutil, numpy as np
-from ced_csa2.h5store import DumpError, DumpReader
+from ced_csa2.data.h5store import DumpError, DumpReader
 good_path, offsets = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
 def contents(path):
     with DumpReader(path) as r:

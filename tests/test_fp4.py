@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from ced_csa2 import fp4
-from ced_csa2.fp4 import (
+from ced_csa2.kv import fp4
+from ced_csa2.kv.fp4 import (
     MXFP4,
     NVFP4,
     Packed,
@@ -18,7 +18,7 @@ from ced_csa2.fp4 import (
     pack_nibbles,
     unpack_nibbles,
 )
-from ced_csa2.kv_bytes import fp4_entry_bytes
+from ced_csa2.kv.kv_bytes import fp4_entry_bytes
 
 MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

@@ -15,8 +15,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 STAGES_DIR = SRC / "ced_csa2" / "stages"
-# Python runs both package __init__ files before any stage module.
-PACKAGE_INITS = {"src/ced_csa2/__init__.py", "src/ced_csa2/stages/__init__.py"}
+# The public modules (the seed's entry points, the typed config, the CLIs); the rest lives in
+# one subpackage per concern.
+TOP_LEVEL = {"__init__", "assets", "ced_runtime", "compose", "config", "csa2", "diff", "estimate", "kv_hooks",
+             "model_utils", "plan", "projector"}
 
 
 def module_file(module: str) -> Path:
@@ -56,7 +58,9 @@ def import_closure(*modules: str) -> set[str]:
         if m not in seen:
             seen.add(m)
             todo += project_imports(m)
-    return {module_file(m).relative_to(ROOT).as_posix() for m in seen} | PACKAGE_INITS
+    # Python runs every enclosing package's __init__ before a module (stages/__init__ before a stage).
+    packages = {".".join(m.split(".")[:i]) for m in seen for i in range(1, m.count(".") + 1)}
+    return {module_file(m).relative_to(ROOT).as_posix() for m in seen | packages}
 
 
 def stage_templates() -> dict[str, dict]:
@@ -101,10 +105,26 @@ def test_study_code_deps_are_exactly_the_import_closure():
                                      f"remove {sorted(declared - closure)}")
 
 
+def library_modules() -> dict[str, Path]:
+    """``{module: file}`` of every library module (the stages excluded)."""
+    out = {}
+    for path in (SRC / "ced_csa2").rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        if "stages" not in parts:
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
 def test_library_never_imports_a_stage():
-    for path in (SRC / "ced_csa2").glob("*.py"):
-        module = f"ced_csa2.{path.stem}" if path.stem != "__init__" else "ced_csa2"
+    for module, path in library_modules().items():
         assert not {m for m in project_imports(module) if m.startswith("ced_csa2.stages")}, path
+
+
+def test_only_the_public_modules_are_at_the_top_and_subpackage_inits_import_nothing():
+    assert {p.stem for p in (SRC / "ced_csa2").glob("*.py")} == TOP_LEVEL
+    for init in (SRC / "ced_csa2").glob("*/__init__.py"):
+        tree = ast.parse(init.read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], init
 
 
 

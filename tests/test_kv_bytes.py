@@ -2,8 +2,8 @@
 
 import pytest
 
-from ced_csa2 import kv_bytes as kb
 from ced_csa2.csa2 import CSA2Adapters
+from ced_csa2.kv import kv_bytes as kb
 from ced_csa2.model_utils import Geometry, attention
 from ced_csa2.plan import LayerPlan
 from ced_csa2.projector import KVProjector

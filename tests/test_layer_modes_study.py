@@ -7,9 +7,9 @@ import pytest
 from conftest import ROOT, tiny_params
 from test_ced_runtime import random_parts
 
-from ced_csa2.layer_modes import ModeError
 from ced_csa2.model_utils import geometry
-from ced_csa2.sparse_attention import HSI
+from ced_csa2.runtime.layer_modes import ModeError
+from ced_csa2.runtime.sparse_attention import HSI
 
 sys.path.insert(0, str(ROOT / "studies"))
 import layer_modes as study_mod

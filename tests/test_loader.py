@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from ced_csa2 import loader as loader_mod
-from ced_csa2.h5store import DumpError, DumpLayout, DumpReader, DumpWriter
-from ced_csa2.loader import BlockLoader, load_rows, record_split, row_mask
+from ced_csa2.data import loader as loader_mod
+from ced_csa2.data.h5store import DumpError, DumpLayout, DumpReader, DumpWriter
+from ced_csa2.data.loader import BlockLoader, load_rows, record_split, row_mask
 
 HIDDEN, KV_DIM, KV_LAYERS = 32, 8, (3, 5)
 

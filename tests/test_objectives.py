@@ -5,7 +5,7 @@ import torch
 from test_ced_runtime import QWEN_PLAN, identity_parts, random_parts
 
 from ced_csa2.model_utils import geometry
-from ced_csa2.objectives import (
+from ced_csa2.train.objectives import (
     attn_out_loss,
     distill_loss,
     kl_distill,

@@ -6,9 +6,10 @@ import json
 import pytest
 from conftest import tiny_params
 
-from ced_csa2 import paths, sources
 from ced_csa2.config import HubSplit, WheelPin
-from ced_csa2.sources import Article
+from ced_csa2.data import sources
+from ced_csa2.data.sources import Article
+from ced_csa2.pipeline import paths
 from ced_csa2.stages import prepare as prep
 
 OUTPUTS = (paths.TRAIN_JSONL, paths.EVAL_JSONL, paths.GSM8K_JSONL, paths.PREPARE_METRICS)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ced_csa2.checkpoint import FORMAT_VERSION, CheckpointError
+from ced_csa2.pipeline.checkpoint import FORMAT_VERSION, CheckpointError
 from ced_csa2.projector import KVProjector, load_projector, load_projectors, save_projector, save_projectors
 
 META = {"layer": 20, "split": 16, "plan": {"split": 16, "source": 20, "targets": [24, 28, 32]},

@@ -14,13 +14,13 @@ import yaml
 from sklearn.linear_model import LinearRegression, Ridge
 from sklearn.metrics import r2_score
 
-from ced_csa2 import paths
 from ced_csa2.config import load_params, params_hash, to_dict
-from ced_csa2.fit_metrics import FitStats
-from ced_csa2.h5store import DumpError, DumpLayout, DumpReader, DumpWriter
-from ced_csa2.loader import aligned_block_rows, iter_blocks, load_rows, record_split, row_mask
+from ced_csa2.data.h5store import DumpError, DumpLayout, DumpReader, DumpWriter
+from ced_csa2.data.loader import aligned_block_rows, iter_blocks, load_rows, record_split, row_mask
+from ced_csa2.maps.fit_metrics import FitStats
+from ced_csa2.maps.ridge import RidgeAccumulator, fit_maps, load_ridge, map_groups, projected_groups
+from ced_csa2.pipeline import paths
 from ced_csa2.plan import LayerPlan
-from ced_csa2.ridge import RidgeAccumulator, fit_maps, load_ridge, map_groups, projected_groups
 from ced_csa2.stages import ridge as ridge_stage
 
 HIDDEN, KV_DIM = 24, 8
@@ -100,7 +100,7 @@ def test_collinear_inputs_take_the_logged_fallback(caplog, jitter, reason):
     acc = RidgeAccumulator(8, 3, name="collinear")
     for i in range(0, 500, 128):
         acc.update(torch.from_numpy(X[i:i + 128]), torch.from_numpy(Y[i:i + 128]))
-    with caplog.at_level(logging.WARNING, logger="ced_csa2.ridge"):
+    with caplog.at_level(logging.WARNING, logger="ced_csa2.maps.ridge"):
         W, b = acc.solve(0.0)
     assert "ridge collinear" in caplog.text and "falling back" in caplog.text and reason in caplog.text
     Xc, Yc = X - X.mean(0), Y - Y.mean(0)
@@ -115,7 +115,7 @@ def test_collinear_inputs_take_the_logged_fallback(caplog, jitter, reason):
     assert ((Y - pred) ** 2).sum() == pytest.approx(best, rel=1e-2)
     assert float(W.abs().max()) < 10.0
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="ced_csa2.ridge"):
+    with caplog.at_level(logging.WARNING, logger="ced_csa2.maps.ridge"):
         W1, _ = acc.solve(1.0)  # a positive lambda makes the same system well posed
     assert caplog.text == ""
     assert rel_err(W1, Ridge(alpha=1.0).fit(X, Y).coef_.T) < 1e-8

@@ -8,15 +8,15 @@ import torch.nn.functional as F
 from conftest import tiny_llama
 from test_ced_runtime import QWEN_PLAN, random_parts, true_kv
 
-from ced_csa2 import rotation
 from ced_csa2.ced_runtime import CEDModeBRuntime
-from ced_csa2.fp4 import FORMATS, MXFP4
-from ced_csa2.groups import GROUPS, Group
-from ced_csa2.kv_bytes import BASES, bytes_per_token, kv_copies, rotation_params
+from ced_csa2.kv import rotation
+from ced_csa2.kv.fp4 import FORMATS, MXFP4
+from ced_csa2.kv.kv_bytes import BASES, bytes_per_token, kv_copies, rotation_params
+from ced_csa2.kv.rotation import HeadRotation, fp4_round_trip, hadamard, layer_rotation, rotation_matrix
 from ced_csa2.model_utils import Geometry, attention, geometry
 from ced_csa2.plan import LayerPlan
-from ced_csa2.rotation import HeadRotation, fp4_round_trip, hadamard, layer_rotation, rotation_matrix
-from ced_csa2.shared_kv import SharedKVCache, accounted_copies
+from ced_csa2.runtime.groups import GROUPS, Group
+from ced_csa2.runtime.shared_kv import SharedKVCache, accounted_copies
 from ced_csa2.stages.storage import QWEN3_5_4B_PLAN, qwen3_5_4b_geometry
 
 TWINS = {"baseline_fp4_rot": "baseline_fp4", "csa2_fp4_rot": "csa2_fp4", "ced_csa2_fp4_rot": "ced_csa2_fp4"}
@@ -146,7 +146,7 @@ def _outlier_channels(n=2048, heads=4, head_dim=64):
 def test_rotation_lowers_mxfp4_error_on_outlier_channels():
     # MXFP4's power-of-two scale per 32 channels is set by the outlier; rotated, each head's
     # channels share its energy.  (NVFP4's finer E4M3 scale per 16 gains nothing here: its
-    # plain error is already at the Gaussian level -- see ced_csa2.groups.)
+    # plain error is already at the Gaussian level -- see ced_csa2.runtime.groups.)
     x, r = _outlier_channels(), layer_rotation(64, 1)
     plain = (fp4_round_trip(MXFP4(), x) - x).pow(2).mean()
     rotated = (fp4_round_trip(MXFP4(), x, r) - x).pow(2).mean()

@@ -10,9 +10,15 @@ from test_ced_runtime import random_parts
 from test_shared_trunk import LENGTHS, LLAMA_PLAN, rows
 
 from ced_csa2.config import EvalPPLConfig
+from ced_csa2.eval.scoring import (
+    BLOCK_TOKENS,
+    continuation_logprob,
+    head_logits,
+    multi_group_nll,
+    score_hidden,
+    sequence_nll,
+)
 from ced_csa2.model_utils import geometry
-from ced_csa2.scoring import (BLOCK_TOKENS, continuation_logprob, head_logits, multi_group_nll, score_hidden,
-                              sequence_nll)
 
 BLOCKS = (1, 2, 7, 10_000)  # one position, a few, unaligned with the batches, more than a whole batch
 

@@ -8,11 +8,11 @@ from transformers import DynamicCache
 
 from ced_csa2 import kv_hooks
 from ced_csa2.ced_runtime import CEDModeBRuntime
-from ced_csa2.fp4 import FORMATS, Packed
-from ced_csa2.kv_bytes import bytes_per_token, fp4_entry_bytes, kv_copies
+from ced_csa2.kv.fp4 import FORMATS, Packed
+from ced_csa2.kv.kv_bytes import bytes_per_token, fp4_entry_bytes, kv_copies
 from ced_csa2.model_utils import geometry
 from ced_csa2.plan import LayerPlan
-from ced_csa2.shared_kv import (
+from ced_csa2.runtime.shared_kv import (
     SHARED_GROUPS,
     FP4KVCache,
     FP4Layer,

@@ -8,10 +8,10 @@ from conftest import tiny_gemma3, tiny_llama
 from test_ced_runtime import GEMMA_PLAN, QWEN_PLAN, random_parts
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
-from ced_csa2.groups import GROUP_NAMES
+from ced_csa2.eval.scoring import branch_point, multi_group_nll, sequence_nll
 from ced_csa2.model_utils import geometry
 from ced_csa2.plan import LayerPlan
-from ced_csa2.scoring import branch_point, multi_group_nll, sequence_nll
+from ced_csa2.runtime.groups import GROUP_NAMES
 
 LLAMA_PLAN = LayerPlan(2, 3, (5, 6))
 LENGTHS = (17, 9, 23, 4, 12, 20, 2)  # batch_size 3: right-padded batches of unequal lengths, a short last one
@@ -169,7 +169,7 @@ def test_eval_ppl_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny
     from test_eval_ppl import write_eval
 
     from ced_csa2.config import PlanConfig
-    from ced_csa2.perplexity import eval_ids, group_ppl
+    from ced_csa2.eval.perplexity import eval_ids, group_ppl
     from ced_csa2.stages import eval_ppl
 
     model, tok = tiny_model
@@ -190,10 +190,10 @@ def test_eval_objectives_gives_each_group_what_one_group_at_a_time_gives(tmp_pat
     from conftest import tiny_params
     from test_eval_ppl import write_eval
 
-    from ced_csa2 import paths
-    from ced_csa2.gsm8k import gold_nll
-    from ced_csa2.io_utils import write_json
-    from ced_csa2.perplexity import eval_ids, group_ppl
+    from ced_csa2.eval.gsm8k import gold_nll
+    from ced_csa2.eval.perplexity import eval_ids, group_ppl
+    from ced_csa2.pipeline import paths
+    from ced_csa2.pipeline.io_utils import write_json
     from ced_csa2.plan import load_plan
     from ced_csa2.stages import eval_objectives
 

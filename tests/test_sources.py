@@ -4,8 +4,8 @@ import bz2
 
 import pytest
 
-from ced_csa2 import sources
-from ced_csa2.sources import Article
+from ced_csa2.data import sources
+from ced_csa2.data.sources import Article
 
 ARTICLE = """{{Infobox thing|name=Widget|image=Widget.png}}
 '''Widgets''' are small devices used in many kinds of machines.<ref>{{cite book|title=Widgets}}</ref> They were first described in 1900 by [[John Smith (engineer)|John Smith]].

@@ -8,12 +8,12 @@ from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
-from ced_csa2.layer_modes import LayerModes, ModeError, kv_sources
+from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.model_utils import geometry
 from ced_csa2.plan import LayerPlan, PlanError
-from ced_csa2.scoring import multi_group_nll
-from ced_csa2.shared_kv import greedy_generate, shared_kv_generate
-from ced_csa2.sparse_attention import (
+from ced_csa2.runtime.layer_modes import LayerModes, ModeError, kv_sources
+from ced_csa2.runtime.shared_kv import greedy_generate, shared_kv_generate
+from ced_csa2.runtime.sparse_attention import (
     HSI,
     SelectionStats,
     SparseAttention,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ced_csa2.stats import paired_bootstrap, paired_deltas
+from ced_csa2.eval.stats import paired_bootstrap, paired_deltas
 
 
 def records(rng, n, shift=0.0):

@@ -10,7 +10,7 @@ import pytest
 from conftest import TINY_OVERRIDES, compose, tiny_params
 
 from ced_csa2.model_utils import Geometry
-from ced_csa2.paths import STORAGE_METRICS as METRICS_PATH
+from ced_csa2.pipeline.paths import STORAGE_METRICS as METRICS_PATH
 from ced_csa2.stages.storage import qwen3_5_4b_geometry, run
 
 ROOT = Path(__file__).resolve().parents[1]

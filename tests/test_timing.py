@@ -5,10 +5,11 @@ import torch
 from conftest import tiny_llama
 from test_ced_runtime import random_parts
 
-from ced_csa2 import perplexity, timing
+from ced_csa2.eval import perplexity
 from ced_csa2.model_utils import geometry
+from ced_csa2.pipeline import timing
+from ced_csa2.pipeline.timing import BoundExceeded, Paired, check_bound, paired_seconds
 from ced_csa2.plan import LayerPlan
-from ced_csa2.timing import BoundExceeded, Paired, check_bound, paired_seconds
 
 
 @pytest.fixture

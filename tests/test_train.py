@@ -9,15 +9,15 @@ import pytest
 import torch
 from conftest import read_curves, tiny_params
 
-from ced_csa2 import paths
-from ced_csa2.checkpoint import expected_meta
 from ced_csa2.csa2 import load_adapters
-from ced_csa2.h5store import DumpError, DumpLayout, DumpWriter
+from ced_csa2.data.h5store import DumpError, DumpLayout, DumpWriter
+from ced_csa2.maps.ridge import load_ridge
+from ced_csa2.pipeline import paths
+from ced_csa2.pipeline.checkpoint import expected_meta
 from ced_csa2.plan import load_plan
 from ced_csa2.projector import load_projector, load_projectors
-from ced_csa2.ridge import load_ridge
 from ced_csa2.stages import extra_projectors, ridge, train_adapters, train_projector
-from ced_csa2.training import write_curves
+from ced_csa2.train.training import write_curves
 
 HIDDEN, KV = 64, 32  # the tiny Qwen3.5 profile (2 kv heads x 16)
 N_RECORDS = 60

@@ -7,11 +7,11 @@ import pytest
 import torch
 from conftest import read_curves, tiny_params
 
-from ced_csa2 import paths
 from ced_csa2.config import OnlineConfig, ParamsError
 from ced_csa2.csa2 import KVAdapter
+from ced_csa2.maps.ridge import save_ridge
+from ced_csa2.pipeline import paths
 from ced_csa2.plan import load_plan
-from ced_csa2.ridge import save_ridge
 from ced_csa2.stages import eval_objectives, tune
 
 ONLINE = OnlineConfig(records=12, val_records=4, seq_len=32, batch_size=4, epochs=3, projector_lr=1e-2,

@@ -9,18 +9,18 @@ import torch
 from conftest import tiny_params
 from test_ced_runtime import QWEN_PLAN, random_parts, true_kv
 
-from ced_csa2 import kv_bytes as kb
-from ced_csa2 import paths
 from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_parts
-from ced_csa2.checkpoint import CheckpointError, checkpoint_meta, expected_meta
 from ced_csa2.config import ParamsError, load_params
-from ced_csa2.h5store import DumpLayout, DumpWriter
-from ced_csa2.loader import record_split, row_mask
+from ced_csa2.data.h5store import DumpLayout, DumpWriter
+from ced_csa2.data.loader import record_split, row_mask
+from ced_csa2.eval.scoring import multi_group_nll, sequence_nll
+from ced_csa2.kv import kv_bytes as kb
+from ced_csa2.maps.xkv import GramAccumulator, XKVBasis, load_xkv, save_xkv, top_eigenvectors
 from ced_csa2.model_utils import attention, geometry
+from ced_csa2.pipeline import paths
+from ced_csa2.pipeline.checkpoint import CheckpointError, checkpoint_meta, expected_meta
 from ced_csa2.plan import LayerPlan, load_plan
-from ced_csa2.scoring import multi_group_nll, sequence_nll
 from ced_csa2.stages import fit_xkv
-from ced_csa2.xkv import GramAccumulator, XKVBasis, load_xkv, save_xkv, top_eigenvectors
 
 PARAMS = tiny_params()
 PLAN, GEO = load_plan(PARAMS.plan, PARAMS.model)  # source 20, targets 24/28/32; hidden 64, kv_dim 32
@@ -115,7 +115,7 @@ def test_stage_writes_the_bases_and_their_held_out_fit(dumped, rank, rel_err_bel
     assert json.loads((dumped / paths.XKV_METRICS).read_text()) == json.loads(json.dumps(metrics))
     run = metrics["run"]
     assert run["rank"] == (rank or GEO.kv_dim) and run["layers"] == list(LAYERS) and run["width"] == FULL
-    from ced_csa2.h5store import DumpReader
+    from ced_csa2.data.h5store import DumpReader
     with DumpReader(dumped / paths.DUMP_PATH) as r:  # the ridge stage's record split, every token
         train, val = record_split(r.n_records, 0.2, params.seed)
         assert run["n_train_rows"] == int(row_mask(r.record_offsets, train, 0, params.seed).sum())
@@ -301,7 +301,7 @@ def test_storage_stage_counts_xkv_entries_and_bases(tmp_path):
 
 
 def test_accounted_copies_are_csa2s_at_rank_kv_dim():
-    from ced_csa2.shared_kv import accounted_copies
+    from ced_csa2.runtime.shared_kv import accounted_copies
 
     assert accounted_copies(GEO, PLAN, "xkv", "bf16", 4) == accounted_copies(GEO, PLAN, "csa2", "bf16", 4)
     with pytest.raises(ValueError, match="FP4 storage 'nvfp4' is not defined"):
@@ -315,9 +315,7 @@ def test_xkv_cannot_be_generated_with_and_rank_must_be_non_negative(tmp_path):
     with pytest.raises(ParamsError, match=r"'xkv.rank' must be >= 0"):
         tiny_params(xkv={"rank": -1})
     import yaml
-    from conftest import TINY_OVERRIDES
-
-    from conftest import compose
+    from conftest import TINY_OVERRIDES, compose
 
     raw = yaml.safe_load(compose(TINY_OVERRIDES))
     raw["eval_gsm8k"].update(groups=["baseline", "xkv"], generate=["xkv"])

@@ -13,7 +13,7 @@
   **Approximation:** non-attention layers above the cut (Qwen3.5's GatedDeltaNet
   layers) get no prompt state -- they start from a zero state.
 
-Groups (Mode B) are defined in :mod:`ced_csa2.groups`: ``baseline`` (no change),
+Groups (Mode B) are defined in :mod:`ced_csa2.runtime.groups`: ``baseline`` (no change),
 ``share_plain`` (targets read the true KV_source verbatim, no adapter -- the baseline
 every adapter must beat; like vLLM's ``kv_sharing_target_layer_name``, except that each
 target still applies its own k_norm), ``ced`` (source K/V from ``projector(H_split)``),
@@ -22,8 +22,8 @@ target still applies its own k_norm), ``ced`` (source K/V from ``projector(H_spl
 (``kv_format``): ``baseline_fp4`` (every attention layer's own K/V), ``csa2_fp4`` and
 ``ced_csa2_fp4`` (the one shared source entry) -- so the cost of FP4 and of sharing can
 be told apart; their ``*_fp4_rot`` twins rotate each FP4 entry per head by a fixed
-randomised Hadamard matrix before FP4 and back after reading (:mod:`ced_csa2.rotation`).
-``xkv`` (the training-free low-rank baseline, :mod:`ced_csa2.xkv`): source
+randomised Hadamard matrix before FP4 and back after reading (:mod:`ced_csa2.kv.rotation`).
+``xkv`` (the training-free low-rank baseline, :mod:`ced_csa2.maps.xkv`): source
 and targets read their blocks of the cross-layer SVD reconstruction of the *clean* K/V
 (a compressed clean prefill), teacher-forced only -- a forward with a KV cache is refused.
 """
@@ -40,14 +40,15 @@ from typing import TYPE_CHECKING, Callable, Mapping
 import torch
 from torch import nn
 
-from . import kv_hooks, rotation
-from .checkpoint import expected_meta
-from .fp4 import FORMATS as FP4_FORMATS
-from .groups import group as lookup_group
+from . import kv_hooks
+from .kv import rotation
+from .kv.fp4 import FORMATS as FP4_FORMATS
+from .kv.rotation import HeadRotation, fp4_round_trip, layer_rotation
+from .maps.xkv import XKVBasis, load_xkv
 from .model_utils import Geometry, attention, decoder_layer, geometry, rotary
+from .pipeline.checkpoint import expected_meta
 from .plan import LayerPlan
-from .rotation import HeadRotation, fp4_round_trip, layer_rotation
-from .xkv import XKVBasis, load_xkv
+from .runtime.groups import group as lookup_group
 
 if TYPE_CHECKING:
     from .config import Params
@@ -68,7 +69,7 @@ class CEDParts:
     extra
         ``{layer: projector}`` for the extra sources of a covering plan (Mode A only).
     xkv
-        The cross-layer bases of the ``xkv`` group (:class:`~ced_csa2.xkv.XKVBasis`):
+        The cross-layer bases of the ``xkv`` group (:class:`~ced_csa2.maps.xkv.XKVBasis`):
         ``xkv({layer: k}, {layer: v}) -> {layer: (k̂, v̂)}`` over ``(source, *targets)``.
     """
 
@@ -106,7 +107,7 @@ def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geo
     models_dir
         Folder of ``projector_k{s}v{s}.pt``, ``adapters.pt`` and ``projectors_extra.pt``.
     params, plan, geo
-        What every file must say it is for (:func:`ced_csa2.checkpoint.expected_meta`):
+        What every file must say it is for (:func:`ced_csa2.pipeline.checkpoint.expected_meta`):
         model name, the layer(s) it maps, ``hidden_size``/``kv_dim`` and the plan.
     device, dtype
         Where and in what dtype to build the modules (default: CPU, float32).
@@ -143,7 +144,7 @@ def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geo
 def load_mode_a_parts(workdir: Path | str, params: Params, plan: LayerPlan, geo: Geometry, *, device=None) -> CEDParts:
     """The maps Mode A runs with (``mode_a.maps``): the main branch's (``models/``) or ``tune_mode_a``'s
     (``models/mode_a/``, marked ``objective: mode_a``), checked as :func:`load_parts` checks them."""
-    from .paths import MODE_A_MODELS, MODELS
+    from .pipeline.paths import MODE_A_MODELS, MODELS
 
     if params.mode_a.maps == "main":
         return load_parts(Path(workdir) / MODELS, params, plan, geo, device=device)
@@ -180,7 +181,7 @@ class CEDModeBRuntime:
     plan
         The validated layer plan.
     group
-        One of :data:`ced_csa2.groups.GROUPS`.
+        One of :data:`ced_csa2.runtime.groups.GROUPS`.
     parts
         Trained maps (``projector`` needed by ``ced*``, ``adapters`` by ``*csa2``).
     kv_format
@@ -188,8 +189,8 @@ class CEDModeBRuntime:
         default): the stored K/V are quantised and read back, pre-k_norm and pre-RoPE like
         the shared store keeps them.  Ignored (pass ``None``) for the other groups.  The
         ``*_fp4_rot`` groups rotate each FP4 entry's streams of
-        :data:`ced_csa2.rotation.ROTATED_STREAMS` per head first (``Rᵀ dequant(FP4(R x))``),
-        with layer ``l``'s fixed matrix :func:`ced_csa2.rotation.layer_rotation`.
+        :data:`ced_csa2.kv.rotation.ROTATED_STREAMS` per head first (``Rᵀ dequant(FP4(R x))``),
+        with layer ``l``'s fixed matrix :func:`ced_csa2.kv.rotation.layer_rotation`.
     """
 
     def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None = None, *,
@@ -357,7 +358,7 @@ class CEDModeBRuntime:
         """Hand the hooks what they capture (``H_split``, the true source K/V) from a pass they did not see.
 
         For a forward that starts above ``plan.split`` (or ``plan.source``) from a hidden
-        state a shared trunk computed (:func:`ced_csa2.scoring.multi_group_nll`): the
+        state a shared trunk computed (:func:`ced_csa2.eval.scoring.multi_group_nll`): the
         capture hooks of the skipped layers never fire, so the trunk's tensors stand in
         for them -- exactly what they would have recorded.  ``clean_kv`` (``xkv``): the
         clean ``{layer: (K, V)}`` of the source and every target, each ``(B, T, kv_dim)``,
@@ -426,7 +427,7 @@ def continue_from(model: nn.Module, cache, prompt_ids: torch.Tensor, continuatio
 @torch.inference_mode()
 def continue_hidden(model: nn.Module, cache, prompt_ids: torch.Tensor, continuation_ids: torch.Tensor) -> torch.Tensor:
     """:func:`continue_from` without the LM head: the final hidden states ``(B, C, hidden)`` (after
-    the final norm) that predict ``continuation_ids`` ``(B, C)``, for :func:`ced_csa2.scoring.score_hidden`."""
+    the final norm) that predict ``continuation_ids`` ``(B, C)``, for :func:`ced_csa2.eval.scoring.score_hidden`."""
     x = torch.cat([prompt_ids[:, -1:], continuation_ids[:, :-1]], dim=1)
     return model.model(input_ids=x, cache=cache, use_cache=True).last_hidden_state
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from .config import Params, from_dict
-from .io_utils import atomic_write_text
+from .pipeline.io_utils import atomic_write_text
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 

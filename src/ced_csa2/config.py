@@ -28,7 +28,7 @@ from typing import Any, Iterator, Literal, Optional
 
 import yaml
 
-from .groups import GROUP_NAMES, LOW_RANK_GROUPS, MAP_GROUPS
+from .runtime.groups import GROUP_NAMES, LOW_RANK_GROUPS, MAP_GROUPS
 
 DTYPES = ("float32", "bfloat16", "float16")
 COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: bf16 where native (CUDA, AMX/AVX512-BF16 CPUs), else fp32
@@ -419,7 +419,7 @@ class AdaptersConfig(Section):
 
 @dataclass(frozen=True)
 class DistributedConfig(Section):
-    """Data parallelism of the stages that support it (:mod:`ced_csa2.distributed`): one process per device."""
+    """Data parallelism of the stages that support it (:mod:`ced_csa2.pipeline.distributed`): one process per device."""
 
     nproc: int = 1  # processes (devices); 1 = no process group, no distributed code
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU

@@ -9,7 +9,7 @@ stored entry as a whole, ``[K_src ‖ V_src]`` (``input="kv"``, ``n = 2d``: the 
 "adapters map KV_source to their own KV"), or only its own kind (``input="own"``, ``n = d``:
 K from K, V from V).  Both read the same stored bytes.  The base starts at the
 closed-form ridge solution and the MLP's last layer at zero, so a fresh adapter *is*
-the ridge map (bit for bit: see :func:`ced_csa2.checkpoint.init_linear_from_ridge`).
+the ridge map (bit for bit: see :func:`ced_csa2.pipeline.checkpoint.init_linear_from_ridge`).
 On Qwen3.5-4B (kv_dim 1024, w 1536) one target layer's K+V adapters hold 8,395,776
 parameters with ``input="own"`` and 13,638,656 with ``input="kv"``.  The file
 ``models/adapters.pt`` holds FP16 weights and metadata.
@@ -23,12 +23,12 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from .checkpoint import init_linear_from_ridge, load_checkpoint, load_state, save_checkpoint
+from .pipeline.checkpoint import init_linear_from_ridge, load_checkpoint, load_state, save_checkpoint
 
 KIND = "adapters"
 ACTIVATIONS = {"gelu": nn.GELU, "silu": nn.SiLU, "relu": nn.ReLU}
 # What an adapters file must say about itself besides its architecture (added by save_adapters):
-# see ced_csa2.checkpoint.expected_meta / checkpoint_meta.
+# see ced_csa2.pipeline.checkpoint.expected_meta / checkpoint_meta.
 REQUIRED_META = ("source", "split", "plan", "model", "model_id", "hidden_size", "params_hash")
 INPUTS = ("kv", "own")  # what each adapter reads of the source's entry: all of it, or its own kind
 
@@ -141,7 +141,7 @@ def save_adapters(path: str | Path, adapters: CSA2Adapters, meta: Mapping) -> Pa
     """Write ``adapters`` (FP16 weights) and ``meta`` to ``path`` atomically.
 
     ``meta`` must hold :data:`REQUIRED_META` (source, split, plan, model, model_id, the
-    model's hidden_size, params_hash; :func:`ced_csa2.checkpoint.checkpoint_meta` gives
+    model's hidden_size, params_hash; :func:`ced_csa2.pipeline.checkpoint.checkpoint_meta` gives
     them); ``layers`` (targets), ``kv_dim``, ``width``, ``activation`` and ``input`` come
     from the module, so the file describes the weights it holds.
     """
@@ -164,8 +164,8 @@ def load_adapters(path: str | Path, device=None, dtype: torch.dtype | None = Non
     expect
         Metadata the file must match, e.g. ``{"kv_dim": 1024, "layers": [24, 28, 32],
         "source": 20}`` (the pipeline passes ``expected_meta(...)["adapters"]``, see
-        :func:`ced_csa2.checkpoint.expected_meta`); a mismatch raises
-        :class:`~ced_csa2.checkpoint.CheckpointError` naming the file, key and both values,
+        :func:`ced_csa2.pipeline.checkpoint.expected_meta`); a mismatch raises
+        :class:`~ced_csa2.pipeline.checkpoint.CheckpointError` naming the file, key and both values,
         before any weight is read into a module.
 
     Returns

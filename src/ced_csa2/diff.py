@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .paths import GROUPS_TABLE
+from .pipeline.paths import GROUPS_TABLE
 
 COLUMNS = (("dppl_pct", "ΔPPL %", "+.2f"), ("kl", "KL", ".4f"), ("dgold_nll", "Δ gold NLL", "+.3f"))
 

@@ -18,7 +18,7 @@ What the columns count:
   bound, records x ``data.max_tokens``; eval tokens likewise from ``data/corpus/eval.jsonl``,
   GSM8K gold tokens from ``data/gsm8k_gold.json``.  The header says which.
 * **disk** -- the dump's datasets as the dump stage writes them, in whole HDF5 chunks
-  (:meth:`~ced_csa2.h5store.DumpLayout.nbytes`; its payload, rows x width x itemsize, in the
+  (:meth:`~ced_csa2.data.h5store.DumpLayout.nbytes`; its payload, rows x width x itemsize, in the
   header).  The file adds its metadata (chunk indices, checksum attributes: 0.02% on the
   embedded default); DVC's cache holds a second copy.
 * **host / device** -- approximate peaks (:func:`peaks`): the measured footprint of a process
@@ -48,17 +48,17 @@ import yaml
 
 from .config import Params, from_dict, load_params
 from .csa2 import mlp_width
-from .groups import GROUPS
-from .h5store import DumpLayout
-from .kv_bytes import adapter_params_per_target, projector_params
-from .loader import record_split
+from .data.h5store import DumpLayout
+from .data.loader import record_split
+from .data.records import DUMP_SAMPLE_STREAM, read_records, seeded_subset
+from .eval.perplexity import EVAL_SAMPLE_STREAM
+from .kv.kv_bytes import adapter_params_per_target, projector_params
+from .maps.ridge import map_groups
 from .model_utils import QWEN3_5_4B_ID, Geometry, geometry, load_config, qwen3_5_4b_config, resolve_dtype
-from .objectives import PHASE_GROUPS
-from .paths import EVAL_JSONL, GOLD_PATH, PREPARE_METRICS, TRAIN_JSONL
-from .perplexity import EVAL_SAMPLE_STREAM
+from .pipeline.paths import EVAL_JSONL, GOLD_PATH, PREPARE_METRICS, TRAIN_JSONL
 from .plan import LayerPlan
-from .records import DUMP_SAMPLE_STREAM, read_records, seeded_subset
-from .ridge import map_groups
+from .runtime.groups import GROUPS
+from .train.objectives import PHASE_GROUPS
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -268,7 +268,7 @@ def layer_bytes(s: Setup, tokens: int) -> int:
 def logits_bytes(s: Setup, tokens: int) -> int:
     """Logits of ``tokens`` positions in the compute dtype plus three fp32 copies (the fp32 logits, the
     log-softmax temporary, the reference's probabilities: one block of
-    :func:`~ced_csa2.scoring.score_hidden`, or a batch of distillation logits)."""
+    :func:`~ced_csa2.eval.scoring.score_hidden`, or a batch of distillation logits)."""
     return tokens * s.model.vocab * (s.b + 12)
 
 
@@ -284,7 +284,7 @@ def peaks(s: Setup, *, model: bool, device_work: int = 0, host_work: int = 0) ->
 
 def branch_layer(s: Setup, group: str) -> int:
     """The first layer ``group`` changes, where its branch leaves the shared trunk (as
-    :func:`~ced_csa2.scoring.branch_point`; ``n_layers + 1`` for the plain model)."""
+    :func:`~ced_csa2.eval.scoring.branch_point`; ``n_layers + 1`` for the plain model)."""
     g, plan = GROUPS[group], s.plan
     layers = [*([plan.source] if g.projected_source or g.fp4 == "shared_source" or g.low_rank else []),
               *([min(plan.targets)] if g.shares_source_kv else []),
@@ -293,7 +293,7 @@ def branch_layer(s: Setup, group: str) -> int:
 
 
 def scoring_seconds(s: Setup, groups, tokens: float, passes: int = 0) -> float:
-    """All ``groups`` scored on ``tokens`` positions with one shared trunk (:func:`~ced_csa2.scoring.multi_group_nll`:
+    """All ``groups`` scored on ``tokens`` positions with one shared trunk (:func:`~ced_csa2.eval.scoring.multi_group_nll`:
     the plain model once, each other group from its branch layer up), plus ``passes`` whole forwards scored alike
     (Mode A's plain and skipped prefill): matmuls at the model rate, each scored logit's vocabulary-wide work
     (log-softmax, KL, top-1) at the logit rate."""
@@ -450,7 +450,7 @@ def est_train_adapters(s: Setup) -> StageEstimate:
 
 
 def scoring_bytes(s: Setup, batch_tokens: int, groups) -> int:
-    """A shared-trunk scoring batch (:func:`~ced_csa2.scoring.multi_group_nll`): one layer's working set, the
+    """A shared-trunk scoring batch (:func:`~ced_csa2.eval.scoring.multi_group_nll`): one layer's working set, the
     hidden state kept per branch point, every group's final hidden state and its scored rows, and one block of
     ``eval_ppl.score_block_tokens`` scored positions through the LM head and the vocabulary-wide work."""
     branches = len({branch_layer(s, g) for g in groups})
@@ -682,7 +682,7 @@ def changed_report(plan: list[tuple[str, str]], estimated: dict[str, float], mea
 
 def measured_seconds(workdir: Path) -> dict[str, float]:
     """``{stage: wall seconds}`` of the last run of each stage in ``workdir`` (``timings/``)."""
-    from .paths import TIMINGS
+    from .pipeline.paths import TIMINGS
 
     return {p.stem: json.loads(p.read_text())["wall_s"] for p in sorted((workdir / TIMINGS).glob("*.json"))
             if "wall_s" in json.loads(p.read_text())}

@@ -5,7 +5,7 @@ projected layer (pre-k_norm, pre-RoPE, as ``k_proj``/``v_proj`` emit them).  On
 Qwen3.5-4B that is ``Linear(2560 -> 2048)``: 5,244,928 parameters, ~10 MB in FP16.
 
 Files hold FP16 weights and metadata (format and load-time checks in
-:mod:`ced_csa2.checkpoint`): ``models/projector_k{l}v{l}.pt`` for the source layer
+:mod:`ced_csa2.pipeline.checkpoint`): ``models/projector_k{l}v{l}.pt`` for the source layer
 (:func:`save_projector` / :func:`load_projector`), and ``models/projectors_extra.pt``
 for a covering plan's extra sources, several projectors in one file
 (:func:`save_projectors` / :func:`load_projectors`; empty for an ordinary plan).
@@ -19,12 +19,12 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .checkpoint import init_linear_from_ridge, load_checkpoint, load_state, save_checkpoint
+from .pipeline.checkpoint import init_linear_from_ridge, load_checkpoint, load_state, save_checkpoint
 
 KIND = "projector"
 KIND_MANY = "projectors"  # one file of several single-layer projectors
 # What a projector file must say about itself besides its dims (added by save_projector):
-# see ced_csa2.checkpoint.expected_meta / checkpoint_meta.
+# see ced_csa2.pipeline.checkpoint.expected_meta / checkpoint_meta.
 REQUIRED_META = ("layer", "split", "plan", "model", "model_id", "params_hash")
 
 
@@ -60,7 +60,7 @@ def save_projector(path: str | Path, projector: KVProjector, meta: Mapping) -> P
     """Write ``projector`` (FP16 weights) and ``meta`` to ``path`` atomically.
 
     ``meta`` must hold :data:`REQUIRED_META` (layer, split, plan, model, model_id,
-    params_hash; :func:`ced_csa2.checkpoint.checkpoint_meta` gives them); ``hidden_size``
+    params_hash; :func:`ced_csa2.pipeline.checkpoint.checkpoint_meta` gives them); ``hidden_size``
     and ``kv_dim`` are taken from the module, so the file describes the weights it holds.
     """
     meta = {**meta, "hidden_size": projector.hidden_size, "kv_dim": projector.kv_dim}
@@ -78,8 +78,8 @@ def load_projector(path: str | Path, *, expect: Mapping | None = None, device=No
     expect
         Metadata the file must match, e.g. ``{"hidden_size": 2560, "kv_dim": 1024,
         "layer": 20, "model": "qwen3_5_4b"}`` (the pipeline passes
-        ``expected_meta(...)["projector"]``, see :func:`ced_csa2.checkpoint.expected_meta`);
-        a mismatch raises :class:`~ced_csa2.checkpoint.CheckpointError` naming the file,
+        ``expected_meta(...)["projector"]``, see :func:`ced_csa2.pipeline.checkpoint.expected_meta`);
+        a mismatch raises :class:`~ced_csa2.pipeline.checkpoint.CheckpointError` naming the file,
         key and both values, before any weight is read into a module.
     device, dtype
         Where and in what dtype to build the module (default: CPU, float32 -- which

@@ -6,19 +6,19 @@ Reads ``params.yaml`` and ``data/corpus/train.jsonl``; runs the base model over 
 records in batches (right padding, ``model.dtype`` compute) with hooks that capture
 ``H_split`` and the ``k_proj``/``v_proj`` outputs (pre-k_norm, pre-RoPE) of every
 layer the plan needs; stores only real tokens in ``data/dump/dump.h5`` (format in
-:mod:`ced_csa2.h5store`) and writes ``metrics/dump.json``.
+:mod:`ced_csa2.data.h5store`) and writes ``metrics/dump.json``.
 
 The file grows under ``data/dump.partial.h5`` and is renamed when complete.  If the
 process is killed, the next run resumes after the last complete batch of records
 (when model, tokenizer, corpus and params are unchanged, and the partial file passes
 its checksums) and ends with the same datasets as an uninterrupted run.  Non-finite
 activations and file-system failures (full disk, file-size limit) end the stage with
-one line naming the file (:class:`~ced_csa2.h5store.DumpError`, exit 2).
+one line naming the file (:class:`~ced_csa2.data.h5store.DumpError`, exit 2).
 
 Data-parallel (``distributed.nproc: N``): the single-process batches are dealt out to
-the ranks in contiguous runs (:func:`ced_csa2.distributed.batch_bounds`), so each batch
+the ranks in contiguous runs (:func:`ced_csa2.pipeline.distributed.batch_bounds`), so each batch
 is computed exactly as one process computes it.  Rank ``r`` grows its own shard
-(:func:`ced_csa2.paths.dump_shard`, resumable like the single-process file); rank 0 then
+(:func:`ced_csa2.pipeline.paths.dump_shard`, resumable like the single-process file); rank 0 then
 copies the shards, in rank order, into ``data/dump/dump.h5`` (checksums recomputed on the
 file's own row grid) and removes them.  The result holds the single-process dump's rows
 in its order, so every reader is unchanged.  The copy costs a read and a write of the
@@ -39,15 +39,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .. import distributed, kv_hooks
+from .. import kv_hooks
 from ..config import Params, params_hash, to_dict
-from ..entry import record_timing, run_stage
-from ..h5store import DumpError, DumpLayout, DumpReader, DumpWriter, copy_records
-from ..io_utils import write_json
+from ..data.h5store import DumpError, DumpLayout, DumpReader, DumpWriter, copy_records
+from ..data.records import DUMP_SAMPLE_STREAM, pad_batch, read_records, seeded_subset, tokenize
 from ..model_utils import load_model_and_tokenizer, resolve_device, tokenizer_hash
-from ..paths import DUMP_METRICS, DUMP_PARTIAL, DUMP_PATH, TRAIN_JSONL, dump_shard
+from ..pipeline import distributed
+from ..pipeline.entry import record_timing, run_stage
+from ..pipeline.io_utils import write_json
+from ..pipeline.paths import DUMP_METRICS, DUMP_PARTIAL, DUMP_PATH, TRAIN_JSONL, dump_shard
 from ..plan import LayerPlan, load_plan
-from ..records import DUMP_SAMPLE_STREAM, pad_batch, read_records, seeded_subset, tokenize
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ and for each group of ``eval_gsm8k.groups`` (a superset)
   ``data/gsm8k_gold.json`` (stage ``gold_pairs``; every generated group's prompts are
   checked to be those).  On a small model, accuracy is near zero for every group; this is
   the signal that still moves.  All groups are scored at once with a shared trunk
-  (:func:`ced_csa2.scoring.multi_group_nll`).
+  (:func:`ced_csa2.eval.scoring.multi_group_nll`).
 
 Mode A (``eval_gsm8k.mode_a``, when the plan covers every attention layer above the cut;
 the maps of ``mode_a.maps``, ``mode_a.replay`` tokens replayed):
-the same lm-eval task through :class:`~ced_csa2.mode_a_lm.ModeALM` -- each prompt
+the same lm-eval task through :class:`~ced_csa2.eval.mode_a_lm.ModeALM` -- each prompt
 prefilled by the prefill skip, the answer scored (``gold_nll``: gold NLL, paired against
 the baseline) and with ``generate`` also generated (exact match) through all layers -- one
 problem at a time (generation: ~1.5 s per problem on 2 CPU cores, 3.6x a batched Mode B group).
@@ -46,7 +46,7 @@ same text for every problem.
 
 Data-parallel (``distributed.nproc``): the stage runs as that many processes (it starts
 torchrun itself).  Each runs lm-eval's task whole, but generates only a contiguous share
-of the single-process batches (:class:`~ced_csa2.mode_a_lm.DataParallelLM`, which says why
+of the single-process batches (:class:`~ced_csa2.eval.mode_a_lm.DataParallelLM`, which says why
 lm-eval's own multi-process path is not used) and the texts are gathered; gold NLL and
 Mode A's rows are scored by share and assembled on every rank.  Every batch is the
 single-process one, so the metrics are one process's; rank 0 writes.
@@ -62,12 +62,9 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed
 from ..ced_runtime import CEDModeARuntime, CEDParts, load_mode_a_parts, load_parts
 from ..config import Params
-from ..entry import record_timing, run_stage
-from ..groups import GROUPS
-from ..gsm8k import (
+from ..eval.gsm8k import (
     FEWSHOT_SOURCE,
     _offline,
     check_chat_template,
@@ -80,12 +77,15 @@ from ..gsm8k import (
     mode_a_gold_rows,
     prompt_protocol,
 )
-from ..io_utils import write_json
+from ..eval.perplexity import mode_a_note
 from ..model_utils import load_model_and_tokenizer, resolve_device
-from ..paths import GOLD_PATH, GSM8K_JSONL, MODELS
-from ..paths import GSM8K_METRICS as METRICS_PATH
-from ..perplexity import mode_a_note
+from ..pipeline import distributed
+from ..pipeline.entry import record_timing, run_stage
+from ..pipeline.io_utils import write_json
+from ..pipeline.paths import GOLD_PATH, GSM8K_JSONL, MODELS
+from ..pipeline.paths import GSM8K_METRICS as METRICS_PATH
 from ..plan import load_plan
+from ..runtime.groups import GROUPS
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     _offline()
     from lm_eval import __version__ as lm_eval_version
 
-    from ..mode_a_lm import DataParallelLM  # imports lm-eval: after _offline()
+    from ..eval.mode_a_lm import DataParallelLM  # imports lm-eval: after _offline()
 
     cfg = params.eval_gsm8k
     data_file = workdir / GSM8K_JSONL
@@ -189,10 +189,10 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
 
 def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, task_manager, pairs
                ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Mode A's gold-answer rows (and exact match with ``generate``) through :class:`~ced_csa2.mode_a_lm.ModeALM`.
+    """Mode A's gold-answer rows (and exact match with ``generate``) through :class:`~ced_csa2.eval.mode_a_lm.ModeALM`.
 
     Returns the metrics entry (``covered: false`` and why, when it does not run) and
-    ``{"mode_a": (n, 2) rows}`` for :func:`~ced_csa2.gsm8k.groups_gold_nll` (empty when not run).
+    ``{"mode_a": (n, 2) rows}`` for :func:`~ced_csa2.eval.gsm8k.groups_gold_nll` (empty when not run).
     """
     setting = params.eval_gsm8k.mode_a
     if setting == "off":
@@ -201,7 +201,7 @@ def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, ta
     if missing:
         return {"covered": False, "uncovered_attention_layers": missing,
                 "note": f"plan {plan} does not cover every attention layer above the cut; Mode A not run"}, {}
-    from ..mode_a_lm import ModeALM
+    from ..eval.mode_a_lm import ModeALM
 
     replay = params.mode_a.replay
     lm = ModeALM(CEDModeARuntime(model, plan, geo, parts, replay=replay), tok,

@@ -6,13 +6,13 @@ Scores the maps of ``models/objectives/<objective>/`` (stage ``tune@<objective>`
 ``ced_csa2*`` groups with the pair in its ``ced_csa2/`` folder, trained for them) for every
 group of ``train.eval_groups`` and every objective of ``train.objectives``, with exactly
 the main branch's protocols: the eval records' corpus-level perplexity (as
-:func:`ced_csa2.perplexity.groups_ppl`) and the gold-solution NLL on the tokenised prompts of
+:func:`ced_csa2.eval.perplexity.groups_ppl`) and the gold-solution NLL on the tokenised prompts of
 stage ``gold_pairs`` (``data/gsm8k_gold.json``), so this stage never runs ``eval_gsm8k``'s
 generation.  Exact-match accuracy is not re-run here (generation dominates GSM8K's cost
 and scores ~0 on the embedded model).
 
 Every (group, objective) is one branch of the same shared trunk
-(:func:`ced_csa2.scoring.multi_group_nll`): the layers below a branch point and the baseline
+(:func:`ced_csa2.eval.scoring.multi_group_nll`): the layers below a branch point and the baseline
 run once per batch for all objectives, and the baseline is the reference of every paired
 interval.  Two labels whose maps are the same tensors (a digest of what the group reads)
 are scored once; ``scored_as`` in the output names the label a row was copied from.
@@ -32,17 +32,17 @@ import hashlib
 from pathlib import Path
 
 from ..ced_runtime import CEDModeBRuntime, CEDParts, load_parts
-from ..checkpoint import expected_meta
 from ..config import Params, require_listed
-from ..entry import run_stage
-from ..groups import GROUPS
-from ..gsm8k import groups_gold_nll, load_gold_pairs, prompt_protocol
-from ..io_utils import write_json
+from ..eval.gsm8k import groups_gold_nll, load_gold_pairs, prompt_protocol
+from ..eval.perplexity import eval_ids, groups_ppl, protocol
 from ..model_utils import Geometry, load_model_and_tokenizer, resolve_device
-from ..paths import GOLD_PATH, OBJECTIVES_EVAL, SEED_INIT, SEED_INIT_MODELS, objective_models, projector_path
-from ..perplexity import eval_ids, groups_ppl, protocol
+from ..pipeline.checkpoint import expected_meta
+from ..pipeline.entry import run_stage
+from ..pipeline.io_utils import write_json
+from ..pipeline.paths import GOLD_PATH, OBJECTIVES_EVAL, SEED_INIT, SEED_INIT_MODELS, objective_models, projector_path
 from ..plan import LayerPlan, load_plan
 from ..projector import load_projector
+from ..runtime.groups import GROUPS
 
 
 def load_objective_parts(workdir: Path, objective: str, params: Params, plan: LayerPlan, geo: Geometry,

@@ -34,16 +34,16 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed
 from ..ced_runtime import CEDParts, load_mode_a_parts, load_parts
 from ..config import Params
-from ..entry import record_timing, run_stage
-from ..groups import LOW_RANK_GROUPS
-from ..io_utils import write_json
+from ..eval.perplexity import eval_ids, groups_ppl, mode_a_prefix, protocol
 from ..model_utils import load_model_and_tokenizer, resolve_device
-from ..paths import MODELS, PPL_METRICS
-from ..perplexity import eval_ids, groups_ppl, mode_a_prefix, protocol
+from ..pipeline import distributed
+from ..pipeline.entry import record_timing, run_stage
+from ..pipeline.io_utils import write_json
+from ..pipeline.paths import MODELS, PPL_METRICS
 from ..plan import load_plan
+from ..runtime.groups import LOW_RANK_GROUPS
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
 
     Without ``parts`` the maps come from ``workdir/models`` via
     :func:`ced_csa2.ced_runtime.load_parts`, which refuses a file made for another model,
-    layer, geometry or plan (:class:`~ced_csa2.checkpoint.CheckpointError`) before scoring.
+    layer, geometry or plan (:class:`~ced_csa2.pipeline.checkpoint.CheckpointError`) before scoring.
     """
     with distributed.session(params.distributed):
         return _run(params, Path(workdir), parts, model_and_tok)

@@ -25,15 +25,15 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..checkpoint import checkpoint_meta
 from ..config import Params
-from ..entry import run_stage
-from ..io_utils import write_json
-from ..paths import DUMP_PATH, EXTRA_METRICS, PROJECTORS_EXTRA, RIDGE_PATH
+from ..pipeline.checkpoint import checkpoint_meta
+from ..pipeline.entry import run_stage
+from ..pipeline.io_utils import write_json
+from ..pipeline.paths import DUMP_PATH, EXTRA_METRICS, PROJECTORS_EXTRA, RIDGE_PATH
 from ..plan import load_plan
 from ..projector import save_projectors
-from ..projector_training import Fitted, ridge_fitted, train_projectors
-from ..training import split_masks
+from ..train.projector_training import Fitted, ridge_fitted, train_projectors
+from ..train.training import split_masks
 
 log = logging.getLogger(__name__)
 

@@ -3,11 +3,11 @@
     python -m ced_csa2.stages.fit_xkv      # what `dvc repro fit_xkv` runs
 
 Reads ``params.yaml`` and ``data/dump/dump.h5``.  On the ridge stage's train records (the
-same record split and masks, :func:`ced_csa2.training.split_masks`, every token) it streams
+same record split and masks, :func:`ced_csa2.train.training.split_masks`, every token) it streams
 the K of the group's layers ``(source, *targets)``, stacked along channels, into a float64
 Gram matrix (likewise V), keeps the ``xkv.rank`` leading eigenvectors of each (``0`` =
 ``kv_dim``: per token exactly the bytes of CSA2's one shared entry) and measures the stored
-(FP16) bases on the validation records (:mod:`ced_csa2.xkv`).
+(FP16) bases on the validation records (:mod:`ced_csa2.maps.xkv`).
 
 Writes ``models/xkv.pt`` and ``metrics/xkv.json``:
 
@@ -27,18 +27,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..checkpoint import SAVE_DTYPE, checkpoint_meta
 from ..config import Params
-from ..entry import run_stage
-from ..fit_metrics import FitStats
-from ..h5store import DumpReader
-from ..io_utils import write_json
-from ..loader import aligned_block_rows, cat_features, iter_blocks
-from ..paths import DUMP_PATH, XKV_METRICS, XKV_PATH
+from ..data.h5store import DumpReader
+from ..data.loader import aligned_block_rows, cat_features, iter_blocks
+from ..maps.fit_metrics import FitStats
+from ..maps.ridge import DUMP_ATTRS
+from ..maps.xkv import KINDS, GramAccumulator, XKVBasis, group_layers, save_xkv, top_eigenvectors
+from ..pipeline.checkpoint import SAVE_DTYPE, checkpoint_meta
+from ..pipeline.entry import run_stage
+from ..pipeline.io_utils import write_json
+from ..pipeline.paths import DUMP_PATH, XKV_METRICS, XKV_PATH
 from ..plan import load_plan
-from ..ridge import DUMP_ATTRS
-from ..training import split_masks
-from ..xkv import KINDS, GramAccumulator, XKVBasis, group_layers, save_xkv, top_eigenvectors
+from ..train.training import split_masks
 
 log = logging.getLogger(__name__)
 

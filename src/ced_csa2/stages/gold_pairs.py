@@ -6,7 +6,7 @@ For each problem of ``data/gsm8k.jsonl``, in file order: the prompt lm-eval's ``
 task builds for it (the local task of :mod:`ced_csa2.stages.eval_gsm8k`, with
 ``eval_gsm8k.num_fewshot`` exemplars and seed ``seed``), lm-eval's target delimiter and the
 gold ``answer``, tokenised by the model's tokenizer as lm-eval's ``HFLM`` tokenises
-loglikelihood requests (:func:`ced_csa2.gsm8k.prompt_pairs`).  Only the tokenizer is
+loglikelihood requests (:func:`ced_csa2.eval.gsm8k.prompt_pairs`).  Only the tokenizer is
 loaded: no forward pass, seconds on any machine.
 
 Writes ``data/gsm8k_gold.json``: ``{"model", "math_set", "num_fewshot", "pairs"}`` with
@@ -21,10 +21,10 @@ import logging
 from pathlib import Path
 
 from ..config import Params
-from ..entry import run_stage
-from ..gsm8k import _offline, check_chat_template, count_problems, local_task, prompt_pairs, write_gold_pairs
+from ..eval.gsm8k import _offline, check_chat_template, count_problems, local_task, prompt_pairs, write_gold_pairs
 from ..model_utils import load_tokenizer
-from ..paths import GOLD_PATH, GSM8K_JSONL
+from ..pipeline.entry import run_stage
+from ..pipeline.paths import GOLD_PATH, GSM8K_JSONL
 
 log = logging.getLogger(__name__)
 

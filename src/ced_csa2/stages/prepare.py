@@ -43,12 +43,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .. import sources
 from ..assets import fetch_member
 from ..config import DataConfig, Params
-from ..entry import run_stage
-from ..io_utils import atomic_write_text, write_json
-from ..paths import EVAL_JSONL, GSM8K_JSONL, PREPARE_METRICS, TRAIN_JSONL
+from ..data import sources
+from ..pipeline.entry import run_stage
+from ..pipeline.io_utils import atomic_write_text, write_json
+from ..pipeline.paths import EVAL_JSONL, GSM8K_JSONL, PREPARE_METRICS, TRAIN_JSONL
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ import logging
 from pathlib import Path
 
 from ..config import Params
-from ..entry import run_stage
-from ..groups import GROUP_NAMES
-from ..io_utils import atomic_write_text, write_json, write_tsv
-from ..paths import GROUPS_TABLE, METRICS, OBJECTIVES_EVAL, REPORTS, SEED_INIT, SUMMARY
-from ..ridge import adapter_map
+from ..maps.ridge import adapter_map
+from ..pipeline.entry import run_stage
+from ..pipeline.io_utils import atomic_write_text, write_json, write_tsv
+from ..pipeline.paths import GROUPS_TABLE, METRICS, OBJECTIVES_EVAL, REPORTS, SEED_INIT, SUMMARY
+from ..runtime.groups import GROUP_NAMES
 
 log = logging.getLogger(__name__)
 

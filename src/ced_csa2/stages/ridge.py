@@ -3,7 +3,7 @@
     python -m ced_csa2.stages.ridge      # what `dvc repro ridge` runs
 
 Reads ``params.yaml`` and ``data/dump/dump.h5``; fits the maps of
-:mod:`ced_csa2.ridge` on the train records and measures them on the validation records
+:mod:`ced_csa2.maps.ridge` on the train records and measures them on the validation records
 (``ced_{k,v}_{t}``: the adapters' maps from the projected source, and ``{k,v}_{t}_on_ced``:
 the true-source maps fed the projected source, what ``ced_csa2`` gets without them).
 Writes ``models/ridge.pt`` and ``metrics/ridge.json``.
@@ -17,15 +17,15 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .. import distributed
 from ..config import Params, params_hash, to_dict
-from ..entry import run_stage
-from ..h5store import DumpReader
-from ..io_utils import write_json
-from ..loader import aligned_block_rows, record_split, row_mask
-from ..paths import DUMP_PATH, RIDGE_METRICS, RIDGE_PATH
+from ..data.h5store import DumpReader
+from ..data.loader import aligned_block_rows, record_split, row_mask
+from ..maps.ridge import DUMP_ATTRS, MapGroup, evaluate_maps, fit_maps, map_groups, projected_groups, save_ridge
+from ..pipeline import distributed
+from ..pipeline.entry import run_stage
+from ..pipeline.io_utils import write_json
+from ..pipeline.paths import DUMP_PATH, RIDGE_METRICS, RIDGE_PATH
 from ..plan import LayerPlan
-from ..ridge import DUMP_ATTRS, MapGroup, evaluate_maps, fit_maps, map_groups, projected_groups, save_ridge
 
 log = logging.getLogger(__name__)
 

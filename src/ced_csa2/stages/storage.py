@@ -16,7 +16,7 @@ Reads ``params.yaml`` and the active model's config (no weights), and writes
   and how each is counted);
 
 plus the DeepSeek-V4.1 reference figures of seed 003 (``deepseek_v4_1``) and a note on
-the seed's unexplained 3.44×.  All arithmetic lives in :mod:`ced_csa2.kv_bytes`.
+the seed's unexplained 3.44×.  All arithmetic lives in :mod:`ced_csa2.kv.kv_bytes`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,8 @@ from pathlib import Path
 
 from ..config import Params
 from ..csa2 import mlp_width
-from ..entry import run_stage
-from ..fp4 import FORMATS as FP4_FORMATS
-from ..groups import GROUPS
-from ..io_utils import write_json
-from ..kv_bytes import (
+from ..kv.fp4 import FORMATS as FP4_FORMATS
+from ..kv.kv_bytes import (
     BASES,
     CONTEXTS,
     DTYPE_BYTES,
@@ -56,8 +53,11 @@ from ..kv_bytes import (
     xkv_basis_params,
 )
 from ..model_utils import QWEN3_5_4B_ID, Geometry, geometry, qwen3_5_4b_config
-from ..paths import STORAGE_METRICS
+from ..pipeline.entry import run_stage
+from ..pipeline.io_utils import write_json
+from ..pipeline.paths import STORAGE_METRICS
 from ..plan import LayerPlan, load_plan
+from ..runtime.groups import GROUPS
 
 log = logging.getLogger(__name__)
 

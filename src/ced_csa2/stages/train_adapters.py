@@ -5,7 +5,7 @@
 Reads ``params.yaml``, ``data/dump/dump.h5`` and ``models/ridge.pt``.  Validates the
 plan and the dump first; splits the records as the ridge stage does, samples
 ``split.tokens_per_record`` token pairs per record on each side
-(:func:`ced_csa2.loader.row_mask`) and holds them in memory.  Each target layer gets a
+(:func:`ced_csa2.data.loader.row_mask`) and holds them in memory.  Each target layer gets a
 K and a V :class:`~ced_csa2.csa2.KVAdapter` whose base starts at the ridge maps
 ``k_{t}`` / ``v_{t}`` (so training starts *at* the ridge solution); all of them train
 in one loop, on the same batches:
@@ -17,7 +17,7 @@ in one loop, on the same batches:
 * validation (float32) on the held-out pairs before training -- which is the ridge
   solution's fit -- and after each epoch;
 * data-parallel (``distributed.nproc``): every rank holds all pairs and trains on its
-  slice of every global batch under ``DistributedDataParallel`` (:mod:`ced_csa2.training`),
+  slice of every global batch under ``DistributedDataParallel`` (:mod:`ced_csa2.train.training`),
   so the batches, their order and the steps are those of one process; rank 0 writes.
 
 Writes ``models/adapters.pt``, the curves
@@ -36,18 +36,27 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed
-from ..checkpoint import checkpoint_meta
 from ..config import Params
 from ..csa2 import CSA2Adapters, save_adapters
-from ..entry import run_stage
-from ..io_utils import write_json
-from ..loader import load_rows
+from ..data.loader import load_rows
 from ..model_utils import resolve_device
-from ..paths import ADAPTERS_CURVES, ADAPTERS_METRICS, ADAPTERS_PATH, DUMP_PATH, RIDGE_PATH
+from ..pipeline import distributed
+from ..pipeline.checkpoint import checkpoint_meta
+from ..pipeline.entry import run_stage
+from ..pipeline.io_utils import write_json
+from ..pipeline.paths import ADAPTERS_CURVES, ADAPTERS_METRICS, ADAPTERS_PATH, DUMP_PATH, RIDGE_PATH
 from ..plan import LayerPlan, load_plan
-from ..training import (KINDS, Head, TensorBatches, build_adapters, compute_dtype_name, fit, pair_names, split_masks,
-                        write_curves)
+from ..train.training import (
+    KINDS,
+    Head,
+    TensorBatches,
+    build_adapters,
+    compute_dtype_name,
+    fit,
+    pair_names,
+    split_masks,
+    write_curves,
+)
 
 log = logging.getLogger(__name__)
 

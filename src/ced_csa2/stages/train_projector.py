@@ -4,9 +4,9 @@
 
 Reads ``params.yaml``, ``data/dump/dump.h5`` and (``init: ridge``) ``models/ridge.pt``.
 Validates the plan and the dump first; splits the records as the ridge stage does
-(:func:`ced_csa2.loader.record_split`) and trains one :class:`~ced_csa2.projector.KVProjector`
+(:func:`ced_csa2.data.loader.record_split`) and trains one :class:`~ced_csa2.projector.KVProjector`
 on every token of the training records
-(:func:`ced_csa2.projector_training.train_projectors`):
+(:func:`ced_csa2.train.projector_training.train_projectors`):
 
 * loss: MSE on ``K ‖ V``; AdamW (``lr``, ``weight_decay``); linear warm-up over
   ``warmup_fraction`` of the steps, then cosine decay to 0; ``torch.autocast`` in
@@ -17,7 +17,7 @@ on every token of the training records
 * validation (float32) on every token of the held-out records, before training and
   after each epoch;
 * data-parallel (``distributed.nproc``): each rank trains on its slice of every global
-  batch under ``DistributedDataParallel`` (:mod:`ced_csa2.training`), so the batches, their
+  batch under ``DistributedDataParallel`` (:mod:`ced_csa2.train.training`), so the batches, their
   order and the steps are those of one process; rank 0 writes.
 
 A covering plan's extra sources are the ``extra_sources`` stage's.
@@ -40,16 +40,24 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .. import distributed
-from ..checkpoint import checkpoint_meta
 from ..config import Params, replaced
-from ..entry import run_stage
-from ..io_utils import write_json
-from ..paths import DUMP_PATH, PROJECTOR_CURVES, PROJECTOR_METRICS, RIDGE_PATH, SEED_INIT, SEED_INIT_MODELS, projector_path
+from ..pipeline import distributed
+from ..pipeline.checkpoint import checkpoint_meta
+from ..pipeline.entry import run_stage
+from ..pipeline.io_utils import write_json
+from ..pipeline.paths import (
+    DUMP_PATH,
+    PROJECTOR_CURVES,
+    PROJECTOR_METRICS,
+    RIDGE_PATH,
+    SEED_INIT,
+    SEED_INIT_MODELS,
+    projector_path,
+)
 from ..plan import load_plan
 from ..projector import save_projector
-from ..projector_training import train_projectors
-from ..training import split_masks, write_curves
+from ..train.projector_training import train_projectors
+from ..train.training import split_masks, write_curves
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ by its own pair from the ridge start -- its adapters from ``csa2``'s maps or
 ridge stage's ``ced_{k,v}_{t}*`` maps).
 
 * ``ridge``: the start itself, untrained -- the reference every objective must beat.
-* ``attn_out`` / ``distill`` (:mod:`ced_csa2.objectives`): three phases through the frozen
+* ``attn_out`` / ``distill`` (:mod:`ced_csa2.train.objectives`): three phases through the frozen
   model, on ``train.online.records`` records of the train split (the ridge stage's split),
   cropped to ``seq_len`` tokens: the projector under the ``ced`` substitution, the
   adapters under ``csa2`` (true source K/V), then ``ced_csa2``'s projector and adapters
@@ -43,13 +43,17 @@ import torch
 from tqdm import tqdm
 
 from ..ced_runtime import CEDParts
-from ..checkpoint import checkpoint_meta
 from ..config import Params, require_listed, to_dict
 from ..csa2 import save_adapters
-from ..entry import objective_arg, record_timing, run_stage
-from ..io_utils import write_json
+from ..data.records import batches
 from ..model_utils import Geometry, load_model_and_tokenizer, resolve_device
-from ..objectives import (
+from ..pipeline.checkpoint import checkpoint_meta
+from ..pipeline.entry import objective_arg, record_timing, run_stage
+from ..pipeline.io_utils import write_json
+from ..pipeline.paths import RIDGE_PATH, objective_curves, objective_metrics, objective_models, projector_path
+from ..plan import LayerPlan, load_plan
+from ..projector import save_projector
+from ..train.objectives import (
     PHASE_GROUPS,
     SAMPLE_STREAM,
     attn_out_loss,
@@ -62,11 +66,7 @@ from ..objectives import (
     substituted_layers,
     teacher_pass,
 )
-from ..paths import RIDGE_PATH, objective_curves, objective_metrics, objective_models, projector_path
-from ..plan import LayerPlan, load_plan
-from ..projector import save_projector
-from ..records import batches
-from ..training import warmup_cosine, write_curves
+from ..train.training import warmup_cosine, write_curves
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def save_parts(out: Path, objective: str, parts: CEDParts, params: Params, plan:
                geo: Geometry) -> None:
     """Both maps in folder ``out``, in the main branch's checkpoint formats, marked with their objective.
 
-    The metadata is :func:`ced_csa2.checkpoint.checkpoint_meta`'s (model, layers, geometry,
+    The metadata is :func:`ced_csa2.pipeline.checkpoint.checkpoint_meta`'s (model, layers, geometry,
     plan, provenance) plus ``objective``: what ``eval_objectives`` checks on loading.
     """
     # The ridge export does not depend on the online budget: same params, same bytes.

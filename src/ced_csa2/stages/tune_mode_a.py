@@ -12,7 +12,7 @@ cropped to ``seq_len``) the prompt -- the first ``eval_ppl.prefix_fraction``, as
 ``eval_ppl`` cuts it -- is prefilled by the skip (pure skip, no replay: the maps serve
 every mapped position whatever ``mode_a.replay`` keeps), the continuation runs through
 every layer, and the loss is KL(plain ‖ Mode A) on the continuation's next-token
-distributions (:func:`ced_csa2.objectives.mode_a_kl`).  One record per forward (the skip
+distributions (:func:`ced_csa2.train.objectives.mode_a_kl`).  One record per forward (the skip
 prefill has no padding), gradients accumulated over ``train.online.batch_size`` records
 per AdamW step (``mode_a.train.projector_lr`` for the projectors, ``mode_a.train.adapters_lr`` for the
 adapters), warm-up + cosine over ``mode_a.train.epochs`` epochs; held-out KL on
@@ -38,18 +38,18 @@ import torch
 from tqdm import tqdm
 
 from ..ced_runtime import CEDModeARuntime, CEDParts
-from ..checkpoint import checkpoint_meta
 from ..config import Params, to_dict
 from ..csa2 import save_adapters
-from ..entry import record_timing, run_stage
-from ..io_utils import write_json
 from ..model_utils import load_model_and_tokenizer, resolve_device
-from ..objectives import SAMPLE_STREAM, mode_a_kl, online_records, ridge_parts
-from ..paths import MODE_A_CURVES, MODE_A_METRICS, MODE_A_MODELS, RIDGE_PATH, projector_path
+from ..pipeline.checkpoint import checkpoint_meta
+from ..pipeline.entry import record_timing, run_stage
+from ..pipeline.io_utils import write_json
+from ..pipeline.paths import MODE_A_CURVES, MODE_A_METRICS, MODE_A_MODELS, RIDGE_PATH, projector_path
 from ..plan import load_plan
 from ..projector import save_projector, save_projectors
-from ..projector_training import ridge_projectors
-from ..training import warmup_cosine, write_curves
+from ..train.objectives import SAMPLE_STREAM, mode_a_kl, online_records, ridge_parts
+from ..train.projector_training import ridge_projectors
+from ..train.training import warmup_cosine, write_curves
 
 log = logging.getLogger(__name__)
 

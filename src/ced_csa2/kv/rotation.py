@@ -1,6 +1,6 @@
 """Fixed orthogonal rotations of stored K/V entries before FP4 (the ``*_fp4_rot`` groups).
 
-A block-scaled FP4 entry (:mod:`ced_csa2.fp4`) spends one scale per group of ``G``
+A block-scaled FP4 entry (:mod:`ced_csa2.kv.fp4`) spends one scale per group of ``G``
 channels, set by the group's largest magnitude: one outlier channel (pre-RoPE K has a few
 channels many times larger than the rest) makes every other channel of its group round
 to zero or to a coarse grid.  Rotating each head by a fixed orthogonal matrix ``R`` first
@@ -29,7 +29,7 @@ for K and V of that layer), so every run, stage and process rebuilds the same ``
 rotated group's bytes per token are exactly its plain FP4 twin's.
 
 Which streams.  :data:`ROTATED_STREAMS` (K only, or K and V) was chosen by measurement
-(issue 13): K and V, figures in :mod:`ced_csa2.groups`.  Elementwise error is a poor guide
+(issue 13): K and V, figures in :mod:`ced_csa2.runtime.groups`.  Elementwise error is a poor guide
 here: on SmolLM2's K/V the NVFP4 round trip's relative MSE is slightly *higher* rotated
 (K 0.0086 -> 0.0092) -- E4M3 scales per 16 channels already follow the outlier channels --
 yet perplexity improves, because the error no longer sits on the few channels that
@@ -184,7 +184,7 @@ def fp4_round_trip(fmt, x: torch.Tensor, rotation: HeadRotation | None = None) -
     Parameters
     ----------
     fmt
-        An FP4 format (:class:`~ced_csa2.fp4.NVFP4` / :class:`~ced_csa2.fp4.MXFP4`).
+        An FP4 format (:class:`~ced_csa2.kv.fp4.NVFP4` / :class:`~ced_csa2.kv.fp4.MXFP4`).
     x : torch.Tensor, shape (..., kv_dim), floating
     rotation
         The stored entry's rotation, or ``None`` for plain FP4.

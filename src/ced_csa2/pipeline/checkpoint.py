@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 from torch import nn
 
-from .config import params_hash
+from ..config import params_hash
 from .io_utils import atomic_write_bytes
 
 if TYPE_CHECKING:
-    from .config import Params
-    from .model_utils import Geometry
-    from .plan import LayerPlan
+    from ..config import Params
+    from ..model_utils import Geometry
+    from ..plan import LayerPlan
 
 log = logging.getLogger(__name__)
 

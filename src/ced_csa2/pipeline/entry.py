@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import load_params, record_reads
+from ..config import load_params, record_reads
 from .io_utils import atomic_write_text
 from .paths import timings_path
 
@@ -109,7 +109,7 @@ def run_stage(run, *args, launcher=None) -> None:
     other exception keeps its traceback.
 
     ``launcher(params, module, args)`` (a data-parallel stage's
-    :func:`ced_csa2.distributed.relaunch`) may run the stage in other processes and return
+    :func:`ced_csa2.pipeline.distributed.relaunch`) may run the stage in other processes and return
     their exit status, which this process then exits with; ``None`` runs it here.  A stage
     without one refuses to run as one of several processes (``WORLD_SIZE > 1``: ``torchrun``),
     which would be copies writing the same outputs.

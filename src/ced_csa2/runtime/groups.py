@@ -26,8 +26,8 @@ group                   projector  targets read     adapters  FP4 entries
    their blocks of its reconstruction; the bases (``models/xkv.pt``) are weights.
 .. [#rot] ``rotate``: as the plain twin (same entries in FP4, same bytes per token), but
    each FP4 entry is rotated per head by a fixed randomised Hadamard matrix before FP4 and
-   rotated back after reading (:mod:`ced_csa2.rotation`): ``read = Rᵀ dequant(FP4(R x))``,
-   K and V both (:data:`ced_csa2.rotation.ROTATED_STREAMS`).  ``R`` is derived from a
+   rotated back after reading (:mod:`ced_csa2.kv.rotation`): ``read = Rᵀ dequant(FP4(R x))``,
+   K and V both (:data:`ced_csa2.kv.rotation.ROTATED_STREAMS`).  ``R`` is derived from a
    fixed seed per layer: weights, never stored per token.  Measured (embedded default,
    32 eval records; ΔPPL % vs baseline, then rotated vs plain, paired, with its 95% CI):
    ``baseline_fp4`` 6.88% → 4.35% with NVFP4
@@ -66,13 +66,13 @@ class Group:
     doc
         One line for the report and ``metrics/storage.json``.
     low_rank
-        xKV (:mod:`ced_csa2.xkv`): the source and targets store nothing of their own; one
+        xKV (:mod:`ced_csa2.maps.xkv`): the source and targets store nothing of their own; one
         entry of ``xkv.rank`` coefficients per token for K and one for V (cross-layer SVD
         bases, ``models/xkv.pt``) stands for all of them, and each of these layers reads its
         block of the reconstruction of the *clean* K/V (a compressed clean prefill).
     rotate
         The FP4 entries are rotated per head by a fixed orthogonal matrix before FP4 and
-        rotated back after reading (:mod:`ced_csa2.rotation`; FP4 groups only).  Same bytes
+        rotated back after reading (:mod:`ced_csa2.kv.rotation`; FP4 groups only).  Same bytes
         per token as the group without it.
     """
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .csa2 import input_dim
-from .groups import group as _group
-from .model_utils import Geometry
-from .plan import LayerPlan
+from ..csa2 import input_dim
+from ..model_utils import Geometry
+from ..plan import LayerPlan
+from ..runtime.groups import group as _group
 
 # Bytes per element of the dense dtypes the project reports.
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -141,7 +141,7 @@ def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_byte
     Qwen3.5-4B in bf16: ``2 · 1024 · 2 = 4,096`` B/token per attention layer (design §6).
     A sliding-window layer's copies hold at most ``window - 1`` entries (``max_entries``;
     :func:`bytes_per_token` applies it at a given context).
-    The group's FP4 entries (:meth:`~ced_csa2.groups.Group.fp4_layers`: every layer, or only
+    The group's FP4 entries (:meth:`~ced_csa2.runtime.groups.Group.fp4_layers`: every layer, or only
     the shared source) cost ``fp4_entry_bytes(kv_dim, fp4_group)`` whatever the dtype.
     Under a ``low_rank`` group (``xkv``) the source's K and V copies hold the group's
     ``rank`` cross-layer coefficients instead (default ``rank = kv_dim``: csa2's bytes).
@@ -189,7 +189,7 @@ def rotation_params(geo: Geometry, plan: LayerPlan, group: str) -> int:
     """A rotated FP4 group's matrices (``*_fp4_rot``): ``head_dim²`` per FP4 layer, or 0.
 
     One ``(head_dim, head_dim)`` matrix per layer whose entry is FP4, shared by its heads, K
-    and V (:mod:`ced_csa2.rotation`).  Weights, never per token: a rotated group's
+    and V (:mod:`ced_csa2.kv.rotation`).  Weights, never per token: a rotated group's
     :func:`kv_copies` are its plain twin's.  Built from a fixed seed per layer, so nothing
     needs storing; this is what they would take as dense matrices.
     """

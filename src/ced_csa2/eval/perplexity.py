@@ -16,14 +16,14 @@ from typing import Mapping, Sequence
 import torch
 from tqdm import tqdm
 
-from . import distributed
-from .ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_hidden, plain_prefill
-from .config import Params
-from .paths import EVAL_JSONL
-from .records import read_records, seeded_subset
+from ..ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_hidden, plain_prefill
+from ..config import Params
+from ..data.records import read_records, seeded_subset
+from ..pipeline import distributed
+from ..pipeline.paths import EVAL_JSONL
+from ..pipeline.timing import MIN_REPEATS, PROTOCOL, BoundExceeded, check_bound, paired_seconds
 from .scoring import BLOCK_TOKENS, multi_group_nll, score_hidden, sequence_nll
 from .stats import paired_bootstrap, paired_deltas, ratio_bootstrap
-from .timing import MIN_REPEATS, PROTOCOL, BoundExceeded, check_bound, paired_seconds
 
 log = logging.getLogger(__name__)
 
@@ -116,14 +116,14 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     Timing (``"timing"``) is kept apart from the quality figures, which it never changes:
     on a seeded sample of ``timing_records`` records (0 = all), right after the two scoring
     prefills of a record (which are that prompt shape's warm-up of each arm), the two
-    prefills are timed by :func:`ced_csa2.timing.paired_seconds` (arms alternated,
+    prefills are timed by :func:`ced_csa2.pipeline.timing.paired_seconds` (arms alternated,
     ``timing_repeats`` rounds, per-arm median).  ``plain_s``/``mode_a_s`` are the sums
     over the timed records of the per-record medians, ``speedup`` their ratio.  It is
     checked against ``bound`` = decoder-layer passes of the plain prefill / of Mode A's over
     the timed prompts (:func:`prefill_bound`: ``n_layers / split`` without ``replay``,
     :class:`~ced_csa2.ced_runtime.CEDModeARuntime`'s bounded replay); a speed-up above it is refused,
     never reported: ``speedup`` is ``None`` and ``refused`` holds the
-    :class:`~ced_csa2.timing.BoundExceeded` message (logged as an error), while the quality
+    :class:`~ced_csa2.pipeline.timing.BoundExceeded` message (logged as an error), while the quality
     figures, which the timing cannot change, stand.
 
     Under a process group each rank takes a contiguous share of the records; the per-record
@@ -131,7 +131,7 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     (the sample is drawn over all records, so the same records are timed at any world
     size) and the per-record medians are summed over the ranks; on a shared CPU the ranks
     run concurrently, so both arms are timed under the same load.  Both continuations are
-    scored ``block_tokens`` positions at a time (:func:`~ced_csa2.scoring.score_hidden`).
+    scored ``block_tokens`` positions at a time (:func:`~ced_csa2.eval.scoring.score_hidden`).
 
     Returns
     -------

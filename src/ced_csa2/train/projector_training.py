@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import distributed
-from .config import Params, ProjectorConfig
-from .loader import BlockLoader
-from .model_utils import Geometry, resolve_device
-from .projector import KVProjector
+from ..config import Params, ProjectorConfig
+from ..data.loader import BlockLoader
+from ..model_utils import Geometry, resolve_device
+from ..pipeline import distributed
+from ..projector import KVProjector
 from . import training
 from .training import Head, evaluate, fit, ridge_maps, val_summary, warmup_cosine
 

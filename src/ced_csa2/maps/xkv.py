@@ -18,7 +18,7 @@ stacked along channels, ``x = [k_source; k_t1; ...]`` of width ``D = L * kv_dim`
 * **reconstruct**: ``x̂ = U_r c``; each layer of the group reads its ``kv_dim`` block.
 
 The same for V with its own basis.  The bases are weights: ``2 * D * r`` parameters.
-``models/xkv.pt`` is a :mod:`ced_csa2.checkpoint` file (FP16 bases, metadata checked on
+``models/xkv.pt`` is a :mod:`ced_csa2.pipeline.checkpoint` file (FP16 bases, metadata checked on
 load like every other map file).
 """
 
@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import load_checkpoint, load_state, save_checkpoint
+from ..pipeline.checkpoint import load_checkpoint, load_state, save_checkpoint
 
 KIND = "xkv"
 KINDS = ("k", "v")
 # What an xkv file must say about itself besides its shape (layers, kv_dim, rank come from
-# the module): see ced_csa2.checkpoint.expected_meta / checkpoint_meta.
+# the module): see ced_csa2.pipeline.checkpoint.expected_meta / checkpoint_meta.
 REQUIRED_META = ("model", "model_id", "hidden_size", "plan", "split", "params_hash")
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -184,7 +184,7 @@ class XKVBasis(nn.Module):
 def save_xkv(path: str | Path, basis: XKVBasis, meta: Mapping) -> Path:
     """Write ``basis`` (FP16) and ``meta`` to ``path`` atomically.
 
-    ``meta`` must hold :data:`REQUIRED_META` (:func:`ced_csa2.checkpoint.checkpoint_meta`
+    ``meta`` must hold :data:`REQUIRED_META` (:func:`ced_csa2.pipeline.checkpoint.checkpoint_meta`
     gives them); ``layers``, ``kv_dim`` and ``rank`` come from the module, so the file
     describes the weights it holds.
     """
@@ -205,7 +205,7 @@ def load_xkv(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
     expect
         Metadata the file must match (the pipeline passes ``expected_meta(...)["xkv"]``:
         model, layers, hidden_size, kv_dim, plan); a mismatch raises
-        :class:`~ced_csa2.checkpoint.CheckpointError` naming the file, the key and both
+        :class:`~ced_csa2.pipeline.checkpoint.CheckpointError` naming the file, the key and both
         values, before any weight is read into a module.
 
     Returns

@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import distributed, kv_hooks
-from .ced_runtime import CEDModeBRuntime, CEDParts, parts_for
-from .model_utils import decoder_layer
-from .plan import LayerPlan
+from .. import kv_hooks
+from ..ced_runtime import CEDModeBRuntime, CEDParts, parts_for
+from ..model_utils import decoder_layer
+from ..pipeline import distributed
+from ..plan import LayerPlan
 
 # Scored positions per LM-head block (``eval_ppl.score_block_tokens``): at Gemma-3's 262,144-token
 # vocabulary one block's fp32 logits are 256 MiB, and scoring holds a few such tensors at once.
@@ -261,7 +262,7 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
         As for :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (every group checked before
         scoring); ``parts`` may also map each group to its own maps (:func:`~ced_csa2.ced_runtime.parts_for`).
     groups
-        Group names (:data:`ced_csa2.groups.GROUP_NAMES`).
+        Group names (:data:`ced_csa2.runtime.groups.GROUP_NAMES`).
     sequences, score_from, batch_size, pad_id, block_tokens
         As for :func:`sequence_nll`.
     agreement
@@ -272,7 +273,7 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
         Further runtimes to score, by label, each used like a group's
         :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (``replaced_layers``, ``spec``,
         ``seed``, a context manager): e.g. a group with sparse reads on top
-        (:class:`ced_csa2.sparse_attention.SparseGroup`), which branches at its first sparse layer.
+        (:class:`ced_csa2.runtime.sparse_attention.SparseGroup`), which branches at its first sparse layer.
 
     Returns
     -------

@@ -24,8 +24,8 @@ import torch
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from . import distributed
-from .ced_runtime import CEDModeARuntime
+from ..ced_runtime import CEDModeARuntime
+from ..pipeline import distributed
 from .scoring import BLOCK_TOKENS, continuation_logprob
 
 
@@ -36,7 +36,7 @@ class DataParallelLM(HFLM):
     ``world_size`` 1 as lm-eval sees it: the same requests, filters and metrics); only the
     model calls are shared out.  The requests are put in the batches ``HFLM.generate_until``
     forms in one process (:meth:`single_process_batches`); rank ``r`` generates a contiguous
-    run of those batches, unchanged (:func:`ced_csa2.distributed.bounds`), and the texts of all
+    run of those batches, unchanged (:func:`ced_csa2.pipeline.distributed.bounds`), and the texts of all
     ranks are gathered in request order on every rank.  A batch's padding -- hence its
     floating-point results -- is the single-process one, so the generated text is too.
     Without a process group this is ``HFLM``.
@@ -55,7 +55,7 @@ class DataParallelLM(HFLM):
     Sharding whole single-process batches keeps the results identical for any number of
     processes.
     (3) ``accelerate launch`` is not needed: the process group is torchrun's
-    (:func:`ced_csa2.distributed.relaunch`), gloo on CPU.
+    (:func:`ced_csa2.pipeline.distributed.relaunch`), gloo on CPU.
     """
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -95,7 +95,7 @@ class ModeALM(DataParallelLM):
     tokenizer
         The model's tokenizer.
     block_tokens
-        Continuation positions per LM-head block when scoring (:func:`~ced_csa2.scoring.continuation_logprob`).
+        Continuation positions per LM-head block when scoring (:func:`~ced_csa2.eval.scoring.continuation_logprob`).
     """
 
     def __init__(self, runtime: CEDModeARuntime, tokenizer, *, block_tokens: int = BLOCK_TOKENS, **kwargs):

@@ -3,18 +3,18 @@
 * :func:`split_masks` -- validate the dump against the plan, then the train/val row
   masks (records split as the ridge stage splits them).
 * :func:`ridge_maps` -- the closed-form maps that initialise either kind of map.
-* :class:`TensorBatches` -- in-memory rows with :class:`~ced_csa2.loader.BlockLoader`'s
+* :class:`TensorBatches` -- in-memory rows with :class:`~ced_csa2.data.loader.BlockLoader`'s
   interface, so one loop serves data streamed from disk and data held in memory.
 * :class:`Head` and :func:`fit` -- one loop that trains several independent maps on the
   same batches (one read of the data for all of them), with per-epoch validation.
 * :func:`evaluate`, :func:`write_curves` -- fp32 held-out metrics through
-  :class:`~ced_csa2.fit_metrics.FitStats`, and training curves, one series per TSV file.
+  :class:`~ced_csa2.maps.fit_metrics.FitStats`, and training curves, one series per TSV file.
 
 The maps are independent (each loss touches only its own parameters), so summing their
 losses and stepping one optimizer is exactly per-map training: AdamW and SGD update
 each parameter from its own gradient alone.
 
-Data-parallel (under :func:`ced_csa2.distributed.session`): every rank draws the same
+Data-parallel (under :func:`ced_csa2.pipeline.distributed.session`): every rank draws the same
 global batches (their order a function of the seed alone) and trains on its contiguous
 slice of each; the heads are wrapped in ``DistributedDataParallel`` and each rank's loss
 is weighted by its share of the batch, so DDP's gradient average is the gradient of the
@@ -40,16 +40,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from . import distributed
-from .config import Params
-from .csa2 import CSA2Adapters
-from .fit_metrics import FitStats, merged
-from .h5store import DumpError, DumpReader
-from .io_utils import atomic_write_text
-from .loader import record_split, row_mask
-from .model_utils import Geometry, resolve_dtype
-from .plan import LayerPlan
-from .ridge import adapter_map, load_ridge
+from ..config import Params
+from ..csa2 import CSA2Adapters
+from ..data.h5store import DumpError, DumpReader
+from ..data.loader import record_split, row_mask
+from ..maps.fit_metrics import FitStats, merged
+from ..maps.ridge import adapter_map, load_ridge
+from ..model_utils import Geometry, resolve_dtype
+from ..pipeline import distributed
+from ..pipeline.io_utils import atomic_write_text
+from ..plan import LayerPlan
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def split_masks(path: Path, params: Params, plan: LayerPlan, geo: Geometry, laye
     layers
         Layers whose K/V the stage reads.
     tokens_per_record
-        Rows drawn per record (0 = every token), as :func:`ced_csa2.loader.row_mask`.
+        Rows drawn per record (0 = every token), as :func:`ced_csa2.data.loader.row_mask`.
 
     Returns
     -------

@@ -9,7 +9,7 @@ Two block formats share one 4-bit element type and differ only in the block scal
   channels, the indexer-K format.
 
 An entry of ``D`` channels in groups of ``G`` packs into ``D/2`` element bytes plus
-``D/G`` scale bytes, exactly :func:`ced_csa2.kv_bytes.fp4_entry_bytes` (288 B for
+``D/G`` scale bytes, exactly :func:`ced_csa2.kv.kv_bytes.fp4_entry_bytes` (288 B for
 ``(512, 16)``, 68 B for ``(128, 32)``).
 
 References

@@ -1,7 +1,7 @@
 """Closed-form ridge maps between dumped activations (streaming, float64 statistics).
 
 The ``ridge`` stage (:mod:`ced_csa2.stages.ridge`) splits the dump's records into train
-and validation (:func:`ced_csa2.loader.record_split`, the split both trainers use),
+and validation (:func:`ced_csa2.data.loader.record_split`, the split both trainers use),
 streams the training rows once and fits, with ``λ = ridge.lambda`` and an unpenalised bias:
 
 * ``proj_{l}`` for each projected layer ``l``: ``h_split → [k_l ‖ v_l]``, the linear
@@ -15,7 +15,7 @@ streams the training rows once and fits, with ``λ = ridge.lambda`` and an unpen
   the ``ced_csa2`` group reads with (its targets never see the true source K/V).
 
 A second streaming pass over the validation records measures each map with
-:class:`~ced_csa2.fit_metrics.FitStats` (``proj_{l}`` also per K and V half, as
+:class:`~ced_csa2.maps.fit_metrics.FitStats` (``proj_{l}`` also per K and V half, as
 ``proj_{l}_k`` and ``proj_{l}_v``).  Outputs: ``models/ridge.pt``
 (``{"maps": {name: {"W": (d_in, d_out) float32, "b": (d_out,) float32}}, "meta": ...}``;
 a map is applied as ``y = x @ W + b``) and ``metrics/ridge.json``.
@@ -38,12 +38,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import distributed
+from ..data.h5store import DumpReader
+from ..data.loader import active_blocks, cat_features, iter_blocks
+from ..pipeline import distributed
+from ..pipeline.io_utils import atomic_write_bytes
+from ..plan import LayerPlan
 from .fit_metrics import FitStats, merged
-from .h5store import DumpReader
-from .io_utils import atomic_write_bytes
-from .loader import active_blocks, cat_features, iter_blocks
-from .plan import LayerPlan
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ def evaluate_maps(reader: DumpReader, groups: list[MapGroup], maps: dict, mask: 
     """Held-out fit of the stored (float32) maps on the masked rows, in one pass (``derive``: as :func:`fit_maps`).
 
     Under a process group each rank measures its share of the blocks and the ranks' statistics
-    are merged in rank order (:meth:`~ced_csa2.fit_metrics.FitStats.merge`).
+    are merged in rank order (:meth:`~ced_csa2.maps.fit_metrics.FitStats.merge`).
 
     Returns
     -------

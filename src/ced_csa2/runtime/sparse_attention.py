@@ -2,15 +2,15 @@
 
 A training-free ablation of the selection side of CSA2 (seed 002, seed 003 §4.3 and §4.7;
 docs/design.md §7).  :class:`SparseAttention` is a context manager, like the K/V hooks of
-:mod:`ced_csa2.kv_hooks`: while it is open, every sparse layer (:func:`~ced_csa2.layer_modes.sparse_layers`)
+:mod:`ced_csa2.kv_hooks`: while it is open, every sparse layer (:func:`~ced_csa2.runtime.layer_modes.sparse_layers`)
 attends, per query position and causally, over
 
 * its **local window**: the last ``window`` positions up to and including its own, and
 * the **top-k** of the remaining visible entries, chosen as its mode says
-  (:class:`~ced_csa2.layer_modes.LayerModes`): Full and Reindex layers rank them with
+  (:class:`~ced_csa2.runtime.layer_modes.LayerModes`): Full and Reindex layers rank them with
   their own indexer, a Reuse layer reads exactly the selection of its index source.
 
-It composes with every Mode B runtime and with :class:`~ced_csa2.shared_kv.SharedKVCache`:
+It composes with every Mode B runtime and with :class:`~ced_csa2.runtime.shared_kv.SharedKVCache`:
 it changes only *which* of the K/V the layer is handed it attends to, so a CSA2 target
 still reads ``adapter(KV_source)`` -- in teacher-forced passes and in cached generation.
 
@@ -59,8 +59,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..model_utils import Geometry, attention
 from .layer_modes import LayerModes, ModeError
-from .model_utils import Geometry, attention
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ class SparseAttention:
     model
         A HF causal LM of the Llama, Qwen3.5 or Gemma-3 family (``sdpa`` or ``eager`` attention).
     modes
-        The validated :class:`~ced_csa2.layer_modes.LayerModes` of the sparse layers.
+        The validated :class:`~ced_csa2.runtime.layer_modes.LayerModes` of the sparse layers.
     reads
         ``k``, ``window`` and the optional :class:`HSI`.
     geo
@@ -412,7 +412,7 @@ class SparseGroup:
     ``runtime`` (a :class:`~ced_csa2.ced_runtime.CEDModeBRuntime`) supplies the K/V -- its
     own for ``baseline``, ``adapter(KV_source)`` for the targets under ``csa2`` -- and
     ``sparse`` narrows what the sparse layers read of them.  It has what
-    :func:`ced_csa2.scoring.multi_group_nll` uses of a runtime (``extra=``): its first changed
+    :func:`ced_csa2.eval.scoring.multi_group_nll` uses of a runtime (``extra=``): its first changed
     layer is the lowest sparse layer, so the shared trunk runs the layers below it once.
     """
 

@@ -20,10 +20,10 @@ from typing import Iterator, Mapping
 import torch
 import yaml
 
-from . import distributed
-from .ced_runtime import CEDModeBRuntime, CEDParts
-from .config import Params
-from .io_utils import write_json
+from ..ced_runtime import CEDModeBRuntime, CEDParts
+from ..config import Params
+from ..pipeline import distributed
+from ..pipeline.io_utils import write_json
 from .scoring import BLOCK_TOKENS, multi_group_nll, sequence_nll
 from .stats import paired_deltas
 
@@ -174,7 +174,7 @@ def gold_pairs(lm, results: dict) -> list[tuple[list[int], int]]:
 def gold_nll(model, pairs: list[tuple[list[int], int]], batch_size: int, pad_id: int, *,
              block_tokens: int = BLOCK_TOKENS) -> dict:
     """Token-weighted NLL per gold-answer token (pads never counted; only the answer tokens reach the LM
-    head, ``block_tokens`` at a time: :func:`~ced_csa2.scoring.score_hidden`)."""
+    head, ``block_tokens`` at a time: :func:`~ced_csa2.eval.scoring.score_hidden`)."""
     # Sorting by length keeps right-padding (and wasted compute) small; only sums are kept.
     pairs = sorted(pairs, key=lambda p: len(p[0]))
     return _per_token(sequence_nll(model, [p[0] for p in pairs], [p[1] for p in pairs], batch_size, pad_id,
@@ -187,7 +187,7 @@ def groups_gold_nll(model, plan, groups: list[str], parts: CEDParts | Mapping[st
                     extra: Mapping[str, object] | None = None, block_tokens: int = BLOCK_TOKENS) -> dict[str, dict]:
     """:func:`gold_nll` of every group under its Mode B runtime, bit for bit, with one shared trunk per batch.
 
-    ``extra`` adds runtimes by label, scored like groups (:func:`~ced_csa2.scoring.multi_group_nll`);
+    ``extra`` adds runtimes by label, scored like groups (:func:`~ced_csa2.eval.scoring.multi_group_nll`);
     ``more`` adds arms scored elsewhere (Mode A): ``{name: (len(pairs), 2)}`` rows in the
     order of ``pairs``.  When ``baseline`` is among ``groups`` every other group and arm also
     gets ``delta`` (gold NLL per token minus the baseline's, nats) and ``delta_ci95`` (paired
@@ -222,7 +222,7 @@ def evaluate_group(lm, model, plan, group: str, parts: CEDParts | None, task_man
 
 
 def evaluate_lm(lm, task_manager, params: Params, label: str) -> tuple[dict, list[tuple[list[int], int]] | None]:
-    """lm-eval exact match of ``lm`` as it is (Mode A: :class:`~ced_csa2.mode_a_lm.ModeALM`), and the gold pairs.
+    """lm-eval exact match of ``lm`` as it is (Mode A: :class:`~ced_csa2.eval.mode_a_lm.ModeALM`), and the gold pairs.
 
     ``({}, None)`` on a rank other than 0 of a process group: lm-eval returns its results
     on ``LOCAL_RANK`` 0 only (every rank took part in the generation).

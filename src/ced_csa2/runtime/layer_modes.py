@@ -32,9 +32,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..model_utils import Geometry
+from ..plan import LayerPlan, PlanError
 from .groups import group as lookup_group
-from .model_utils import Geometry
-from .plan import LayerPlan, PlanError
 
 MODES = ("full", "reindex", "reuse")
 SHORT = {"full": "F", "reindex": "X", "reuse": "R"}  # seed 003 §4.3's letters

@@ -35,15 +35,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kv_hooks
-from .ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, _StopForward
-from .config import Params
-from .loader import record_split
-from .model_utils import Geometry, attention, decoder_layer
-from .paths import TRAIN_JSONL
-from .plan import LayerPlan
+from .. import kv_hooks
+from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, _StopForward
+from ..config import Params
+from ..data.loader import record_split
+from ..data.records import read_records, tokenize
+from ..model_utils import Geometry, attention, decoder_layer
+from ..pipeline.paths import TRAIN_JSONL
+from ..plan import LayerPlan
 from .projector_training import ridge_projectors
-from .records import read_records, tokenize
 from .training import build_adapters
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -214,7 +214,7 @@ def mode_a_kl(model: nn.Module, runtime: CEDModeARuntime, row: torch.Tensor, fra
     """KL(plain ‖ Mode A) per continuation token of one record ``row`` ``(1, T)``, through the prefill skip.
 
     The prompt (the first ``max(2, int(T * fraction))`` tokens, as
-    :func:`ced_csa2.perplexity.mode_a_prefix` cuts) is prefilled by the skip with the
+    :func:`ced_csa2.eval.perplexity.mode_a_prefix` cuts) is prefilled by the skip with the
     maps' gradients kept (:meth:`~ced_csa2.ced_runtime.CEDModeARuntime.prefill_with_grad`);
     the continuation runs through every layer, reading the mapped K/V; the teacher is
     the plain model on the whole row (no grad).  Temperature 1: what ``eval_ppl`` reports.

@@ -56,13 +56,13 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from . import kv_hooks
-from .ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn, require_parts
-from .fp4 import FORMATS, Packed
+from .. import kv_hooks
+from ..ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn, require_parts
+from ..kv.fp4 import FORMATS, Packed
+from ..kv.kv_bytes import StoredCopy, fp4_entry_bytes, kv_copies
+from ..model_utils import Geometry, attention, geometry, layer_type, rotary
+from ..plan import LayerPlan
 from .groups import GROUPS, SHARED_GROUPS
-from .kv_bytes import StoredCopy, fp4_entry_bytes, kv_copies
-from .model_utils import Geometry, attention, geometry, layer_type, rotary
-from .plan import LayerPlan
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -91,7 +91,7 @@ class TokenStore:
     Parameters
     ----------
     fmt
-        An FP4 format (:class:`~ced_csa2.fp4.NVFP4` / :class:`~ced_csa2.fp4.MXFP4`), or
+        An FP4 format (:class:`~ced_csa2.kv.fp4.NVFP4` / :class:`~ced_csa2.kv.fp4.MXFP4`), or
         ``None`` to keep plain tensors in the dtype they arrive in.
     """
 
@@ -368,7 +368,7 @@ def kv_held_bytes(cache: Cache) -> int:
     """Bytes of per-token K/V a cache holds: dense layers' ``keys``/``values``, FP4 layers and the shared store.
 
     Linear-attention (GatedDeltaNet) states are not counted: their size does not grow
-    with the context, and the KV accounting (:mod:`ced_csa2.kv_bytes`) leaves them out too.
+    with the context, and the KV accounting (:mod:`ced_csa2.kv.kv_bytes`) leaves them out too.
     """
     total = 0
     for layer in cache.layers:
@@ -394,7 +394,7 @@ class SharedKVCache(DynamicCache):
         Trained maps: ``adapters`` for ``*csa2``, ``projector`` for ``ced_csa2``.
     storage
         :data:`STORAGES`: ``"bf16"`` (the model's dtype, plain tensors), ``"nvfp4"`` or
-        ``"mxfp4"`` (packed E2M1 blocks, :mod:`ced_csa2.fp4`).
+        ``"mxfp4"`` (packed E2M1 blocks, :mod:`ced_csa2.kv.fp4`).
 
     Examples
     --------
@@ -473,14 +473,14 @@ class FP4KVCache(DynamicCache):
 
 def accounted_copies(geo: Geometry, plan: LayerPlan, group: str, storage: str, dtype_bytes: int,
                      rank: int | None = None) -> list[StoredCopy]:
-    """What a cache should hold per token on the ``all_attention`` basis (:mod:`ced_csa2.kv_bytes`).
+    """What a cache should hold per token on the ``all_attention`` basis (:mod:`ced_csa2.kv.kv_bytes`).
 
     ``group`` ``baseline`` with an FP4 ``storage`` is :class:`FP4KVCache` (every layer in
     FP4); a shared group with an FP4 ``storage`` stores only the source in FP4.  ``xkv``
     (dense storage only) holds ``rank`` coefficients (default ``kv_dim``) for K and for V
     per token in place of the source's and targets' entries.  An FP4 group (``*_fp4``,
     ``*_fp4_rot``) needs its ``kv_format`` as ``storage`` and holds its own FP4 entries
-    (:meth:`~ced_csa2.groups.Group.fp4_layers`); a rotation adds no per-token bytes.
+    (:meth:`~ced_csa2.runtime.groups.Group.fp4_layers`); a rotation adds no per-token bytes.
     """
     fmt = _format(storage)
     copies = kv_copies(geo, plan, group, "all_attention", dtype_bytes, rank=rank)  # refuses an unknown group
