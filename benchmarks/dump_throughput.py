@@ -24,11 +24,13 @@ import numpy as np
 import torch
 
 from ced_csa2.config import load_params
+from ced_csa2.data import dumping
 from ced_csa2.data.h5store import DumpLayout, DumpWriter
+from ced_csa2.data.records import pad_batch, read_records, tokenize
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
+from ced_csa2.pipeline.paths import TRAIN_JSONL
 from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds
 from ced_csa2.plan import load_plan
-from ced_csa2.stages import dump
 
 
 def main() -> None:
@@ -40,11 +42,11 @@ def main() -> None:
 
     params = load_params(args.params)
     plan, geo = load_plan(params.plan, params.model)
-    records = dump.read_records(dump.TRAIN_JSONL)[: args.records]
+    records = read_records(TRAIN_JSONL)[: args.records]
     model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.dump.device))
-    ids = dump.tokenize(tok, records, params.data.max_tokens)
+    ids = tokenize(tok, records, params.data.max_tokens)
     bs = params.dump.batch_size
-    batches = [dump.pad_batch(ids[i:i + bs], tok.pad_token_id) for i in range(0, len(ids), bs)]
+    batches = [pad_batch(ids[i:i + bs], tok.pad_token_id) for i in range(0, len(ids), bs)]
     n_tokens = sum(len(r) for r in ids)
     layout = DumpLayout(geo.hidden_size, geo.kv_dim, plan.kv_layers, params.dump.storage_dtype)
     device = next(model.parameters()).device
@@ -60,7 +62,7 @@ def main() -> None:
                             {"fingerprint": "bench"})
 
         def dumped(x, mask, rows):
-            arrays = dump.forward_batch(model, plan, x, mask, params.dump.storage_dtype)
+            arrays = dumping.forward_batch(model, plan, x, mask, params.dump.storage_dtype)
             writer.append(arrays, np.fromiter((i for r in rows for i in r), np.int32), [len(r) for r in rows])
 
         for (x, mask), start in zip(batches, range(0, len(ids), bs)):

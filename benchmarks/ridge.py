@@ -64,7 +64,6 @@ def worker(kind: str, dump: Path, x: str, y: list[str], lam: float, block_rows: 
     from ced_csa2.data.h5store import DumpReader
     from ced_csa2.data.loader import aligned_block_rows, cat_features, iter_blocks, load_rows
     from ced_csa2.maps.ridge import RidgeAccumulator
-    from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds
 
     with DumpReader(dump) as r:
         n, widths = r.n_tokens, r.layout.widths()

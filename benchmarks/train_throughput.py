@@ -96,7 +96,7 @@ def main() -> None:
     print(json.dumps({
         "rows": int(mask.sum()), "epochs": args.epochs, "batch_size": bs, "device": str(device),
         "threads": torch.get_num_threads(), "amp_dtype": params.train_projector.amp_dtype,
-        "in_memory_load_seconds": round(runs["in_memory"][0], 2),
+        "in_memory_load_seconds": round(load["in_memory"], 2),
         "total_seconds_incl_loading": {k: round(v, 2) for k, v in total.items()},
         "steady_epoch_seconds": {k: round(v, 3) for k, v in steady.items()},
         "overhead_pct_total": {k: round(100 * (total[k] / total["in_memory"] - 1), 1) for k in total

@@ -347,10 +347,10 @@ def test_device_map_auto_keeps_dump_rows_and_logits(tmp_path, tiny_model):
     from test_ced_runtime import random_parts
 
     from ced_csa2.ced_runtime import CEDModeBRuntime
+    from ced_csa2.data.dumping import forward_batch
     from ced_csa2.data.records import pad_batch
     from ced_csa2.model_utils import dispatch_auto, geometry, load_model_and_tokenizer
     from ced_csa2.plan import LayerPlan
-    from ced_csa2.stages.dump import forward_batch
 
     params = tiny_params()
     plain, tok = tiny_model

@@ -10,11 +10,12 @@ from conftest import tiny_params
 from test_ced_runtime import random_parts
 
 from ced_csa2.ced_runtime import CEDModeARuntime
+from ced_csa2.data import corpus
 from ced_csa2.eval import gsm8k
 from ced_csa2.model_utils import geometry
 from ced_csa2.pipeline import paths
 from ced_csa2.plan import LayerPlan, load_plan
-from ced_csa2.stages import eval_gsm8k, gold_pairs, prepare
+from ced_csa2.stages import eval_gsm8k, gold_pairs
 
 # Short on purpose: the tiny model's tokenizer is byte-level and its GatedDeltaNet
 # layers run the slow reference kernels, so prompt length is what the test pays for.
@@ -270,7 +271,7 @@ def test_exact_match_through_lm_eval_filters(tmp_path, tiny_model, reply, strict
 
     model, tok = tiny_model
     params = tiny_params(eval_gsm8k={"groups": ["baseline"], "generate": ["baseline"], "batch_size": 4})
-    problems = prepare.math_problems(params.data)  # the tiny profile's math set, as `prepare` writes it
+    problems = corpus.math_problems(params.data)  # the tiny profile's math set, as `prepare` writes it
     assert len(problems) == 6 and all(p["answer"].endswith(f"#### {p['target']}") for p in problems)
     data = write_problems(tmp_path, problems)
     task_dir = tmp_path / "task"

@@ -779,7 +779,7 @@ h5py.Dataset.__setitem__ = _full_disk
 """
 NAN_PRELUDE = """
 import numpy as np
-import ced_csa2.stages.dump as _dump
+import ced_csa2.data.dumping as _dump
 _forward, _calls = _dump.forward_batch, [0]
 def _forward_nan(*args, **kwargs):
     out = _forward(*args, **kwargs)

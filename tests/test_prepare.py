@@ -7,7 +7,7 @@ import pytest
 from conftest import tiny_params
 
 from ced_csa2.config import HubSplit, WheelPin
-from ced_csa2.data import sources
+from ced_csa2.data import corpus, sources
 from ced_csa2.data.sources import Article
 from ced_csa2.pipeline import paths
 from ced_csa2.stages import prepare as prep
@@ -43,7 +43,7 @@ def with_data(params, **changes):
 def test_tiny_outputs_schema_counts_and_limits(tmp_path, bos):
     params, tok = tiny_params(), byte_tokenizer(bos)
     data = params.data
-    metrics = prep.prepare(params, tok, tmp_path)
+    metrics = corpus.prepare(params, tok, tmp_path)
 
     train, eval_ = read_jsonl(tmp_path / paths.TRAIN_JSONL), read_jsonl(tmp_path / paths.EVAL_JSONL)
     assert (len(train), len(eval_)) == (data.n_train, data.n_eval)
@@ -70,8 +70,8 @@ def test_tiny_outputs_schema_counts_and_limits(tmp_path, bos):
 
 def test_outputs_are_byte_identical_across_runs(tmp_path):
     params, tok = tiny_params(), byte_tokenizer()
-    prep.prepare(params, tok, tmp_path / "a")
-    prep.prepare(params, tok, tmp_path / "b")
+    corpus.prepare(params, tok, tmp_path / "a")
+    corpus.prepare(params, tok, tmp_path / "b")
     for rel in OUTPUTS:
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
     assert not list((tmp_path / "a").rglob(".*tmp*")), "temporary files left behind"
@@ -81,7 +81,7 @@ def test_outputs_are_byte_identical_across_runs(tmp_path):
 def test_pack_joins_paragraphs_and_truncates(bos):
     tok = byte_tokenizer(bos)
     extra = int(bos)
-    budget = prep.TokenBudget(tok, min_tokens=10 + extra, max_tokens=50 + extra)
+    budget = corpus.TokenBudget(tok, min_tokens=10 + extra, max_tokens=50 + extra)
     paragraphs = ["a" * 20, "b" * 20, "c" * 20, "d" * 100, "e" * 5]
     assert budget.pack(paragraphs) == [
         ("a" * 20 + "\n" + "b" * 20, 41 + extra),  # "c" would overflow
@@ -97,7 +97,7 @@ def small_wiki(tmp_path, monkeypatch):
     pin = WheelPin(package="gensim", version="0", member="x.bz2", sha256="0" * 64)
     articles = [Article(f"A{a}", [f"Article {a} paragraph {p:02d}. word word word" for p in range(12)])
                 for a in range(8)]
-    monkeypatch.setattr(prep, "fetch_member", lambda p: tmp_path / "unused.bz2")
+    monkeypatch.setattr(corpus, "fetch_member", lambda p: tmp_path / "unused.bz2")
     monkeypatch.setattr(sources, "wiki_articles", lambda path: articles)
     return with_data(tiny_params(), kind="wiki_embedded", corpus_wheel=pin, heldout_articles=2, n_eval=3,
                      min_tokens=40, max_tokens=120, n_train=0)
@@ -106,7 +106,7 @@ def small_wiki(tmp_path, monkeypatch):
 def test_wiki_embedded_holds_out_whole_articles(tmp_path, monkeypatch):
     params = small_wiki(tmp_path, monkeypatch)
     tok = byte_tokenizer()
-    prep.prepare(params, tok, tmp_path)
+    corpus.prepare(params, tok, tmp_path)
     train, eval_ = read_jsonl(tmp_path / paths.TRAIN_JSONL), read_jsonl(tmp_path / paths.EVAL_JSONL)
 
     article_of = lambda rec: rec["id"].split("-")[1]  # noqa: E731
@@ -124,7 +124,7 @@ def test_n_train_keeps_the_first_of_a_seeded_shuffle_of_the_train_records(tmp_pa
     params, tok = small_wiki(tmp_path, monkeypatch), byte_tokenizer()
 
     def run(name, n_train):
-        metrics = prep.prepare(with_data(params, n_train=n_train), tok, tmp_path / name)
+        metrics = corpus.prepare(with_data(params, n_train=n_train), tok, tmp_path / name)
         return metrics, read_jsonl(tmp_path / name / paths.TRAIN_JSONL), read_jsonl(tmp_path / name / paths.EVAL_JSONL)
 
     _, every, every_eval = run("all", 0)
@@ -135,7 +135,7 @@ def test_n_train_keeps_the_first_of_a_seeded_shuffle_of_the_train_records(tmp_pa
     assert metrics["n_train"] == {"param": 10, "built": 24, "kept": 10} and metrics["train"]["records"] == 10
     assert [r["id"] for r in train] != [r["id"] for r in every[:10]]  # sampled, not the first ten
 
-    prep.prepare(with_data(params, n_train=10), tok, tmp_path / "again")
+    corpus.prepare(with_data(params, n_train=10), tok, tmp_path / "again")
     for rel in OUTPUTS:
         assert (tmp_path / "k" / rel).read_bytes() == (tmp_path / "again" / rel).read_bytes(), rel
     _, more, _ = run("more", 15)
@@ -151,7 +151,7 @@ def test_wikitext_long_lines(tmp_path, monkeypatch):
                        train=[HubSplit("wikitext-2-raw-v1", "train", 10)],
                        eval=HubSplit("wikitext-2-raw-v1", "test", 0), n_eval=5, min_tokens=100, max_tokens=200)
     tok = byte_tokenizer()
-    prep.prepare(params, tok, tmp_path)
+    corpus.prepare(params, tok, tmp_path)
     train, eval_ = read_jsonl(tmp_path / paths.TRAIN_JSONL), read_jsonl(tmp_path / paths.EVAL_JSONL)
     assert (len(train), len(eval_)) == (10, 5)
     for rec in train:
@@ -161,7 +161,7 @@ def test_wikitext_long_lines(tmp_path, monkeypatch):
         assert lines["train"][i].startswith(rec["text"])
     assert [r["id"] for r in train] == sorted((r["id"] for r in train), key=lambda s: int(s.rsplit("/", 1)[1]))
 
-    prep.prepare(with_data(params, n_train=4), tok, tmp_path / "n4")  # n_train applies to this kind too
+    corpus.prepare(with_data(params, n_train=4), tok, tmp_path / "n4")  # n_train applies to this kind too
     kept = read_jsonl(tmp_path / "n4" / paths.TRAIN_JSONL)
     assert len(kept) == 4 and [r for r in train if r in kept] == kept
     assert read_jsonl(tmp_path / "n4" / paths.EVAL_JSONL) == eval_
@@ -170,9 +170,9 @@ def test_wikitext_long_lines(tmp_path, monkeypatch):
 def test_validation_errors_name_the_key(tmp_path):
     params, tok = tiny_params(), byte_tokenizer(bos=True)
     with pytest.raises(ValueError, match="data.min_tokens=1 is not above the 1 special tokens"):
-        prep.prepare(with_data(params, min_tokens=1), tok, tmp_path)
+        corpus.prepare(with_data(params, min_tokens=1), tok, tmp_path)
     wikitext = with_data(params, kind="wikitext", hub_id="h", train=[HubSplit("c", "train", 1)],
                          eval=HubSplit("c", "test", 7), n_eval=5)
     with pytest.raises(ValueError, match=r"data.eval.n=7 disagrees with data.n_eval=5"):
-        prep.prepare(wikitext, tok, tmp_path)
+        corpus.prepare(wikitext, tok, tmp_path)
     assert not (tmp_path / paths.TRAIN_JSONL).exists()

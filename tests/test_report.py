@@ -2,7 +2,7 @@
 
 import pytest
 
-from ced_csa2.stages.report import HEADLINE, group_rows, groups_table, mode_a_table, objective_table, summary
+from ced_csa2.eval.results import HEADLINE, group_rows, groups_table, mode_a_table, objective_table, summary
 
 
 def metrics(tokens=1000):
@@ -166,7 +166,7 @@ def test_mode_a_table_sets_the_skip_against_the_full_prefill():
 
 
 def test_window_line_names_the_sliding_layers_and_how_they_are_counted():
-    from ced_csa2.stages.report import window_line
+    from ced_csa2.eval.results import window_line
 
     assert window_line({"active_model": {"geometry": {"sliding_windows": {}}}}) == ""
     line = window_line({"active_model": {"geometry": {"sliding_windows": {"1": 512, "2": 512, "4": 512}}}})

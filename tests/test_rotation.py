@@ -13,11 +13,11 @@ from ced_csa2.kv import rotation
 from ced_csa2.kv.fp4 import FORMATS, MXFP4
 from ced_csa2.kv.kv_bytes import BASES, bytes_per_token, kv_copies, rotation_params
 from ced_csa2.kv.rotation import HeadRotation, fp4_round_trip, hadamard, layer_rotation, rotation_matrix
+from ced_csa2.kv.storage_table import QWEN3_5_4B_PLAN, qwen3_5_4b_geometry
 from ced_csa2.model_utils import Geometry, attention, geometry
 from ced_csa2.plan import LayerPlan
 from ced_csa2.runtime.groups import GROUPS, Group
 from ced_csa2.runtime.shared_kv import SharedKVCache, accounted_copies
-from ced_csa2.stages.storage import QWEN3_5_4B_PLAN, qwen3_5_4b_geometry
 
 TWINS = {"baseline_fp4_rot": "baseline_fp4", "csa2_fp4_rot": "csa2_fp4", "ced_csa2_fp4_rot": "ced_csa2_fp4"}
 SMOL = Geometry(n_layers=30, hidden_size=576, n_kv_heads=3, head_dim=64, attention_layers=tuple(range(1, 31)))

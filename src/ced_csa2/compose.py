@@ -16,7 +16,6 @@ checks that composing the defaults reproduces the committed file.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from .config import Params, from_dict

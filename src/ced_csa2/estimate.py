@@ -634,7 +634,6 @@ def rerun_plan(workdir: Path) -> list[tuple[str, str]]:
     """
     import networkx as nx
     from dvc.repo import Repo
-    from dvc.stage.cache import RunCacheNotFoundError
 
     with Repo(str(workdir)) as repo:
         graph = repo.index.graph  # an edge points from a stage to a stage it depends on
@@ -646,10 +645,12 @@ def rerun_plan(workdir: Path) -> list[tuple[str, str]]:
                 plan.append((stage.addressing, f"downstream of {', '.join(upstream)}"))
             elif stage.addressing in status:
                 stage.save_deps()  # the inputs' current hashes (in memory): the run cache's key
-                try:
-                    repo.stage_cache.restore(stage, dry=True)
+                # DVC's own lookup (no public API asks "is this run cached?"; restore(dry=True)
+                # answers from dvc.lock for a stage whose definition is unchanged)
+                cache = repo.stage_cache._load(stage)
+                if cache is not None and repo.stage_cache._create_stage(cache, wdir=stage.wdir).outs_cached():
                     plan.append((stage.addressing, "run cache"))
-                except RunCacheNotFoundError:
+                else:
                     what = sorted({k for change in status[stage.addressing] if isinstance(change, dict) for k in change})
                     plan.append((stage.addressing, f"changed: {', '.join(what) or 'always'}"))
     return plan

@@ -1,0 +1,299 @@
+"""The corpora the pipeline reads: train/eval records from the embedded Wikipedia sample, WikiText
+or the tiny set, under a token budget, and the math problems (the ``prepare`` stage writes
+them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..assets import fetch_member
+from ..config import DataConfig, Params
+from ..pipeline.io_utils import atomic_write_text, write_json
+from ..pipeline.paths import EVAL_JSONL, GSM8K_JSONL, PREPARE_METRICS, TRAIN_JSONL
+from . import sources
+
+log = logging.getLogger(__name__)
+
+
+_PARAGRAPH_SEP = "\n"  # paragraphs joined into one record keep their line breaks
+
+
+@dataclass(frozen=True)
+class Record:
+    """One corpus record as written to ``data/corpus/*.jsonl``."""
+
+    id: str
+    source: str
+    text: str
+    n_tokens: int
+
+
+class TokenBudget:
+    """Counts tokens exactly as later stages will, and cuts texts to ``max_tokens``.
+
+    Parameters
+    ----------
+    tokenizer
+        A fast (Rust-backed) HF tokenizer; offsets are needed to cut at token boundaries.
+    min_tokens, max_tokens
+        Records outside ``[min_tokens, max_tokens]`` are dropped or truncated.
+    """
+
+    def __init__(self, tokenizer, min_tokens: int, max_tokens: int):
+        self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self.max_tokens = max_tokens
+        # Tokens the tokenizer adds to every text by default (e.g. a BOS).
+        self.n_special = self.count("")
+
+    def count(self, text: str) -> int:
+        """Length of ``tokenizer(text)["input_ids"]`` (default special-token handling)."""
+        return len(self.tokenizer(text)["input_ids"])
+
+    def truncate(self, text: str) -> tuple[str, int]:
+        """Cut ``text`` at a token boundary so it has at most ``max_tokens`` tokens.
+
+        Returns
+        -------
+        tuple[str, int]
+            The (possibly shortened) text and its exact token count.
+        """
+        n = self.count(text)
+        if n <= self.max_tokens:
+            return text, n
+        offsets = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        keep = self.max_tokens - self.n_special
+        # Re-tokenising a prefix can merge differently at the cut, so verify and back off.
+        while keep > 0:
+            cut = text[: offsets[keep - 1][1]].rstrip()
+            n = self.count(cut)
+            if n <= self.max_tokens:
+                return cut, n
+            keep -= 1
+        raise ValueError(f"cannot cut a text to data.max_tokens={self.max_tokens} tokens: {text[:60]!r}...")
+
+    def pack(self, paragraphs: list[str]) -> list[tuple[str, int]]:
+        """Greedily join consecutive paragraphs into texts of at most ``max_tokens`` tokens.
+
+        A paragraph longer than ``max_tokens`` on its own becomes one truncated text.
+        Texts shorter than ``min_tokens`` are dropped.
+
+        Returns
+        -------
+        list[tuple[str, int]]
+            ``(text, n_tokens)`` in paragraph order.
+        """
+        packed, current, current_n = [], [], 0
+
+        def flush():
+            if current and current_n >= self.min_tokens:
+                packed.append((_PARAGRAPH_SEP.join(current), current_n))
+
+        for paragraph in paragraphs:
+            if current:
+                n = self.count(_PARAGRAPH_SEP.join([*current, paragraph]))
+                if n <= self.max_tokens:
+                    current.append(paragraph)
+                    current_n = n
+                    continue
+                flush()
+            text, n = self.truncate(paragraph)
+            current, current_n = [text], n
+            if text != paragraph:  # a truncated paragraph is full: nothing may follow it
+                flush()
+                current, current_n = [], 0
+        flush()
+        return packed
+
+
+def _rng(seed: int, purpose: str) -> random.Random:
+    # One generator per purpose, so changing one choice never shifts another.
+    return random.Random(f"{seed}:{purpose}")
+
+
+def wiki_embedded_records(data: DataConfig, budget: TokenBudget) -> tuple[list[Record], list[Record]]:
+    """Train and eval records from the Wikipedia sample in the pinned gensim wheel."""
+    pin = data.corpus_wheel
+    articles = sources.wiki_articles(fetch_member(pin))
+    if data.heldout_articles >= len(articles):
+        raise ValueError(f"data.heldout_articles={data.heldout_articles} leaves no training article "
+                         f"(the sample has {len(articles)})")
+    heldout = set(_rng(data.seed, "heldout").sample(range(len(articles)), data.heldout_articles))
+    log.info("Held out %d articles for evaluation: %s", len(heldout),
+             ", ".join(articles[i].title for i in sorted(heldout)))
+    source = f"enwiki@{pin.package}=={pin.version}"
+    train, eval_pool = [], []
+    for a, article in enumerate(tqdm(articles, desc="pack articles", unit=" article", leave=False)):
+        for k, (text, n) in enumerate(budget.pack(article.paragraphs)):
+            (eval_pool if a in heldout else train).append(Record(f"enwiki-{a:03d}-{k:02d}", source, text, n))
+    log.info("%d train records; sampling %d eval records from %d held-out records", len(train), data.n_eval,
+             len(eval_pool))
+    return train, _sample(eval_pool, data.n_eval, data.seed, "eval")
+
+
+def wikitext_records(data: DataConfig, budget: TokenBudget) -> tuple[list[Record], list[Record]]:
+    """Seeded long lines of each hub train split, and of the eval split."""
+    train = []
+    for split in data.train:
+        train += _long_lines(data, split.config, split.split, split.n, budget)
+    return train, _long_lines(data, data.eval.config, data.eval.split, data.n_eval, budget)
+
+
+def _long_lines(data: DataConfig, config: str, split: str, n: int, budget: TokenBudget) -> list[Record]:
+    """``n`` (0 = all) lines of at least ``min_tokens`` tokens, a seeded sample, truncated.
+
+    Lines are visited in a seeded random order until ``n`` qualify, which samples
+    uniformly among long lines without tokenising the whole split.
+    """
+    lines = sources.wikitext_lines(data.hub_id, config, split, data.revision)
+    order = list(range(len(lines)))
+    _rng(data.seed, f"{config}/{split}").shuffle(order)
+    chosen = []
+    with tqdm(total=n or None, desc=f"{config}/{split}", unit=" line", leave=False) as bar:
+        for i in order:
+            if budget.count(lines[i]) < budget.min_tokens:
+                continue
+            text, n_tokens = budget.truncate(lines[i])
+            chosen.append(Record(f"{config}/{split}/{i}", config, text, n_tokens))
+            bar.update()
+            if len(chosen) == n:
+                break
+    if n and len(chosen) < n:
+        log.warning("%s/%s has only %d lines of >= %d tokens (wanted %d)", config, split, len(chosen),
+                    budget.min_tokens, n)
+    return sorted(chosen, key=lambda r: int(r.id.rsplit("/", 1)[1]))
+
+
+def tiny_records(data: DataConfig, budget: TokenBudget) -> tuple[list[Record], list[Record]]:
+    """Synthetic records: the first ``n_train`` for training, the next ``n_eval`` for eval."""
+    records = []
+    for i, paragraph in enumerate(sources.tiny_corpus(data.seed, data.n_train + data.n_eval)):
+        text, n = budget.truncate(paragraph)
+        if n >= budget.min_tokens:
+            records.append(Record(f"tiny-{i:04d}", "tiny-synthetic", text, n))
+    if len(records) < data.n_train + data.n_eval:
+        raise ValueError(f"only {len(records)} tiny records reach data.min_tokens={data.min_tokens} "
+                         f"(need data.n_train + data.n_eval = {data.n_train + data.n_eval})")
+    return records[: data.n_train], records[data.n_train:]
+
+
+def _sample(records: list[Record], n: int, seed: int, purpose: str) -> list[Record]:
+    """A seeded sample of ``n`` records, kept in their original order."""
+    if len(records) <= n:
+        log.warning("Only %d records available for %s (wanted %d); using all", len(records), purpose, n)
+        return records
+    keep = sorted(_rng(seed, purpose).sample(range(len(records)), n))
+    return [records[i] for i in keep]
+
+
+def _nested_sample(records: list[Record], n: int, seed: int, purpose: str) -> list[Record]:
+    """The first ``n`` records of a seeded shuffle, back in their original order.
+
+    Unlike :func:`_sample`, a larger ``n`` keeps a superset of a smaller one's records.
+    """
+    order = list(range(len(records)))
+    _rng(seed, purpose).shuffle(order)
+    return [records[i] for i in sorted(order[:n])]
+
+
+_CORPORA = {"wiki_embedded": wiki_embedded_records, "wikitext": wikitext_records, "tiny": tiny_records}
+
+
+def math_problems(data: DataConfig) -> list[dict]:
+    """The math set of ``data.math`` as ``{id, question, answer, target}`` dicts."""
+    math = data.math
+    if math.kind == "wheel":
+        return sources.gsm8k_from_wheel_dir(fetch_member(math.wheel), math.n)
+    if math.kind == "hub":
+        return sources.gsm8k_hub(math.hub_id, math.hub_config, math.split, math.n, math.revision)
+    return sources.tiny_math(data.seed, math.n)
+
+
+def validate(data: DataConfig, budget: TokenBudget) -> None:
+    """Checks that need the tokenizer or cross several keys, before any heavy work."""
+    if not getattr(budget.tokenizer, "is_fast", False):
+        raise ValueError(f"prepare needs a fast tokenizer (for token offsets), got {type(budget.tokenizer).__name__}")
+    if budget.n_special >= data.min_tokens:
+        raise ValueError(f"data.min_tokens={data.min_tokens} is not above the {budget.n_special} special "
+                         "tokens the tokenizer adds to every text")
+    if data.kind == "wikitext" and data.eval.n not in (0, data.n_eval):
+        raise ValueError(f"data.eval.n={data.eval.n} disagrees with data.n_eval={data.n_eval} "
+                         "(prepare samples data.n_eval eval records; set data.eval.n to 0 or the same value)")
+
+
+def split_stats(records: list[Record]) -> dict:
+    """Record and token counts of one split, for ``metrics/prepare.json``."""
+    tokens = [r.n_tokens for r in records]
+    return {
+        "records": len(records),
+        "tokens": sum(tokens),
+        "mean_tokens": round(sum(tokens) / len(tokens), 2) if tokens else 0.0,
+        "min_tokens": min(tokens, default=0),
+        "max_tokens": max(tokens, default=0),
+        "sources": dict(sorted(Counter(r.source for r in records).items())),
+    }
+
+
+def _jsonl(rows: list[dict]) -> str:
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
+    """Build and write the corpus records and math set of ``params`` under ``out_dir``.
+
+    Parameters
+    ----------
+    params
+        Validated parameters; ``params.data`` selects corpus and math set.
+    tokenizer
+        The model's fast HF tokenizer (token counts and truncation).
+    out_dir
+        Root under which ``data/`` and ``metrics/`` files are written (the repository
+        root for the DVC stage).
+
+    Returns
+    -------
+    dict
+        The metrics written to ``metrics/prepare.json``.
+    """
+    data = params.data
+    budget = TokenBudget(tokenizer, data.min_tokens, data.max_tokens)
+    validate(data, budget)
+
+    problems = math_problems(data)  # first: cheap, and surfaces a bad pin before the corpus work
+    built, eval_ = _CORPORA[data.kind](data, budget)
+    train = _nested_sample(built, data.n_train, data.seed, "train") if data.n_train else built
+    if not train or not eval_:
+        raise ValueError(f"data '{data.name}' produced {len(train)} train and {len(eval_)} eval records; "
+                         "both must be non-empty (check data.min_tokens)")
+    overlap = {r.text for r in train} & {r.text for r in eval_}
+    if overlap:
+        raise ValueError(f"data '{data.name}': {len(overlap)} eval texts also occur in the training records")
+
+    out_dir = Path(out_dir)
+    atomic_write_text(out_dir / TRAIN_JSONL, _jsonl([asdict(r) for r in train]))
+    atomic_write_text(out_dir / EVAL_JSONL, _jsonl([asdict(r) for r in eval_]))
+    atomic_write_text(out_dir / GSM8K_JSONL, _jsonl(problems))
+    metrics = {
+        "data": data.name,
+        "model": params.model.name,
+        # The hub commits asked for (null: each repository's default branch at the time of the run).
+        "revisions": {"model": params.model.revision, "data": data.revision, "math": data.math.revision},
+        "n_train": {"param": data.n_train, "built": len(built), "kept": len(train)},
+        "train": split_stats(train),
+        "eval": split_stats(eval_),
+        "math": {"label": data.math.label, "n": len(problems)},
+    }
+    write_json(out_dir / PREPARE_METRICS, metrics)
+    log.info("Wrote %d train records (%d tokens; of %d built), %d eval records (%d tokens), %d %s problems",
+             len(train), metrics["train"]["tokens"], len(built), len(eval_), metrics["eval"]["tokens"],
+             len(problems), data.math.label)
+    return metrics

@@ -1,0 +1,358 @@
+"""The report's content from the detailed results: the results, Mode A, objective and fit tables,
+the groups table and headline (``metrics/groups.tsv``, ``metrics/summary.json``), the protocol
+line and the figures.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..maps.ridge import adapter_map
+from ..pipeline.paths import METRICS, SEED_INIT
+from ..runtime.groups import GROUP_NAMES
+
+BASES = ("decoder_attention", "all_attention", "all_attention_amortised_32k")
+
+
+CED_CSA2_START = {"csa2": "csa2's ridge maps, fitted on the true source K/V",
+                  "projected": "ridge maps fitted on the projected source K/V its targets read"}
+
+
+def _load(workdir: Path, name: str | Path) -> dict:
+    path = workdir / METRICS / f"{name}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: metrics file not found (run `dvc repro` for the stage that writes it)")
+    return json.loads(path.read_text())
+
+
+def _em(g: dict, key: str) -> str:
+    m = g[key]
+    lo, hi = m["ci95"]
+    return f"{100 * m['exact_match']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def _delta(d: dict, key: str, fmt: str) -> str:
+    """``+1.23 [+0.45, +2.01]``: a change with its paired-bootstrap 95% interval (``–`` for the baseline)."""
+    if key not in d:
+        return "–"
+    lo, hi = d[f"{key}_ci95"]
+    return f"{fmt.format(d[key])} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def results_table(ppl: dict, gsm: dict, storage: dict) -> list[str]:
+    """Markdown rows: one per runtime group."""
+    kv = storage["active_model"]["kv"]["bf16"]
+    head = ["group", "PPL", "ΔPPL % [95% CI]", *AGREEMENT_HEAD, "GSM8K strict EM % [95% CI]",
+            "flexible EM % [95% CI]", "gold NLL/token", "Δ gold NLL [95% CI]"]
+    head += [f"B/token bf16 ({b})" for b in BASES] + [f"compression ({b})" for b in BASES]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for group in sorted(ppl["groups"], key=GROUP_NAMES.index):  # the registry's order, not JSON's sorted keys
+        p, g = ppl["groups"][group], gsm["groups"].get(group)
+        cells = [group, f"{p['ppl']:.3f}", _delta(p, "delta_pct", "{:+.2f}"), *_agreement(p)]
+        cells += [_em(g, "strict-match"), _em(g, "flexible-extract")] if g and "strict-match" in g else ["–"] * 2
+        cells += [f"{g['gold_nll']['nll_per_token']:.4f}", _delta(g["gold_nll"], "delta", "{:+.4f}")] \
+            if g else ["–"] * 2
+        cells += [f"{kv[b][group]['bytes_per_token']:,.1f}" for b in BASES]
+        cells += [f"{kv[b][group]['compression_vs_baseline']:.3f}×" for b in BASES]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+AGREEMENT_HEAD = ("KL(base ‖ group) nats/token [95% CI]", "top-1 agreement % [95% CI]")
+
+
+def _agreement(d: dict) -> list[str]:
+    """KL to the baseline and top-1 agreement cells (``–`` for the baseline)."""
+    return [_delta(d, "kl", "{:.4f}"), _delta(d, "top1_pct", "{:.2f}")]
+
+
+MODE_A_MAPS = {"main": "the main branch's maps", "trained": "maps trained through the skip (tune_mode_a)",
+               "given": "maps given by the caller"}
+
+
+def mode_a_table(ppl: dict, gsm: dict, train: dict) -> list[str]:
+    """Mode A (prefill skip) against the plain prefill: quality, GSM8K through lm-eval, speed-up.
+
+    ``train``: ``metrics/mode_a/train.json`` (the held-out KL of the trained maps before/after).
+    """
+    a, g = ppl["mode_a"], gsm.get("mode_a", {})
+    if not a["covered"]:
+        return [f"Mode A: not run — the plan does not cover attention layers {a['uncovered_attention_layers']} "
+                "above the cut (use a covering plan)."]
+    head = ["arm", "prefix PPL", "ΔPPL % [95% CI]", *AGREEMENT_HEAD, "GSM8K strict EM % [95% CI]",
+            "flexible EM % [95% CI]", "gold NLL/token", "Δ gold NLL [95% CI]", "prefill speed-up bound"]
+    gen = [_em(g, "strict-match"), _em(g, "flexible-extract")] if "strict-match" in g else ["–"] * 2
+    gold = g.get("gold_nll")
+    base_em = gsm["groups"].get("baseline", {})
+    rows = [["baseline (full prefill)", f"{a['baseline']['ppl']:.3f}", "–", "–", "–",
+             *([_em(base_em, "strict-match"), _em(base_em, "flexible-extract")] if "strict-match" in base_em
+               else ["–"] * 2),
+             f"{gsm['groups']['baseline']['gold_nll']['nll_per_token']:.4f}" if "baseline" in gsm["groups"] else "–",
+             "–", "1×"],
+            [f"mode_a (prefill skip, replay {a['replay']}, {MODE_A_MAPS[a['maps']]})", f"{a['mode_a']['ppl']:.3f}", _delta(a, "delta_pct", "{:+.2f}"), *_agreement(a),
+             *gen, f"{gold['nll_per_token']:.4f}" if gold else "–", _delta(gold, "delta", "{:+.4f}") if gold else "–",
+             f"≤ {a['prefill_speedup_bound']:.2f}×"]]
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows),
+            "", f"Prompt = first {100 * a['prefix_fraction']:.0f}% of each of the {a['records']} eval records, scored "
+            "on the rest. Speed-up bound: decoder layers the plain prefill runs / layers the skip runs (the maps' cost "
+            "ignored); the measured speed-up is a timing of the machine, in `timings/eval_ppl.json` after a run "
+            "and measured in `benchmarks/mode_a_prefill.py`, never in the results. "
+            f"GSM8K: the same lm-eval task, each prompt prefilled by the skip (lm-eval `ModeALM`)"
+            f"{'' if 'strict-match' in g else '; exact match not generated here (eval_gsm8k.mode_a: gold_nll)'}. "
+            f"{a['note']}", *([""] if train.get("covered") else []), *([
+                f"Trained maps (tune_mode_a): from the ridge maps, {train['steps']} AdamW steps on "
+                f"{train['protocol']['records']} train records ({train['tokens']:,} tokens) under the pure skip, "
+                f"KL(plain ‖ Mode A) on the continuation; held-out KL ({train['protocol']['val_records']} records) "
+                f"{train['val_before']['kl']:.4f} → {train['val_after']['kl']:.4f}."] if train.get("covered") else [])]
+
+
+def fit_table(ridge: dict, projector: dict, adapters: dict) -> list[str]:
+    """Per-layer held-out fit of the maps: ridge vs trained, K and V (cos, R²)."""
+    lines = ["| map | K cos ridge → trained | K R² ridge → trained | V cos ridge → trained | V R² ridge → trained |",
+             "|---|---|---|---|---|"]
+    for layer, m in projector["layers"].items():
+        r = {kind: ridge[f"proj_{layer}_{kind}"] for kind in "kv"}
+        lines.append(f"| projector H → KV_{layer} | " + " | ".join(
+            f"{r[kind][stat]:.4f} → {m[kind][stat]:.4f}" for kind in "kv" for stat in ("cos", "r2")) + " |")
+    for layer, m in adapters["layers"].items():
+        lines.append(f"| adapter KV_src → KV_{layer} | " + " | ".join(
+            f"{m[kind]['ridge'][stat]:.4f} → {m[kind]['trained'][stat]:.4f}" for kind in "kv"
+            for stat in ("cos", "r2")) + " |")
+    return lines
+
+
+def served_fit_table(ridge: dict, targets: list[str], adapter_input: str) -> list[str]:
+    """Ridge adapters fed the projected source: csa2's (fitted on the true source) vs those fitted on it."""
+    lines = ["| adapter fed proj(H) → KV_t | K R² csa2's map → map fitted on proj(H) | "
+             "V R² csa2's map → map fitted on proj(H) |", "|---|---|---|"]
+    for t in targets:
+        maps = {kind: (adapter_map(kind, int(t), adapter_input) + "_on_ced",
+                       adapter_map(kind, int(t), adapter_input, projected=True)) for kind in "kv"}
+        lines.append(f"| KV_{t} | " + " | ".join(
+            f"{ridge[true]['r2']:.4f} → {ridge[fitted]['r2']:.4f}" for true, fitted in maps.values()) + " |")
+    return lines
+
+
+def objective_table(ppl: dict, gsm: dict, projector: dict, adapters: dict, objectives: dict[str, dict],
+                    seed_init: dict, groups: list[str]) -> list[str]:
+    """Rows ``(group, objective)``: the seed's ``kv_mse`` maps and every tuned objective, same protocols.
+
+    ``objectives[name] = {"train": tune's train.json, "eval": {"protocol", "groups"} from eval_objectives}``;
+    ``seed_init`` = eval_objectives' ``{"ced": ...}`` under the seed's literal projector recipe (random init).
+    """
+    for name, o in objectives.items():
+        if o["eval"]["protocol"]["tokens_scored"] != ppl["protocol"]["tokens_scored"]:
+            raise ValueError(f"metrics/objectives/eval.json ({name}) scored {o['eval']['protocol']['tokens_scored']} "
+                             f"tokens, metrics/ppl.json {ppl['protocol']['tokens_scored']}: rerun the pipeline")
+    kv_mse_steps = projector["run"]["steps"] + adapters["run"]["steps"]
+    head = ["group", "objective", "PPL", "ΔPPL % [95% CI]", *AGREEMENT_HEAD, "gold NLL/token", "Δ gold NLL [95% CI]",
+            "optimizer steps", "train tokens"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def row(group, objective, p: dict, gold: dict | None, steps="–", tokens="–"):
+        cells = [f"{gold['nll_per_token']:.4f}", _delta(gold, "delta", "{:+.4f}")] if gold else ["–", "–"]
+        lines.append("| " + " | ".join([group, objective, f"{p['ppl']:.3f}", _delta(p, "delta_pct", "{:+.2f}"),
+                                        *_agreement(p), *cells, steps, tokens]) + " |")
+
+    def main_branch(group):
+        return ppl["groups"][group], gsm["groups"].get(group, {}).get("gold_nll")
+
+    for group in ("baseline", "share_plain"):
+        if group in ppl["groups"]:
+            row(group, "— (no maps)", *main_branch(group))
+    for group in groups:
+        if group in ppl["groups"]:
+            row(group, "kv_mse (seed)", *main_branch(group), f"{kv_mse_steps:,}", "(dumped rows)")
+        if group in seed_init:
+            row(group, "kv_mse, random init (seed read literally)", seed_init[group], seed_init[group]["gold_nll"],
+                f"{projector[SEED_INIT]['run']['steps']:,}", "(dumped rows)")
+        for name, o in objectives.items():
+            phases = o["train"]["phases"].values()
+            g = o["eval"]["groups"][group]
+            row(group, name, g, g["gold_nll"], f"{sum(ph['steps'] for ph in phases):,}",
+                f"{sum(ph['tokens'] for ph in phases):,}")
+    return lines
+
+
+KEPT = {"best_val": "the epoch of lowest held-out MSE kept (0 = the start)", "last": "the last epoch kept"}
+
+
+def _kept(fit: dict) -> str:
+    """The epochs a trainer's maps ended with (``kept_epoch`` of each map in its metrics), e.g. ``0`` or ``0, 20``."""
+    epochs = [m["kept_epoch"] for m in fit["layers"].values() if "kept_epoch" in m]
+    epochs += [m[kind]["kept_epoch"] for m in fit["layers"].values() for kind in ("k", "v")
+               if isinstance(m.get(kind), dict) and "kept_epoch" in m[kind]]
+    return ", ".join(str(e) for e in sorted(set(epochs)))
+
+
+SUMMARY_BASIS = "decoder_attention"  # the groups' KV bytes: bf16, the decoder's attention layers
+
+
+def group_rows(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], groups: list[str]) -> dict:
+    """Every scored group's numbers, flat: ``metrics/groups.tsv`` (all of them) and the headline's source.
+
+    ``{group: {...}}`` for every runtime group of ``ppl.json``:
+
+    * ``ppl``, ``dppl_pct`` (ΔPPL % vs baseline), ``kl`` (mean per-token KL(baseline ‖ group),
+      nats) and ``top1`` (% of tokens whose argmax is the baseline's), each with ``_lo`` /
+      ``_hi`` (paired bootstrap 95% CI over records) -- from ``ppl.json``;
+    * ``gold_nll`` (GSM8K gold-solution NLL per token), ``dgold_nll`` (minus the baseline's)
+      with ``_lo`` / ``_hi``; ``em_strict`` / ``em_flex`` (exact match %, strict-match /
+      flexible-extract) with ``_lo`` / ``_hi`` (Wilson 95% CI, %) for the groups lm-eval
+      generated for -- from ``gsm8k.json``;
+    * ``kv_bytes`` (stored KV bytes per token) and ``kv_compression`` (× vs baseline), bf16 on
+      the ``decoder_attention`` basis -- from ``storage.json``;
+
+    plus ``{"<group>@<objective>": {"ppl", "dppl_pct", "kl", "top1", "gold_nll", "dgold_nll", ...}}``
+    (with their CIs) for each ``train.eval_groups`` group under each tuned objective
+    (``objectives[name]["eval"]``: from ``eval_objectives``, against the baseline it scores), and
+    ``mode_a`` (when the plan covers): prefix ``ppl``, ``dppl_pct``, ``kl``, ``top1`` against
+    the plain prefill, ``em_*``, ``gold_nll``, ``dgold_nll`` (vs the baseline); no timings
+    (they differ between runs: ``timings/``).  Values are copied (EM and CI
+    scaled to %), never rounded.
+    """
+    out: dict[str, dict[str, float]] = {}
+    kv = storage["active_model"]["kv"]["bf16"][SUMMARY_BASIS]
+    for group, p in ppl["groups"].items():
+        row = {"ppl": p["ppl"], **_deltas(p, "dppl_pct", "delta_pct"), **_agreements(p)}
+        g = gsm["groups"].get(group)
+        if g:
+            row |= {"gold_nll": g["gold_nll"]["nll_per_token"], **_deltas(g["gold_nll"], "dgold_nll", "delta")}
+        if g and "strict-match" in g:  # the groups lm-eval generated for (eval_gsm8k.generate)
+            row |= _exact_match(g)
+        if group in kv:
+            row |= {"kv_bytes": kv[group]["bytes_per_token"], "kv_compression": kv[group]["compression_vs_baseline"]}
+        out[group] = row
+    for name, o in objectives.items():
+        for group in (g for g in groups if g in o["eval"]["groups"]):  # seed_init scores ced only
+            e = o["eval"]["groups"][group]
+            out[f"{group}@{name}"] = {"ppl": e["ppl"], **_deltas(e, "dppl_pct", "delta_pct"), **_agreements(e),
+                                      "gold_nll": e["gold_nll"]["nll_per_token"],
+                                      **_deltas(e["gold_nll"], "dgold_nll", "delta")}
+    a, g = ppl["mode_a"], gsm.get("mode_a", {})
+    if a["covered"]:
+        out["mode_a"] = {"ppl": a["mode_a"]["ppl"], **_deltas(a, "dppl_pct", "delta_pct"), **_agreements(a)}
+        if "strict-match" in g:  # eval_gsm8k.mode_a: generate
+            out["mode_a"] |= _exact_match(g)
+        if "gold_nll" in g:
+            gold = g["gold_nll"]
+            out["mode_a"] |= {"gold_nll": gold["nll_per_token"], **_deltas(gold, "dgold_nll", "delta")}
+    return out
+
+
+HEADLINE = ("dppl_pct", "kl", "dgold_nll")  # per compressed group; the baseline's own: ppl, gold_nll
+
+
+def summary(rows: dict[str, dict[str, float]]) -> dict:
+    """``metrics/summary.json``, the DVC metrics: a screen of numbers that `dvc metrics diff` compares.
+
+    Of :func:`group_rows`: the baseline's ``ppl`` and ``gold_nll``; for every other runtime group
+    and ``mode_a``, the changes :data:`HEADLINE` (no intervals, no fits, no timings; the
+    ``<group>@<objective>`` rows, intervals, top-1, EM and bytes are in ``metrics/groups.tsv``).
+    """
+    return {group: {k: row[k] for k in (HEADLINE if "dppl_pct" in row else ("ppl", "gold_nll")) if k in row}
+            for group, row in rows.items() if "@" not in group}
+
+
+def groups_table(rows: dict[str, dict[str, float]]) -> list[dict]:
+    """``metrics/groups.tsv``: one row per group of :func:`group_rows`, every column; '' where a group has none."""
+    columns = list(dict.fromkeys(k for row in rows.values() for k in row))
+    return [{"group": group, **{c: row.get(c, "") for c in columns}} for group, row in rows.items()]
+
+
+def _agreements(d: dict) -> dict:
+    return {**_deltas(d, "kl", "kl"), **_deltas(d, "top1", "top1_pct")}
+
+
+def _exact_match(g: dict) -> dict:
+    """``em_strict`` / ``em_flex`` and their Wilson 95% bounds, in %."""
+    row = {}
+    for key, name in (("em_strict", "strict-match"), ("em_flex", "flexible-extract")):
+        lo, hi = g[name]["ci95"]
+        row |= {key: 100 * g[name]["exact_match"], f"{key}_lo": 100 * lo, f"{key}_hi": 100 * hi}
+    return row
+
+
+def _deltas(d: dict, name: str, key: str) -> dict:
+    """``{name, name_lo, name_hi}`` from a change and its paired-bootstrap interval (empty for the baseline)."""
+    if key not in d:
+        return {}
+    lo, hi = d[f"{key}_ci95"]
+    return {name: d[key], f"{name}_lo": lo, f"{name}_hi": hi}
+
+
+def chat_note(gsm_protocol: dict) -> str:
+    """', chat template (exemplars as turns)' when lm-eval formatted the prompts as a chat ('' otherwise)."""
+    if not gsm_protocol.get("apply_chat_template"):
+        return ""
+    return ", chat template" + (" (exemplars as turns)" if gsm_protocol.get("fewshot_as_multiturn") else "")
+
+
+def protocol_line(ppl: dict, gsm: dict) -> str:
+    p, g = ppl["protocol"], gsm["protocol"]
+    return (f"Model **{p['model']}**, {p['dtype']} on {p['device']}; "
+            f"PPL on {p['records']} held-out records of `{p['data']}` ({p['tokens_scored']:,} scored tokens, "
+            f"{p['basis']}); GSM8K on **{g.get('label', g.get('math_set'))}** (n = {g['n']}, "
+            f"{g['num_fewshot']}-shot{chat_note(g)}, greedy, ≤ {g['max_gen_toks']} new tokens, lm-eval "
+            f"{g.get('lm_eval')}). "
+            "KV bytes: bf16, per token, on the stated basis (docs/design.md §6).")
+
+
+def window_line(storage: dict) -> str:
+    """How the active model's sliding-window layers are counted ('' when it has none)."""
+    windows = storage["active_model"]["geometry"].get("sliding_windows") or {}
+    if not windows:
+        return ""
+    sizes = ", ".join(str(w) for w in sorted(set(windows.values())))
+    return (f"Sliding-window layers ({len(windows)}: {', '.join(windows)}; window {sizes}) are counted per token "
+            "in the per-token bases, the figure for a context within the window; storage.json's amortised bases "
+            "hold min(context, window − 1) entries for them.")
+
+
+def plots(out: Path, ppl: dict, adapters: dict, storage: dict) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    groups = list(ppl["groups"])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(groups, [ppl["groups"][g]["ppl"] for g in groups], color="#4c72b0")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"PPL by group ({ppl['protocol']['model']})")
+    paths.append(_save(fig, out / "ppl_by_group.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    layers = list(adapters["layers"])
+    for kind, marker in (("k", "o"), ("v", "s")):
+        for stage, style in (("ridge", "--"), ("trained", "-")):
+            ax.plot(layers, [adapters["layers"][t][kind][stage]["cos"] for t in layers], style, marker=marker,
+                    label=f"{kind.upper()} {stage}")
+    ax.set_xlabel("target layer")
+    ax.set_ylabel("held-out mean cosine")
+    ax.legend()
+    ax.set_title("CSA2 adapter fit per target layer")
+    paths.append(_save(fig, out / "adapter_cosine.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    kv = storage["active_model"]["kv"]["bf16"]["decoder_attention"]
+    for g in groups:
+        ax.scatter(kv[g]["bytes_per_token"], ppl["groups"][g].get("delta_pct", 0.0))
+        ax.annotate(g, (kv[g]["bytes_per_token"], ppl["groups"][g].get("delta_pct", 0.0)))
+    ax.set_xlabel("KV bytes/token, bf16, decoder attention layers")
+    ax.set_ylabel("ΔPPL % vs baseline")
+    ax.set_title("Storage vs quality")
+    paths.append(_save(fig, out / "bytes_vs_ppl.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Fixed metadata keeps the PNG bytes identical across runs (DVC hashes them).
+    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
