@@ -2,7 +2,7 @@
 
     dvc repro studies/dvc.yaml       # runs: python studies/layer_modes.py
 
-A training-free ablation (issue 15; seed 002, seed 003 §4.3/§4.7; docs/design.md §7): every
+A training-free ablation (seed 002, seed 003 §4.3/§4.7; docs/design.md §7): every
 attention layer above the cut reads its last ``window`` positions plus ``k`` selected
 entries (:mod:`ced_csa2.runtime.sparse_attention`), each group assigning the layers' modes as
 V4.1's ``kv_source_layer_ids`` / ``index_source_layer_ids`` do
@@ -229,7 +229,7 @@ def ordered(metrics: dict) -> list[dict]:
 def markdown(metrics: dict) -> str:
     """The modes table and the results tables."""
     p = metrics["protocol"]
-    lines = [f"# V4.1 layer modes on the retrofitted {p['model']} (issue 15)", "",
+    lines = [f"# V4.1 layer modes on the retrofitted {p['model']}", "",
              f"`{p['command']}`: {p['sequences']} sequences x {p['context']} tokens of {p['data']} "
              f"({p['text']}); {p['tokens_scored']:,} tokens scored; window {p['window']}, HSI block "
              f"{p['hsi']['block']} x {p['hsi']['pool_blocks']} blocks; {p['dtype']}, {metrics['seconds']:.0f} s.",

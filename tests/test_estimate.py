@@ -76,8 +76,8 @@ def test_a_corpus_prepared_for_another_profile_is_not_used(tmp_path):
     assert estimate.dump_lengths(params, tmp_path).total == 2400 * 512
 
 
-def test_full_profile_offline_and_the_readme_shows_its_output(tmp_path, capsys):
-    """Qwen3.5-4B from the built-in config (no download); the README's GPU section prints what the command prints."""
+def test_full_profile_offline_and_the_gpu_guide_shows_its_output(tmp_path, capsys):
+    """Qwen3.5-4B from the built-in config (no download); docs/gpu.md prints what the command prints."""
     params = from_dict(Params, yaml.safe_load(compose(FULL)))
     s = estimate.setup(params, "cuda", tmp_path)
     assert s.model.params == 4_205_751_296 and s.model.geo.kv_dim == 1024
@@ -93,8 +93,8 @@ def test_full_profile_offline_and_the_readme_shows_its_output(tmp_path, capsys):
     assert stages["train_adapters"].steps == 120 * 9  # 2,280 train records x 256 pairs in batches of 65,536
 
     command = "python -m ced_csa2.estimate " + " ".join(FULL) + " --device cuda"
-    readme = (ROOT / "README.md").read_text()
-    shown = re.search(rf"\$ {re.escape(command)}\n(.*?)\n```", readme, re.DOTALL)
-    assert shown, f"README.md shows no `$ {command}` block"
+    guide = (ROOT / "docs" / "gpu.md").read_text()
+    shown = re.search(rf"\$ {re.escape(command)}\n(.*?)\n```", guide, re.DOTALL)
+    assert shown, f"docs/gpu.md shows no `$ {command}` block"
     estimate.main([*FULL, "--device", "cuda", "--workdir", str(tmp_path)])
     assert capsys.readouterr().out.rstrip("\n") == shown.group(1)

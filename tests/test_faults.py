@@ -1,4 +1,4 @@
-"""Nothing silently wrong, nothing lost: the bad-input and fault catalogue (issue 16).
+"""Nothing silently wrong, nothing lost: the bad-input and fault catalogue.
 
 Three parts:
 

@@ -193,7 +193,7 @@ def test_eval_objectives_gives_each_group_what_one_group_at_a_time_gives(tmp_pat
     from ced_csa2.eval.gsm8k import gold_nll
     from ced_csa2.eval.perplexity import eval_ids, group_ppl
     from ced_csa2.pipeline import paths
-    from ced_csa2.pipeline.io_utils import write_json
+    from ced_csa2.eval.gsm8k import write_gold_pairs
     from ced_csa2.plan import load_plan
     from ced_csa2.stages import eval_objectives
 
@@ -210,8 +210,7 @@ def test_eval_objectives_gives_each_group_what_one_group_at_a_time_gives(tmp_pat
     write_eval(tmp_path, tok)
     seqs, cut = rows(250, seed=1)
     pairs = [(s, c) for s, c in zip(seqs, cut) if c < len(s)]
-    write_json(tmp_path / paths.GOLD_PATH, {"model": params.model.name, "num_fewshot": params.eval_gsm8k.num_fewshot,
-                                            "pairs": pairs})
+    write_gold_pairs(tmp_path / paths.GOLD_PATH, params, pairs)
     m = eval_objectives.run(params, tmp_path, model_and_tok=(model, tok))
 
     ids = eval_ids(params, tok, tmp_path)

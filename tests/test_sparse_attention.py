@@ -1,4 +1,4 @@
-"""Top-k + window sparse reads with V4.1's layer modes and HSI (issue 15), on tiny real models."""
+"""Top-k + window sparse reads with V4.1's layer modes and HSI, on tiny real models."""
 
 import pytest
 import torch

@@ -83,7 +83,7 @@ class Rates:
 # ridge, 5.4e11 float64 FLOPs in 8.4 s less its reads; the four scoring stages, 3.6e10 scored logits in the
 # 136 s their matmuls leave; the baseline's GSM8K generation, 41.3 s for 7 batches x 64 steps (stop sequences
 # end most answers sooner: a step here is an upper-bound step); reads 1.27 s/GB from disk with CRC checks
-# (benchmarks/dump_verify.py); writes ~1 GB/s (README, the DVC cache copy).  Checked against all eleven
+# (benchmarks/dump_verify.py); writes ~1 GB/s (docs/costs.md, the DVC cache copy).  Checked against all eleven
 # measured stages: 16.8 min predicted for 16.8 measured, each within 16% but the three shortest (< 8 s; fixed
 # costs, up to 1.8x).  Host peaks: from 48% low (tune@attn_out) to 15% high (the per-objective eval stage); most come out
 # low, by the libraries (lm-eval, h5py, ...) this model does not count.
@@ -638,8 +638,10 @@ def rerun_plan(workdir: Path) -> list[tuple[str, str]]:
     with Repo(str(workdir)) as repo:
         graph = repo.index.graph  # an edge points from a stage to a stage it depends on
         status = repo.status(targets=[str(workdir / "dvc.yaml")])
-        plan = []
+        plan, target = [], (workdir / "dvc.yaml").resolve()
         for stage in reversed(list(nx.topological_sort(graph))):
+            if Path(stage.path).resolve() != target:  # studies/dvc.yaml: not what `dvc repro` runs
+                continue
             upstream = sorted(d.addressing for d in nx.descendants(graph, stage) if d.addressing in status)
             if upstream:
                 plan.append((stage.addressing, f"downstream of {', '.join(upstream)}"))

@@ -6,10 +6,12 @@ line and the figures.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+from ..config import Params
 from ..maps.ridge import adapter_map
-from ..pipeline.paths import METRICS, SEED_INIT
+from ..pipeline.paths import METRICS, OBJECTIVES_EVAL, SEED_INIT
 from ..runtime.groups import GROUP_NAMES
 
 BASES = ("decoder_attention", "all_attention", "all_attention_amortised_32k")
@@ -255,6 +257,23 @@ def summary(rows: dict[str, dict[str, float]]) -> dict:
             for group, row in rows.items() if "@" not in group}
 
 
+def headline_table(summary: dict[str, dict[str, float]]) -> list[str]:
+    """The headline as a Markdown table, from ``metrics/summary.json`` alone (the report's and README's first table).
+
+    One row per group in the summary's order: the baseline's PPL and gold NLL, then each
+    group's ΔPPL %, KL and Δ gold NLL ("–" where the group has none).
+    """
+    lines = ["| group | ΔPPL % (baseline: PPL) | KL nats/token | Δ gold NLL (baseline: NLL) |", "|---|---:|---:|---:|"]
+    for group, row in summary.items():
+        if "dppl_pct" not in row:
+            cells = [f"{row['ppl']:.3f}", "–", f"{row['gold_nll']:.4f}" if "gold_nll" in row else "–"]
+        else:
+            cells = [f"{row['dppl_pct']:+.2f}", f"{row['kl']:.4f}" if "kl" in row else "–",
+                     f"{row['dgold_nll']:+.4f}" if "dgold_nll" in row else "–"]
+        lines.append(f"| {group} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def groups_table(rows: dict[str, dict[str, float]]) -> list[dict]:
     """``metrics/groups.tsv``: one row per group of :func:`group_rows`, every column; '' where a group has none."""
     columns = list(dict.fromkeys(k for row in rows.values() for k in row))
@@ -310,40 +329,90 @@ def window_line(storage: dict) -> str:
             "hold min(context, window − 1) entries for them.")
 
 
+# Fixed axes, so that two revisions' figures compare at a glance: ΔPPL % on a log axis over
+# [DPPL_LIMITS]; a change below the lower limit is drawn at it (its bar says so).
+DPPL_LIMITS = (0.1, 1000.0)
+
+
+def _dppl_rows(ppl: dict) -> list[tuple[str, float, float, float]]:
+    """``(label, ΔPPL %, lo, hi)`` of every compressed group and Mode A, smallest change first."""
+    rows = [(g, d["delta_pct"], *d["delta_pct_ci95"]) for g, d in ppl["groups"].items() if "delta_pct" in d]
+    a = ppl.get("mode_a", {})
+    if a.get("covered"):
+        rows.append(("mode_a (prefill skip)", a["delta_pct"], *a["delta_pct_ci95"]))
+    return sorted(rows, key=lambda r: r[1])
+
+
 def plots(out: Path, ppl: dict, adapters: dict, storage: dict) -> list[Path]:
+    """The report's three figures under ``out``: ΔPPL with intervals and compression, adapter fit, bytes vs ΔPPL."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
-    groups = list(ppl["groups"])
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(groups, [ppl["groups"][g]["ppl"] for g in groups], color="#4c72b0")
-    ax.set_ylabel("perplexity")
-    ax.set_title(f"PPL by group ({ppl['protocol']['model']})")
+    paths, model = [], ppl["protocol"]["model"]
+    kv = storage["active_model"]["kv"]["bf16"]["decoder_attention"]
+    rows = _dppl_rows(ppl)
+    lo_lim, hi_lim = DPPL_LIMITS
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 0.35 * len(rows) + 1.2), sharey=True,
+                                 gridspec_kw={"width_ratios": [3, 1]})
+    ys = range(len(rows))
+    values = [min(max(r[1], lo_lim), hi_lim) for r in rows]
+    errors = [[v - min(max(r[2], lo_lim), v) for v, r in zip(values, rows)],
+              [min(max(r[3], v), hi_lim) - v for v, r in zip(values, rows)]]
+    ax.barh(ys, values, xerr=errors, color="#4c72b0", ecolor="#222222", capsize=2)
+    for y, r, v, up in zip(ys, rows, values, errors[1]):  # the value right of its interval
+        ax.text((v + up) * 1.1, y, f"{r[1]:+.1f}%" + (" (below axis)" if r[1] < lo_lim else ""), va="center",
+                fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlim(lo_lim, hi_lim)
+    ax.set_yticks(list(ys), [r[0] for r in rows], fontsize=8)
+    ax.set_xlabel("ΔPPL % vs baseline (log axis; bars: paired 95% CI)")
+    ax.set_title(f"Quality cost by group ({model}, embedded default)", fontsize=9)
+    comp = [kv.get(r[0], {}).get("compression_vs_baseline", float("nan")) for r in rows]
+    bx.barh(ys, comp, color="#55a868")
+    bx.set_xlabel("KV compression ×\n(bf16, decoder attention)")
+    bx.set_xlim(0, max([c for c in comp if c == c] + [1.0]) * 1.15)
     paths.append(_save(fig, out / "ppl_by_group.png"))
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     layers = list(adapters["layers"])
+    same = True
     for kind, marker in (("k", "o"), ("v", "s")):
+        fits = {stage: [adapters["layers"][t][kind][stage]["cos"] for t in layers] for stage in ("ridge", "trained")}
+        same &= fits["ridge"] == fits["trained"]
         for stage, style in (("ridge", "--"), ("trained", "-")):
-            ax.plot(layers, [adapters["layers"][t][kind][stage]["cos"] for t in layers], style, marker=marker,
-                    label=f"{kind.upper()} {stage}")
+            ax.plot(layers, fits[stage], style, marker=marker, label=f"{kind.upper()} {stage}")
     ax.set_xlabel("target layer")
     ax.set_ylabel("held-out mean cosine")
-    ax.legend()
-    ax.set_title("CSA2 adapter fit per target layer")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.set_title("CSA2 adapter fit per target layer" + (" (trained = ridge: the start was kept)" if same else ""),
+                 fontsize=9)
     paths.append(_save(fig, out / "adapter_cosine.png"))
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    kv = storage["active_model"]["kv"]["bf16"]["decoder_attention"]
-    for g in groups:
-        ax.scatter(kv[g]["bytes_per_token"], ppl["groups"][g].get("delta_pct", 0.0))
-        ax.annotate(g, (kv[g]["bytes_per_token"], ppl["groups"][g].get("delta_pct", 0.0)))
-    ax.set_xlabel("KV bytes/token, bf16, decoder attention layers")
-    ax.set_ylabel("ΔPPL % vs baseline")
-    ax.set_title("Storage vs quality")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    numbered = [(i, r) for i, r in enumerate(rows, 1) if r[0] in kv]
+    points: list[tuple[float, float, list[int]]] = []  # points closer than a label's size share one label
+    for i, r in numbered:
+        x, y = kv[r[0]]["bytes_per_token"], min(max(r[1], lo_lim), hi_lim)
+        ax.scatter(x, y, color="#4c72b0")
+        near = next((p for p in points if abs(p[0] - x) < 300 and abs(math.log10(p[1] / y)) < 0.08), None)
+        if near:
+            near[2].append(i)
+        else:
+            points.append((x, y, [i]))
+    for x, y, ids in points:
+        ax.annotate(",".join(map(str, ids)), (x, y), textcoords="offset points", xytext=(5, 2), fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylim(lo_lim, hi_lim)
+    ax.set_xlim(0, max([kv[r[0]]["bytes_per_token"] for _, r in numbered] + [1.0]) * 1.1)
+    ax.set_xlabel("stored KV bytes/token (bf16, decoder attention layers)")
+    ax.set_ylabel("ΔPPL % vs baseline (log)")
+    ax.set_title(f"Storage vs quality ({model})", fontsize=9)
+    # numbers on the points, names in the key: labels never overlap
+    key = "\n".join(f"{i} {r[0]}" for i, r in numbered)
+    ax.text(1.02, 1.0, key, transform=ax.transAxes, va="top", fontsize=7, family="monospace")
     paths.append(_save(fig, out / "bytes_vs_ppl.png"))
     return paths
 
@@ -356,3 +425,52 @@ def _save(fig, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, dict, dict]]:
+    """``reports/results.md``'s text, :func:`group_rows` and the figures' inputs (ppl, adapters, storage) from the
+    detailed results under ``workdir``."""
+    workdir = Path(workdir)
+    ppl, gsm, storage = (_load(workdir, n) for n in ("ppl", "gsm8k", "storage"))
+    ridge, projector, adapters = (_load(workdir, n) for n in ("ridge", "projector", "adapters"))
+    evals = _load(workdir, Path("objectives") / "eval")
+    missing = [o for o in params.train.objectives if o not in evals.get("objectives", {})]
+    if missing or SEED_INIT not in evals:
+        missing = missing or [SEED_INIT]
+        raise ValueError(f"{workdir / OBJECTIVES_EVAL} has no scores for objectives {missing}: "
+                         "run `dvc repro eval_objectives`")
+    objectives = {o: {"train": _load(workdir, Path("objectives") / o / "train"),
+                      "eval": {"protocol": evals["protocol"], **evals["objectives"][o]}} for o in params.train.objectives}
+    groups = params.train.eval_groups
+    windows = window_line(storage)
+    rows = group_rows(ppl, gsm, storage, objectives | {SEED_INIT: {"eval": {"groups": evals[SEED_INIT]}}}, groups)
+    text = "\n".join([
+        "# Results", "", protocol_line(ppl, gsm), "", *([windows, ""] if windows else []),
+        "## Headline (metrics/summary.json; intervals in metrics/groups.tsv)", "", *headline_table(summary(rows)), "",
+        *results_table(ppl, gsm, storage), "",
+        "## Mode A: true CED (prefill skip)", "", *mode_a_table(ppl, gsm, _load(workdir, Path("mode_a") / "train")), "",
+        "## Training objectives", "",
+        "Same PPL and gold-NLL protocols as above; Δ against the baseline. `kv_mse (seed)` is the main "
+        f"branch (projector from {projector['run']['init']} init, batch "
+        f"{projector['run']['batch_size']}, {projector['run']['steps']:,} AdamW steps, "
+        f"{KEPT[projector['run']['keep']]} (kept: epoch {_kept(projector)}); adapters from ridge on the true "
+        f"source K/V, {KEPT[adapters['run']['keep']]} (kept epochs {_kept(adapters)}); K/V MSE); "
+        "`kv_mse, random init` is the seed's projector recipe read literally (PyTorch's init, the last "
+        "epoch), for `ced`; every other objective starts from the ridge maps (`ridge` = "
+        "that start, untrained) and gives each group the maps made for it: `ced_csa2` gets its own projector "
+        f"and adapters (starting from {CED_CSA2_START[params.train.ced_csa2_start]}), trained jointly under "
+        "`ced_csa2` by the online objectives. Optimizer steps: for `kv_mse` the projector's AdamW and the "
+        "adapters' SGD steps over dumped K/V rows; for the online objectives the steps and tokens of their "
+        "phases (ced, csa2, ced_csa2; metrics/objectives/*/train.json). Wall times of every stage: "
+        "`timings/<stage>.json` after a run.", "",
+        *objective_table(ppl, gsm, projector, adapters, objectives, evals[SEED_INIT], groups), "",
+        "## Fit of the maps (held-out tokens)", "", *fit_table(ridge, projector, adapters), "",
+        *served_fit_table(ridge, list(adapters["layers"]), params.train_adapters.input), "",
+        "Qwen3.5-4B geometry (computed from its config, no weights): "
+        + ", ".join(f"{b}: baseline {storage['qwen3_5_4b']['kv']['bf16'][b]['baseline']['bytes_per_token']:,.0f} → "
+                    f"csa2 {storage['qwen3_5_4b']['kv']['bf16'][b]['csa2']['bytes_per_token']:,.0f} B/token"
+                    for b in BASES) + ".", "",
+        f"_{storage['note']}_", "",
+        "![PPL by group](ppl_by_group.png) ![adapter cosine](adapter_cosine.png) ![bytes vs PPL](bytes_vs_ppl.png)", "",
+    ])
+    return text, rows, (ppl, adapters, storage)
