@@ -285,14 +285,14 @@ def test_distributed_gsm8k_is_single_process_gsm8k(tmp_path):
 
 @pytest.mark.slow
 def test_two_process_dump_killed_midway_resumes_to_the_uninterrupted_file(repo, tmp_path):
-    """SIGKILL of the stage's own process (as tests/test_faults.py kills the 1-process dump) once both ranks are writing.
+    """SIGKILL of the stage's own process (as tests/test_faults_dump.py kills the 1-process dump) once both ranks are writing.
 
     The kill goes out when each rank has logged at least one committed batch of its shard
     and neither has finished.  It reaches torchrun and both workers (``relaunch``'s
     parent-death signal), the shards keep their complete batches, and the rerun resumes both
     and merges: the same datasets and attributes as an uninterrupted 2-process dump.
     """
-    from test_faults import committed, dump_contents, wait_until
+    from faults_common import committed, dump_contents, wait_until
 
     from ced_csa2.pipeline.paths import DUMP_PATH
 

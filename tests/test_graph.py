@@ -17,7 +17,7 @@ SRC = ROOT / "src"
 STAGES_DIR = SRC / "ced_csa2" / "stages"
 # The public modules (the seed's entry points, the typed config, the CLIs); the rest lives in
 # one subpackage per concern.
-TOP_LEVEL = {"__init__", "assets", "ced_runtime", "compose", "config", "csa2", "diff", "estimate", "kv_hooks",
+TOP_LEVEL = {"__init__", "assets", "ced_runtime", "compose", "config", "csa2", "diff", "estimate", "kv_hooks", "plots_page",
              "model_utils", "plan", "projector"}
 
 

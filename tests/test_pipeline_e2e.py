@@ -163,6 +163,9 @@ def test_curves_one_series_per_file_and_plots_render(repo, reproduced):
     assert {p.relative_to(repo).as_posix() for p in curves.rglob("*.tsv")} <= ids
     assert {f"reports/{png}.png" for png in ("ppl_by_group", "adapter_cosine", "bytes_vs_ppl")} <= ids
     assert "metrics/groups.tsv" in ids
+    page = sh(repo, "dvc", "plots", "show")  # the HTML page, through .dvc/plots/offline.html: no CDN
+    html = (repo / "dvc_plots" / "index.html").read_text()
+    assert "index.html" in page and "window.vegaEmbed" in html and "cdn.jsdelivr" not in html
     epoch_logged = [i for i in ids if "/train_" in i]
     assert epoch_logged and all(shown["data"][i][0]["content"]["encoding"]["x"]["field"] == "epoch"
                                 for i in epoch_logged)

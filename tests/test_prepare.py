@@ -10,7 +10,6 @@ from ced_csa2.config import HubSplit, WheelPin
 from ced_csa2.data import corpus, sources
 from ced_csa2.data.sources import Article
 from ced_csa2.pipeline import paths
-from ced_csa2.stages import prepare as prep
 
 OUTPUTS = (paths.TRAIN_JSONL, paths.EVAL_JSONL, paths.GSM8K_JSONL, paths.PREPARE_METRICS)
 

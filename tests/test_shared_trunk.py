@@ -190,10 +190,9 @@ def test_eval_objectives_gives_each_group_what_one_group_at_a_time_gives(tmp_pat
     from conftest import tiny_params
     from test_eval_ppl import write_eval
 
-    from ced_csa2.eval.gsm8k import gold_nll
+    from ced_csa2.eval.gsm8k import gold_nll, write_gold_pairs
     from ced_csa2.eval.perplexity import eval_ids, group_ppl
     from ced_csa2.pipeline import paths
-    from ced_csa2.eval.gsm8k import write_gold_pairs
     from ced_csa2.plan import load_plan
     from ced_csa2.stages import eval_objectives
 

@@ -1,0 +1,150 @@
+"""Helpers shared by the fault catalogue's files (tests/test_faults.py and tests/test_faults_*.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+from conftest import TINY_OVERRIDES, compose
+
+from ced_csa2.pipeline.entry import DEBUG_ENV
+from ced_csa2.pipeline.paths import (
+    DUMP_PATH,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = compose(TINY_OVERRIDES)
+
+
+def edit(old: str, new: str):
+    """A hand edit of ``params.yaml``: replace the one occurrence of ``old``."""
+    def apply(workdir: Path) -> None:
+        path = workdir / "params.yaml"
+        text = path.read_text()
+        assert text.count(old) == 1, f"anchor {old!r} must occur once in the tiny params.yaml"
+        path.write_text(text.replace(old, new))
+    return apply
+
+
+def write(rel: str, content: bytes | str):
+    def apply(workdir: Path) -> None:
+        path = workdir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+    return apply
+
+
+def remove(rel: str):
+    return lambda workdir: (workdir / rel).unlink()
+
+
+def local_model(path: str, *before):
+    """Hand edits of ``params.yaml``: the model becomes ``kind: local`` at ``path``, pinned to zeros."""
+    steps = [*before, edit("  name: tiny_qwen3_5\n  kind: tiny\n", "  name: tiny_qwen3_5\n  kind: local\n"),
+             edit("  local: null\n", f"  local:\n    path: {path}\n    sha256: '{ZEROS}'\n")]
+
+    def apply(workdir: Path) -> None:
+        for step in steps:
+            step(workdir)
+    return apply
+
+
+NO_CUDA = "torch.cuda.is_available() is false"
+
+
+ZEROS = "0" * 64
+
+
+def snapshot(workdir: Path) -> dict[str, str]:
+    """``{path: sha256}`` of every file under ``workdir`` but ``params.yaml`` (new files show too)."""
+    return {p.relative_to(workdir).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(workdir.rglob("*")) if p.is_file() and p.name != "params.yaml"}
+
+
+def stage_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in (DEBUG_ENV, "CED_CSA2_RECORD_READS")}
+    env.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+def run_stage_process(workdir: Path, stage: str, prelude: str = "") -> subprocess.CompletedProcess:
+    """``python -m ced_csa2.stages.<stage>``, or with ``prelude`` (a fault injected) run before its ``main()``."""
+    cmd = [sys.executable, "-m", f"ced_csa2.stages.{stage}"] if not prelude else [
+        sys.executable, "-c", f"{prelude}\nimport ced_csa2.stages.{stage} as stage_module\nstage_module.main()\n"]
+    return subprocess.run(cmd, cwd=workdir, env=stage_env(), capture_output=True, text=True, timeout=600,
+                          check=False)
+
+
+def one_error_line(done: subprocess.CompletedProcess) -> str:
+    """The stage ended with exit status 2 and exactly one ``error:`` line, last, no traceback or crash noise."""
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, f"exit {done.returncode}:\n{done.stderr[-3000:]}"
+    for noise in ("Traceback", "Exception ignored", "Segmentation fault"):
+        assert noise not in done.stderr, done.stderr[-3000:]
+    assert lines and lines[-1].startswith("error: "), done.stderr[-3000:]
+    assert sum(line.startswith("error:") for line in lines) == 1, done.stderr[-3000:]
+    return lines[-1]
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def flip_bytes(name: str, chunk: int, at: int = 1000, n: int = 64):
+    """Invert ``n`` bytes at offset ``at`` inside chunk ``chunk`` of dataset ``name``, in place."""
+    def apply(workdir: Path) -> None:
+        path = workdir / DUMP_PATH
+        with h5py.File(path, "r") as f:
+            offset = f[name].id.get_chunk_info(chunk).byte_offset + at
+        with open(path, "r+b") as fh:
+            fh.seek(offset)
+            data = fh.read(n)
+            fh.seek(offset)
+            fh.write(bytes(b ^ 0xFF for b in data))
+    return apply
+
+
+COMMITTED = re.compile(r"(\S+): (\d+) of (\d+) records committed")  # the dump's line after each batch
+
+
+def committed(text: str) -> dict[str, tuple[int, int]]:
+    """``{partial file: (records committed, records of that file)}``: the latest dump line per file (per rank)."""
+    return {m.group(1): (int(m.group(2)), int(m.group(3))) for m in COMMITTED.finditer(text)}
+
+
+def dump_contents(path: Path) -> dict:
+    """Every dataset (dtype, shape, sha256 of its bytes) and every attribute of a dump file."""
+    def plain(v):
+        return np.asarray(v).tolist() if not isinstance(v, (str, bytes)) else v
+
+    with h5py.File(path, "r") as f:
+        out = {f"@{k}": plain(v) for k, v in f.attrs.items()}
+        for name, ds in f.items():
+            data = ds[()]
+            out[name] = (str(ds.dtype), ds.shape, hashlib.sha256(data.tobytes()).hexdigest())
+            out.update({f"{name}@{k}": plain(v) for k, v in ds.attrs.items()})
+    return out
+
+
+def wait_until(proc: subprocess.Popen, log: Path, seen, what: str, timeout: float = 900):
+    """Poll ``log`` (the stderr of the running ``proc``) until ``seen(text)`` is truthy; return that value.
+
+    Kill points are states the test observes in the log, not times: however loaded the
+    machine, the process is where the test means it to be when the signal goes out.  The
+    timeout only catches a hang, so it is generous: a loaded machine is slow, not wrong.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = seen(log.read_text(errors="replace"))
+        if found:
+            return found
+        assert proc.poll() is None, f"ended (exit {proc.returncode}) before {what}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.002)
+    raise AssertionError(f"{what} did not happen in {timeout} s")
