@@ -23,16 +23,16 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import numpy as np
-import torch
-from tqdm import tqdm
-
 from ..config import Params
 from ..data.h5store import DumpReader
-from ..data.loader import aligned_block_rows, cat_features, iter_blocks
-from ..maps.fit_metrics import FitStats
+from ..data.loader import aligned_block_rows
 from ..maps.ridge import DUMP_ATTRS
-from ..maps.xkv import KINDS, GramAccumulator, XKVBasis, group_layers, save_xkv, top_eigenvectors
+from ..maps.xkv import XKVBasis, group_layers, save_xkv, top_eigenvectors
+
+# Rows per read (rounded up to the dump's block): memory is O(rows * L * kv_dim) per read
+# plus the two (L*kv_dim)² Grams, whatever the number of rows; the sums do not depend on it
+# beyond float64 rounding.
+from ..maps.xkv_fit import BLOCK_ROWS, xkv_heldout, xkv_statistics
 from ..pipeline.checkpoint import SAVE_DTYPE, checkpoint_meta
 from ..pipeline.entry import run_stage
 from ..pipeline.io_utils import write_json
@@ -41,52 +41,6 @@ from ..plan import load_plan
 from ..train.training import split_masks
 
 log = logging.getLogger(__name__)
-
-# Rows per read (rounded up to the dump's block): memory is O(rows * L * kv_dim) per read
-# plus the two (L*kv_dim)² Grams, whatever the number of rows; the sums do not depend on it
-# beyond float64 rounding.
-BLOCK_ROWS = 8192
-
-
-def names(kind: str, layers: tuple[int, ...]) -> list[str]:
-    """The dump's datasets of one kind, in stacking order (``k_20``, ``k_24``, ...)."""
-    return [f"{kind}_{layer}" for layer in layers]
-
-
-def accumulate(reader: DumpReader, layers: tuple[int, ...], mask: np.ndarray, block_rows: int
-               ) -> dict[str, GramAccumulator]:
-    """``{kind: GramAccumulator}`` of the stacked K (V) rows of ``layers`` over the masked rows, one pass."""
-    width = reader.layout.widths()[f"k_{layers[0]}"] * len(layers)
-    accs = {kind: GramAccumulator(width, f"xkv {kind} Gram of layers {list(layers)}") for kind in KINDS}
-    with tqdm(total=int(mask.sum()), desc="xkv fit", unit="row", unit_scale=True) as bar:
-        for block in iter_blocks(reader, names("k", layers) + names("v", layers), mask, block_rows):
-            for kind, acc in accs.items():
-                acc.update(torch.from_numpy(cat_features(block, names(kind, layers))))
-            bar.update(len(block[f"k_{layers[0]}"]))
-    return accs
-
-
-def evaluate(reader: DumpReader, basis: XKVBasis, mask: np.ndarray, block_rows: int) -> dict:
-    """Held-out fit of ``basis`` on the masked rows: per layer and kind FitStats, and captured energy."""
-    layers = basis.layers
-    stats = {f"{kind}_{layer}": FitStats() for kind in KINDS for layer in layers}
-    kept = {kind: 0.0 for kind in KINDS}
-    total = {kind: 0.0 for kind in KINDS}
-    with tqdm(total=int(mask.sum()), desc="xkv val", unit="row", unit_scale=True) as bar:
-        for block in iter_blocks(reader, names("k", layers) + names("v", layers), mask, block_rows):
-            for kind in KINDS:
-                rows = {layer: torch.from_numpy(block[f"{kind}_{layer}"]) for layer in layers}
-                c = basis.compress(kind, rows)
-                for layer, x_hat in basis.reconstruct(kind, c).items():
-                    stats[f"{kind}_{layer}"].update(x_hat, rows[layer])
-                kept[kind] += float(c.double().square().sum())
-                total[kind] += float(basis.stack(rows).double().square().sum())
-            bar.update(len(block[f"k_{layers[0]}"]))
-    out = {}
-    for name, s in stats.items():
-        r = s.result()
-        out[name] = {"rel_err": r["rel_mse"], "r2": r["r2"], "cos": r["cos"], "n_val": r["n"]}
-    return {"layers": out, "energy_val": {kind: kept[kind] / total[kind] for kind in KINDS}}
 
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
@@ -104,11 +58,11 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
         block_rows = aligned_block_rows(reader, BLOCK_ROWS)
         log.info("xkv rank %d of %d (layers %s, kv_dim %d) on %s: %d train rows, %d val rows", rank, width,
                  list(layers), geo.kv_dim, reader.path, train_mask.sum(), val_mask.sum())
-        accs = accumulate(reader, layers, train_mask, block_rows)
+        accs = xkv_statistics(reader, layers, train_mask, block_rows)
         fitted = XKVBasis.from_grams({kind: acc.gram for kind, acc in accs.items()}, layers, geo.kv_dim, rank)
         # Measure what the file will hold: the FP16-rounded bases.
         stored = fitted.to(SAVE_DTYPE).float()
-        fit = evaluate(reader, stored, val_mask, block_rows)
+        fit = xkv_heldout(reader, stored, val_mask, block_rows)
         dump_attrs = {k: str(reader.attrs[k]) for k in DUMP_ATTRS if k in reader.attrs}
     energy = {}
     for kind, acc in accs.items():

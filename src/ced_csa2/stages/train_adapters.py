@@ -34,67 +34,26 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
-
 from ..config import Params
-from ..csa2 import CSA2Adapters, save_adapters
-from ..data.loader import load_rows
+from ..csa2 import save_adapters
 from ..model_utils import resolve_device
 from ..pipeline import distributed
 from ..pipeline.checkpoint import checkpoint_meta
 from ..pipeline.entry import run_stage
 from ..pipeline.io_utils import write_json
 from ..pipeline.paths import ADAPTERS_CURVES, ADAPTERS_METRICS, ADAPTERS_PATH, DUMP_PATH, RIDGE_PATH
-from ..plan import LayerPlan, load_plan
+from ..plan import load_plan
+from ..train.adapter_training import GAIN_KEYS, adapter_heads, adapter_optimizer, load_pairs
 from ..train.training import (
-    KINDS,
-    Head,
     TensorBatches,
     build_adapters,
     compute_dtype_name,
     fit,
-    pair_names,
     split_masks,
     write_curves,
 )
 
 log = logging.getLogger(__name__)
-
-GAIN_KEYS = ("r2", "cos", "rel_mse", "mse")
-
-
-
-def load_pairs(dump: Path, plan: LayerPlan, mask, kv_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The masked rows as ``X (n, 2 kv_dim) = [K_src ‖ V_src]`` and ``Y (n, 2 kv_dim · targets)``."""
-    x_names, y_names = pair_names(plan)
-    data = load_rows(dump, x_names + y_names, mask)
-    return data[:, :2 * kv_dim], data[:, 2 * kv_dim:]
-
-
-
-def heads_for(adapters: CSA2Adapters, kv_dim: int) -> list[Head]:
-    """One head per (target, kind), reading ``X`` (all of it, or its kind's half) and predicting its block of ``Y``."""
-    heads = []
-    for i, t in enumerate(adapters.layers):
-        for j, kind in enumerate(KINDS):
-            col = (2 * i + j) * kv_dim
-            x = slice(None) if adapters.input == "kv" else slice(j * kv_dim, (j + 1) * kv_dim)
-            heads.append(Head({"layer": t, "kind": kind}, adapters.adapter(kind, t), x=x, y=slice(col, col + kv_dim),
-                              parts={kind: slice(None)}))
-    return heads
-
-
-def optimizer_for(adapters: CSA2Adapters, params: Params) -> torch.optim.SGD:
-    """SGD with momentum: the bases at ``base_lr``, the residual MLPs at ``refine_lr``."""
-    cfg = params.train_adapters
-    base, mlp = [], []
-    for kind in KINDS:
-        for t in adapters.layers:
-            b, m = adapters.adapter(kind, t).param_groups()
-            base += b
-            mlp += m
-    return torch.optim.SGD([{"params": base, "lr": cfg.base_lr}, {"params": mlp, "lr": cfg.refine_lr}],
-                           lr=cfg.base_lr, momentum=cfg.momentum)
 
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
@@ -117,8 +76,8 @@ def _run(params: Params, workdir: Path) -> dict:
     val = TensorBatches(*load_pairs(dump, plan, val_mask, kv), cfg.batch_size, shuffle=False, seed=params.seed)
     log.info("training adapters KV_%d -> KV_%s on %s: %d train pairs, %d val pairs, MLP width %d, %s autocast",
              plan.source, list(plan.targets), device, train.n_rows, val.n_rows, adapters.width, cfg.amp_dtype)
-    heads = heads_for(adapters, kv)
-    curves, ridge, trained, kept = fit(heads, optimizer_for(adapters, params), train, val, epochs=cfg.epochs,
+    heads = adapter_heads(adapters, kv)
+    curves, ridge, trained, kept = fit(heads, adapter_optimizer(adapters, params), train, val, epochs=cfg.epochs,
                                        device=device, amp_dtype=cfg.amp_dtype, keep=cfg.keep, desc="train_adapters")
 
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
