@@ -36,9 +36,6 @@ from .kv_bytes import (
 )
 
 # The seed's plan on Qwen3.5-4B (docs/design.md §0): cut after 16, project 20, adapt 24/28/32.
-
-
-# The seed's plan on Qwen3.5-4B (docs/design.md §0): cut after 16, project 20, adapt 24/28/32.
 QWEN3_5_4B_PLAN = LayerPlan(split=16, source=20, targets=(24, 28, 32))
 
 

@@ -16,11 +16,6 @@ from .xkv import KINDS, GramAccumulator, XKVBasis
 # Rows per read (rounded up to the dump's block): memory is O(rows * L * kv_dim) per read
 # plus the two (L*kv_dim)² Grams, whatever the number of rows; the sums do not depend on it
 # beyond float64 rounding.
-
-
-# Rows per read (rounded up to the dump's block): memory is O(rows * L * kv_dim) per read
-# plus the two (L*kv_dim)² Grams, whatever the number of rows; the sums do not depend on it
-# beyond float64 rounding.
 BLOCK_ROWS = 8192
 
 
@@ -30,7 +25,7 @@ def xkv_names(kind: str, layers: tuple[int, ...]) -> list[str]:
 
 
 def xkv_statistics(reader: DumpReader, layers: tuple[int, ...], mask: np.ndarray, block_rows: int
-               ) -> dict[str, GramAccumulator]:
+                   ) -> dict[str, GramAccumulator]:
     """``{kind: GramAccumulator}`` of the stacked K (V) rows of ``layers`` over the masked rows, one pass."""
     width = reader.layout.widths()[f"k_{layers[0]}"] * len(layers)
     accs = {kind: GramAccumulator(width, f"xkv {kind} Gram of layers {list(layers)}") for kind in KINDS}

@@ -28,10 +28,6 @@ from ..data.h5store import DumpReader
 from ..data.loader import aligned_block_rows
 from ..maps.ridge import DUMP_ATTRS
 from ..maps.xkv import XKVBasis, group_layers, save_xkv, top_eigenvectors
-
-# Rows per read (rounded up to the dump's block): memory is O(rows * L * kv_dim) per read
-# plus the two (L*kv_dim)² Grams, whatever the number of rows; the sums do not depend on it
-# beyond float64 rounding.
 from ..maps.xkv_fit import BLOCK_ROWS, xkv_heldout, xkv_statistics
 from ..pipeline.checkpoint import SAVE_DTYPE, checkpoint_meta
 from ..pipeline.entry import run_stage

@@ -26,8 +26,6 @@ from pathlib import Path
 
 from ..config import Params
 from ..kv.fp4 import FORMATS as FP4_FORMATS
-
-# The seed's plan on Qwen3.5-4B (docs/design.md §0): cut after 16, project 20, adapt 24/28/32.
 from ..kv.storage_table import (
     BASIS_DOC,
     GROUP_DOC,
