@@ -626,8 +626,8 @@ def report(s: Setup, stages: list[StageEstimate]) -> str:
 def rerun_plan(workdir: Path) -> list[tuple[str, str]]:
     """What ``dvc repro`` of ``dvc.yaml`` would do now, stage by stage in pipeline order: ``[(stage, why)]``.
 
-    A stage DVC reports changed (``dvc status``) whose inputs are all in the workspace already
-    is looked up in DVC's run cache: ``"run cache"`` when an earlier run with these inputs is
+    In ``dvc.yaml``'s order.  A stage DVC reports changed (``dvc status``) whose inputs are all
+    in the workspace already is looked up in DVC's run cache: ``"run cache"`` when an earlier run with these inputs is
     there (restored in seconds, nothing computed), else ``"changed: <what>"``.  Stages downstream
     of a changed one get ``"downstream of <stage>"``: they re-run unless the run cache also holds
     the inputs their upstream stages will write (which is only known once those ran).
@@ -639,9 +639,9 @@ def rerun_plan(workdir: Path) -> list[tuple[str, str]]:
         graph = repo.index.graph  # an edge points from a stage to a stage it depends on
         status = repo.status(targets=[str(workdir / "dvc.yaml")])
         plan, target = [], (workdir / "dvc.yaml").resolve()
-        for stage in reversed(list(nx.topological_sort(graph))):
-            if Path(stage.path).resolve() != target:  # studies/dvc.yaml: not what `dvc repro` runs
-                continue
+        # dvc.yaml's order (already an order its dependencies respect); studies/dvc.yaml is not
+        # what `dvc repro` runs
+        for stage in (s for s in repo.index.stages if Path(s.path).resolve() == target):
             upstream = sorted(d.addressing for d in nx.descendants(graph, stage) if d.addressing in status)
             if upstream:
                 plan.append((stage.addressing, f"downstream of {', '.join(upstream)}"))
