@@ -85,6 +85,11 @@ def test_compose_cli_keeps_hand_edits_unless_forced_and_answers_in_one_line(tmp_
     main(["kv_format=mxfp4"])  # from the defaults: no edit to protect
     main(["kv_format=mxfp4", "--stdout"])
     assert capsys.readouterr().out == compose(["kv_format=mxfp4"])
+    before = (tmp_path / "params.yaml").read_text()
+    main(["kv_format=nvfp4", "--diff"])  # the change, as a diff; nothing written
+    diff = capsys.readouterr().out.splitlines()
+    assert diff[:2] == ["--- params.yaml", "+++ composition"] and "-kv_format: mxfp4" in diff
+    assert "+kv_format: nvfp4" in diff and (tmp_path / "params.yaml").read_text() == before
     for bad, message in ((["modle=x"], "Could not override 'modle'"),
                          (["eval_ppl.records=-1"], "'eval_ppl.records' must be >= 0")):
         with pytest.raises(SystemExit) as exc:

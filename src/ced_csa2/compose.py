@@ -3,6 +3,7 @@
     python -m ced_csa2.compose                                  # embedded default
     python -m ced_csa2.compose model=tiny_qwen3_5 data=tiny plan=qwen3_5 --force
     python -m ced_csa2.compose budget=cpu_full --stdout         # print, write nothing
+    python -m ced_csa2.compose budget=cpu_full --diff           # what it would change in params.yaml
 
 It refuses to overwrite a ``params.yaml`` that holds values conf/'s defaults do not give (hand
 edits, or an earlier composition's overrides) where the new composition changes them, unless
@@ -71,12 +72,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--force", action="store_true",
                     help="overwrite params.yaml even where it holds values the composition changes (hand edits)")
     ap.add_argument("--stdout", action="store_true", help="print the composition instead of writing params.yaml")
+    ap.add_argument("--diff", action="store_true",
+                    help="print a unified diff of params.yaml against the composition; write nothing")
     args = ap.parse_args(argv)
     text = compose_or_exit(args.overrides)
+    target = Path("params.yaml")
     if args.stdout:
         print(text, end="")
         return
-    target = Path("params.yaml")
+    if args.diff:
+        import difflib
+
+        current = target.read_text() if target.is_file() else ""
+        print("".join(difflib.unified_diff(current.splitlines(keepends=True), text.splitlines(keepends=True),
+                                           fromfile=str(target), tofile="composition")), end="")
+        return
     if target.is_file() and not args.force:
         # Values that conf/'s defaults do not give are edits (by hand or by an earlier composition with
         # overrides): overwrite them only when asked to.
