@@ -181,3 +181,15 @@ LONGEST_FIRST = ("test_pipeline_e2e.py", "test_faults_dump.py", "test_distribute
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+@pytest.fixture
+def in_tiny_folder(tmp_path, monkeypatch):
+    """A scratch folder holding the tiny profile's params.yaml, as the working directory (no debug, no read log)."""
+    from ced_csa2.pipeline.entry import DEBUG_ENV
+
+    (tmp_path / "params.yaml").write_text(compose(TINY_OVERRIDES))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    monkeypatch.delenv("CED_CSA2_RECORD_READS", raising=False)
+    return tmp_path

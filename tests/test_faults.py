@@ -173,15 +173,6 @@ def test_the_good_params_still_run(good_workdir, tmp_path):
 
 # ----------------------------------------------------------------------------- run_stage in process
 
-@pytest.fixture
-def in_tiny_folder(tmp_path, monkeypatch):
-    (tmp_path / "params.yaml").write_text(TINY_YAML)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(DEBUG_ENV, raising=False)
-    monkeypatch.delenv("CED_CSA2_RECORD_READS", raising=False)
-    return tmp_path
-
-
 def _raiser(exc):
     def run(params):
         logging.getLogger("stage").info("working")

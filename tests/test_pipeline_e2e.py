@@ -270,12 +270,11 @@ def test_an_ablation_reruns_what_reads_it_and_its_revert_restores_from_the_run_c
     diff = json.loads(sh(repo, "dvc", "metrics", "diff", "--json"))
     assert set(diff) == {"metrics/summary.json"} and diff["metrics/summary.json"]["csa2.dppl_pct"]["diff"] != 0
     assert "train_adapters.refine_lr" in sh(repo, "dvc", "params", "diff")
-    # README's `dvc exp show` line fits a screen: the edit as a saved experiment against HEAD
-    sh(repo, "dvc", "exp", "save", "-n", "edited")
+    # README's `dvc exp show` line fits a screen: the edited workspace against HEAD
     line = re.search(r"^(dvc exp show [^#\n]*?)\s+#", (ROOT / "README.md").read_text(), re.M).group(1)
     shown = sh(repo, *shlex.split(line), "--no-pager").strip().splitlines()
     assert len(shown) <= 30 and max(map(len, shown)) <= 200, "\n".join(shown)
-    assert any("edited" in row for row in shown) and "csa2.dppl_pct" in shown[0] and "refine_lr" in shown[0]
+    assert any("workspace" in row for row in shown) and "csa2.dppl_pct" in shown[0] and "refine_lr" in shown[0]
 
     params.write_text(original)  # the way back: no stage command runs, every output comes back
     previewed = preview(repo)
