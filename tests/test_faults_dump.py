@@ -406,8 +406,8 @@ def test_train_projector_killed_mid_epoch_keeps_the_old_checkpoint_then_writes_t
 
     seen, stop = set(), threading.Event()
 
-    def watch():  # what a reader of the output sees at every point
-        while not stop.is_set():
+    def watch():  # what a reader of the output sees, every few milliseconds (not a busy loop: the trainer needs the core)
+        while not stop.wait(0.005):
             try:
                 seen.add(sha(work / ckpt))
             except FileNotFoundError:
