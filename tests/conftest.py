@@ -139,22 +139,22 @@ def tiny_gemma3(attn_implementation="sdpa"):
     return build_tiny_model(cfg, vocab_size=300, attn_implementation=attn_implementation)
 
 
-def read_curves(directory) -> dict[str, tuple[str, list[tuple[int, float]]]]:
-    """``{series: (x name, [(x, value), ...])}`` of a curves directory, checking the layout.
+def read_curves(path) -> tuple[str, dict[tuple[str, str], list[tuple[int, float]]]]:
+    """``(x name, {(series, quantity): [(x, value), ...]})`` of a stage's curve table, checking its layout.
 
-    Every ``*.tsv`` must hold exactly one series -- header ``<x>\\t<file stem>``, two columns
-    per row -- with integer, strictly increasing x.
+    Header ``<x>\\tquantity\\tseries\\tvalue``, four columns per row, the rows of one
+    ``(series, quantity)`` together, with integer, strictly increasing x.
     """
-    out = {}
-    for path in sorted(directory.glob("*.tsv")):
-        header, *rows = [line.split("\t") for line in path.read_text().splitlines()]
-        assert len(header) == 2 and header[1] == path.stem, (path, header)
-        assert rows and all(len(r) == 2 for r in rows), path
-        points = [(int(x), float(v)) for x, v in rows]
-        xs = [x for x, _ in points]
-        assert all(b > a for a, b in itertools.pairwise(xs)), (path, xs)
-        out[path.stem] = (header[0], points)
-    return out
+    header, *rows = [line.split("\t") for line in Path(path).read_text().splitlines()]
+    assert header[1:] == ["quantity", "series", "value"], (path, header)
+    assert all(len(r) == 4 for r in rows), path
+    curves: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for (quantity, series), group in itertools.groupby(rows, key=lambda r: (r[1], r[2])):
+        assert (series, quantity) not in curves, (path, series, quantity, "rows not together")
+        curves[series, quantity] = [(int(x), float(v)) for x, _, _, v in group]
+        xs = [x for x, _ in curves[series, quantity]]
+        assert all(b > a for a, b in itertools.pairwise(xs)), (path, series, quantity, xs)
+    return header[0], curves
 
 
 ROOT = Path(__file__).resolve().parents[1]

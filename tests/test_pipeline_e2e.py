@@ -143,31 +143,36 @@ def test_groups_table_and_summary_are_the_detailed_results(repo, reproduced):
     assert len(ignored.split()) == 3
 
 
-def test_curves_one_series_per_file_and_plots_render(repo, reproduced):
+def test_curves_one_table_per_stage_and_plots_render(repo, reproduced):
     curves = repo / "metrics/curves"
-    for directory in {p.parent for p in curves.rglob("*.tsv")}:
-        read_curves(directory)  # one series per file, strictly increasing x
-    assert {p.name for p in (curves / "tune").iterdir() if p.is_dir()} == {"attn_out", "distill", "ridge"}
-    assert not list((curves / "tune" / "ridge").iterdir())  # ridge trains nothing
+    tables = {p.relative_to(curves).as_posix(): read_curves(p) for p in curves.rglob("*.tsv")}
+    assert sorted(tables) == ["train_adapters.tsv", "train_projector.tsv", "tune/attn_out.tsv",
+                              "tune/distill.tsv", "tune/ridge.tsv", "tune_mode_a.tsv"]
+    assert tables["tune/ridge.tsv"] == ("step", {})  # ridge trains nothing
     for objective in ("attn_out", "distill"):
-        tuned = read_curves(curves / "tune" / objective)
-        ced, csa2 = ([s for s, _ in tuned[f"{g}_loss"][1]] for g in ("ced", "csa2"))
+        tuned = tables[f"tune/{objective}.tsv"][1]
+        ced, csa2 = ([s for s, _ in tuned[g, "train_loss"]] for g in ("ced", "csa2"))
         assert ced[0] == 1 and csa2[0] == ced[-1] + 1  # one step counter across the two phases
-    assert len(read_curves(curves / "train_adapters")) == 3 * 2 * 3  # layer x K/V x metric
+    assert len(tables["train_adapters.tsv"][1]) == 3 * 2 * 3  # layer x K/V x quantity
     assert not (repo / "metrics/plots").exists() and not list((repo / "metrics/objectives").rglob("curve.csv"))
 
     out = sh(repo, "dvc", "plots", "show", "--json")
     shown = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     assert not shown.get("errors"), shown.get("errors")
     ids = set(shown["data"])
-    assert {p.relative_to(repo).as_posix() for p in curves.rglob("*.tsv")} <= ids
+    trained = {p.relative_to(repo).as_posix() for p in curves.rglob("*.tsv")} - {"metrics/curves/tune/ridge.tsv"}
+    assert trained <= ids
+    for table in trained:  # one plot per stage: a row per quantity, a line per series
+        (plot,) = shown["data"][table]
+        assert plot["content"]["facet"]["row"]["field"] == "quantity", table
+        assert plot["content"]["spec"]["encoding"]["color"]["field"] == "series", table
     assert {f"reports/{png}.png" for png in ("ppl_by_group", "adapter_cosine", "bytes_vs_ppl")} <= ids
     assert "metrics/groups.tsv" in ids
     page = sh(repo, "dvc", "plots", "show")  # the HTML page, through .dvc/plots/offline.html: no CDN
     html = (repo / "dvc_plots" / "index.html").read_text()
     assert "index.html" in page and "window.vegaEmbed" in html and "cdn.jsdelivr" not in html
     epoch_logged = [i for i in ids if "/train_" in i]
-    assert epoch_logged and all(shown["data"][i][0]["content"]["encoding"]["x"]["field"] == "epoch"
+    assert epoch_logged and all(shown["data"][i][0]["content"]["spec"]["encoding"]["x"]["field"] == "epoch"
                                 for i in epoch_logged)
 
 

@@ -94,14 +94,15 @@ def without_wall_time(metrics):
     return {**metrics, "run": {k: v for k, v in metrics["run"].items() if k != "wall_s"}}
 
 
-def epoch_curves(directory, names, epochs):
+def epoch_curves(path, names, epochs):
     """The curves of a trainer: exactly ``names`` x (train_loss, val_loss, val_cos), x = epoch."""
-    curves = read_curves(directory)
-    assert sorted(curves) == sorted(f"{n}_{m}" for n in names for m in ("train_loss", "val_loss", "val_cos"))
-    for name, (x, points) in curves.items():
-        first = 1 if name.endswith("train_loss") else 0  # val_* start before training
-        assert x == "epoch" and [e for e, _ in points] == list(range(first, epochs + 1)), name
-    return {name: [v for _, v in points] for name, (_, points) in curves.items()}
+    x, curves = read_curves(path)
+    assert x == "epoch"
+    assert sorted(curves) == sorted((n, m) for n in names for m in ("train_loss", "val_loss", "val_cos"))
+    for (name, quantity), points in curves.items():
+        first = 1 if quantity == "train_loss" else 0  # val_* start before training
+        assert [e for e, _ in points] == list(range(first, epochs + 1)), (name, quantity)
+    return {key: [v for _, v in points] for key, points in curves.items()}
 
 
 def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
@@ -112,10 +113,10 @@ def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
     assert layer["k"]["r2"] > 0.5 and layer["v"]["r2"] > 0.5 and layer["k"]["n"] == m["run"]["val_rows"]
     assert json.loads((workdir / paths.PROJECTOR_METRICS).read_text()) == m
     curves = epoch_curves(workdir / paths.PROJECTOR_CURVES, ["layer20"], epochs=4)
-    assert curves["layer20_val_loss"][0] == pytest.approx(layer["val_loss_init"], rel=1e-6)
-    assert curves["layer20_val_loss"][-1] == pytest.approx(layer["val_loss"], rel=1e-6)
-    assert curves["layer20_val_cos"][-1] == pytest.approx((layer["k"]["cos"] + layer["v"]["cos"]) / 2, rel=1e-6)
-    assert curves["layer20_train_loss"][-1] < curves["layer20_train_loss"][0]
+    assert curves["layer20", "val_loss"][0] == pytest.approx(layer["val_loss_init"], rel=1e-6)
+    assert curves["layer20", "val_loss"][-1] == pytest.approx(layer["val_loss"], rel=1e-6)
+    assert curves["layer20", "val_cos"][-1] == pytest.approx((layer["k"]["cos"] + layer["v"]["cos"]) / 2, rel=1e-6)
+    assert curves["layer20", "train_loss"][-1] < curves["layer20", "train_loss"][0]
     assert not (workdir / "metrics/plots").exists()
 
     expect = expected_meta(p, *load_plan(p.plan, p.model))  # what every consumer checks
@@ -134,7 +135,7 @@ def test_projector_keeps_its_best_held_out_epoch(workdir):
     """From the ridge map (the held-out least-squares optimum's neighbour) a large AdamW lr only adds
     noise: ``keep: best_val`` ends on the start itself, ``keep: last`` on the worse last epoch."""
     kept = train_projector.run(params(projector={"init": "ridge", "lr": 0.5}), workdir)["layers"]["20"]
-    val = [v for _, v in read_curves(workdir / paths.PROJECTOR_CURVES)["layer20_val_loss"][1]]
+    val = [v for _, v in read_curves(workdir / paths.PROJECTOR_CURVES)[1]["layer20", "val_loss"]]
     assert min(val[1:]) > val[0]  # every trained epoch is worse than the start
     assert kept["kept_epoch"] == 0 and kept["val_loss"] == pytest.approx(val[0], rel=1e-6)
     proj, _ = load_projector(workdir / "models/projector_k20v20.pt")
@@ -156,12 +157,12 @@ def test_adapters_improve_on_ridge_and_rerun_identically(workdir, tmp_path_facto
             assert r["trained"]["mse"] < r["ridge"]["mse"], (t, kind)
             assert r["gain"]["r2"] == pytest.approx(r["trained"]["r2"] - r["ridge"]["r2"])
     assert m["run"]["val_pairs"] == 12 * 16 and m["layers"]["24"]["k"]["trained"]["n"] == 12 * 16
-    # one file per (layer, kind, metric): six adapters are six lines, not one zig-zag
+    # one series per (layer, kind): six adapters are six lines, not one zig-zag
     curves = epoch_curves(workdir / paths.ADAPTERS_CURVES, [f"layer{t}_{kind}" for t in (24, 28, 32)
                                                             for kind in ("k", "v")], epochs=12)
     for t, kinds in m["layers"].items():
         for kind, r in kinds.items():
-            val_loss, val_cos = curves[f"layer{t}_{kind}_val_loss"], curves[f"layer{t}_{kind}_val_cos"]
+            val_loss, val_cos = curves[f"layer{t}_{kind}", "val_loss"], curves[f"layer{t}_{kind}", "val_cos"]
             assert (val_loss[0], val_cos[0]) == pytest.approx((r["ridge"]["mse"], r["ridge"]["cos"]), rel=1e-6)
             assert (val_loss[-1], val_cos[-1]) == pytest.approx((r["trained"]["mse"], r["trained"]["cos"]), rel=1e-6)
 
@@ -219,16 +220,19 @@ def test_stages_check_their_inputs_before_training(workdir):
     assert not (workdir / paths.PROJECTOR_METRICS).exists()
 
 
-def test_curves_one_series_per_file_and_stale_series_removed(tmp_path):
-    (tmp_path / "old_loss.tsv").write_text("step\told_loss\n1\t2\n")
-    (tmp_path / "notes.txt").write_text("kept")
-    write_curves(tmp_path, {"a_loss": [(1, 0.5), (2, 0.25)], "a_val": [(0, 1 / 3)]})
-    assert (tmp_path / "a_loss.tsv").read_text() == "step\ta_loss\n1\t0.5\n2\t0.25\n"
-    assert (tmp_path / "a_val.tsv").read_text() == "step\ta_val\n0\t0.33333333\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_loss.tsv", "a_val.tsv", "notes.txt"]
+def test_curves_one_table_grouped_by_quantity_then_series(tmp_path):
+    table = tmp_path / "stage.tsv"
+    table.write_text("stale\n")
+    write_curves(table, {("b", "val_loss"): [(0, 1 / 3)], ("a", "val_loss"): [(0, 0.5)],
+                         ("a", "train_loss"): [(1, 0.5), (2, 0.25)]})
+    assert table.read_text() == ("step\tquantity\tseries\tvalue\n1\ttrain_loss\ta\t0.5\n2\ttrain_loss\ta\t0.25\n"
+                                 "0\tval_loss\ta\t0.5\n0\tval_loss\tb\t0.33333333\n")
+    assert read_curves(table)[1][("b", "val_loss")] == [(0, pytest.approx(1 / 3))]
+    write_curves(table, {}, x="epoch")  # a stage that trains nothing: the header alone
+    assert table.read_text() == "epoch\tquantity\tseries\tvalue\n"
     for bad in ([(1, 0.5), (1, 0.4)], [(2, 0.5), (1, 0.4)], []):
         with pytest.raises(ValueError, match="strictly increasing"):
-            write_curves(tmp_path / "bad", {"b": bad})
-    with pytest.raises(ValueError, match="curve name"):
-        write_curves(tmp_path / "bad", {"b/c": [(1, 0.5)]})
-    assert not (tmp_path / "bad").exists()
+            write_curves(tmp_path / "bad.tsv", {("b", "loss"): bad})
+    with pytest.raises(ValueError, match="use letters"):
+        write_curves(tmp_path / "bad.tsv", {("b/c", "loss"): [(1, 0.5)]})
+    assert not (tmp_path / "bad.tsv").exists()

@@ -54,12 +54,13 @@ def test_ridge_objective_exports_the_closed_form_maps(tmp_path, tiny_model, star
     params = dataclasses.replace(params, train=dataclasses.replace(params.train, ced_csa2_start=start))
     maps = write_inputs(tmp_path, params, tok)
     stale = tmp_path / paths.objective_curves("ridge")
-    stale.mkdir(parents=True)
-    (stale / "ced_loss.tsv").write_text("step\tced_loss\n1\t1.0\n")
+    stale.parent.mkdir(parents=True)
+    stale.write_text("step\tquantity\tseries\tvalue\n1\ttrain_loss\tced\t1.0\n")
     m = tune.run(params, "ridge", tmp_path)
     assert m["objective"] == "ridge" and m["phases"] == {}
-    # ridge trains nothing: its (declared) curve dir is there and empty, none left from before
-    assert stale.is_dir() and not [p for p in (tmp_path / paths.CURVES).rglob("*") if p.is_file()]
+    # ridge trains nothing: its (declared) curve table is the header alone, no rows left from before
+    assert read_curves(stale) == ("step", {})
+    assert [p.name for p in (tmp_path / paths.CURVES).rglob("*") if p.is_file()] == ["ridge.tsv"]
     assert not (tmp_path / paths.objective_metrics("ridge") / "curve.csv").exists()
 
     plan, geo = load_plan(params.plan, params.model)
@@ -105,19 +106,19 @@ def test_a_short_distillation_lowers_the_held_out_kl(tmp_path, frozen):
         assert phase["val_after"]["kl"] < factor * phase["val_before"]["kl"], phase
     saved = json.loads((tmp_path / paths.objective_metrics("distill") / "train.json").read_text())
     assert saved == json.loads(json.dumps(m))
-    # one file per phase and series, one optimizer-step counter across the three phases
-    curves = read_curves(tmp_path / paths.objective_curves("distill"))
+    # one series per phase, one optimizer-step counter across the three phases
+    x, curves = read_curves(tmp_path / paths.objective_curves("distill"))
     phases = ("ced", "csa2", "ced_csa2")
-    assert sorted(curves) == sorted(f"{g}_{s}" for g in phases for s in ("loss", "val_loss", "val_kl"))
-    assert {x for x, _ in curves.values()} == {"step"}
+    assert sorted(curves) == sorted((g, q) for g in phases for q in ("train_loss", "val_loss", "val_kl"))
+    assert x == "step"
     n = ONLINE.epochs * 3
-    steps = {name: [s for s, _ in points] for name, (_, points) in curves.items()}
+    steps = {key: [s for s, _ in points] for key, points in curves.items()}
     for i, group in enumerate(phases):
-        assert steps[f"{group}_loss"] == list(range(i * n + 1, (i + 1) * n + 1))
+        assert steps[group, "train_loss"] == list(range(i * n + 1, (i + 1) * n + 1))
     for group, (first, last) in (("ced", (0, n)), ("csa2", (n, 2 * n)), ("ced_csa2", (2 * n, 3 * n))):
         phase = m["phases"][group]
         for key in ("loss", "kl"):
-            (s0, before), (s1, after) = curves[f"{group}_val_{key}"][1]
+            (s0, before), (s1, after) = curves[group, f"val_{key}"]
             assert (s0, s1) == (first, last)
             assert (before, after) == pytest.approx((phase["val_before"][key], phase["val_after"][key]), rel=1e-6)
     assert not (tmp_path / paths.objective_metrics("distill") / "curve.csv").exists()
@@ -163,9 +164,10 @@ def test_mode_a_objective_lowers_its_held_out_kl(tmp_path, profile):
     m = tune_mode_a.run(params, tmp_path, model_and_tok=(model, tok))
     assert m["covered"] and m["steps"] == 4 * 2
     assert m["val_after"]["kl"] < 0.9 * m["val_before"]["kl"]
-    curves = read_curves(tmp_path / paths.MODE_A_CURVES)
-    assert [s for s, _ in curves["loss"][1]] == list(range(1, 9))
-    assert curves["val_kl"][1] == [(0, pytest.approx(m["val_before"]["kl"])), (8, pytest.approx(m["val_after"]["kl"]))]
+    x, curves = read_curves(tmp_path / paths.MODE_A_CURVES)
+    assert x == "step" and sorted(curves) == [("mode_a", "train_loss"), ("mode_a", "val_kl")]
+    assert [s for s, _ in curves["mode_a", "train_loss"]] == list(range(1, 9))
+    assert curves["mode_a", "val_kl"] == [(0, pytest.approx(m["val_before"]["kl"])), (8, pytest.approx(m["val_after"]["kl"]))]
     parts = load_mode_a_parts(tmp_path, params, plan, geo)  # what eval_ppl / eval_gsm8k run Mode A with
     assert sorted(parts.extra) == sorted(plan.extra_sources)
     assert not torch.equal(parts.projector.proj.weight, maps[f"proj_{plan.source}"]["W"].T.half().float())

@@ -50,9 +50,9 @@ PROJECTOR_METRICS = METRICS / "projector.json"
 EXTRA_METRICS = METRICS / "extra_projectors.json"
 ADAPTERS_PATH = MODELS / "adapters.pt"
 ADAPTERS_METRICS = METRICS / "adapters.json"
-CURVES = METRICS / "curves"  # one series per file: curves/<stage>/<series>.tsv
-PROJECTOR_CURVES = CURVES / "train_projector"
-ADAPTERS_CURVES = CURVES / "train_adapters"
+CURVES = METRICS / "curves"  # one long-format table per training stage (train.training.write_curves)
+PROJECTOR_CURVES = CURVES / "train_projector.tsv"
+ADAPTERS_CURVES = CURVES / "train_adapters.tsv"
 
 # fit_xkv (the cross-layer low-rank baseline)
 XKV_PATH = MODELS / "xkv.pt"
@@ -88,7 +88,7 @@ OBJECTIVES_EVAL = METRICS / "objectives" / "eval.json"  # eval_objectives: every
 # tune_mode_a: the maps Mode A runs with under mode_a.maps: trained
 MODE_A_MODELS = MODELS / "mode_a"
 MODE_A_METRICS = METRICS / "mode_a" / "train.json"
-MODE_A_CURVES = CURVES / "tune_mode_a"
+MODE_A_CURVES = CURVES / "tune_mode_a.tsv"
 
 
 def objective_metrics(objective: str) -> Path:
@@ -97,5 +97,5 @@ def objective_metrics(objective: str) -> Path:
 
 
 def objective_curves(objective: str) -> Path:
-    """Training curves of ``tune@<objective>`` (none for ``ridge``, which trains nothing)."""
-    return CURVES / "tune" / objective
+    """Training curves of ``tune@<objective>`` (the header alone for ``ridge``, which trains nothing)."""
+    return CURVES / "tune" / f"{objective}.tsv"

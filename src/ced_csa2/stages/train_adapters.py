@@ -21,8 +21,8 @@ in one loop, on the same batches:
   so the batches, their order and the steps are those of one process; rank 0 writes.
 
 Writes ``models/adapters.pt``, the curves
-``metrics/curves/train_adapters/layer{t}_{k,v}_{train_loss,val_loss,val_cos}.tsv`` (one
-series per adapter and metric, x = epoch; ``val_*`` from epoch 0, the ridge start) and
+``metrics/curves/train_adapters.tsv`` (series ``layer{t}_{k,v}``, one per adapter: ``train_loss``,
+``val_loss``, ``val_cos`` by epoch; ``val_*`` from epoch 0, the ridge start) and
 ``metrics/adapters.json``: per layer and K/V the
 r2, cos, rel_mse, mse of the trained adapter (``trained``), of the ridge-only start on
 the same pairs (``ridge``), and ``gain = trained - ridge`` (positive is better for r2

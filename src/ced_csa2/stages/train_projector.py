@@ -28,8 +28,8 @@ weights (``init: random, keep: last``), all else the same -- is trained as a ref
 already say so) and written to ``models/projector_seed_init/projector_k{src}v{src}.pt``.
 
 Writes ``models/projector_k{src}v{src}.pt``, the curves
-``metrics/curves/train_projector/layer{src}_{train_loss,val_loss,val_cos}.tsv`` (one series
-per file, x = epoch, ``val_*`` from epoch 0 = before training; ``val_*`` are means of the
+``metrics/curves/train_projector.tsv`` (series ``layer{src}``: ``train_loss``, ``val_loss``,
+``val_cos`` by epoch, ``val_*`` from epoch 0 = before training; ``val_*`` are means of the
 K and V halves) and ``metrics/projector.json`` (``layers.<src>``: r2, cos, rel_mse, mse for K
 and V, the val loss before and after training, the kept epoch; ``run``: facts; ``seed_init``:
 the same for the reference).

@@ -26,10 +26,10 @@ pair in ``.../ced_csa2/`` (the main branch's formats, so
 :func:`ced_csa2.ced_runtime.load_parts` reads them),
 ``metrics/objectives/<objective>/train.json`` (per phase: steps, tokens, wall time,
 tokens/s, held-out losses) and, for the objectives that train, its curves
-``metrics/curves/tune/<objective>/<phase>_{loss,val_loss,val_kl}.tsv``: one series per
-file, x = the optimizer step counted across the phases (each phase's steps continue
-after the previous one's); ``loss`` per step, ``val_*`` the held-out values at
-the phase's first and last step.  ``ridge`` trains nothing: its curve dir is empty.
+``metrics/curves/tune/<objective>.tsv``: one series per phase (``ced``, ``csa2``, ``ced_csa2``),
+x = the optimizer step counted across the phases (each phase's steps continue after the
+previous one's); ``train_loss`` per step, ``val_loss`` / ``val_kl`` the held-out values at the
+phase's first and last step.  ``ridge`` trains nothing: its table is the header alone.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from ..pipeline.io_utils import write_json
 from ..pipeline.paths import RIDGE_PATH, objective_curves, objective_metrics, objective_models
 from ..plan import load_plan
 from ..train.objectives import PHASE_GROUPS, online_records, ridge_parts
-from ..train.training import write_curves
+from ..train.training import Curves, write_curves
 from ..train.tuning import save_parts, train_phase
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
                                       projected=params.train.ced_csa2_start == "projected")}
     parts = served["csa2"]
     metrics: dict = {"objective": objective, "init": "ridge", "phases": {}}
-    curves: dict[str, list[tuple[int, float]]] = {}
+    curves: Curves = {}
     if objective != "ridge":
         model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device("auto"))
         model.requires_grad_(False)
@@ -87,7 +87,7 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
                                                 train_rows, val, params, tok.pad_token_id, device, first_step=step)
             metrics["phases"][group] = summary
             curves |= phase_curves
-            step += len(phase_curves.get(f"{group}_loss", []))
+            step += len(phase_curves.get((group, "train_loss"), []))
         metrics["protocol"] = {"model": params.model.name, "data": params.data.name,
                                "model_revision": params.model.revision, "data_revision": params.data.revision,
                                "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
@@ -95,7 +95,7 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
     out = workdir / objective_models(objective)
     save_parts(out, objective, parts, params, plan, geo)
     save_parts(out / "ced_csa2", objective, served["ced_csa2"], params, plan, geo)
-    # ridge trains nothing: its (declared) curve dir is left empty, not given a flat line
+    # ridge trains nothing: its (declared) curve table is the header alone, not a flat line
     write_curves(workdir / objective_curves(objective), curves, x="step")
     write_json(workdir / objective_metrics(objective) / "train.json", metrics)
     return metrics

@@ -24,7 +24,8 @@ maps are written untrained and ``covered`` is false.
 Writes ``models/mode_a/{projector_k{s}v{s}.pt, projectors_extra.pt, adapters.pt}`` (the
 main branch's formats, marked ``objective: mode_a``), ``metrics/mode_a/train.json``
 (steps, tokens, held-out KL before/after, protocol) and the curves
-``metrics/curves/tune_mode_a/{loss,val_kl}.tsv`` (x = optimizer step).
+``metrics/curves/tune_mode_a.tsv`` (series ``mode_a``: ``train_loss`` per optimizer step, ``val_kl``
+before and after).
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ from ..plan import load_plan
 from ..projector import save_projector, save_projectors
 from ..train.objectives import SAMPLE_STREAM, mode_a_kl, online_records, ridge_parts
 from ..train.projector_training import ridge_projectors
-from ..train.training import warmup_cosine, write_curves
+from ..train.training import Curves, warmup_cosine, write_curves
 
 log = logging.getLogger(__name__)
 
 OBJECTIVE = "mode_a"
+SERIES = OBJECTIVE  # the one series of its curves
 
 
 def held_out_kl(model, runtime: CEDModeARuntime, rows: list[torch.Tensor], fraction: float) -> float:
@@ -71,7 +73,7 @@ def optimizer_for(parts: CEDParts, params: Params) -> torch.optim.AdamW:
 
 
 def train(model, parts: CEDParts, plan, geo, train_rows: list[torch.Tensor], val_rows: list[torch.Tensor],
-          params: Params) -> tuple[dict, dict[str, list[tuple[int, float]]]]:
+          params: Params) -> tuple[dict, Curves]:
     """Train ``parts`` in place under the pure skip; returns ``(summary, curves)``."""
     online, fraction = params.train.online, params.eval_ppl.prefix_fraction
     runtime = CEDModeARuntime(model, plan, geo, parts)
@@ -105,7 +107,7 @@ def train(model, parts: CEDParts, plan, geo, train_rows: list[torch.Tensor], val
     log.info("Mode A maps: held-out KL %.5f -> %.5f (%d steps, %.0f s)", before, after, steps, seconds)
     record_timing(train_s=round(seconds, 1), tokens_per_s=round(tokens / seconds, 1))
     summary = {"steps": steps, "tokens": tokens, "val_before": {"kl": before}, "val_after": {"kl": after}}
-    return summary, {"loss": losses, "val_kl": [(0, before), (steps, after)]}
+    return summary, {(SERIES, "train_loss"): losses, (SERIES, "val_kl"): [(0, before), (steps, after)]}
 
 
 def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
@@ -116,7 +118,7 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
     parts = ridge_parts(params, plan, geo, ridge)
     parts.extra = ridge_projectors(ridge, list(plan.extra_sources), geo)
     metrics: dict = {"objective": OBJECTIVE, "init": "ridge", "covered": not plan.uncovered(geo)}
-    curves: dict[str, list[tuple[int, float]]] = {}
+    curves: Curves = {}
     if metrics["covered"]:
         model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device("auto"))
         model.requires_grad_(False)

@@ -21,7 +21,7 @@ from ..model_utils import Geometry, resolve_device
 from ..pipeline import distributed
 from ..projector import KVProjector
 from . import training
-from .training import Head, evaluate, fit, ridge_maps, val_summary, warmup_cosine
+from .training import Curves, Head, evaluate, fit, ridge_maps, val_summary, warmup_cosine
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Fitted:
 
     projectors: dict[int, KVProjector]
     layers: dict[int, dict]  # per layer: held-out r2/cos/rel_mse/mse of K and V, val_loss(_init), maps
-    curves: dict[str, list[tuple[int, float]]]  # per-epoch series (empty for ridge maps)
+    curves: Curves  # per-epoch series (empty for ridge maps)
     run: dict  # steps, rows, device, ...
 
 

@@ -313,10 +313,10 @@ def fit(heads: list[Head], optimizer: torch.optim.Optimizer, train: Batches, val
     Returns
     -------
     curves
-        One series per head and metric, x = epoch (the loop logs once per epoch):
-        ``<name>_val_loss`` and ``<name>_val_cos`` from epoch 0 (before training) and
-        ``<name>_train_loss`` (row-weighted mean over the epoch) from epoch 1, ``<name> =
-        curve_name(head.label)``; :func:`write_curves` writes them.
+        One series per head and quantity, x = epoch (the loop logs once per epoch), keyed
+        ``(curve_name(head.label), quantity)``: ``val_loss`` and ``val_cos`` from epoch 0
+        (before training), ``train_loss`` (row-weighted mean over the epoch) from epoch 1;
+        :func:`write_curves` writes them.
     initial, final
         Per head, the :func:`evaluate` results before training and of the weights it ends with.
     kept
@@ -336,10 +336,10 @@ def fit(heads: list[Head], optimizer: torch.optim.Optimizer, train: Batches, val
         raise ValueError(f"heads need distinct labels, got {names}")
     if len({id(h.module) for h in heads}) != len(heads):
         raise ValueError("heads need distinct modules: each ends with the weights of its own best epoch")
-    curves: dict[str, list[tuple[int, float]]] = {}
+    curves: Curves = {}
     for name, res in zip(names, initial):
-        curves[f"{name}_train_loss"] = []
-        curves[f"{name}_val_loss"], curves[f"{name}_val_cos"] = [(0, val_summary(res)[0])], [(0, val_summary(res)[1])]
+        curves[name, "train_loss"] = []
+        curves[name, "val_loss"], curves[name, "val_cos"] = [(0, val_summary(res)[0])], [(0, val_summary(res)[1])]
     # Per head: (held-out MSE, epoch, results, weights) of the epoch it will end with.
     best = [(val_summary(res)[0], 0, res, _weights(h)) for h, res in zip(heads, initial)]
     with tqdm(total=epochs * len(train), desc=desc, unit="step", disable=not distributed.is_main()) as bar:
@@ -349,9 +349,9 @@ def fit(heads: list[Head], optimizer: torch.optim.Optimizer, train: Batches, val
             result = evaluate(heads, val, device)
             summaries = [val_summary(res) for res in result]
             for name, tl, (vl, vc) in zip(names, train_loss, summaries):
-                curves[f"{name}_train_loss"].append((epoch, tl))
-                curves[f"{name}_val_loss"].append((epoch, vl))
-                curves[f"{name}_val_cos"].append((epoch, vc))
+                curves[name, "train_loss"].append((epoch, tl))
+                curves[name, "val_loss"].append((epoch, vl))
+                curves[name, "val_cos"].append((epoch, vc))
             for i, (h, res, (vl, _)) in enumerate(zip(heads, result, summaries)):
                 if keep == "last" or vl < best[i][0]:
                     best[i] = (vl, epoch, res, _weights(h))
@@ -376,33 +376,33 @@ def curve_name(label: dict) -> str:
     return "_".join(f"{k}{v}" if isinstance(v, int) else str(v) for k, v in label.items())
 
 
-_SERIES_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+# A stage's curves: ``{(series, quantity): [(x, value), ...]}``, e.g. ``("layer22_k", "val_loss")``.
+Curves = dict[tuple[str, str], list[tuple[int, float]]]
+CURVE_COLUMNS = ("quantity", "series", "value")  # after the x column
 
 
-def write_curves(directory: Path, curves: dict[str, list[tuple[int, float]]], x: str = "step") -> None:
-    """Training curves as dvclive lays them out: ``<directory>/<series>.tsv``, one series per file.
+def write_curves(path: Path, curves: Curves, x: str = "step") -> None:
+    """A stage's training curves as one long-format table ``path``: one ``dvc plots show`` panel per stage.
 
-    Each file is a header ``<x>\\t<series>`` and one ``<x>\\t<value>`` row per point (floats
-    with 8 significant digits), so ``dvc plots show`` draws one line per series.  ``x`` names
-    the unit: ``step`` (optimizer steps, one counter for the whole stage) or ``epoch``.  A
-    series must be non-empty with strictly increasing ``x``.  Afterwards ``directory`` holds
-    exactly these series: other ``*.tsv`` files in it (a layer or phase this run no longer
-    has) are removed.
+    Header ``<x>\tquantity\tseries\tvalue``, then one row per point, grouped by quantity and
+    series (floats with 8 significant digits).  ``.dvc/plots/curves.json`` draws it as one plot:
+    a row per quantity (``train_loss``, ``val_loss``, ``val_cos``, ``val_kl``), a line per series
+    (a head such as ``layer22_k``, a phase such as ``ced``).  ``x`` names the unit: ``step``
+    (optimizer steps, one counter for the whole stage) or ``epoch``.  A series must be non-empty
+    with strictly increasing ``x``.  No curves (a stage that trains nothing) write the header only.
     """
-    directory = Path(directory)
-    for name, points in curves.items():
+    for (series, quantity), points in curves.items():
         xs = [int(p[0]) for p in points]
-        if not _SERIES_NAME.fullmatch(name):
-            raise ValueError(f"curve name {name!r}: use letters, digits, '_', '.', '-'")
+        if not (_NAME.fullmatch(series) and _NAME.fullmatch(quantity)):
+            raise ValueError(f"curve {series!r} / {quantity!r}: use letters, digits, '_', '.', '-'")
         if not points or any(b <= a for a, b in itertools.pairwise(xs)):
-            raise ValueError(f"curve {name!r}: needs points with strictly increasing {x}, got {xs}")
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, points in curves.items():
-        rows = "".join(f"{int(s)}\t{float(v):.8g}\n" for s, v in points)
-        atomic_write_text(directory / f"{name}.tsv", f"{x}\t{name}\n{rows}")
-    for stale in directory.glob("*.tsv"):
-        if stale.stem not in curves:
-            stale.unlink()
+            raise ValueError(f"curve {series!r} / {quantity!r}: needs points with strictly increasing {x}, got {xs}")
+    rows = "".join(f"{int(s)}\t{quantity}\t{series}\t{float(v):.8g}\n"
+                   for (series, quantity), points in sorted(curves.items(), key=lambda kv: kv[0][::-1])
+                   for s, v in points)
+    atomic_write_text(Path(path), "\t".join((x, *CURVE_COLUMNS)) + "\n" + rows)
 
 
 KINDS = ("k", "v")

@@ -33,7 +33,7 @@ from .objectives import (
     substituted_layers,
     teacher_pass,
 )
-from .training import warmup_cosine
+from .training import Curves, warmup_cosine
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,12 @@ def phase_optimizer(parts: CEDParts, group: str, cfg) -> torch.optim.AdamW:
 
 def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str,
                 train_rows: list[list[int]], val: list[tuple], params: Params, pad_id: int, device,
-                first_step: int = 0) -> tuple[dict, dict[str, list[tuple[int, float]]]]:
+                first_step: int = 0) -> tuple[dict, Curves]:
     """Train the maps of ``parts`` that ``group`` substitutes; returns ``(summary, curves)``.
 
-    ``curves`` are ``<group>_loss`` (one point per optimizer step, numbered from
-    ``first_step + 1``) and ``<group>_val_loss`` / ``<group>_val_kl`` (held out, at
-    ``first_step`` before training and at the phase's last step after it).
+    ``curves`` are series ``group``'s ``train_loss`` (one point per optimizer step, numbered
+    from ``first_step + 1``) and ``val_loss`` / ``val_kl`` (held out, at ``first_step`` before
+    training and at the phase's last step after it).
     """
     cfg = params.train.online
     n_batches = -(-len(train_rows) // cfg.batch_size)
@@ -109,9 +109,9 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     summary = {"layers": list(substituted_layers(plan, group)), "steps": steps, "tokens": tokens,
                "val_before": before, "val_after": after}
     last_step = first_step + len(losses)
-    curves = {f"{group}_loss": losses} if losses else {}
+    curves: Curves = {(group, "train_loss"): losses} if losses else {}
     for key in ("loss", "kl"):
-        curves[f"{group}_val_{key}"] = [(first_step, before[key])] + ([(last_step, after[key])] if losses else [])
+        curves[group, f"val_{key}"] = [(first_step, before[key])] + ([(last_step, after[key])] if losses else [])
     return summary, curves
 
 
