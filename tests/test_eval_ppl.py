@@ -83,7 +83,7 @@ def test_mode_a_not_covered_is_explicit(tmp_path, tiny_model):
     model, tok = tiny_model
     write_eval(tmp_path, tok)
     params = dataclasses.replace(tiny_params(eval_ppl={"groups": ["baseline"]}),
-                                 plan=PlanConfig("partial", 16, 20, [24, 32]))
+                                 plan=PlanConfig("partial", 16, 20, [24, 32], []))
     parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 32)))
     m = eval_ppl.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
     assert m["mode_a"] == {"covered": False, "uncovered_attention_layers": [28],
@@ -100,7 +100,7 @@ def test_kv_format_reaches_every_fp4_group(tmp_path, tiny_model):
     # A plan that leaves layer 28 uncovered: Mode A (slow, and format-independent) is not run.
     params = dataclasses.replace(tiny_params(eval_ppl={"groups": ["baseline", "csa2", "ced_csa2", *FP4_GROUPS],
                                                        "batch_size": 4}),
-                                 plan=PlanConfig("partial", 16, 20, [24, 32]))
+                                 plan=PlanConfig("partial", 16, 20, [24, 32], []))
     parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 32)))
     ppl = {}
     for fmt in ("nvfp4", "mxfp4"):

@@ -266,7 +266,7 @@ def test_bad_cached_wheel_is_fetched_once_more_then_named(in_tiny_folder, tmp_pa
     pip = FakePip(deliveries)
     monkeypatch.setattr(assets, "_run_pip", pip)
     pin = WheelPin(package="demo-pkg", version="1.0", member=ASSET_MEMBER,
-                   sha256=hashlib.sha256(ASSET_BLOB).hexdigest())
+                   sha256=hashlib.sha256(ASSET_BLOB).hexdigest(), python_version=None)
 
     if expected is None:
         got = []

@@ -53,7 +53,7 @@ def test_tiny_profile_has_qwen3_5_4b_layer_pattern():
     p, _ = load_plan(tiny_params().plan, tiny_params().model)
     assert p == plan()
     with pytest.raises(PlanError, match="layer 18 is not a softmax-attention layer"):
-        load_plan(PlanConfig("bad", 15, 18, [22, 26, 30]), tiny_params().model)
+        load_plan(PlanConfig("bad", 15, 18, [22, 26, 30], []), tiny_params().model)
 
 
 # Gemma-3-270M's pattern: 18 layers, full attention at 6, 12, 18, the others a window of 512.

@@ -93,7 +93,7 @@ def test_pack_joins_paragraphs_and_truncates(bos):
 
 def small_wiki(tmp_path, monkeypatch):
     """Params of the wiki_embedded kind (all train records) over eight small articles, served locally."""
-    pin = WheelPin(package="gensim", version="0", member="x.bz2", sha256="0" * 64)
+    pin = WheelPin(package="gensim", version="0", member="x.bz2", sha256="0" * 64, python_version=None)
     articles = [Article(f"A{a}", [f"Article {a} paragraph {p:02d}. word word word" for p in range(12)])
                 for a in range(8)]
     monkeypatch.setattr(corpus, "fetch_member", lambda p: tmp_path / "unused.bz2")

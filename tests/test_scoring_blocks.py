@@ -5,11 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_llama
+from conftest import tiny_llama, tiny_params
 from test_ced_runtime import random_parts
 from test_shared_trunk import LENGTHS, LLAMA_PLAN, rows
 
-from ced_csa2.config import EvalPPLConfig
 from ced_csa2.eval.scoring import (
     BLOCK_TOKENS,
     continuation_logprob,
@@ -160,7 +159,7 @@ def test_continuation_logprob_is_the_full_log_softmax():
 
 
 def test_block_tokens_must_be_positive_and_the_default_is_the_configs():
-    assert EvalPPLConfig().score_block_tokens == BLOCK_TOKENS
+    assert tiny_params().eval_ppl.score_block_tokens == BLOCK_TOKENS
     model = tiny_llama()
     with pytest.raises(ValueError, match="block_tokens must be positive"):
         sequence_nll(model, [[1, 2, 3]], [0], 1, block_tokens=0)

@@ -176,7 +176,7 @@ def test_eval_ppl_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny
     write_eval(tmp_path, tok)
     plan = LayerPlan(16, 20, (24, 32))  # not covering: Mode A (slow on the DeltaNet fallback) is skipped
     params = dataclasses.replace(tiny_params(eval_ppl={"groups": list(GROUP_NAMES), "batch_size": 3}),
-                                 plan=PlanConfig("partial", 16, 20, [24, 32]))
+                                 plan=PlanConfig("partial", 16, 20, [24, 32], []))
     parts = random_parts(geometry(model.config), plan)
     m = eval_ppl.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
     ids = eval_ids(params, tok, tmp_path)

@@ -15,7 +15,7 @@ from ced_csa2.plan import load_plan
 from ced_csa2.stages import eval_objectives, tune
 
 ONLINE = OnlineConfig(records=12, val_records=4, seq_len=32, batch_size=4, epochs=3, projector_lr=1e-2,
-                      adapters_lr=1e-2, warmup_fraction=0.0)
+                      adapters_lr=1e-2, weight_decay=0.0, warmup_fraction=0.0, temperature=2.0, kv_weight=0.0)
 
 
 def write_inputs(workdir, params, tok, n_records=40, seed=0):

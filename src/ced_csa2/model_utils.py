@@ -330,7 +330,8 @@ def load_model_and_tokenizer(cfg: ModelConfig | str = QWEN3_5_4B_ID, *, dtype: s
     ----------
     cfg
         A :class:`ModelConfig`, or a hub id string (the seed's ``load_model_and_tokenizer()``
-        loads Qwen/Qwen3.5-4B).
+        loads Qwen/Qwen3.5-4B): that model at its default branch, SDPA attention, ``dtype``
+        ``auto`` unless given, on ``device``.
     dtype
         Compute dtype; defaults to ``cfg.dtype`` (``auto``: see :func:`fast_dtype`).
     device
@@ -344,7 +345,8 @@ def load_model_and_tokenizer(cfg: ModelConfig | str = QWEN3_5_4B_ID, *, dtype: s
     from transformers import AutoModelForCausalLM
 
     if isinstance(cfg, str):
-        cfg = ModelConfig(name=cfg.split("/")[-1].lower(), kind="hub", hf_id=cfg)
+        cfg = ModelConfig(name=cfg.split("/")[-1].lower(), kind="hub", dtype="auto", attn_implementation="sdpa",
+                          device_map=None, hf_id=cfg, revision=None, wheel=None, joined=None, local=None, tiny=None)
     device = torch.device(device)
     dtype = resolve_dtype(dtype or cfg.dtype, device) if dtype is None or isinstance(dtype, str) else dtype
     device_map = cfg.device_map
