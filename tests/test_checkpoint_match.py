@@ -6,12 +6,12 @@ import pytest
 import torch
 from conftest import tiny_params
 
-from ced_csa2 import csa2, projector
+from ced_csa2 import ced_runtime, csa2, projector
 from ced_csa2.ced_runtime import load_parts
 from ced_csa2.pipeline import paths
 from ced_csa2.pipeline.checkpoint import CheckpointError, checkpoint_meta
 from ced_csa2.plan import LayerPlan, load_plan
-from ced_csa2.stages import eval_gsm8k, eval_objectives, eval_ppl, gold_pairs
+from ced_csa2.stages import eval_gsm8k, eval_ppl, gold_pairs
 
 PARAMS = tiny_params()
 PLAN, GEO = load_plan(PARAMS.plan, PARAMS.model)  # split 16, source 20, targets 24/28/32; hidden 64, kv_dim 32
@@ -121,15 +121,15 @@ def test_eval_objectives_refuses_another_objective_s_or_another_layer_s_maps(tmp
     folder = tmp_path / paths.objective_models("ridge")
     for sub in (folder, folder / "ced_csa2"):  # the ced/csa2 pair and ced_csa2's own pair
         save_maps(sub, also={"objective": "ridge"}, only=("projector", "adapters"))
-    assert eval_objectives.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")["csa2"].adapters is not None
+    assert ced_runtime.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")["csa2"].adapters is not None
     save_maps(folder / "ced_csa2", also={"objective": "distill"}, only=("adapters",))
     with pytest.raises(CheckpointError, match=r"ced_csa2/adapters\.pt: 'objective' is 'distill' in the checkpoint"):
-        eval_objectives.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")
+        ced_runtime.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")
     save_maps(folder / "ced_csa2", also={"objective": "ridge"}, only=("adapters",))
     save_maps(folder, also={"objective": "distill"}, only=("adapters",))
     with pytest.raises(CheckpointError, match=r"adapters\.pt: 'objective' is 'distill' in the checkpoint, "
                                               r"expected 'ridge'"):
-        eval_objectives.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")
+        ced_runtime.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")
     save_maps(folder, plan=LayerPlan(16, 24, (28, 32)), also={"objective": "ridge"}, only=("projector",))
     with pytest.raises(CheckpointError, match=r"projector_k20v20\.pt: 'layer' is 24 in the checkpoint, expected 20"):
-        eval_objectives.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")
+        ced_runtime.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")

@@ -7,12 +7,13 @@ import pytest
 import torch
 from conftest import read_curves, tiny_params
 
+from ced_csa2 import ced_runtime
 from ced_csa2.config import OnlineConfig, ParamsError
 from ced_csa2.csa2 import KVAdapter
 from ced_csa2.maps.ridge import save_ridge
 from ced_csa2.pipeline import paths
 from ced_csa2.plan import load_plan
-from ced_csa2.stages import eval_objectives, tune
+from ced_csa2.stages import tune
 
 ONLINE = OnlineConfig(records=12, val_records=4, seq_len=32, batch_size=4, epochs=3, projector_lr=1e-2,
                       adapters_lr=1e-2, weight_decay=0.0, warmup_fraction=0.0, temperature=2.0, kv_weight=0.0)
@@ -64,7 +65,7 @@ def test_ridge_objective_exports_the_closed_form_maps(tmp_path, tiny_model, star
     assert not (tmp_path / paths.objective_metrics("ridge") / "curve.csv").exists()
 
     plan, geo = load_plan(params.plan, params.model)
-    served = eval_objectives.load_objective_parts(tmp_path, "ridge", params, plan, geo, "cpu")
+    served = ced_runtime.load_objective_parts(tmp_path, "ridge", params, plan, geo, "cpu")
     assert set(served) == set(params.train.eval_groups) and served["ced"] is served["csa2"]
     ridge = maps[f"proj_{plan.source}"]
     # csa2's adapters are the ridge maps fitted on the true source; ced_csa2's own pair starts
@@ -86,7 +87,7 @@ def test_objectives_outside_the_list_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"'distill' is not in params.yaml train.objectives \['ridge'\]"):
         tune.run(params, "distill", tmp_path)
     with pytest.raises(ValueError, match=r"'distill' is not in params.yaml train.objectives \['ridge'\]"):
-        eval_objectives.load_objective_parts(tmp_path, "distill", params, None, None, "cpu")
+        ced_runtime.load_objective_parts(tmp_path, "distill", params, None, None, "cpu")
     with pytest.raises(ParamsError, match=r"train.objectives.*kv_mse is the main"):
         dataclasses.replace(params.train, objectives=["kv_mse"])
 

@@ -30,6 +30,7 @@ and targets read their blocks of the cross-layer SVD reconstruction of the *clea
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import sys
 from contextlib import ExitStack
@@ -47,7 +48,9 @@ from .kv.rotation import HeadRotation, fp4_round_trip, layer_rotation
 from .maps.xkv import XKVBasis, load_xkv
 from .model_utils import Geometry, attention, decoder_layer, geometry, rotary
 from .pipeline.checkpoint import expected_meta
+from .pipeline.paths import SEED_INIT, SEED_INIT_MODELS, objective_models, projector_path
 from .plan import LayerPlan
+from .runtime.groups import GROUPS
 from .runtime.groups import group as lookup_group
 
 if TYPE_CHECKING:
@@ -149,6 +152,47 @@ def load_mode_a_parts(workdir: Path | str, params: Params, plan: LayerPlan, geo:
     if params.mode_a.maps == "main":
         return load_parts(Path(workdir) / MODELS, params, plan, geo, device=device)
     return load_parts(Path(workdir) / MODE_A_MODELS, params, plan, geo, device=device, also={"objective": "mode_a"})
+
+
+
+def load_objective_parts(workdir: Path, objective: str, params: Params, plan: LayerPlan, geo: Geometry,
+                         device) -> dict[str, CEDParts]:
+    """The maps ``tune@<objective>`` wrote, per group: ``{group: CEDParts}`` for ``train.eval_groups``.
+
+    The groups that project the source *and* adapt it (``ced_csa2*``) get the pair trained
+    for them (``.../ced_csa2/``); the others the ``ced``/``csa2`` pair.  No extra sources
+    (Mode B only).  Checked as :func:`ced_csa2.ced_runtime.load_parts` checks the main
+    branch's maps (model, layer(s), ``hidden_size``/``kv_dim``, plan), plus ``objective``.
+    """
+    from .config import require_listed
+
+    require_listed(params, objective)
+    folder = workdir / objective_models(objective)
+    pairs = {sub: load_parts(folder / sub, params, plan, geo, device=device, also={"objective": objective},
+                             extra_sources=False) for sub in ("", "ced_csa2")}
+    return {g: pairs["ced_csa2" if GROUPS[g].projected_source and GROUPS[g].adapters else ""]
+            for g in params.train.eval_groups}
+
+
+def load_seed_init(workdir: Path, params: Params, plan: LayerPlan, geo: Geometry, device) -> CEDParts:
+    """``ced``'s maps under the seed's literal projector recipe (stage ``train_projector``'s reference)."""
+    from .projector import load_projector
+
+    want = {**expected_meta(params, plan, geo)["projector"], "recipe": SEED_INIT}
+    projector, _ = load_projector(workdir / projector_path(plan.source, SEED_INIT_MODELS), expect=want, device=device)
+    return CEDParts(projector=projector)
+
+
+def maps_digest(group: str, parts: CEDParts) -> str:
+    """sha256 over the tensors ``group`` reads from ``parts`` (projector and/or adapters), in state-dict order."""
+    h = hashlib.sha256(group.encode())
+    spec = GROUPS[group]
+    for used, module in ((spec.projected_source, parts.projector), (spec.adapters, parts.adapters)):
+        if used and module is not None:
+            for name, tensor in module.state_dict().items():
+                h.update(name.encode())
+                h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def parts_for(parts: CEDParts | Mapping[str, CEDParts] | None, group: str) -> CEDParts | None:

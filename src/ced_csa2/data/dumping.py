@@ -1,5 +1,23 @@
 """Dumping hidden states and true K/V: the dump's fingerprint, one batch's forward with the hooks,
 the record loop with resume, and merging data-parallel shards.
+
+Stage ``dump``'s file grows under ``data/dump.partial.h5`` and is renamed when complete.  If the
+process is killed, the next run resumes after the last complete batch of records
+(when model, tokenizer, corpus and params are unchanged, and the partial file passes
+its checksums) and ends with the same datasets as an uninterrupted run.  Non-finite
+activations and file-system failures (full disk, file-size limit) end the stage with
+one line naming the file (:class:`~ced_csa2.data.h5store.DumpError`, exit 2).
+
+Data-parallel (``distributed.nproc: N``): the single-process batches are dealt out to
+the ranks in contiguous runs (:func:`ced_csa2.pipeline.distributed.batch_bounds`), so each batch
+is computed exactly as one process computes it.  Rank ``r`` grows its own shard
+(:func:`ced_csa2.pipeline.paths.dump_shard`, resumable like the single-process file); rank 0 then
+copies the shards, in rank order, into ``data/dump/dump.h5`` (checksums recomputed on the
+file's own row grid) and removes them.  The result holds the single-process dump's rows
+in its order, so every reader is unchanged.  The copy costs a read and a write of the
+dump -- seconds per GB against minutes of forward passes per GB; an HDF5 virtual dataset
+would avoid it but has no chunks to align reads with, and its checksum blocks would
+straddle shards.
 """
 
 from __future__ import annotations
@@ -58,7 +76,7 @@ def forward_batch(model, plan: LayerPlan, ids: torch.Tensor, mask: torch.Tensor,
     return out
 
 
-def _dump_records(model, pad_id: int, plan: LayerPlan, ids: list[list[int]], cfg, writer: DumpWriter,
+def dump_records(model, pad_id: int, plan: LayerPlan, ids: list[list[int]], cfg, writer: DumpWriter,
                   max_batches: int | None) -> int | None:
     """Append ``ids`` in batches of ``cfg.batch_size`` and finalise; tokens written, ``None`` if ``max_batches`` stopped it."""
     batches = [ids[i:i + cfg.batch_size] for i in range(0, len(ids), cfg.batch_size)]
@@ -84,7 +102,7 @@ def _dump_records(model, pad_id: int, plan: LayerPlan, ids: list[list[int]], cfg
     return n_tokens
 
 
-def _shard_done(path: Path, fp: str) -> bool:
+def shard_done(path: Path, fp: str) -> bool:
     """Whether ``path`` is a complete shard of this very dump (fingerprint ``fp``)."""
     try:
         with DumpReader(path, verify=False) as shard:  # copy_records verifies what it copies
@@ -93,7 +111,7 @@ def _shard_done(path: Path, fp: str) -> bool:
         return False
 
 
-def _merge(workdir: Path, layout: DumpLayout, chunk_kib: int, attrs: dict, world: int) -> None:
+def merge_shards(workdir: Path, layout: DumpLayout, chunk_kib: int, attrs: dict, world: int) -> None:
     """Rank 0: the complete shards, in rank order, as ``data/dump/dump.h5`` (resumable, like any dump); then remove them."""
     writer = DumpWriter(workdir / DUMP_PATH, workdir / DUMP_PARTIAL, layout, chunk_kib, attrs)
     shards = [workdir / dump_shard(r, world)[0] for r in range(world)]

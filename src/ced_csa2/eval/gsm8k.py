@@ -1,6 +1,55 @@
 """GSM8K through lm-eval's own ``gsm8k`` task on local data, and gold-solution NLL.
 
-See :mod:`ced_csa2.stages.eval_gsm8k` for the protocol.
+Protocol (stage ``eval_gsm8k``).  The problems of ``data/gsm8k.jsonl`` (``data.math.label``: "GSM8K-100" on the
+embedded default, never "GSM8K test") are all evaluated, in file order, with lm-eval's
+own ``gsm8k`` task: a generated task YAML pulls in the installed ``gsm8k.yaml`` with
+``include:``, so its prompt (``"Question: {q}\\nAnswer:"``), stop sequences, greedy
+decoding and the ``strict-match`` (``#### N``) and ``flexible-extract`` (last number)
+filters are used unchanged; only the data source is replaced (``dataset_path: json``,
+the file's single split as test split).  Few-shot exemplars (``eval_gsm8k.num_fewshot``
+> 0) never come from the evaluated problems: they are the first ``num_fewshot`` of
+lm-eval's inline ``gsm8k-cot`` exemplars, rewritten into GSM8K's ``... \\n#### N`` answer
+format.  Prompts go through the tokenizer's chat template only with
+``eval_gsm8k.apply_chat_template`` (each exemplar its own turn with ``fewshot_as_multiturn``).
+Generation stops after ``eval_gsm8k.max_gen_toks`` tokens.
+Everything runs offline (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``).
+
+The model runs inside :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (Mode B
+substitution; the ``*_fp4`` groups store K/V in ``kv_format``, recorded in the protocol).
+For each group of ``eval_gsm8k.generate`` (generation is what GSM8K costs) the stage reports
+
+* per filter (``strict-match``, ``flexible-extract``): ``exact_match``, ``correct``,
+  ``n`` and ``ci95`` (Wilson score interval, z = 1.96) (generation times: ``timings/eval_gsm8k.json``);
+
+and for each group of ``eval_gsm8k.groups`` (a superset)
+
+* ``gold_nll`` (``nll_per_token``, ``tokens``; ``delta`` and its paired-bootstrap
+  ``delta_ci95`` against baseline): teacher-forced negative log-likelihood per token of
+  the gold ``answer`` (after lm-eval's target delimiter ``" "``) given the exact prompt
+  lm-eval generated from (few-shot context included), token-weighted over all problems
+  and tokenised as lm-eval's loglikelihood requests are: the pairs of
+  ``data/gsm8k_gold.json`` (stage ``gold_pairs``; every generated group's prompts are
+  checked to be those).  On a small model, accuracy is near zero for every group; this is
+  the signal that still moves.  All groups are scored at once with a shared trunk
+  (:func:`ced_csa2.eval.scoring.multi_group_nll`).
+
+Mode A (``eval_gsm8k.mode_a``, when the plan covers every attention layer above the cut;
+the maps of ``mode_a.maps``, ``mode_a.replay`` tokens replayed):
+the same lm-eval task through :class:`~ced_csa2.eval.mode_a_lm.ModeALM` -- each prompt
+prefilled by the prefill skip, the answer scored (``gold_nll``: gold NLL, paired against
+the baseline) and with ``generate`` also generated (exact match) through all layers -- one
+problem at a time (generation: ~1.5 s per problem on 2 CPU cores, 3.6x a batched Mode B group).
+
+Every generated group (and Mode A with ``generate``) also records ``generations_sha256``,
+the sha256 of its generated texts in problem order: runs that agree on it generated the
+same text for every problem.
+
+Data-parallel (``distributed.nproc``): the stage runs as that many processes (it starts
+torchrun itself).  Each runs lm-eval's task whole, but generates only a contiguous share
+of the single-process batches (:class:`~ced_csa2.eval.mode_a_lm.DataParallelLM`, which says why
+lm-eval's own multi-process path is not used) and the texts are gathered; gold NLL and
+Mode A's rows are scored by share and assembled on every rank.  Every batch is the
+single-process one, so the metrics are one process's; rank 0 writes.
 """
 
 from __future__ import annotations
@@ -20,10 +69,12 @@ from typing import Iterator, Mapping
 import torch
 import yaml
 
-from ..ced_runtime import CEDModeBRuntime, CEDParts
+from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts
 from ..config import Params
 from ..pipeline import distributed
 from ..pipeline.io_utils import write_json
+from ..pipeline.paths import GOLD_PATH
+from .perplexity import mode_a_note
 from .scoring import BLOCK_TOKENS, multi_group_nll, sequence_nll
 from .stats import paired_deltas
 
@@ -291,6 +342,79 @@ def _simple_evaluate(lm, task_manager, params: Params, gen_kwargs: dict | None =
         model=lm, tasks=[TASK], task_manager=task_manager, **prompt_protocol(params),
         gen_kwargs=gen_kwargs, bootstrap_iters=0, log_samples=True,
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+
+
+def generate_groups(lm, model, plan, parts: CEDParts | None, task_manager, params: Params,
+                    pairs: list[tuple[list[int], int]], n: int) -> tuple[dict[str, dict], dict[str, float]]:
+    """Exact match of every group of ``eval_gsm8k.generate`` through lm-eval, and each one's generation seconds.
+
+    Returns ``{group: entry}`` for every group of ``eval_gsm8k.groups`` (empty for the groups
+    that only get gold NLL) and ``{group: seconds}``.  Refuses a run whose prompts are not
+    ``pairs`` (``data/gsm8k_gold.json``) or which evaluated fewer than the ``n`` problems.
+    """
+    cfg = params.eval_gsm8k
+    groups: dict[str, dict] = {g: {} for g in cfg.groups}
+    seconds: dict[str, float] = {}
+    for i, group in enumerate(cfg.generate, 1):
+        log.info("generation %d/%d: %s", i, len(cfg.generate), group)
+        groups[group], group_pairs = evaluate_group(lm, model, plan, group, parts, task_manager, params)
+        if not distributed.is_main():
+            continue  # lm-eval's results are rank 0's
+        if group_pairs != pairs:
+            raise RuntimeError(f"lm-eval built different prompts for group {group!r} than {GOLD_PATH} holds")
+        g = groups[group]
+        seconds[group] = g.pop("seconds")
+        if g["strict-match"]["n"] != n:
+            raise RuntimeError(f"lm-eval evaluated {g['strict-match']['n']} problems, expected all {n}")
+        log.info("%s: strict-match %d/%d, flexible-extract %d/%d", group, g["strict-match"]["correct"], n,
+                 g["flexible-extract"]["correct"], n)
+    return groups, seconds
+
+
+def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, task_manager, pairs
+               ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Mode A's gold-answer rows (and exact match with ``generate``) through :class:`~ced_csa2.eval.mode_a_lm.ModeALM`.
+
+    Returns the metrics entry (``covered: false`` and why, when it does not run) and
+    ``{"mode_a": (n, 2) rows}`` for :func:`~ced_csa2.eval.gsm8k.groups_gold_nll` (empty when not run).
+    """
+    setting = params.eval_gsm8k.mode_a
+    if setting == "off":
+        return {"covered": None, "note": "eval_gsm8k.mode_a is off"}, {}
+    missing = plan.uncovered(geo)
+    if missing:
+        return {"covered": False, "uncovered_attention_layers": missing,
+                "note": f"plan {plan} does not cover every attention layer above the cut; Mode A not run"}, {}
+    from .mode_a_lm import ModeALM
+
+    replay = params.mode_a.replay
+    lm = ModeALM(CEDModeARuntime(model, plan, geo, parts, replay=replay), tok,
+                 block_tokens=params.eval_ppl.score_block_tokens)
+    entry = {}
+    if setting == "generate":
+        log.info("Mode A: generation through the prefill skip, one problem at a time")
+        entry, mode_a_pairs = evaluate_lm(lm, task_manager, params, "mode_a")
+        if distributed.is_main() and mode_a_pairs != pairs:
+            raise RuntimeError(f"lm-eval built different prompts for Mode A than {GOLD_PATH} holds")
+    t0 = time.perf_counter()
+    rows = mode_a_gold_rows(lm, pairs)
+    log.info("Mode A gold NLL: %.1f s", time.perf_counter() - t0)
+    return {"covered": True, **entry, "replay": replay, "note": mode_a_note(replay)}, {"mode_a": rows}
+
+
+def run_protocol(params: Params, model, plan, n: int, lm_eval_version: str) -> dict:
+    """``metrics/gsm8k.json``'s protocol: model, set, prompts, generation, dtype, device, lm-eval, plan."""
+    cfg = params.eval_gsm8k
+    return {
+        "model": params.model.name, "math_set": params.data.math.label, "n": n,
+        "model_revision": params.model.revision, "math_revision": params.data.math.revision,
+        **prompt_protocol(params), "fewshot_source": FEWSHOT_SOURCE if cfg.num_fewshot else None,
+        "max_gen_toks": cfg.max_gen_toks, "generated_groups": list(cfg.generate), "mode_a": cfg.mode_a,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(model.device), "lm_eval": lm_eval_version, "task": "lm-eval gsm8k.yaml on local data",
+        "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
+        "kv_format": params.kv_format,
+    }
 
 
 def mode_a_gold_rows(lm, pairs: list[tuple[list[int], int]]) -> torch.Tensor:

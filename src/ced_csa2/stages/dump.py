@@ -8,23 +8,7 @@ records in batches (right padding, ``model.dtype`` compute) with hooks that capt
 layer the plan needs; stores only real tokens in ``data/dump/dump.h5`` (format in
 :mod:`ced_csa2.data.h5store`) and writes ``metrics/dump.json``.
 
-The file grows under ``data/dump.partial.h5`` and is renamed when complete.  If the
-process is killed, the next run resumes after the last complete batch of records
-(when model, tokenizer, corpus and params are unchanged, and the partial file passes
-its checksums) and ends with the same datasets as an uninterrupted run.  Non-finite
-activations and file-system failures (full disk, file-size limit) end the stage with
-one line naming the file (:class:`~ced_csa2.data.h5store.DumpError`, exit 2).
-
-Data-parallel (``distributed.nproc: N``): the single-process batches are dealt out to
-the ranks in contiguous runs (:func:`ced_csa2.pipeline.distributed.batch_bounds`), so each batch
-is computed exactly as one process computes it.  Rank ``r`` grows its own shard
-(:func:`ced_csa2.pipeline.paths.dump_shard`, resumable like the single-process file); rank 0 then
-copies the shards, in rank order, into ``data/dump/dump.h5`` (checksums recomputed on the
-file's own row grid) and removes them.  The result holds the single-process dump's rows
-in its order, so every reader is unchanged.  The copy costs a read and a write of the
-dump -- seconds per GB against minutes of forward passes per GB; an HDF5 virtual dataset
-would avoid it but has no chunks to align reads with, and its checksum blocks would
-straddle shards.
+Resumes after a kill and runs data-parallel as :mod:`ced_csa2.data.dumping` describes.
 """
 
 from __future__ import annotations
@@ -37,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..config import Params, params_hash, to_dict
-from ..data.dumping import _dump_records, _merge, _shard_done, fingerprint
+from ..data.dumping import dump_records, merge_shards, shard_done, fingerprint
 from ..data.h5store import DumpLayout, DumpWriter
 from ..data.records import DUMP_SAMPLE_STREAM, read_records, seeded_subset, tokenize
 from ..model_utils import load_model_and_tokenizer, resolve_device, tokenizer_hash
@@ -86,13 +70,13 @@ def _run(params: Params, workdir: Path, max_batches: int | None) -> dict | None:
         (final, partial), fp = dump_shard(distributed.rank(), world), f"{attrs['fingerprint']} records [{lo}, {hi})"
         final, partial = workdir / final, workdir / partial
     start, n_tokens = hi, 0
-    if not (world > 1 and _shard_done(final, fp)):  # a shard done by a run killed while merging is kept
+    if not (world > 1 and shard_done(final, fp)):  # a shard done by a run killed while merging is kept
         writer = DumpWriter(final, partial, layout, cfg.chunk_kib, attrs | {"fingerprint": fp})
         start = lo + writer.n_records
         log.info("dumping %d records (%d already done) of %s: layers %s + H_%d, %s compute, %s storage",
                  hi - start, start - lo, model_cfg.name, list(plan.kv_layers), plan.split, attrs["compute_dtype"],
                  cfg.storage_dtype)
-        n_tokens = _dump_records(model, tok.pad_token_id, plan, ids[start:hi], cfg, writer, max_batches)
+        n_tokens = dump_records(model, tok.pad_token_id, plan, ids[start:hi], cfg, writer, max_batches)
     # Every rank stops, or none does (the merge needs every shard); tokens summed over the ranks.
     stopped_and_tokens = torch.tensor([float(n_tokens is None), float(n_tokens or 0)], dtype=torch.float64)
     distributed.all_reduce_sum(stopped_and_tokens)
@@ -101,7 +85,7 @@ def _run(params: Params, workdir: Path, max_batches: int | None) -> dict | None:
     n_tokens, seconds = int(stopped_and_tokens[1]), time.perf_counter() - t0
     if world > 1:
         if distributed.is_main():
-            _merge(workdir, layout, cfg.chunk_kib, attrs, world)
+            merge_shards(workdir, layout, cfg.chunk_kib, attrs, world)
         distributed.barrier()
     path = workdir / DUMP_PATH
     record_timing(tokens_this_run=n_tokens, seconds_this_run=round(seconds, 3), threads=torch.get_num_threads(),

@@ -1,57 +1,12 @@
-"""``eval_gsm8k`` stage: GSM8K accuracy of every runtime group through lm-eval, plus gold NLL.
+"""``eval_gsm8k`` stage: GSM8K exact match of the generated groups and Mode A, gold-answer NLL of every group.
 
     python -m ced_csa2.stages.eval_gsm8k        # what `dvc repro eval_gsm8k` runs
 
-Protocol.  The problems of ``data/gsm8k.jsonl`` (``data.math.label``: "GSM8K-100" on the
-embedded default, never "GSM8K test") are all evaluated, in file order, with lm-eval's
-own ``gsm8k`` task: a generated task YAML pulls in the installed ``gsm8k.yaml`` with
-``include:``, so its prompt (``"Question: {q}\\nAnswer:"``), stop sequences, greedy
-decoding and the ``strict-match`` (``#### N``) and ``flexible-extract`` (last number)
-filters are used unchanged; only the data source is replaced (``dataset_path: json``,
-the file's single split as test split).  Few-shot exemplars (``eval_gsm8k.num_fewshot``
-> 0) never come from the evaluated problems: they are the first ``num_fewshot`` of
-lm-eval's inline ``gsm8k-cot`` exemplars, rewritten into GSM8K's ``... \\n#### N`` answer
-format.  No chat template.  Generation stops after ``eval_gsm8k.max_gen_toks`` tokens.
-Everything runs offline (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``).
-
-The model runs inside :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (Mode B
-substitution; the ``*_fp4`` groups store K/V in ``kv_format``, recorded in the protocol).
-For each group of ``eval_gsm8k.generate`` (generation is what GSM8K costs) the stage reports
-
-* per filter (``strict-match``, ``flexible-extract``): ``exact_match``, ``correct``,
-  ``n`` and ``ci95`` (Wilson score interval, z = 1.96) (generation times: ``timings/eval_gsm8k.json``);
-
-and for each group of ``eval_gsm8k.groups`` (a superset)
-
-* ``gold_nll`` (``nll_per_token``, ``tokens``; ``delta`` and its paired-bootstrap
-  ``delta_ci95`` against baseline): teacher-forced negative log-likelihood per token of
-  the gold ``answer`` (after lm-eval's target delimiter ``" "``) given the exact prompt
-  lm-eval generated from (few-shot context included), token-weighted over all problems
-  and tokenised as lm-eval's loglikelihood requests are: the pairs of
-  ``data/gsm8k_gold.json`` (stage ``gold_pairs``; every generated group's prompts are
-  checked to be those).  On a small model, accuracy is near zero for every group; this is
-  the signal that still moves.  All groups are scored at once with a shared trunk
-  (:func:`ced_csa2.eval.scoring.multi_group_nll`).
-
-Mode A (``eval_gsm8k.mode_a``, when the plan covers every attention layer above the cut;
-the maps of ``mode_a.maps``, ``mode_a.replay`` tokens replayed):
-the same lm-eval task through :class:`~ced_csa2.eval.mode_a_lm.ModeALM` -- each prompt
-prefilled by the prefill skip, the answer scored (``gold_nll``: gold NLL, paired against
-the baseline) and with ``generate`` also generated (exact match) through all layers -- one
-problem at a time (generation: ~1.5 s per problem on 2 CPU cores, 3.6x a batched Mode B group).
-
-Every generated group (and Mode A with ``generate``) also records ``generations_sha256``,
-the sha256 of its generated texts in problem order: runs that agree on it generated the
-same text for every problem.
-
-Data-parallel (``distributed.nproc``): the stage runs as that many processes (it starts
-torchrun itself).  Each runs lm-eval's task whole, but generates only a contiguous share
-of the single-process batches (:class:`~ced_csa2.eval.mode_a_lm.DataParallelLM`, which says why
-lm-eval's own multi-process path is not used) and the texts are gathered; gold NLL and
-Mode A's rows are scored by share and assembled on every rank.  Every batch is the
-single-process one, so the metrics are one process's; rank 0 writes.
-
-Writes ``metrics/gsm8k.json``: ``{"protocol": {...}, "groups": {group: {...}}, "mode_a": {...}}``.
+The protocol (lm-eval's own ``gsm8k`` task on ``data/gsm8k.jsonl``, gold NLL on the prompts
+of ``data/gsm8k_gold.json``, Mode A through ``ModeALM``, data parallelism) is
+:mod:`ced_csa2.eval.gsm8k`'s.  Writes ``metrics/gsm8k.json``:
+``{"protocol": {...}, "groups": {group: {...}}, "mode_a": {...}}``; generation times go to
+``timings/eval_gsm8k.json``.
 """
 
 from __future__ import annotations
@@ -60,24 +15,19 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
-from ..ced_runtime import CEDModeARuntime, CEDParts, load_mode_a_parts, load_parts
+from ..ced_runtime import CEDParts, load_mode_a_parts, load_parts
 from ..config import Params
 from ..eval.gsm8k import (
-    FEWSHOT_SOURCE,
     _offline,
     check_chat_template,
     count_problems,
-    evaluate_group,
-    evaluate_lm,
+    generate_groups,
     groups_gold_nll,
     load_gold_pairs,
     local_task,
-    mode_a_gold_rows,
-    prompt_protocol,
+    mode_a_arm,
+    run_protocol,
 )
-from ..eval.perplexity import mode_a_note
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline import distributed
 from ..pipeline.entry import record_timing, run_stage
@@ -133,22 +83,8 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d): generation for %s, gold NLL for %s",
              params.data.math.label, n, cfg.num_fewshot, cfg.max_gen_toks, list(cfg.generate), list(cfg.groups))
 
-    groups = {g: {} for g in cfg.groups}
-    generation_s = {}  # timings/eval_gsm8k.json
     with local_task(data_file, cfg.num_fewshot) as task_manager:
-        for i, group in enumerate(cfg.generate, 1):
-            log.info("generation %d/%d: %s", i, len(cfg.generate), group)
-            groups[group], group_pairs = evaluate_group(lm, model, plan, group, parts, task_manager, params)
-            if not distributed.is_main():
-                continue  # lm-eval's results are rank 0's
-            if group_pairs != pairs:
-                raise RuntimeError(f"lm-eval built different prompts for group {group!r} than {GOLD_PATH} holds")
-            g = groups[group]
-            generation_s[group] = g.pop("seconds")
-            if g["strict-match"]["n"] != n:
-                raise RuntimeError(f"lm-eval evaluated {g['strict-match']['n']} problems, expected all {n}")
-            log.info("%s: strict-match %d/%d, flexible-extract %d/%d", group, g["strict-match"]["correct"], n,
-                     g["flexible-extract"]["correct"], n)
+        groups, generation_s = generate_groups(lm, model, plan, parts, task_manager, params, pairs, n)
         mode_a_parts = parts if given is not None or plan.uncovered(geo) or cfg.mode_a == "off" else \
             load_mode_a_parts(workdir, params, plan, geo, device=model.device)
         mode_a, more = mode_a_arm(params, model, tok, plan, geo, mode_a_parts, task_manager, pairs)
@@ -168,54 +104,10 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     if more:
         mode_a["gold_nll"] = gold["mode_a"]
 
-    metrics = {
-        "protocol": {
-            "model": params.model.name, "math_set": params.data.math.label, "n": n,
-            "model_revision": params.model.revision, "math_revision": params.data.math.revision,
-            **prompt_protocol(params), "fewshot_source": FEWSHOT_SOURCE if cfg.num_fewshot else None,
-            "max_gen_toks": cfg.max_gen_toks, "generated_groups": list(cfg.generate), "mode_a": cfg.mode_a,
-            "dtype": str(model.dtype).removeprefix("torch."),
-            "device": str(model.device), "lm_eval": lm_eval_version, "task": "lm-eval gsm8k.yaml on local data",
-            "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
-            "kv_format": params.kv_format,
-        },
-        "groups": groups,
-        "mode_a": mode_a,
-    }
+    metrics = {"protocol": run_protocol(params, model, plan, n, lm_eval_version), "groups": groups, "mode_a": mode_a}
     if distributed.is_main():
         write_json(workdir / METRICS_PATH, metrics)
     return metrics
-
-
-def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, task_manager, pairs
-               ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Mode A's gold-answer rows (and exact match with ``generate``) through :class:`~ced_csa2.eval.mode_a_lm.ModeALM`.
-
-    Returns the metrics entry (``covered: false`` and why, when it does not run) and
-    ``{"mode_a": (n, 2) rows}`` for :func:`~ced_csa2.eval.gsm8k.groups_gold_nll` (empty when not run).
-    """
-    setting = params.eval_gsm8k.mode_a
-    if setting == "off":
-        return {"covered": None, "note": "eval_gsm8k.mode_a is off"}, {}
-    missing = plan.uncovered(geo)
-    if missing:
-        return {"covered": False, "uncovered_attention_layers": missing,
-                "note": f"plan {plan} does not cover every attention layer above the cut; Mode A not run"}, {}
-    from ..eval.mode_a_lm import ModeALM
-
-    replay = params.mode_a.replay
-    lm = ModeALM(CEDModeARuntime(model, plan, geo, parts, replay=replay), tok,
-                 block_tokens=params.eval_ppl.score_block_tokens)
-    entry = {}
-    if setting == "generate":
-        log.info("Mode A: generation through the prefill skip, one problem at a time")
-        entry, mode_a_pairs = evaluate_lm(lm, task_manager, params, "mode_a")
-        if distributed.is_main() and mode_a_pairs != pairs:
-            raise RuntimeError(f"lm-eval built different prompts for Mode A than {GOLD_PATH} holds")
-    t0 = time.perf_counter()
-    rows = mode_a_gold_rows(lm, pairs)
-    log.info("Mode A gold NLL: %.1f s", time.perf_counter() - t0)
-    return {"covered": True, **entry, "replay": replay, "note": mode_a_note(replay)}, {"mode_a": rows}
 
 
 def main() -> None:

@@ -28,57 +28,17 @@ gold_nll}}}}, "seed_init": {"ced": {...}}, "scored_as": {label: label}}``.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
-from ..ced_runtime import CEDModeBRuntime, CEDParts, load_parts
-from ..config import Params, require_listed
+from ..ced_runtime import CEDModeBRuntime, load_objective_parts, load_seed_init, maps_digest
+from ..config import Params
 from ..eval.gsm8k import groups_gold_nll, load_gold_pairs, prompt_protocol
 from ..eval.perplexity import eval_ids, groups_ppl, protocol
-from ..model_utils import Geometry, load_model_and_tokenizer, resolve_device
-from ..pipeline.checkpoint import expected_meta
+from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.entry import run_stage
 from ..pipeline.io_utils import write_json
-from ..pipeline.paths import GOLD_PATH, OBJECTIVES_EVAL, SEED_INIT, SEED_INIT_MODELS, objective_models, projector_path
-from ..plan import LayerPlan, load_plan
-from ..projector import load_projector
-from ..runtime.groups import GROUPS
-
-
-def load_objective_parts(workdir: Path, objective: str, params: Params, plan: LayerPlan, geo: Geometry,
-                         device) -> dict[str, CEDParts]:
-    """The maps ``tune@<objective>`` wrote, per group: ``{group: CEDParts}`` for ``train.eval_groups``.
-
-    The groups that project the source *and* adapt it (``ced_csa2*``) get the pair trained
-    for them (``.../ced_csa2/``); the others the ``ced``/``csa2`` pair.  No extra sources
-    (Mode B only).  Checked as :func:`ced_csa2.ced_runtime.load_parts` checks the main
-    branch's maps (model, layer(s), ``hidden_size``/``kv_dim``, plan), plus ``objective``.
-    """
-    require_listed(params, objective)
-    folder = workdir / objective_models(objective)
-    pairs = {sub: load_parts(folder / sub, params, plan, geo, device=device, also={"objective": objective},
-                             extra_sources=False) for sub in ("", "ced_csa2")}
-    return {g: pairs["ced_csa2" if GROUPS[g].projected_source and GROUPS[g].adapters else ""]
-            for g in params.train.eval_groups}
-
-
-def load_seed_init(workdir: Path, params: Params, plan: LayerPlan, geo: Geometry, device) -> CEDParts:
-    """``ced``'s maps under the seed's literal projector recipe (stage ``train_projector``'s reference)."""
-    want = {**expected_meta(params, plan, geo)["projector"], "recipe": SEED_INIT}
-    projector, _ = load_projector(workdir / projector_path(plan.source, SEED_INIT_MODELS), expect=want, device=device)
-    return CEDParts(projector=projector)
-
-
-def maps_digest(group: str, parts: CEDParts) -> str:
-    """sha256 over the tensors ``group`` reads from ``parts`` (projector and/or adapters), in state-dict order."""
-    h = hashlib.sha256(group.encode())
-    spec = GROUPS[group]
-    for used, module in ((spec.projected_source, parts.projector), (spec.adapters, parts.adapters)):
-        if used and module is not None:
-            for name, tensor in module.state_dict().items():
-                h.update(name.encode())
-                h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
+from ..pipeline.paths import GOLD_PATH, OBJECTIVES_EVAL, SEED_INIT
+from ..plan import load_plan
 
 
 def label(group: str, objective: str) -> str:
