@@ -298,6 +298,60 @@ def _from_pretrained(auto, cfg: ModelConfig, **kwargs):
         raise _hub_error(cfg, exc) from None
 
 
+class ModelLoadError(ValueError):
+    """A checkpoint that does not fill the model it is loaded into (one line naming it and a tensor)."""
+
+
+def _source(cfg: ModelConfig) -> str:
+    return f"{cfg.hf_id}@{cfg.revision or 'main'}" if cfg.kind == "hub" else f"model {cfg.name!r} ({cfg.kind})"
+
+
+def _load_weights(cfg: ModelConfig, **kwargs) -> nn.Module:
+    """The profile's causal LM, refused unless its checkpoint filled every weight (:func:`check_loading`)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model, info = _from_pretrained(AutoModelForCausalLM, cfg, output_loading_info=True, **kwargs)
+    except RuntimeError as exc:
+        if "ignore_mismatched_sizes" not in str(exc):
+            raise
+        # transformers raises after printing its load report: say which model, in one line
+        raise ModelLoadError(f"{_source(cfg)}: a checkpoint tensor has another shape than the model's "
+                             "(transformers' load report above names it): another architecture or a corrupt file"
+                             ) from None
+    check_loading(model, info, _source(cfg))
+    return model
+
+
+def check_loading(model: nn.Module, info: dict, source: str) -> None:
+    """Refuse a model that ``from_pretrained(..., output_loading_info=True)`` did not fully load.
+
+    transformers initialises at random every weight the checkpoint lacks and only warns, so
+    a folder missing a tensor, or a config that lost ``tie_word_embeddings`` (``lm_head``
+    then loads random), would run to the end with plausible numbers.  Refused: any missing
+    key; any unexpected key (the architecture's own ignorable ones, e.g. Qwen3.5's vision
+    tower and MTP head, ``_keys_to_ignore_on_load_unexpected``, are not reported by
+    transformers); a mismatched shape; a config that ties the embeddings whose LM head is not
+    the embedding matrix.
+    """
+    for key, what in (("missing_keys", "lacks {n} tensor(s) the model needs, first {first!r} "
+                                       "(transformers would initialise them at random)"),
+                      ("unexpected_keys", "holds {n} tensor(s) the model has no place for, first {first!r} "
+                                          "(another architecture, or a renamed layer)"),
+                      ("mismatched_keys", "has {n} tensor(s) of another shape than the model's, first {first!r}")):
+        found = sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(key) or ())
+        if found:
+            raise ModelLoadError(f"{source}: the checkpoint {what.format(n=len(found), first=found[0])}; "
+                                 "refusing to run on weights it did not load")
+    if info.get("error_msgs"):
+        raise ModelLoadError(f"{source}: loading the checkpoint reported {info['error_msgs'][0]}")
+    text = model.config.get_text_config()
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if getattr(text, "tie_word_embeddings", False) and head is not None and head.weight is not embed.weight:
+        raise ModelLoadError(f"{source}: the config ties the LM head to the embeddings, but the loaded model's "
+                             "lm_head.weight is a separate tensor")
+
+
 def load_tokenizer(cfg: ModelConfig):
     """The tokenizer of a profile (right padding, a pad token always set)."""
     from transformers import AutoTokenizer
@@ -342,7 +396,6 @@ def load_model_and_tokenizer(cfg: ModelConfig | str = QWEN3_5_4B_ID, *, dtype: s
     -------
     (model, tokenizer)
     """
-    from transformers import AutoModelForCausalLM
 
     if isinstance(cfg, str):
         cfg = ModelConfig(name=cfg.split("/")[-1].lower(), kind="hub", dtype="auto", attn_implementation="sdpa",
@@ -359,8 +412,8 @@ def load_model_and_tokenizer(cfg: ModelConfig | str = QWEN3_5_4B_ID, *, dtype: s
     else:
         # device_map="auto": transformers loads each weight straight onto its device (never the
         # whole model into CPU memory first), as accelerate's infer_auto_device_map places it.
-        model = _from_pretrained(AutoModelForCausalLM, cfg, dtype=dtype, attn_implementation=cfg.attn_implementation,
-                                 **({"device_map": device_map} if device_map else {}))
+        model = _load_weights(cfg, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                              **({"device_map": device_map} if device_map else {}))
     model.requires_grad_(False)
     # A dispatched model stays where accelerate put it (its hooks move activations between devices).
     return (model if device_map else model.to(device)).eval(), tok
