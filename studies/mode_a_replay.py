@@ -88,7 +88,7 @@ def main() -> None:
     ids = eval_ids(params, tok, Path("."))
     pairs = load_gold_pairs(GOLD_PATH, params)
     ridge = ridge_parts(params, plan, geo, RIDGE_PATH)
-    ridge.extra = ridge_projectors(RIDGE_PATH, list(plan.extra_sources), geo)
+    ridge.extra = ridge_projectors(RIDGE_PATH, list(plan.extra_sources), geo, params)
     maps = {"ridge": ridge,
             "trained": load_parts(MODE_A_MODELS, params, plan, geo, also={"objective": "mode_a"})}
     _offline()

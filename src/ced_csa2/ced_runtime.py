@@ -47,7 +47,7 @@ from .kv.fp4 import FORMATS as FP4_FORMATS
 from .kv.rotation import HeadRotation, fp4_round_trip, layer_rotation
 from .maps.xkv import XKVBasis, load_xkv
 from .model_utils import Geometry, attention, decoder_layer, geometry, rotary
-from .pipeline.checkpoint import expected_meta
+from .pipeline.checkpoint import check_meta_provenance, expected_meta
 from .pipeline.paths import SEED_INIT, SEED_INIT_MODELS, objective_models, projector_path
 from .plan import LayerPlan
 from .runtime.groups import GROUPS
@@ -125,22 +125,31 @@ def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geo
     Raises
     ------
     CheckpointError
-        A file is missing, or was made for another model, layer, geometry or plan: one
-        sentence naming the file, the key and both values, before any weight is used.
+        A file is missing, changed after it was written, or was made for another model,
+        layer, geometry or plan: one sentence naming the file, the key and both values,
+        before any weight is used.
+    ParamsError
+        A file made with other params than ``params`` (its recorded provenance).
     """
     from .csa2 import load_adapters
     from .projector import load_projector, load_projectors
 
     models_dir = Path(models_dir)
     expect = {kind: {**want, **(also or {})} for kind, want in expected_meta(params, plan, geo).items()}
-    projector, _ = load_projector(models_dir / f"projector_k{plan.source}v{plan.source}.pt",
-                                  expect=expect["projector"], device=device, dtype=dtype)
+    path = models_dir / f"projector_k{plan.source}v{plan.source}.pt"
+    projector, meta = load_projector(path, expect=expect["projector"], device=device, dtype=dtype)
+    check_meta_provenance(path, meta, params)
     adapters = load_adapters(models_dir / "adapters.pt", device=device, dtype=dtype, expect=expect["adapters"])
+    check_meta_provenance(models_dir / "adapters.pt", adapters.meta, params)
     extra = {}
     if plan.extra_sources and extra_sources:
-        extra, _ = load_projectors(models_dir / "projectors_extra.pt", expect=expect["projectors"], device=device,
-                                   dtype=dtype)
-    xkv = load_xkv(models_dir / "xkv.pt", device=device, dtype=dtype, expect=expect["xkv"]) if low_rank else None
+        extra, meta = load_projectors(models_dir / "projectors_extra.pt", expect=expect["projectors"], device=device,
+                                      dtype=dtype)
+        check_meta_provenance(models_dir / "projectors_extra.pt", meta, params)
+    xkv = None
+    if low_rank:
+        xkv = load_xkv(models_dir / "xkv.pt", device=device, dtype=dtype, expect=expect["xkv"])
+        check_meta_provenance(models_dir / "xkv.pt", xkv.meta, params)
     return CEDParts(projector, adapters, extra, xkv)
 
 
@@ -179,7 +188,9 @@ def load_seed_init(workdir: Path, params: Params, plan: LayerPlan, geo: Geometry
     from .projector import load_projector
 
     want = {**expected_meta(params, plan, geo)["projector"], "recipe": SEED_INIT}
-    projector, _ = load_projector(workdir / projector_path(plan.source, SEED_INIT_MODELS), expect=want, device=device)
+    path = workdir / projector_path(plan.source, SEED_INIT_MODELS)
+    projector, meta = load_projector(path, expect=want, device=device)
+    check_meta_provenance(path, meta, params)
     return CEDParts(projector=projector)
 
 

@@ -25,7 +25,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Mapping, Optional
 
 import yaml
 
@@ -698,6 +698,68 @@ def to_dict(obj) -> dict:
             v = [to_dict(x) if dataclasses.is_dataclass(x) else x for x in v]
         out[_key(f)] = v
     return out
+
+
+def provenance(params: Params, *keys: str) -> dict[str, Any]:
+    """``{dotted key: value}`` of ``params`` under ``keys``, flattened to leaves: what an artifact was made from.
+
+    ``keys`` are sections (``"ridge"``) or dotted keys (``"data.max_tokens"``), YAML names, each
+    among the ``params:`` its producing stage declares in ``dvc.yaml`` (so ``dvc repro`` rebuilds
+    the artifact whenever one changes).  Writers store the result, merged with their inputs'
+    (an artifact's provenance covers everything upstream of it); readers pass it to
+    :func:`check_provenance`.  Not a read of the keys: a check, not a use.
+    """
+    token = _READS.set(None)
+    try:
+        tree = to_dict(params)
+    finally:
+        _READS.reset(token)
+    out: dict[str, Any] = {}
+    for key in keys:
+        _flatten(key, _at(tree, key, "provenance"), out)
+    return out
+
+
+def check_provenance(artifact: str | Path, recorded: Mapping[str, Any], params: Params) -> None:
+    """Refuse an artifact made with other params than ``params`` (a direct stage run, a copied file).
+
+    ``recorded`` is the artifact's stored :func:`provenance`; the first key whose value
+    differs is named with both values in a :class:`ParamsError`.
+    """
+    token = _READS.set(None)
+    try:
+        tree = to_dict(params)
+    finally:
+        _READS.reset(token)
+    for key, was in recorded.items():
+        try:
+            now = _at(tree, key, str(artifact))
+        except ParamsError:
+            raise ParamsError(f"{artifact}: was made with {key} = {was!r}, a key params.yaml no longer has: "
+                              "rebuild it with `dvc repro`") from None
+        if json.dumps(now, sort_keys=True) != json.dumps(was, sort_keys=True):
+            raise ParamsError(f"{artifact}: was made with {key} = {was!r}, params.yaml has {now!r}: rebuild it "
+                              "with `dvc repro` (or restore the params it was made with)")
+
+
+def _at(tree: Mapping, key: str, where: str) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, Mapping) and part in node:
+            node = node[part]
+        else:
+            raise ParamsError(f"{where}: params have no key {key!r}")
+    return node
+
+
+def _flatten(key: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _flatten(f"{key}.{k}", v, out)
+    else:
+        out[key] = value
 
 
 def params_hash(*sections) -> str:

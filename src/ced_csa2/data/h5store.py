@@ -468,6 +468,12 @@ def committed_records(path: Path) -> int | None:
         return None
 
 
+def dump_provenance(path: str | Path) -> dict:
+    """:meth:`DumpReader.provenance` of the dump at ``path``: what an artifact computed from it records."""
+    with DumpReader(path) as reader:
+        return reader.provenance()
+
+
 class DumpReader:
     """A validated, read-only view of a complete dump file.
 
@@ -615,6 +621,10 @@ class DumpReader:
             for start in range(0, self._n[name], step):
                 self._read_verified(name, start, min(start + step, self._n[name]))
         return self
+
+    def provenance(self) -> dict:
+        """The params the dump was made from (``attrs["provenance"]``; ``{}`` for a file written without)."""
+        return json.loads(self.attrs["provenance"]) if "provenance" in self.attrs else {}
 
     def check(self, *, kv_layers=None, hidden_size=None, kv_dim=None) -> "DumpReader":
         """Raise naming both values when the dump does not hold what a stage needs."""

@@ -38,9 +38,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..config import check_provenance
 from ..data.h5store import DumpReader
 from ..data.loader import active_blocks, cat_features, iter_blocks
 from ..pipeline import distributed
+from ..pipeline.checkpoint import CheckpointError, state_digest
 from ..pipeline.io_utils import atomic_write_bytes
 from ..plan import LayerPlan
 from .fit_metrics import FitStats, merged
@@ -340,19 +342,42 @@ def evaluate_maps(reader: DumpReader, groups: list[MapGroup], maps: dict, mask: 
 
 # ----------------------------------------------------------------------------- checkpoint
 
+def _flat(maps: dict) -> dict[str, torch.Tensor]:
+    return {f"{name}.{part}": t for name, m in maps.items() for part, t in m.items()}
+
+
 def save_ridge(path: Path, maps: dict, meta: dict) -> None:
-    """Write ``{"maps": maps, "meta": meta}`` to ``path`` atomically."""
+    """Write ``{"maps": maps, "sha256": ..., "meta": meta}`` to ``path`` atomically (the sha256 of the maps' tensors)."""
     buf = io.BytesIO()
-    torch.save({"maps": maps, "meta": meta}, buf)
+    torch.save({"maps": maps, "sha256": state_digest(_flat(maps)), "meta": meta}, buf)
     atomic_write_bytes(Path(path), buf.getvalue())
 
 
-def load_ridge(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    """``(maps, meta)`` of a ridge checkpoint; ``maps[name] = {"W": (d_in, d_out), "b": (d_out,)}``."""
+def ridge_provenance(path: str | Path) -> dict:
+    """The params the ridge maps were made from, the dump's included: what an artifact fitted from them records."""
+    return load_ridge(path)[1].get("provenance") or {}
+
+
+def load_ridge(path: str | Path, params=None) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """``(maps, meta)`` of a ridge checkpoint; ``maps[name] = {"W": (d_in, d_out), "b": (d_out,)}``.
+
+    Refused, naming the file: missing, unreadable, not a ridge checkpoint, tensors that are not
+    the bytes it was written with (sha256), and -- with ``params`` -- made with other params
+    (its recorded provenance, :func:`ced_csa2.config.check_provenance`).
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: ridge checkpoint not found (run `dvc repro ridge`)")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises many types (zip, pickle, EOF) for one cause: a bad file
+        raise CheckpointError(f"{path}: not a readable ridge checkpoint (truncated or corrupt?): "
+                              f"{type(exc).__name__}: {exc}") from None
     if not isinstance(ckpt, dict) or "maps" not in ckpt or "meta" not in ckpt:
-        raise ValueError(f"{path}: not a ridge checkpoint (expected keys 'maps' and 'meta')")
+        raise CheckpointError(f"{path}: not a ridge checkpoint (expected keys 'maps' and 'meta')")
+    if state_digest(_flat(ckpt["maps"])) != ckpt.get("sha256"):
+        raise CheckpointError(f"{path}: its tensors are not the bytes it was written with (sha256): the file "
+                              "changed after it was written (rebuild it with `dvc repro ridge`)")
+    if params is not None:
+        check_provenance(path, ckpt["meta"].get("provenance") or {}, params)
     return ckpt["maps"], ckpt["meta"]

@@ -2,14 +2,18 @@
 
 A checkpoint is ``torch.save`` of a plain dict (loadable with ``weights_only=True``)::
 
-    {"format": "ced_csa2.projector" | "ced_csa2.projectors" | "ced_csa2.adapters",
-     "format_version": 2,
+    {"format": "ced_csa2.projector" | "ced_csa2.projectors" | "ced_csa2.adapters" | "ced_csa2.xkv",
+     "format_version": 3,
      "state": {name: fp16 tensor},   # the module's state_dict, rounded to FP16
+     "sha256": hex,                  # of the state (names, dtypes, shapes, bytes): state_digest
      "meta": {...}}                  # what it is for: model, layer(s), geometry, plan; provenance
 
-Loading checks the format, then every ``expect`` key against ``meta``, before any
-tensor is used; each failure raises :class:`CheckpointError` naming the file (and the
-key with both values).  :func:`expected_meta` is what a file made for a given model,
+Loading checks the format, the tensors against their sha256 (a flipped byte is refused,
+naming the file), then every ``expect`` key against ``meta``, before any tensor is used;
+each failure raises :class:`CheckpointError` naming the file (and the key with both
+values).  ``meta["provenance"]`` is the params the file was made from, its inputs'
+included (:func:`ced_csa2.config.provenance`); :func:`check_meta_provenance` refuses a file
+made with other params than the current ones.  :func:`expected_meta` is what a file made for a given model,
 plan and geometry says about itself: writers store it (:func:`checkpoint_meta`) and
 every consumer passes it as ``expect``.  :func:`init_linear_from_ridge` copies a
 closed-form map of the ridge stage into an ``nn.Linear``.
@@ -18,6 +22,7 @@ closed-form map of the ridge stage into an ``nn.Linear``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import logging
 from pathlib import Path
@@ -26,7 +31,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 from torch import nn
 
-from ..config import params_hash
+from ..config import check_provenance, params_hash
 from .io_utils import atomic_write_bytes
 
 if TYPE_CHECKING:
@@ -36,9 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# 2: meta says what the file is for (plan as split/source/targets/extra_sources, geometry
-# in every kind); a version-1 file is refused by the version check.
-FORMAT_VERSION = 2
+# 3: the state's sha256 and meta's provenance; an older file is refused by the version check.
+FORMAT_VERSION = 3
 SAVE_DTYPE = torch.float16
 
 
@@ -88,16 +92,33 @@ def expected_meta(params: Params, plan: LayerPlan, geo: Geometry) -> dict[str, d
             "xkv": {**model, "layers": [plan.source, *plan.targets], **fit}}
 
 
-def checkpoint_meta(params: Params, plan: LayerPlan, geo: Geometry, *sections) -> dict[str, dict]:
+def checkpoint_meta(params: Params, plan: LayerPlan, geo: Geometry, *sections,
+                    provenance: Mapping | None = None) -> dict[str, dict]:
     """:func:`expected_meta` plus provenance, for the writers.
 
     Each kind's dict also holds ``split``, ``model_id`` (``model.hf_id`` or the name),
-    ``seed`` and ``params_hash`` (:func:`ced_csa2.config.params_hash` of ``sections``, the
-    params sections that determine the weights).
+    ``seed``, ``params_hash`` (:func:`ced_csa2.config.params_hash` of ``sections``, the
+    params sections that determine the weights) and ``provenance`` (the writer's
+    :func:`ced_csa2.config.provenance`, its inputs' merged in), checked by every reader.
     """
     made = {"split": plan.split, "model_id": params.model.hf_id or params.model.name, "seed": params.seed,
-            "params_hash": params_hash(*sections)}
+            "params_hash": params_hash(*sections), "provenance": dict(provenance or {})}
     return {kind: {**want, **made} for kind, want in expected_meta(params, plan, geo).items()}
+
+
+def check_meta_provenance(path: str | Path, meta: Mapping, params: Params) -> None:
+    """Refuse a map file whose recorded provenance is not ``params`` (:func:`ced_csa2.config.check_provenance`)."""
+    check_provenance(path, meta.get("provenance") or {}, params)
+
+
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over a state dict's names, dtypes, shapes and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def save_checkpoint(path: str | Path, kind: str, module: nn.Module, meta: Mapping, required: tuple[str, ...]) -> Path:
@@ -128,7 +149,8 @@ def save_checkpoint(path: str | Path, kind: str, module: nn.Module, meta: Mappin
             if not torch.isfinite(t).all():
                 raise CheckpointError(f"{path}: tensor '{name}' is not finite in {SAVE_DTYPE} (overflow or NaN)")
         state[name] = t
-    blob = {"format": f"ced_csa2.{kind}", "format_version": FORMAT_VERSION, "state": state, "meta": _plain(meta)}
+    blob = {"format": f"ced_csa2.{kind}", "format_version": FORMAT_VERSION, "state": state,
+            "sha256": state_digest(state), "meta": _plain(meta)}
     buf = io.BytesIO()
     torch.save(blob, buf)
     atomic_write_bytes(path, buf.getvalue())
@@ -167,7 +189,15 @@ def load_checkpoint(path: str | Path, kind: str, expect: Mapping | None = None) 
         found = blob.get("format") if isinstance(blob, dict) else type(blob).__name__
         raise CheckpointError(f"{path}: not a ced_csa2.{kind} checkpoint (its format is {found!r})")
     if blob.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format_version {blob.get('format_version')!r}, expected {FORMAT_VERSION}")
+        raise CheckpointError(f"{path}: format_version {blob.get('format_version')!r}, expected {FORMAT_VERSION} "
+                              "(written by another version: rebuild it with `dvc repro`)")
+    try:
+        digest = state_digest(blob["state"])
+    except Exception as exc:  # a flip that breaks a tensor's structure
+        raise CheckpointError(f"{path}: its tensors cannot be read ({type(exc).__name__}: {exc})") from None
+    if digest != blob.get("sha256"):
+        raise CheckpointError(f"{path}: its tensors' sha256 is {digest[:16]}..., not the {str(blob.get('sha256'))[:16]}... "
+                              "it was written with: the file changed after it was written (rebuild it with `dvc repro`)")
     meta = blob["meta"]
     for key, want in (expect or {}).items():
         if key not in meta:

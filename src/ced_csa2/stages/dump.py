@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import Params, params_hash, to_dict
-from ..data.dumping import dump_records, merge_shards, shard_done, fingerprint
+from ..config import Params, params_hash, provenance, to_dict
+from ..data.dumping import dump_records, fingerprint, merge_shards, shard_done
 from ..data.h5store import DumpLayout, DumpWriter
 from ..data.records import DUMP_SAMPLE_STREAM, read_records, seeded_subset, tokenize
 from ..model_utils import load_model_and_tokenizer, resolve_device, tokenizer_hash
@@ -32,6 +32,8 @@ from ..pipeline.paths import DUMP_METRICS, DUMP_PARTIAL, DUMP_PATH, TRAIN_JSONL,
 from ..plan import load_plan
 
 log = logging.getLogger(__name__)
+
+PROVENANCE = ("seed", "model", "plan", "dump", "data.max_tokens")  # of dvc.yaml's params for dump
 
 
 def run(params: Params, workdir: Path = Path("."), *, max_batches: int | None = None) -> dict | None:
@@ -61,6 +63,7 @@ def _run(params: Params, workdir: Path, max_batches: int | None) -> dict | None:
         "compute_dtype": str(model.dtype).removeprefix("torch."), "storage_dtype": cfg.storage_dtype,
         "pre_norm": True, "pre_rope": True, "tokenizer_sha256": tok_hash,
         "params_hash": params_hash(params.model, params.plan, params.dump),
+        "provenance": json.dumps(provenance(params, *PROVENANCE)),
     }
     world, t0 = distributed.world_size(), time.perf_counter()
     lo, hi = distributed.batch_bounds(len(ids), cfg.batch_size)

@@ -25,7 +25,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..config import Params
+from ..config import Params, provenance
+from ..maps.ridge import ridge_provenance
 from ..pipeline.checkpoint import checkpoint_meta
 from ..pipeline.entry import run_stage
 from ..pipeline.io_utils import write_json
@@ -36,6 +37,8 @@ from ..train.projector_training import Fitted, ridge_fitted, train_projectors
 from ..train.training import split_masks
 
 log = logging.getLogger(__name__)
+
+PROVENANCE = ("seed", "model", "plan", "split", "extra_projectors", "train_projector")  # of dvc.yaml's params for extra_projectors
 
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
@@ -55,7 +58,9 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
         else:
             fitted = ridge_fitted(params, dump, workdir / RIDGE_PATH, list(layers), geo, val_mask, val_batch)
     trained = (recipe,) if params.extra_projectors == "trained" else ()
-    meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, *trained)["projectors"]
+    made_from = {**(ridge_provenance(workdir / RIDGE_PATH) if layers else {}), **provenance(params, *PROVENANCE)}
+    meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, *trained,
+                           provenance=made_from)["projectors"]
     save_projectors(workdir / PROJECTORS_EXTRA, fitted.projectors, {**meta, "maps": params.extra_projectors})
     metrics = {"layers": {str(layer): m for layer, m in fitted.layers.items()},
                "run": {"maps": params.extra_projectors, **fitted.run}}

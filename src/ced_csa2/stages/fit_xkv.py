@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..config import Params
-from ..data.h5store import DumpReader
+from ..config import Params, provenance
+from ..data.h5store import DumpReader, dump_provenance
 from ..data.loader import aligned_block_rows
 from ..maps.ridge import DUMP_ATTRS
 from ..maps.xkv import XKVBasis, group_layers, save_xkv, top_eigenvectors
@@ -37,6 +37,8 @@ from ..plan import load_plan
 from ..train.training import split_masks
 
 log = logging.getLogger(__name__)
+
+PROVENANCE = ("seed", "model", "plan", "split.val_fraction", "xkv")  # of dvc.yaml's params for fit_xkv
 
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
@@ -68,7 +70,8 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
         log.info("%-6s val rel_err %.4f  R2 %.4f  cos %.4f", name, f["rel_err"], f["r2"], f["cos"])
     log.info("captured energy: %s", {k: {s: round(v, 4) for s, v in e.items()} for k, e in energy.items()})
     n_train, n_val = int(train_mask.sum()), int(val_mask.sum())
-    meta = {**checkpoint_meta(params, plan, geo, params.plan, params.xkv)["xkv"],
+    made_from = {**dump_provenance(dump), **provenance(params, *PROVENANCE)}
+    meta = {**checkpoint_meta(params, plan, geo, params.plan, params.xkv, provenance=made_from)["xkv"],
             "val_fraction": params.split.val_fraction, "n_train_rows": n_train, "dump": dump_attrs,
             "energy_train": {kind: e["train"] for kind, e in energy.items()}}
     save_xkv(workdir / XKV_PATH, stored, meta)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..config import Params, params_hash, to_dict
+from ..config import Params, check_provenance, params_hash, provenance, to_dict
 from ..data.h5store import DumpReader
 from ..data.loader import aligned_block_rows, record_split, row_mask
 from ..maps.ridge import DUMP_ATTRS, MapGroup, evaluate_maps, fit_maps, map_groups, projected_groups, save_ridge
@@ -28,6 +28,8 @@ from ..pipeline.paths import DUMP_PATH, RIDGE_METRICS, RIDGE_PATH
 from ..plan import LayerPlan
 
 log = logging.getLogger(__name__)
+
+PROVENANCE = ("seed", "plan", "split", "ridge")  # of dvc.yaml's params for ridge
 
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
@@ -41,6 +43,8 @@ def _run(params: Params, workdir: Path) -> dict:
     groups = map_groups(plan)
     with DumpReader(workdir / DUMP_PATH) as reader:
         reader.check(kv_layers=plan.kv_layers)
+        check_provenance(reader.path, reader.provenance(), params)
+        made_from = {**reader.provenance(), **provenance(params, *PROVENANCE)}
         train, val = record_split(reader.n_records, params.split.val_fraction, params.seed)
         train_mask = row_mask(reader.record_offsets, train, 0, params.seed)
         val_mask = row_mask(reader.record_offsets, val, 0, params.seed)
@@ -64,7 +68,7 @@ def _run(params: Params, workdir: Path) -> dict:
     meta = {
         "lambda": lam, "n_train_rows": int(train_mask.sum()), "n_train_records": len(train),
         "plan": to_dict(params.plan), "seed": params.seed, "dump": dump_attrs,
-        "params_hash": params_hash(params.plan, params.split, params.ridge),
+        "params_hash": params_hash(params.plan, params.split, params.ridge), "provenance": made_from,
     }
     metrics = dict(fits)
     metrics["run"] = {

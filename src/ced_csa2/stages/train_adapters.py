@@ -34,8 +34,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..config import Params
+from ..config import Params, provenance
 from ..csa2 import save_adapters
+from ..maps.ridge import ridge_provenance
 from ..model_utils import resolve_device
 from ..pipeline import distributed
 from ..pipeline.checkpoint import checkpoint_meta
@@ -54,6 +55,8 @@ from ..train.training import (
 )
 
 log = logging.getLogger(__name__)
+
+PROVENANCE = ("seed", "model", "plan", "split", "ridge", "train_adapters")  # of dvc.yaml's params for train_adapters
 
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
@@ -80,8 +83,9 @@ def _run(params: Params, workdir: Path) -> dict:
     curves, ridge, trained, kept = fit(heads, adapter_optimizer(adapters, params), train, val, epochs=cfg.epochs,
                                        device=device, amp_dtype=cfg.amp_dtype, keep=cfg.keep, desc="train_adapters")
 
+    made_from = {**ridge_provenance(workdir / RIDGE_PATH), **provenance(params, *PROVENANCE)}
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
-                           params.train_adapters)["adapters"]
+                           params.train_adapters, provenance=made_from)["adapters"]
 
     layers: dict[str, dict] = {}
     for h, r, tr, epoch in zip(heads, ridge, trained, kept):

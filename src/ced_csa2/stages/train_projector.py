@@ -40,7 +40,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..config import Params, replaced
+from ..config import Params, provenance, replaced
+from ..data.h5store import dump_provenance
+from ..maps.ridge import ridge_provenance
 from ..pipeline import distributed
 from ..pipeline.checkpoint import checkpoint_meta
 from ..pipeline.entry import run_stage
@@ -61,6 +63,8 @@ from ..train.training import split_masks, write_curves
 
 log = logging.getLogger(__name__)
 
+PROVENANCE = ("seed", "model", "plan", "split", "train_projector")  # of dvc.yaml's params for train_projector
+
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
     """Train, validate and save the source's projector; returns ``metrics/projector.json``'s content."""
@@ -78,8 +82,10 @@ def _run(params: Params, workdir: Path) -> dict:
     seed = fitted if literal == params.train_projector else train_projectors(
         params, dump, (plan.source,), geo, train_mask, val_mask, desc="train_projector (seed init)",
         ridge=workdir / RIDGE_PATH, cfg=literal)
-    meta, seed_meta = (checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, cfg)["projector"]
-                       for cfg in (params.train_projector, literal))
+    made_from = {**dump_provenance(dump), **(ridge_provenance(workdir / RIDGE_PATH) if params.train_projector.init
+                                             == "ridge" else {}), **provenance(params, *PROVENANCE)}
+    meta, seed_meta = (checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, cfg,
+                                       provenance=made_from)["projector"] for cfg in (params.train_projector, literal))
     metrics = {"layers": {str(layer): m for layer, m in fitted.layers.items()},
                "run": fitted.run,
                "seed_init": {"layers": {str(layer): m for layer, m in seed.layers.items()}, "run": seed.run}}

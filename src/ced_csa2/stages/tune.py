@@ -39,8 +39,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import Params, require_listed, to_dict
+from ..config import Params, provenance, require_listed, to_dict
 from ..data.records import batches
+from ..maps.ridge import ridge_provenance
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.entry import objective_arg, run_stage
 from ..pipeline.io_utils import write_json
@@ -51,6 +52,11 @@ from ..train.training import Curves, write_curves
 from ..train.tuning import save_parts, train_phase
 
 log = logging.getLogger(__name__)
+
+# of dvc.yaml's params for tune@<objective>: every objective's, and those of the objectives that train
+PROVENANCE = ("seed", "model", "plan", "split", "ridge", "train_adapters.width_mult", "train_adapters.activation",
+              "train_adapters.input", "train.ced_csa2_start")
+ONLINE_PROVENANCE = ("data.name", "data.max_tokens", "data.revision", "train.online")
 
 
 def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
@@ -93,8 +99,11 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
                                "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
                                **to_dict(params.train.online)}
     out = workdir / objective_models(objective)
-    save_parts(out, objective, parts, params, plan, geo)
-    save_parts(out / "ced_csa2", objective, served["ced_csa2"], params, plan, geo)
+    # The ridge export does not depend on the online budget or the data it reads: same params, same bytes.
+    keys = PROVENANCE if objective == "ridge" else (*PROVENANCE, *ONLINE_PROVENANCE)
+    made_from = {**ridge_provenance(workdir / RIDGE_PATH), **provenance(params, *keys)}
+    save_parts(out, objective, parts, params, plan, geo, made_from)
+    save_parts(out / "ced_csa2", objective, served["ced_csa2"], params, plan, geo, made_from)
     # ridge trains nothing: its (declared) curve table is the header alone, not a flat line
     write_curves(workdir / objective_curves(objective), curves, x="step")
     write_json(workdir / objective_metrics(objective) / "train.json", metrics)

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import Params, to_dict
+from ..config import Params, provenance, to_dict
 from ..csa2 import save_adapters
+from ..maps.ridge import ridge_provenance
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.checkpoint import checkpoint_meta
 from ..pipeline.entry import run_stage
@@ -38,6 +39,10 @@ from ..train.training import Curves, write_curves
 
 log = logging.getLogger(__name__)
 
+PROVENANCE = ("seed", "model", "plan", "split", "ridge", "data.name", "data.max_tokens", "data.revision",
+              "train_adapters.width_mult", "train_adapters.activation", "train_adapters.input", "train.online",
+              "eval_ppl.prefix_fraction", "mode_a.train")  # of dvc.yaml's params for tune_mode_a
+
 
 def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
     """Train (on a covering plan) and save the Mode A maps; returns ``metrics/mode_a/train.json``'s content."""
@@ -45,7 +50,7 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
     plan, geo = load_plan(params.plan, params.model)
     ridge = workdir / RIDGE_PATH
     parts = ridge_parts(params, plan, geo, ridge)
-    parts.extra = ridge_projectors(ridge, list(plan.extra_sources), geo)
+    parts.extra = ridge_projectors(ridge, list(plan.extra_sources), geo, params)
     metrics: dict = {"objective": OBJECTIVE, "init": "ridge", "covered": not plan.uncovered(geo)}
     curves: Curves = {}
     if metrics["covered"]:
@@ -67,8 +72,9 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
                                **to_dict(params.mode_a.train),
                                **{k: v for k, v in to_dict(params.train.online).items()
                                   if k in ("seq_len", "batch_size", "warmup_fraction", "weight_decay")}}
+    made_from = {**ridge_provenance(ridge), **provenance(params, *PROVENANCE)}
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
-                           params.train.online, params.mode_a.train)
+                           params.train.online, params.mode_a.train, provenance=made_from)
     out, mark = workdir / MODE_A_MODELS, {"objective": OBJECTIVE}
     save_projector(out / projector_path(plan.source).name, parts.projector.cpu(), {**meta["projector"], **mark})
     save_projectors(out / "projectors_extra.pt", {l: p.cpu() for l, p in parts.extra.items()},

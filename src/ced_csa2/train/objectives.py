@@ -238,7 +238,7 @@ def ridge_parts(params: Params, plan: LayerPlan, geo: Geometry, ridge_path: Path
     The adapters' maps are fitted on the true source K/V, or (``projected``) on the
     source K/V the ridge projector predicts (the ridge stage's ``ced_*`` maps).
     """
-    projector = ridge_projectors(ridge_path, [plan.source], geo)[plan.source]
+    projector = ridge_projectors(ridge_path, [plan.source], geo, params)[plan.source]
     return CEDParts(projector, build_adapters(params, plan, geo.kv_dim, ridge_path, projected=projected))
 
 

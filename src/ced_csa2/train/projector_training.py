@@ -50,9 +50,9 @@ def heads_for(projectors: dict[int, KVProjector], kv_dim: int) -> list[Head]:
             for i, (layer, p) in enumerate(projectors.items())]
 
 
-def ridge_projectors(path: Path, layers: list[int], geo: Geometry) -> dict[int, KVProjector]:
-    """Projectors set to the ridge stage's ``proj_{l}`` maps."""
-    maps = ridge_maps(path, [f"proj_{layer}" for layer in layers])
+def ridge_projectors(path: Path, layers: list[int], geo: Geometry, params: Params) -> dict[int, KVProjector]:
+    """Projectors set to the ridge stage's ``proj_{l}`` maps (the file checked against ``params``)."""
+    maps = ridge_maps(path, [f"proj_{layer}" for layer in layers], params)
     out = {}
     for layer in layers:
         out[layer] = KVProjector(geo.hidden_size, geo.kv_dim)
@@ -81,7 +81,7 @@ def train_projectors(params: Params, dump: Path, layers: tuple[int, ...], geo: G
     """
     cfg = cfg or params.train_projector
     if cfg.init == "ridge":
-        projectors = ridge_projectors(ridge, list(layers), geo)
+        projectors = ridge_projectors(ridge, list(layers), geo, params)
     else:
         projectors = build_projectors(params, layers, geo.hidden_size, geo.kv_dim)
     device = distributed.local_device(resolve_device("auto"))
@@ -113,7 +113,7 @@ def train_projectors(params: Params, dump: Path, layers: tuple[int, ...], geo: G
 def ridge_fitted(params: Params, dump: Path, ridge: Path, layers: list[int], geo: Geometry,
                  val_mask: np.ndarray, batch_size: int) -> Fitted:
     """The ridge stage's maps for ``layers`` as projectors, validated on the rows of ``val_mask``."""
-    projectors = ridge_projectors(ridge, layers, geo)
+    projectors = ridge_projectors(ridge, layers, geo, params)
     val = BlockLoader(dump, ["h_split"], kv_names(layers), val_mask, batch_size, shuffle=False, seed=params.seed)
     results = evaluate(heads_for(projectors, geo.kv_dim), val, torch.device("cpu"))
     val.close()

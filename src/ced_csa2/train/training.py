@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from ..config import Params
+from ..config import Params, check_provenance
 from ..csa2 import CSA2Adapters
 from ..data.h5store import DumpError, DumpReader
 from ..data.loader import record_split, row_mask
@@ -85,15 +85,19 @@ def split_masks(path: Path, params: Params, plan: LayerPlan, geo: Geometry, laye
         if reader.attrs.get("model", params.model.name) != params.model.name:
             raise DumpError(f"{path}: made with model {reader.attrs['model']!r}, params.model.name is "
                             f"{params.model.name!r}")
+        check_provenance(path, reader.provenance(), params)
         offsets = reader.record_offsets
     train, val = record_split(len(offsets) - 1, params.split.val_fraction, params.seed)
     return (row_mask(offsets, train, tokens_per_record, params.seed),
             row_mask(offsets, val, tokens_per_record, params.seed))
 
 
-def ridge_maps(path: Path, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """The named maps of the ridge stage's file, ``{name: {"W": (d_in, d_out), "b": (d_out,)}}`` float32."""
-    maps, _ = load_ridge(path)
+def ridge_maps(path: Path, names: list[str], params: Params) -> dict[str, dict[str, torch.Tensor]]:
+    """The named maps of the ridge stage's file, ``{name: {"W": (d_in, d_out), "b": (d_out,)}}`` float32.
+
+    The file is refused unless it was made with ``params`` (:func:`ced_csa2.maps.ridge.load_ridge`).
+    """
+    maps, _ = load_ridge(path, params)
     missing = [n for n in names if n not in maps]
     if missing:
         raise ValueError(f"{path}: has no ridge maps {missing} (it holds {sorted(maps)}); rerun `dvc repro ridge`")
@@ -423,7 +427,7 @@ def build_adapters(params: Params, plan: LayerPlan, kv_dim: int, ridge_path: Pat
     """
     cfg = params.train_adapters
     names = {(kind, t): adapter_map(kind, t, cfg.input, projected) for t in plan.targets for kind in KINDS}
-    maps = ridge_maps(ridge_path, list(names.values()))
+    maps = ridge_maps(ridge_path, list(names.values()), params)
     torch.manual_seed(params.seed)
     adapters = CSA2Adapters(plan.targets, kv_dim, width_mult=cfg.width_mult, activation=cfg.activation,
                             input=cfg.input)

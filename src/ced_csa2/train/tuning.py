@@ -116,15 +116,15 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
 
 
 def save_parts(out: Path, objective: str, parts: CEDParts, params: Params, plan: LayerPlan,
-               geo: Geometry) -> None:
+               geo: Geometry, made_from: dict) -> None:
     """Both maps in folder ``out``, in the main branch's checkpoint formats, marked with their objective.
 
     The metadata is :func:`ced_csa2.pipeline.checkpoint.checkpoint_meta`'s (model, layers, geometry,
-    plan, provenance) plus ``objective``: what ``eval_objectives`` checks on loading.
+    plan, provenance: ``made_from``) plus ``objective``: what ``eval_objectives`` checks on loading.
     """
     # The ridge export does not depend on the online budget: same params, same bytes.
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
-                           *([params.train.online] if objective != "ridge" else []))
+                           *([params.train.online] if objective != "ridge" else []), provenance=made_from)
     save_projector(out / projector_path(plan.source).name, parts.projector.cpu(),
                    {**meta["projector"], "objective": objective})
     save_adapters(out / "adapters.pt", parts.adapters.cpu(), {**meta["adapters"], "objective": objective})
