@@ -185,7 +185,9 @@ def _raiser(exc):
     CheckpointError("models/a.pt: corrupt"), DumpError("data/dump/dump.h5: truncated"),
     AssetError("wheel sha256 mismatch"), PlanError("layer 99"),
     OSError(28, "No space left on device", "models/ridge.pt"), OSError(27, "File too large", "data/dump.partial.h5"),
-], ids=lambda e: f"OSError{e.errno}" if type(e) is OSError else type(e).__name__)
+    PermissionError(13, "Permission denied", "metrics/.ppl.json.tmp7"),
+    PermissionError(1, "Operation not permitted", "reports/ppl_by_group.png"),
+], ids=lambda e: f"{type(e).__name__}{e.errno}" if isinstance(e, OSError) and e.errno != 2 else type(e).__name__)
 def test_input_errors_exit_2_with_one_line(in_tiny_folder, capsys, exc):
     with pytest.raises(SystemExit) as end:
         run_stage(_raiser(exc))

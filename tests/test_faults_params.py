@@ -114,6 +114,11 @@ RANGE_CASES = [
     ("train_projector.init", "zeros", "must be one of ('random', 'ridge')"),
     ("train_adapters.input", "k", "must be one of ('kv', 'own')"),
     ("eval_gsm8k.fewshot_as_multiturn", True, "needs eval_gsm8k.apply_chat_template: true and num_fewshot > 0"),
+    # lists a stage needs, and too few records for a statistic: refused at load, not after the work
+    ("eval_ppl.groups", [], "must list at least one group"),
+    ("eval_gsm8k.groups", [], "must list at least one group"),
+    ("dump.records", 1, "must be 0 (all) or at least 2 (a training and a validation record)"),
+    ("eval_ppl.records", 1, "must be 0 (all) or at least 2 (intervals are bootstrapped over records)"),
 ]
 
 

@@ -333,7 +333,8 @@ class DumpConfig(Section):
 
     def __post_init__(self):
         _check(self.batch_size > 0, "dump.batch_size", f"must be positive, got {self.batch_size}")
-        _check(self.records >= 0, "dump.records", f"must be >= 0 (0 = all), got {self.records}")
+        _check(self.records == 0 or self.records >= 2, "dump.records",
+               f"must be 0 (all) or at least 2 (a training and a validation record), got {self.records}")
         _check_device(self.device, "dump.device")
         _check(self.storage_dtype in DTYPES, "dump.storage_dtype", f"must be one of {DTYPES}")
         _check(64 <= self.chunk_kib <= 4096, "dump.chunk_kib", f"must be in [64, 4096], got {self.chunk_kib}")
@@ -531,7 +532,9 @@ class EvalPPLConfig(Section):
     def __post_init__(self):
         bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
         _check(not bad, "eval_ppl.groups", f"has unknown group(s) {bad}; known: {list(RUNTIME_GROUPS)}")
-        _check(self.records >= 0, "eval_ppl.records", f"must be >= 0 (0 = all), got {self.records}")
+        _check(bool(self.groups), "eval_ppl.groups", f"must list at least one group of {list(RUNTIME_GROUPS)}")
+        _check(self.records == 0 or self.records >= 2, "eval_ppl.records",
+               f"must be 0 (all) or at least 2 (intervals are bootstrapped over records), got {self.records}")
         _check(self.timing_records >= 0, "eval_ppl.timing_records", f"must be >= 0 (0 = all), got {self.timing_records}")
         _check_finite(self, "eval_ppl")
         _check_device(self.device, "eval_ppl.device")
@@ -561,6 +564,7 @@ class EvalGSM8KConfig(Section):
     def __post_init__(self):
         bad = [g for g in self.groups if g not in RUNTIME_GROUPS]
         _check(not bad, "eval_gsm8k.groups", f"has unknown group(s) {bad}; known: {list(RUNTIME_GROUPS)}")
+        _check(bool(self.groups), "eval_gsm8k.groups", f"must list at least one group of {list(RUNTIME_GROUPS)}")
         extra = [g for g in self.generate if g not in self.groups]
         _check(not extra, "eval_gsm8k.generate",
                f"must be a subset of eval_gsm8k.groups {self.groups} (empty: gold NLL only), got {self.generate}")

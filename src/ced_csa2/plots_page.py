@@ -15,6 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .pipeline.io_utils import atomic_write_text
+
 PIN = "1.9.0"  # vl_convert.__version__ of vl-convert-python==1.9.0.post1 (pyproject's test extra)
 VEGA_LITE = "5.20"  # DVC's templates are Vega-Lite v5 specs
 TEMPLATE = Path(".dvc") / "plots" / "offline.html"
@@ -63,8 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ImportError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    atomic_write_text(args.out, text)
     print(f"wrote {args.out} ({len(text):,} characters)")
 
 

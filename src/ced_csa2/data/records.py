@@ -13,12 +13,22 @@ import torch
 DUMP_SAMPLE_STREAM = 6
 
 
+def read_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file; a byte that is not UTF-8 is named with its file and line."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+
+
 def read_records(path: Path) -> list[dict]:
     """Corpus records (``id``, ``source``, ``text``, ``n_tokens``), validated."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: corpus not found (run `dvc repro prepare`)")
     records = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(read_lines(path), 1):
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:

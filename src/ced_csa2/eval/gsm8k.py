@@ -71,6 +71,7 @@ import yaml
 
 from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts
 from ..config import Params
+from ..data.records import read_lines
 from ..pipeline import distributed
 from ..pipeline.io_utils import write_json
 from ..pipeline.paths import GOLD_PATH
@@ -431,10 +432,26 @@ def mode_a_gold_rows(lm, pairs: list[tuple[list[int], int]]) -> torch.Tensor:
 
 
 def count_problems(path: Path) -> int:
-    """Number of problems in ``data/gsm8k.jsonl`` (a clear error when it is missing or empty)."""
+    """Number of problems in ``data/gsm8k.jsonl``, each line checked before lm-eval reads any.
+
+    A clear error, naming the file and line, when the file is missing or empty, or a line is
+    not UTF-8, not a JSON object, or lacks a ``question`` or ``answer`` string.
+    """
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run `dvc repro prepare` first")
-    n = sum(1 for line in path.read_text().splitlines() if line.strip())
+    n = 0
+    for i, line in enumerate(read_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            problem = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{i}: not a JSON object") from None
+        bad = [k for k in ("question", "answer") if not isinstance(problem, dict) or not isinstance(problem.get(k), str)]
+        if bad:
+            raise ValueError(f"{path}:{i}: has no {' or '.join(repr(k) for k in bad)} string "
+                             "(each line is a GSM8K problem: question and answer)")
+        n += 1
     if n == 0:
         raise ValueError(f"{path} has no problems: rerun `dvc repro prepare`")
     return n

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 EVAL_SAMPLE_STREAM = 7  # numpy seed-sequence tag (dump.py uses 6)
 TIMING_SAMPLE_STREAM = 8  # the records mode_a_prefix times
+MIN_RECORD_TOKENS = 3  # mode_a_prefix: a prompt of max(2, ...) tokens, then at least one scored
 
 
 
@@ -231,9 +232,18 @@ def _prefill_timing(seconds: torch.Tensor, repeats: int, bound: float) -> dict:
 
 def eval_ids(params: Params, tok, workdir: Path) -> list[list[int]]:
     """Token ids of the eval records (a seeded sample of ``eval_ppl.records``; 0 = all), truncated to ``data.max_tokens``."""
-    records = read_records(workdir / EVAL_JSONL)
+    path = workdir / EVAL_JSONL
+    records = read_records(path)
     records = [records[i] for i in seeded_subset(len(records), params.eval_ppl.records, params.seed, EVAL_SAMPLE_STREAM)]
-    return tok([r["text"] for r in records], truncation=True, max_length=params.data.max_tokens)["input_ids"]
+    if len(records) < 2:
+        raise ValueError(f"{path}: {len(records)} eval record(s); the paired intervals are bootstrapped over "
+                         "records and need at least 2")
+    ids = tok([r["text"] for r in records], truncation=True, max_length=params.data.max_tokens)["input_ids"]
+    for rec, row in zip(records, ids):
+        if len(row) < MIN_RECORD_TOKENS:
+            raise ValueError(f"{path}: record {rec['id']!r} is {len(row)} token(s) long; each eval record needs at "
+                             f"least {MIN_RECORD_TOKENS} (Mode A prefills a prompt of at least 2 and scores the rest)")
+    return ids
 
 
 def protocol(params: Params, model, plan, ids: list[list[int]], tokens_scored: int) -> dict:

@@ -5,12 +5,14 @@ line and the figures.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
 
 from ..config import Params
 from ..maps.ridge import adapter_map
+from ..pipeline.io_utils import atomic_write_bytes
 from ..pipeline.paths import METRICS, OBJECTIVES_EVAL, SEED_INIT
 from ..runtime.groups import GROUP_NAMES
 
@@ -418,12 +420,14 @@ def plots(out: Path, ppl: dict, adapters: dict, storage: dict) -> list[Path]:
 
 
 def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Fixed metadata keeps the PNG bytes identical across runs (DVC hashes them).
-    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+    """The figure as a PNG at ``path``, written atomically (a failed write leaves the old figure whole)."""
     import matplotlib.pyplot as plt
 
+    buf = io.BytesIO()
+    # Fixed metadata keeps the PNG bytes identical across runs (DVC hashes them).
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
     return path
 
 

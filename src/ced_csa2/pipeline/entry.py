@@ -33,8 +33,9 @@ DEBUG_ENV = "CED_CSA2_DEBUG"  # =1: re-raise an input error with its traceback i
 # dvc.yaml deps are its import closure: see tests/test_graph.py).
 INPUT_ERRORS = (ValueError, FileNotFoundError)
 INPUT_ERROR_NAMES = {("ced_csa2.assets", "AssetError")}
-# The disk, not a bug: an OSError with one of these is one line too (it names the file).
-DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
+# The machine, not a bug: an OSError with one of these is one line too (it names the file):
+# the disk (full, over quota or a size limit, read-only, failing) and permissions.
+OS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
 # Files under these folders are pipeline artifacts: a stage that reads one must declare it.
 ARTIFACT_DIRS = ("data", "models", "metrics", "reports")
 _FILES_READ: set[str] | None = None
@@ -91,7 +92,7 @@ def stage_name(run, args: tuple) -> str:
 
 def is_input_error(exc: BaseException) -> bool:
     """A bad input or a missing/corrupt artifact (one line, exit 2), not a bug (traceback)."""
-    return isinstance(exc, INPUT_ERRORS) or (isinstance(exc, OSError) and exc.errno in DISK_ERRNOS) or any(
+    return isinstance(exc, INPUT_ERRORS) or (isinstance(exc, OSError) and exc.errno in OS_ERRNOS) or any(
         (cls.__module__, cls.__qualname__) in INPUT_ERROR_NAMES for cls in type(exc).__mro__)
 
 
