@@ -92,7 +92,7 @@ def main() -> None:
     maps = {"ridge": ridge,
             "trained": load_parts(MODE_A_MODELS, params, plan, geo, also={"objective": "mode_a"})}
     _offline()
-    from ced_csa2.eval.mode_a_lm import ModeALM  # imports lm-eval: after _offline()
+    from ced_csa2.eval.lm_eval_models import ModeALM  # imports lm-eval: after _offline()
 
     rows, gold_rows = [], {}
     for name, parts in maps.items():

@@ -8,7 +8,7 @@ from conftest import tiny_params
 
 from ced_csa2.config import HubSplit, WheelPin
 from ced_csa2.data import corpus, sources
-from ced_csa2.data.sources import Article
+from ced_csa2.data.readers import Article
 from ced_csa2.pipeline import paths
 
 OUTPUTS = (paths.TRAIN_JSONL, paths.EVAL_JSONL, paths.GSM8K_JSONL, paths.PREPARE_METRICS)

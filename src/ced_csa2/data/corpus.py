@@ -18,7 +18,7 @@ from ..assets import fetch_member
 from ..config import DataConfig, Params
 from ..pipeline.io_utils import atomic_write_text, write_json
 from ..pipeline.paths import EVAL_JSONL, GSM8K_JSONL, PREPARE_METRICS, TRAIN_JSONL
-from . import sources
+from . import readers
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _rng(seed: int, purpose: str) -> random.Random:
 def wiki_embedded_records(data: DataConfig, budget: TokenBudget) -> tuple[list[Record], list[Record]]:
     """Train and eval records from the Wikipedia sample in the pinned gensim wheel."""
     pin = data.corpus_wheel
-    articles = sources.wiki_articles(fetch_member(pin))
+    articles = readers.wiki_articles(fetch_member(pin))
     if data.heldout_articles >= len(articles):
         raise ValueError(f"data.heldout_articles={data.heldout_articles} leaves no training article "
                          f"(the sample has {len(articles)})")
@@ -153,7 +153,7 @@ def _long_lines(data: DataConfig, config: str, split: str, n: int, budget: Token
     Lines are visited in a seeded random order until ``n`` qualify, which samples
     uniformly among long lines without tokenising the whole split.
     """
-    lines = sources.wikitext_lines(data.hub_id, config, split, data.revision)
+    lines = readers.wikitext_lines(data.hub_id, config, split, data.revision)
     order = list(range(len(lines)))
     _rng(data.seed, f"{config}/{split}").shuffle(order)
     chosen = []
@@ -175,7 +175,7 @@ def _long_lines(data: DataConfig, config: str, split: str, n: int, budget: Token
 def tiny_records(data: DataConfig, budget: TokenBudget) -> tuple[list[Record], list[Record]]:
     """Synthetic records: the first ``n_train`` for training, the next ``n_eval`` for eval."""
     records = []
-    for i, paragraph in enumerate(sources.tiny_corpus(data.seed, data.n_train + data.n_eval)):
+    for i, paragraph in enumerate(readers.tiny_corpus(data.seed, data.n_train + data.n_eval)):
         text, n = budget.truncate(paragraph)
         if n >= budget.min_tokens:
             records.append(Record(f"tiny-{i:04d}", "tiny-synthetic", text, n))
@@ -211,10 +211,10 @@ def math_problems(data: DataConfig) -> list[dict]:
     """The math set of ``data.math`` as ``{id, question, answer, target}`` dicts."""
     math = data.math
     if math.kind == "wheel":
-        return sources.gsm8k_from_wheel_dir(fetch_member(math.wheel), math.n)
+        return readers.gsm8k_from_wheel_dir(fetch_member(math.wheel), math.n)
     if math.kind == "hub":
-        return sources.gsm8k_hub(math.hub_id, math.hub_config, math.split, math.n, math.revision)
-    return sources.tiny_math(data.seed, math.n)
+        return readers.gsm8k_hub(math.hub_id, math.hub_config, math.split, math.n, math.revision)
+    return readers.tiny_math(data.seed, math.n)
 
 
 def validate(data: DataConfig, budget: TokenBudget) -> None:

@@ -35,7 +35,7 @@ and for each group of ``eval_gsm8k.groups`` (a superset)
 
 Mode A (``eval_gsm8k.mode_a``, when the plan covers every attention layer above the cut;
 the maps of ``mode_a.maps``, ``mode_a.replay`` tokens replayed):
-the same lm-eval task through :class:`~ced_csa2.eval.mode_a_lm.ModeALM` -- each prompt
+the same lm-eval task through :class:`~ced_csa2.eval.lm_eval_models.ModeALM` -- each prompt
 prefilled by the prefill skip, the answer scored (``gold_nll``: gold NLL, paired against
 the baseline) and with ``generate`` also generated (exact match) through all layers -- one
 problem at a time (generation: ~1.5 s per problem on 2 CPU cores, 3.6x a batched Mode B group).
@@ -46,7 +46,7 @@ same text for every problem.
 
 Data-parallel (``distributed.nproc``): the stage runs as that many processes (it starts
 torchrun itself).  Each runs lm-eval's task whole, but generates only a contiguous share
-of the single-process batches (:class:`~ced_csa2.eval.mode_a_lm.DataParallelLM`, which says why
+of the single-process batches (:class:`~ced_csa2.eval.lm_eval_models.DataParallelLM`, which says why
 lm-eval's own multi-process path is not used) and the texts are gathered; gold NLL and
 Mode A's rows are scored by share and assembled on every rank.  Every batch is the
 single-process one, so the metrics are one process's; rank 0 writes.
@@ -274,7 +274,7 @@ def evaluate_group(lm, model, plan, group: str, parts: CEDParts | None, task_man
 
 
 def evaluate_lm(lm, task_manager, params: Params, label: str) -> tuple[dict, list[tuple[list[int], int]] | None]:
-    """lm-eval exact match of ``lm`` as it is (Mode A: :class:`~ced_csa2.eval.mode_a_lm.ModeALM`), and the gold pairs.
+    """lm-eval exact match of ``lm`` as it is (Mode A: :class:`~ced_csa2.eval.lm_eval_models.ModeALM`), and the gold pairs.
 
     ``({}, None)`` on a rank other than 0 of a process group: lm-eval returns its results
     on ``LOCAL_RANK`` 0 only (every rank took part in the generation).
@@ -374,7 +374,7 @@ def generate_groups(lm, model, plan, parts: CEDParts | None, task_manager, param
 
 def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, task_manager, pairs
                ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Mode A's gold-answer rows (and exact match with ``generate``) through :class:`~ced_csa2.eval.mode_a_lm.ModeALM`.
+    """Mode A's gold-answer rows (and exact match with ``generate``) through :class:`~ced_csa2.eval.lm_eval_models.ModeALM`.
 
     Returns the metrics entry (``covered: false`` and why, when it does not run) and
     ``{"mode_a": (n, 2) rows}`` for :func:`~ced_csa2.eval.gsm8k.groups_gold_nll` (empty when not run).
@@ -386,7 +386,7 @@ def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, ta
     if missing:
         return {"covered": False, "uncovered_attention_layers": missing,
                 "note": f"plan {plan} does not cover every attention layer above the cut; Mode A not run"}, {}
-    from .mode_a_lm import ModeALM
+    from .lm_eval_models import ModeALM
 
     replay = params.mode_a.replay
     lm = ModeALM(CEDModeARuntime(model, plan, geo, parts, replay=replay), tok,

@@ -65,7 +65,7 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     _offline()
     from lm_eval import __version__ as lm_eval_version
 
-    from ..eval.mode_a_lm import DataParallelLM  # imports lm-eval: after _offline()
+    from ..eval.lm_eval_models import DataParallelLM  # imports lm-eval: after _offline()
 
     cfg = params.eval_gsm8k
     data_file = workdir / GSM8K_JSONL

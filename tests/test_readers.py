@@ -4,8 +4,8 @@ import bz2
 
 import pytest
 
-from ced_csa2.data import sources
-from ced_csa2.data.sources import Article
+from ced_csa2.data import readers
+from ced_csa2.data.readers import Article
 
 ARTICLE = """{{Infobox thing|name=Widget|image=Widget.png}}
 '''Widgets''' are small devices used in many kinds of machines.<ref>{{cite book|title=Widgets}}</ref> They were first described in 1900 by [[John Smith (engineer)|John Smith]].
@@ -66,7 +66,7 @@ def test_wiki_articles_cleans_markup(tmp_path):
         _page("Widget (disambiguation)", 0, "'''Widget''' may refer to many different things in this list.\n"),
         _page("Gizmo", 0, "'''Gizmo''' may refer to many different things in this list.\n{{Disambiguation|geo}}"),
     ])
-    assert sources.wiki_articles(path) == [Article("Widget", EXPECTED)]
+    assert readers.wiki_articles(path) == [Article("Widget", EXPECTED)]
 
 
 def _write_toml(directory, i, id_orig, answer):
@@ -80,22 +80,22 @@ def test_gsm8k_from_wheel_dir(tmp_path):
     _write_toml(tmp_path, 1, 20, "Lots.\n#### 1,234")
     _write_toml(tmp_path, 2, 39, "x\n#### 7")
     (tmp_path / "instruction.toml").write_text('text = "not a problem"\n')
-    got = sources.gsm8k_from_wheel_dir(tmp_path, 2)
+    got = readers.gsm8k_from_wheel_dir(tmp_path, 2)
     assert got == [
         {"id": "gsm8k-test-11", "question": "How many apples are there?", "answer": "3*4=<<3*4=12>>12\n#### 12",
          "target": "12"},
         {"id": "gsm8k-test-20", "question": "How many apples are there?", "answer": "Lots.\n#### 1,234",
          "target": "1234"},
     ]
-    assert len(sources.gsm8k_from_wheel_dir(tmp_path, 0)) == 3
+    assert len(readers.gsm8k_from_wheel_dir(tmp_path, 0)) == 3
     with pytest.raises(ValueError, match="data.math.n=5 but only 3"):
-        sources.gsm8k_from_wheel_dir(tmp_path, 5)
+        readers.gsm8k_from_wheel_dir(tmp_path, 5)
 
 
 def test_gsm8k_bad_answer_names_file(tmp_path):
     _write_toml(tmp_path, 0, 1, "no final number")
     with pytest.raises(ValueError, match=r"0000\.toml: answer does not end with '#### <number>'"):
-        sources.gsm8k_from_wheel_dir(tmp_path, 0)
+        readers.gsm8k_from_wheel_dir(tmp_path, 0)
 
 
 def test_hub_unreachable_points_to_embedded_default(monkeypatch):
@@ -105,8 +105,8 @@ def test_hub_unreachable_points_to_embedded_default(monkeypatch):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    for call in (lambda: sources.gsm8k_hub("openai/gsm8k", "main", "test", 5),
-                 lambda: sources.wikitext_lines("Salesforce/wikitext", "wikitext-2-raw-v1", "test")):
+    for call in (lambda: readers.gsm8k_hub("openai/gsm8k", "main", "test", 5),
+                 lambda: readers.wikitext_lines("Salesforce/wikitext", "wikitext-2-raw-v1", "test")):
         with pytest.raises(RuntimeError, match=r"hub could not be reached .*embedded default .*runs offline"):
             call()
 
@@ -125,20 +125,20 @@ def test_wikitext_lines_and_gsm8k_hub_with_local_data(monkeypatch):
         return datasets.Dataset.from_dict(tables[hub_id])
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    assert sources.wikitext_lines("wikitext", "c", "train") == ["Some prose line .", "More prose ."]
-    got = sources.gsm8k_hub("gsm8k", "main", "test", 2, revision="0123abc")
+    assert readers.wikitext_lines("wikitext", "c", "train") == ["Some prose line .", "More prose ."]
+    got = readers.gsm8k_hub("gsm8k", "main", "test", 2, revision="0123abc")
     assert revisions == [None, "0123abc"]  # the pinned commit reaches the hub call
     assert [(p["id"], p["target"]) for p in got] == [("gsm8k-test-0", "1"), ("gsm8k-test-1", "2000")]
 
 
 def test_tiny_generators_are_deterministic():
-    assert sources.tiny_corpus(3, 5) == sources.tiny_corpus(3, 5)
-    assert sources.tiny_corpus(3, 5)[:2] == sources.tiny_corpus(3, 2)
-    assert sources.tiny_corpus(3, 5) != sources.tiny_corpus(4, 5)
-    assert all(len(t.split()) >= 20 for t in sources.tiny_corpus(0, 20))
+    assert readers.tiny_corpus(3, 5) == readers.tiny_corpus(3, 5)
+    assert readers.tiny_corpus(3, 5)[:2] == readers.tiny_corpus(3, 2)
+    assert readers.tiny_corpus(3, 5) != readers.tiny_corpus(4, 5)
+    assert all(len(t.split()) >= 20 for t in readers.tiny_corpus(0, 20))
 
-    problems = sources.tiny_math(1, 6)
-    assert problems == sources.tiny_math(1, 6) and problems != sources.tiny_math(2, 6)
+    problems = readers.tiny_math(1, 6)
+    assert problems == readers.tiny_math(1, 6) and problems != readers.tiny_math(2, 6)
     for p in problems:
         assert set(p) == {"id", "question", "answer", "target"}
         assert p["answer"].endswith(f"#### {p['target']}")

@@ -8,7 +8,7 @@ from lm_eval.models.huggingface import HFLM
 from test_ced_runtime import QWEN_PLAN, random_parts, true_kv
 
 from ced_csa2.ced_runtime import CEDModeARuntime, CEDParts
-from ced_csa2.eval.mode_a_lm import ModeALM
+from ced_csa2.eval.lm_eval_models import ModeALM
 from ced_csa2.model_utils import geometry
 from ced_csa2.plan import LayerPlan
 
