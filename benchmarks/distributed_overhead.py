@@ -77,7 +77,7 @@ def main() -> None:
             if stage == "eval_ppl":
                 run(workdir, "extra_projectors", 1)
             # Whichever command runs last, the next stage reads what it wrote: nproc 2 writes what nproc 1
-            # writes (tests/test_distributed.py).
+            # writes (tests/pipeline/test_distributed.py).
             arms = {(n, threads): (lambda n=n, threads=threads: run(workdir, stage, n, threads))
                     for n, threads in ((1, None), (1, "1"), (2, None))}
             walls = list(paired_seconds(arms, args.repeats).seconds.values())

@@ -21,6 +21,7 @@ import itertools
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,20 @@ def in_tiny_folder(tmp_path, monkeypatch):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     monkeypatch.delenv("CED_CSA2_RECORD_READS", raising=False)
     return tmp_path
+
+
+# The tiny profile, shortened where it only costs time: the plumbing is what is tested here.
+E2E_OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5", "train_adapters.epochs=3",
+             "train_projector.epochs=2", "eval_gsm8k.max_gen_toks=12", "eval_gsm8k.groups=[baseline,csa2,ced]",
+             "eval_gsm8k.generate=[baseline,csa2]",
+             "train.online.records=8", "train.online.val_records=2", "train.online.seq_len=32",
+             "train.objectives=[ridge,attn_out,distill]"]
+
+
+def sh(cwd, *cmd, **env_extra):
+    """Run ``cmd`` in ``cwd`` as a user would (this venv's tools first, this checkout's ``src``), asserting success."""
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               DVC_NO_ANALYTICS="1", PYTHONPATH=str(ROOT / "src"), **env_extra)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout + proc.stderr

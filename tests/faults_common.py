@@ -1,4 +1,4 @@
-"""Helpers shared by the fault catalogue's files (tests/test_faults.py and tests/test_faults_*.py)."""
+"""Helpers shared by the fault catalogue's files (tests/faults/) and by the dump-killing tests of tests/pipeline/test_distributed.py."""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 """Shipped configs compose and validate; bad params are clear errors naming the key."""
 
-from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ROOT
 
 from ced_csa2.compose import CONF_DIR, compose
 from ced_csa2.config import Params, ParamsError, from_dict, load_params, to_dict
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_committed_params_yaml_is_the_composition_of_conf():

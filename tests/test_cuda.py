@@ -6,8 +6,8 @@ import sys
 
 import pytest
 import torch
-from conftest import AMP_OVERRIDES, project_copy
-from test_pipeline_e2e import OVERRIDES, sh
+from conftest import AMP_OVERRIDES, project_copy, sh
+from conftest import E2E_OVERRIDES as OVERRIDES
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 # The full profile's settings on the tiny model: bf16 compute and dump storage, the model stages on cuda

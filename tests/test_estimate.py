@@ -3,12 +3,11 @@
 import dataclasses
 import json
 import re
-from pathlib import Path
 
 import h5py
 import pytest
 import yaml
-from conftest import compose, tiny_params
+from conftest import ROOT, compose, tiny_params
 
 from ced_csa2 import estimate
 from ced_csa2.config import Params, from_dict, load_params, to_dict
@@ -16,7 +15,6 @@ from ced_csa2.data.h5store import DumpReader
 from ced_csa2.pipeline import paths
 from ced_csa2.stages import dump, prepare
 
-ROOT = Path(__file__).resolve().parents[1]
 FULL = ["model=qwen3_5_4b", "data=wikitext", "plan=qwen3_5", "budget=recipe"]
 
 

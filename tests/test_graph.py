@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 STAGES_DIR = SRC / "ced_csa2" / "stages"
 # The public modules (the seed's entry points, the typed config, the CLIs); the rest lives in

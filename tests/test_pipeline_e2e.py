@@ -15,28 +15,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import AMP_OVERRIDES, project_copy, read_curves
+from conftest import AMP_OVERRIDES, E2E_OVERRIDES, ROOT, project_copy, read_curves, sh
 
 from ced_csa2.diff import parse_table
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-# The tiny profile, shortened where it only costs time: the plumbing is what is tested here.
-OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5", "train_adapters.epochs=3",
-             "train_projector.epochs=2", "eval_gsm8k.max_gen_toks=12", "eval_gsm8k.groups=[baseline,csa2,ced]",
-             "eval_gsm8k.generate=[baseline,csa2]",
-             "train.online.records=8", "train.online.val_records=2", "train.online.seq_len=32",
-             "train.objectives=[ridge,attn_out,distill]"]
-
-
-def sh(cwd, *cmd, **env_extra):
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               DVC_NO_ANALYTICS="1", PYTHONPATH=str(ROOT / "src"), **env_extra)
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout + proc.stderr
-
-
 def stages_run(output: str) -> set[str]:
     return {line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage")}
 
@@ -47,7 +30,7 @@ def repo(tmp_path_factory):
     dst = project_copy(tmp_path_factory.mktemp("repo"))
     sh(dst, "git", "config", "user.email", "ci@example.com")
     sh(dst, "git", "config", "user.name", "ci")
-    sh(dst, sys.executable, "-m", "ced_csa2.compose", *OVERRIDES, *AMP_OVERRIDES)
+    sh(dst, sys.executable, "-m", "ced_csa2.compose", *E2E_OVERRIDES, *AMP_OVERRIDES)
     return dst
 
 

@@ -1,11 +1,10 @@
 """The plots page works offline: DVC's template carries Vega's libraries from the pinned package, no CDN."""
 
 import configparser
-from pathlib import Path
+
+from conftest import ROOT
 
 from ced_csa2 import plots_page
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_committed_template_is_the_pinned_bundle_and_dvc_uses_it():

@@ -2,11 +2,11 @@
 
 import json
 import re
-from pathlib import Path
+
+from conftest import ROOT
 
 from ced_csa2.eval.results import headline_table
 
-ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 

@@ -8,7 +8,7 @@ naming the dotted key, before any stage does heavy work.  Each dataclass checks 
 ranges in ``__post_init__`` (every float finite, seeds >= 0, learning rates > 0, fractions
 in range, devices well formed); :func:`load_params` also refuses a repeated YAML key, a
 number YAML 1.1 reads as a string (``1e-3``: write ``1.0e-3``) and a CUDA device this
-machine lacks.  ``tests/test_faults.py`` is the catalogue of refused inputs.
+machine lacks.  ``tests/faults/`` is the catalogue of refused inputs.
 """
 
 from __future__ import annotations

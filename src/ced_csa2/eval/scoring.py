@@ -252,7 +252,7 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
     Every group's final hidden state is kept (``(B, T, hidden)``: small) and all are scored
     together by :func:`score_hidden`, block by block of scored positions, through the LM head.
     Same batches, same shapes, same ops: each group's result equals :func:`sequence_nll` under
-    its runtime exactly (fp32 and bf16 alike; checked in ``tests/test_shared_trunk.py``).
+    its runtime exactly (fp32 and bf16 alike; checked in ``tests/eval/test_shared_trunk.py``).
 
     Parameters
     ----------

@@ -3,7 +3,9 @@
 import pytest
 import torch
 from conftest import tiny_llama
-from test_ced_runtime import random_parts
+from tiny_maps import (
+    random_parts,
+)
 
 from ced_csa2.eval import perplexity
 from ced_csa2.model_utils import geometry

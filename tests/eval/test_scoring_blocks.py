@@ -6,8 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_llama, tiny_params
-from test_ced_runtime import random_parts
-from test_shared_trunk import LENGTHS, LLAMA_PLAN, rows
+from tiny_maps import (
+    LENGTHS,
+    LLAMA_PLAN,
+    random_parts,
+    rows,
+)
 
 from ced_csa2.eval.scoring import (
     BLOCK_TOKENS,

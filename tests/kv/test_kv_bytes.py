@@ -1,6 +1,7 @@
 """Exact KV byte accounting: the docs/design.md §6 / seed 003 test vectors and this project's groups."""
 
 import pytest
+from tiny_maps import QWEN_PLAN
 
 from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.kv import kv_bytes as kb
@@ -9,7 +10,6 @@ from ced_csa2.plan import LayerPlan
 from ced_csa2.projector import KVProjector
 
 QWEN = Geometry(n_layers=32, hidden_size=2560, n_kv_heads=4, head_dim=256, attention_layers=tuple(range(4, 33, 4)))
-QWEN_PLAN = LayerPlan(16, 20, (24, 28, 32))
 SMOL = Geometry(n_layers=30, hidden_size=576, n_kv_heads=3, head_dim=64, attention_layers=tuple(range(1, 31)))
 SMOL_PLAN = LayerPlan(15, 18, (22, 26, 30))
 

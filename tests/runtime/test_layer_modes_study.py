@@ -5,7 +5,9 @@ import sys
 
 import pytest
 from conftest import ROOT, tiny_params
-from test_ced_runtime import random_parts
+from tiny_maps import (
+    random_parts,
+)
 
 from ced_csa2.model_utils import geometry
 from ced_csa2.runtime.layer_modes import ModeError

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 from conftest import tiny_params
-from test_ced_runtime import random_parts
+from tiny_maps import (
+    random_parts,
+)
 
 from ced_csa2.ced_runtime import CEDModeARuntime
 from ced_csa2.data import corpus

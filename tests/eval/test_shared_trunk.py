@@ -5,23 +5,20 @@ import itertools
 import pytest
 import torch
 from conftest import tiny_gemma3, tiny_llama
-from test_ced_runtime import GEMMA_PLAN, QWEN_PLAN, random_parts
+from tiny_maps import (
+    GEMMA_PLAN,
+    LENGTHS,
+    LLAMA_PLAN,
+    QWEN_PLAN,
+    random_parts,
+    rows,
+)
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.eval.scoring import branch_point, multi_group_nll, sequence_nll
 from ced_csa2.model_utils import geometry
 from ced_csa2.plan import LayerPlan
 from ced_csa2.runtime.groups import GROUP_NAMES
-
-LLAMA_PLAN = LayerPlan(2, 3, (5, 6))
-LENGTHS = (17, 9, 23, 4, 12, 20, 2)  # batch_size 3: right-padded batches of unequal lengths, a short last one
-
-
-def rows(vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
-    # gold-style cuts (some past the end: nothing scored) and whole-record scoring
-    return seqs, [0, 3, 11, 0, 12, 5, 1]
 
 
 def separate(model, plan, group, parts, seqs, cut, batch_size):

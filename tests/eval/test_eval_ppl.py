@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 from conftest import tiny_params
-from test_ced_runtime import random_parts
-from test_dump import TEXTS as ALL_TEXTS
+from tiny_dump import TEXTS as ALL_TEXTS
+from tiny_maps import (
+    random_parts,
+)
 
 from ced_csa2.config import PlanConfig
 from ced_csa2.model_utils import geometry

@@ -7,7 +7,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import read_curves, tiny_params
+from conftest import read_curves
+from tiny_dump import HIDDEN, KV, N_RECORDS, params, synthetic_arrays
 
 from ced_csa2.csa2 import load_adapters
 from ced_csa2.data.h5store import DumpError, DumpLayout, DumpWriter
@@ -18,43 +19,6 @@ from ced_csa2.plan import load_plan
 from ced_csa2.projector import load_projector, load_projectors
 from ced_csa2.stages import extra_projectors, ridge, train_adapters, train_projector
 from ced_csa2.train.training import write_curves
-
-HIDDEN, KV = 64, 32  # the tiny Qwen3.5 profile (2 kv heads x 16)
-N_RECORDS = 60
-
-
-def params(**train):
-    """Tiny-profile params sized for seconds of CPU time.
-
-    The projector starts from PyTorch's init here (the default starts from the ridge map,
-    ``tests/test_projector.py``): these tests check that the trainer learns.
-    """
-    return tiny_params(
-        split={"val_fraction": 0.2, "tokens_per_record": 16},
-        train_projector={"epochs": 4, "batch_size": 256, "lr": 2e-2, "init": "random", **train.get("projector", {})},
-        train_adapters={"epochs": 12, "batch_size": 128, "base_lr": 1e-2, "refine_lr": 2.0,
-                        **train.get("adapters", {})})
-
-
-def synthetic_arrays(n_rows: int, layers, rng) -> dict[str, np.ndarray]:
-    """K/V that are noisy nonlinear functions of ``H_split`` (and target K/V of the source K/V)."""
-
-    def noisy_nonlinear(x):
-        # A linear part (what ridge finds) plus a quadratic residual through 8 directions,
-        # which a 48-wide MLP can learn from a few hundred pairs.
-        d = x.shape[1]
-        A = rng.standard_normal((d, KV)) / np.sqrt(d)
-        B = rng.standard_normal((d, 8)) / np.sqrt(d)
-        C = rng.standard_normal((8, KV)) / np.sqrt(8)
-        y = x @ A + 0.3 * np.square(x @ B) @ C + 0.05 * rng.standard_normal((len(x), KV))
-        return y.astype(np.float32)
-
-    out = {"h_split": rng.standard_normal((n_rows, HIDDEN)).astype(np.float32)}
-    source, *targets = layers
-    out[f"k_{source}"], out[f"v_{source}"] = noisy_nonlinear(out["h_split"]), noisy_nonlinear(out["h_split"])
-    for t in targets:
-        out[f"k_{t}"], out[f"v_{t}"] = noisy_nonlinear(out[f"k_{source}"]), noisy_nonlinear(out[f"v_{source}"])
-    return out
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -5,7 +5,11 @@ import torch
 from conftest import tiny_llama
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
-from test_ced_runtime import QWEN_PLAN, random_parts, true_kv
+from tiny_maps import (
+    QWEN_PLAN,
+    random_parts,
+    true_kv,
+)
 
 from ced_csa2.ced_runtime import CEDModeARuntime, CEDParts
 from ced_csa2.eval.lm_eval_models import ModeALM

@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_params
+from tiny_dump import TEXTS
 
 from ced_csa2.data.h5store import DumpError, DumpReader
 from ced_csa2.model_utils import load_model_and_tokenizer
 from ced_csa2.pipeline import paths
 from ced_csa2.stages import dump
-
-TEXTS = [f"Record {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][: 1 + i % 4] * (3 + i)) for i in range(11)]
 
 
 def write_corpus(workdir, tok, max_tokens=96):

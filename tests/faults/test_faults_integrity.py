@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_train import HIDDEN, KV, N_RECORDS, params, synthetic_arrays
+from tiny_dump import HIDDEN, KV, N_RECORDS, params, synthetic_arrays
 from torch import nn
 
 from ced_csa2.ced_runtime import load_parts

@@ -7,7 +7,7 @@ import pytest
 from conftest import tiny_params
 
 from ced_csa2.config import HubSplit, WheelPin
-from ced_csa2.data import corpus, sources
+from ced_csa2.data import corpus, readers
 from ced_csa2.data.readers import Article
 from ced_csa2.pipeline import paths
 
@@ -97,7 +97,7 @@ def small_wiki(tmp_path, monkeypatch):
     articles = [Article(f"A{a}", [f"Article {a} paragraph {p:02d}. word word word" for p in range(12)])
                 for a in range(8)]
     monkeypatch.setattr(corpus, "fetch_member", lambda p: tmp_path / "unused.bz2")
-    monkeypatch.setattr(sources, "wiki_articles", lambda path: articles)
+    monkeypatch.setattr(readers, "wiki_articles", lambda path: articles)
     return with_data(tiny_params(), kind="wiki_embedded", corpus_wheel=pin, heldout_articles=2, n_eval=3,
                      min_tokens=40, max_tokens=120, n_train=0)
 
@@ -145,7 +145,7 @@ def test_n_train_keeps_the_first_of_a_seeded_shuffle_of_the_train_records(tmp_pa
 
 def test_wikitext_long_lines(tmp_path, monkeypatch):
     lines = {split: [f"{split} line {i} " + "x" * (i * 7) for i in range(40)] for split in ("train", "test")}
-    monkeypatch.setattr(sources, "wikitext_lines", lambda hub_id, config, split, revision: lines[split])
+    monkeypatch.setattr(readers, "wikitext_lines", lambda hub_id, config, split, revision: lines[split])
     params = with_data(tiny_params(), kind="wikitext", hub_id="Salesforce/wikitext",
                        train=[HubSplit("wikitext-2-raw-v1", "train", 10)],
                        eval=HubSplit("wikitext-2-raw-v1", "test", 0), n_eval=5, min_tokens=100, max_tokens=200)

@@ -7,7 +7,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_params
-from test_ced_runtime import QWEN_PLAN, random_parts, true_kv
+from tiny_maps import (
+    QWEN_PLAN,
+    random_parts,
+    true_kv,
+)
 
 from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_parts
 from ced_csa2.config import ParamsError, load_params

@@ -5,12 +5,12 @@ import itertools
 import json
 import logging
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import ROOT
 from sklearn.linear_model import LinearRegression, Ridge
 from sklearn.metrics import r2_score
 
@@ -154,7 +154,7 @@ def test_fit_stats_match_numpy_and_sklearn():
 
 def stage_params():
     """The committed default params (fast to load, unlike a Hydra compose), with small blocks."""
-    params = load_params(Path(__file__).parents[1] / "params.yaml")
+    params = load_params(ROOT / "params.yaml")
     return dataclasses.replace(params, split=dataclasses.replace(params.split, val_fraction=0.2),
                                ridge=dataclasses.replace(params.ridge, block_rows=128))
 

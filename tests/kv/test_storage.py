@@ -4,17 +4,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import TINY_OVERRIDES, compose, tiny_params
+from conftest import ROOT, TINY_OVERRIDES, compose, tiny_params
 
 from ced_csa2.kv.storage_table import qwen3_5_4b_geometry
 from ced_csa2.model_utils import Geometry
 from ced_csa2.pipeline.paths import STORAGE_METRICS as METRICS_PATH
 from ced_csa2.stages.storage import run
 
-ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {"baseline", "ced", "csa2", "ced_csa2", "share_plain", "baseline_fp4", "csa2_fp4", "ced_csa2_fp4", "xkv",
           "baseline_fp4_rot", "csa2_fp4_rot", "ced_csa2_fp4_rot"}
 BASES = {"decoder_attention", "all_attention", "all_attention_amortised_4k", "all_attention_amortised_32k",

@@ -6,7 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_llama
-from test_ced_runtime import QWEN_PLAN, random_parts, true_kv
+from tiny_maps import (
+    QWEN_PLAN,
+    random_parts,
+    true_kv,
+)
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.kv import rotation

@@ -3,14 +3,14 @@
 import pytest
 import torch
 from conftest import tiny_llama
-from test_ced_runtime import random_parts
+from tiny_maps import LLAMA_PLAN, QWEN_PLAN, random_parts  # sparse layers: 3..6 (5 and 6 read KV_3); 20, 24, 28, 32
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.model_utils import geometry
-from ced_csa2.plan import LayerPlan, PlanError
+from ced_csa2.plan import PlanError
 from ced_csa2.runtime.layer_modes import LayerModes, ModeError, kv_sources
 from ced_csa2.runtime.shared_kv import greedy_generate, shared_kv_generate
 from ced_csa2.runtime.sparse_attention import (
@@ -23,8 +23,6 @@ from ced_csa2.runtime.sparse_attention import (
     top_k,
 )
 
-LLAMA_PLAN = LayerPlan(2, 3, (5, 6))  # sparse layers 3..6; 5 and 6 read KV_3
-QWEN_PLAN = LayerPlan(16, 20, (24, 28, 32))  # sparse layers 20, 24, 28, 32 (the attention layers above the cut)
 T, NEW = 24, 5
 
 # Per model: the ablation groups as (KV group, index sources), as the study defines them.

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import tiny_gemma3, tiny_llama
-from test_ced_runtime import random_parts
+from tiny_maps import LLAMA_PLAN, QWEN_PLAN, random_parts
 from transformers import DynamicCache
 
 from ced_csa2 import kv_hooks
@@ -23,8 +23,6 @@ from ced_csa2.runtime.shared_kv import (
     shared_kv_generate,
 )
 
-LLAMA_PLAN = LayerPlan(2, 3, (5, 6))
-QWEN_PLAN = LayerPlan(16, 20, (24, 28, 32))
 # Tiny Gemma-3 (window 6, full at 3/6): a full source read by two sliding readers and a full
 # one; and a sliding source read by sliding layers only (its store forgets old positions).
 GEMMA_PLAN = LayerPlan(2, 3, (5, 6, 8))

@@ -28,8 +28,8 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5", "dump.batch_size=4", "train_projector.epochs=1",
              "train_adapters.epochs=1", "train_adapters.batch_size=512", "eval_ppl.groups=[baseline,ced,csa2]",
              "eval_ppl.batch_size=4", "mode_a.maps=main"]  # Mode A with the main branch's maps: no tune_mode_a
@@ -286,7 +286,7 @@ def test_distributed_gsm8k_is_single_process_gsm8k(tmp_path):
 
 @pytest.mark.slow
 def test_two_process_dump_killed_midway_resumes_to_the_uninterrupted_file(repo, tmp_path):
-    """SIGKILL of the stage's own process (as tests/test_faults_dump.py kills the 1-process dump) once both ranks are writing.
+    """SIGKILL of the stage's own process (as tests/faults/test_faults_dump.py kills the 1-process dump) once both ranks are writing.
 
     The kill goes out when each rank has logged at least one committed batch of its shard
     and neither has finished.  It reaches torchrun and both workers (``relaunch``'s

@@ -2,7 +2,11 @@
 
 import pytest
 import torch
-from test_ced_runtime import QWEN_PLAN, identity_parts, random_parts
+from tiny_maps import (
+    QWEN_PLAN,
+    identity_parts,
+    random_parts,
+)
 
 from ced_csa2.model_utils import geometry
 from ced_csa2.train.objectives import (
