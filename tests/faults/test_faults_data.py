@@ -96,7 +96,9 @@ except OSError as exc:
     sys.exit(3)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin",
+                               # under the limit a .pyc would be written short and break every later import
+                               "PYTHONDONTWRITEBYTECODE": "1"})
     assert done.returncode == 3, done.stderr
     assert done.stderr.startswith("27 ") and str(figure) in done.stderr, done.stderr
     assert figure.read_bytes() == b"the prior, good figure"
