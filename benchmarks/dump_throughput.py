@@ -25,7 +25,7 @@ import torch
 
 from ced_csa2.config import load_params
 from ced_csa2.data import dumping
-from ced_csa2.data.h5store import DumpLayout, DumpWriter
+from ced_csa2.data.dump_file import DumpLayout, DumpWriter
 from ced_csa2.data.records import pad_batch, read_records, tokenize
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.paths import TRAIN_JSONL

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def build(path: Path, rows: int, hidden: int, kv_dim: int, layers: tuple[int, ...]) -> float:
     """Write the dump; returns the seconds spent in ``DumpWriter.append`` + ``finalize``."""
-    from ced_csa2.data.h5store import DumpLayout, DumpWriter
+    from ced_csa2.data.dump_file import DumpLayout, DumpWriter
 
     rng = np.random.default_rng(0)
     w = DumpWriter(path, path.with_suffix(".partial.h5"), DumpLayout(hidden, kv_dim, layers), chunk_kib=512,
@@ -86,7 +86,7 @@ def main() -> None:
 
     from ced_csa2.config import load_params
     from ced_csa2.data import loader
-    from ced_csa2.data.h5store import DumpReader, nonfinite_rows
+    from ced_csa2.data.dump_file import DumpReader, nonfinite_rows
     from ced_csa2.maps.ridge import map_groups
     from ced_csa2.pipeline.paths import DUMP_PATH
     from ced_csa2.plan import LayerPlan

@@ -35,7 +35,7 @@ def peak_rss_mb() -> float:
 
 def build_dump(path: Path, rows: int, hidden: int, kv_dim: int, seed: int = 0) -> Path:
     """A dump of ``rows`` tokens (records of 50-512) where K/V are a noisy linear map of ``h_split``."""
-    from ced_csa2.data.h5store import DumpLayout, DumpWriter
+    from ced_csa2.data.dump_file import DumpLayout, DumpWriter
 
     rng = np.random.default_rng(seed)
     A = rng.standard_normal((hidden, 2 * kv_dim)).astype(np.float32) / np.sqrt(hidden)
@@ -61,7 +61,7 @@ def worker(kind: str, dump: Path, x: str, y: list[str], lam: float, block_rows: 
     import torch
     from sklearn.linear_model import Ridge
 
-    from ced_csa2.data.h5store import DumpReader
+    from ced_csa2.data.dump_file import DumpReader
     from ced_csa2.data.loader import aligned_block_rows, cat_features, iter_blocks, load_rows
     from ced_csa2.maps.ridge import RidgeAccumulator
 
@@ -115,7 +115,7 @@ def main() -> None:
         worker(args.worker, args.dump, args.x, args.y, args.lam, args.block_rows, args.out)
         return
 
-    from ced_csa2.data.h5store import DumpReader
+    from ced_csa2.data.dump_file import DumpReader
     from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ced_csa2.config import load_params
-from ced_csa2.data.h5store import DumpReader
+from ced_csa2.data.dump_file import DumpReader
 from ced_csa2.data.loader import BlockLoader, load_rows, record_split
 from ced_csa2.model_utils import resolve_device
 from ced_csa2.pipeline.timing import Clock, paired_seconds

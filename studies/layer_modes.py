@@ -52,7 +52,7 @@ from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_deltas
 from ced_csa2.kv.kv_bytes import bytes_per_token, dense_entry_bytes, kv_copies
 from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
-from ced_csa2.pipeline.io_utils import write_json
+from ced_csa2.pipeline.atomic_files import write_json
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.runtime.layer_modes import LayerModes, sparse_layers

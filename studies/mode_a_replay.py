@@ -36,7 +36,7 @@ from ced_csa2.config import load_params
 from ced_csa2.eval.gsm8k import _offline, groups_gold_nll, load_gold_pairs, mode_a_gold_rows
 from ced_csa2.eval.perplexity import eval_ids, mode_a_prefix
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
-from ced_csa2.pipeline.io_utils import write_tsv
+from ced_csa2.pipeline.atomic_files import write_tsv
 from ced_csa2.pipeline.paths import GOLD_PATH, MODE_A_MODELS, RIDGE_PATH
 from ced_csa2.plan import load_plan
 from ced_csa2.train.objectives import ridge_parts

@@ -36,7 +36,7 @@ from ced_csa2.eval.perplexity import eval_ids
 from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_bootstrap
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
-from ced_csa2.pipeline.io_utils import write_tsv
+from ced_csa2.pipeline.atomic_files import write_tsv
 from ced_csa2.pipeline.paths import DUMP_PATH, RIDGE_PATH
 from ced_csa2.plan import load_plan
 from ced_csa2.train.projector_training import ridge_fitted, train_projectors

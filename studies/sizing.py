@@ -31,7 +31,7 @@ import torch
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.config import load_params
-from ced_csa2.data.h5store import DumpReader
+from ced_csa2.data.dump_file import DumpReader
 from ced_csa2.data.loader import aligned_block_rows, record_split, row_mask
 from ced_csa2.data.records import read_records, tokenize
 from ced_csa2.eval.scoring import sequence_nll

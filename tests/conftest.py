@@ -187,7 +187,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture
 def in_tiny_folder(tmp_path, monkeypatch):
     """A scratch folder holding the tiny profile's params.yaml, as the working directory (no debug, no read log)."""
-    from ced_csa2.pipeline.entry import DEBUG_ENV
+    from ced_csa2.pipeline.stage_runner import DEBUG_ENV
 
     (tmp_path / "params.yaml").write_text(compose(TINY_OVERRIDES))
     monkeypatch.chdir(tmp_path)

@@ -14,10 +14,10 @@ import h5py
 import numpy as np
 from conftest import TINY_OVERRIDES, compose
 
-from ced_csa2.pipeline.entry import DEBUG_ENV
 from ced_csa2.pipeline.paths import (
     DUMP_PATH,
 )
+from ced_csa2.pipeline.stage_runner import DEBUG_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = compose(TINY_OVERRIDES)

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from ced_csa2.diff import diff_lines, parse_table
-from ced_csa2.pipeline.io_utils import write_tsv
+from ced_csa2.pipeline.atomic_files import write_tsv
 from ced_csa2.pipeline.paths import GROUPS_TABLE
 
 OLD = [{"group": "baseline", "ppl": 20.0, "dppl_pct": "", "dppl_pct_lo": "", "dppl_pct_hi": "", "kl": "", "kl_lo": "",

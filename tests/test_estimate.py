@@ -11,7 +11,7 @@ from conftest import ROOT, compose, tiny_params
 
 from ced_csa2 import estimate
 from ced_csa2.config import Params, from_dict, load_params, to_dict
-from ced_csa2.data.h5store import DumpReader
+from ced_csa2.data.dump_file import DumpReader
 from ced_csa2.pipeline import paths
 from ced_csa2.stages import dump, prepare
 

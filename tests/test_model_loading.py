@@ -95,7 +95,7 @@ def test_a_checkpoint_that_does_not_fill_the_model_is_refused_naming_it(look_ali
 
 def test_the_refusal_is_a_stage_s_one_line_input_error(look_alike, tmp_path):
     """What a stage prints for it: ``error: ...`` on one line naming the model and the tensor (exit 2)."""
-    from ced_csa2.pipeline.entry import error_line, is_input_error
+    from ced_csa2.pipeline.stage_runner import error_line, is_input_error
 
     folder = _variant(look_alike, tmp_path, drop="model.language_model.norm.weight")
     with pytest.raises(ModelLoadError) as caught:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import Params, from_dict
-from .pipeline.io_utils import atomic_write_text
+from .pipeline.atomic_files import atomic_write_text
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 

@@ -18,7 +18,7 @@ What the columns count:
   bound, records x ``data.max_tokens``; eval tokens likewise from ``data/corpus/eval.jsonl``,
   GSM8K gold tokens from ``data/gsm8k_gold.json``.  The header says which.
 * **disk** -- the dump's datasets as the dump stage writes them, in whole HDF5 chunks
-  (:meth:`~ced_csa2.data.h5store.DumpLayout.nbytes`; its payload, rows x width x itemsize, in the
+  (:meth:`~ced_csa2.data.dump_file.DumpLayout.nbytes`; its payload, rows x width x itemsize, in the
   header).  The file adds its metadata (chunk indices, checksum attributes: 0.02% on the
   embedded default); DVC's cache holds a second copy.
 * **host / device** -- approximate peaks (:func:`peaks`): the measured footprint of a process
@@ -48,7 +48,7 @@ import yaml
 
 from .config import Params, from_dict, load_params
 from .csa2 import mlp_width
-from .data.h5store import DumpLayout
+from .data.dump_file import DumpLayout
 from .data.loader import record_split
 from .data.records import DUMP_SAMPLE_STREAM, read_records, seeded_subset
 from .eval.perplexity import EVAL_SAMPLE_STREAM

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .pipeline.io_utils import atomic_write_text
+from .pipeline.atomic_files import atomic_write_text
 
 PIN = "1.9.0"  # vl_convert.__version__ of vl-convert-python==1.9.0.post1 (pyproject's test extra)
 VEGA_LITE = "5.20"  # DVC's templates are Vega-Lite v5 specs

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_params
 from tiny_dump import TEXTS
 
-from ced_csa2.data.h5store import DumpError, DumpReader
+from ced_csa2.data.dump_file import DumpError, DumpReader
 from ced_csa2.model_utils import load_model_and_tokenizer
 from ced_csa2.pipeline import paths
 from ced_csa2.stages import dump

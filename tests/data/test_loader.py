@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ced_csa2.data import loader as loader_mod
-from ced_csa2.data.h5store import DumpError, DumpLayout, DumpReader, DumpWriter
+from ced_csa2.data.dump_file import DumpError, DumpLayout, DumpReader, DumpWriter
 from ced_csa2.data.loader import BlockLoader, load_rows, record_split, row_mask
 
 HIDDEN, KV_DIM, KV_LAYERS = 32, 8, (3, 5)

@@ -14,7 +14,7 @@ from tiny_maps import (
 
 from ced_csa2.config import PlanConfig
 from ced_csa2.model_utils import geometry
-from ced_csa2.pipeline import entry, paths
+from ced_csa2.pipeline import paths, stage_runner
 from ced_csa2.plan import LayerPlan
 from ced_csa2.stages import eval_ppl
 
@@ -71,7 +71,7 @@ def test_ppl_groups_and_mode_a(tmp_path, tiny_model):
     assert a["delta_pct_ci95"][0] <= a["delta_pct"] <= a["delta_pct_ci95"][1] and a["kl"] > 0
     # The speed-up is a timing: recorded for timings/eval_ppl.json, never in the results.
     assert "timing" not in a and a["prefill_speedup_bound"] == geometry(model.config).n_layers / params.plan.split
-    timing = entry.recorded_timings()["mode_a_prefill"]
+    timing = stage_runner.recorded_timings()["mode_a_prefill"]
     assert timing["records"] == len(TEXTS) and timing["bound"] == a["prefill_speedup_bound"]
     # Never a ratio above the bound: the tiny model's millisecond arms, timed on a loaded machine,
     # may come out above it, and then the speed-up is refused, not reported.

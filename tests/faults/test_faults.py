@@ -28,9 +28,8 @@ from faults_common import (
 
 from ced_csa2.assets import AssetError
 from ced_csa2.config import ParamsError
-from ced_csa2.data.h5store import DumpError
+from ced_csa2.data.dump_file import DumpError
 from ced_csa2.pipeline.checkpoint import CheckpointError
-from ced_csa2.pipeline.entry import DEBUG_ENV, error_line, run_stage
 from ced_csa2.pipeline.paths import (
     DUMP_PATH,
     PPL_METRICS,
@@ -38,6 +37,7 @@ from ced_csa2.pipeline.paths import (
     RIDGE_PATH,
     STORAGE_METRICS,
 )
+from ced_csa2.pipeline.stage_runner import DEBUG_ENV, error_line, run_stage
 from ced_csa2.plan import PlanError
 
 # ----------------------------------------------------------------------------- stage catalogue

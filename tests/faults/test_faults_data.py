@@ -18,8 +18,8 @@ from ced_csa2.data.records import read_records
 from ced_csa2.eval.gsm8k import count_problems
 from ced_csa2.eval.perplexity import eval_ids
 from ced_csa2.model_utils import tiny_tokenizer
-from ced_csa2.pipeline.entry import is_input_error
 from ced_csa2.pipeline.paths import EVAL_JSONL
+from ced_csa2.pipeline.stage_runner import is_input_error
 
 
 def _jsonl(path, rows):

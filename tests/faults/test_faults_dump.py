@@ -35,7 +35,7 @@ from faults_common import (
     write,
 )
 
-from ced_csa2.data.h5store import BlockCrc, DumpError, DumpLayout, DumpReader, DumpWriter
+from ced_csa2.data.dump_file import BlockCrc, DumpError, DumpLayout, DumpReader, DumpWriter
 from ced_csa2.pipeline.paths import (
     ADAPTERS_METRICS,
     ADAPTERS_PATH,
@@ -203,7 +203,7 @@ def test_dump_fault_is_one_line_exit_2_and_loses_nothing(dumped_workdir, tmp_pat
 
 FUZZ = r"""
 import sys, shutil, numpy as np
-from ced_csa2.data.h5store import DumpError, DumpReader
+from ced_csa2.data.dump_file import DumpError, DumpReader
 good_path, offsets = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
 def contents(path):
     with DumpReader(path) as r:

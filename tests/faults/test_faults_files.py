@@ -27,14 +27,14 @@ from faults_common import (
 from ced_csa2 import assets
 from ced_csa2.assets import fetch_member
 from ced_csa2.config import WheelPin
-from ced_csa2.data.h5store import DumpReader
-from ced_csa2.pipeline import io_utils
-from ced_csa2.pipeline.entry import run_stage
-from ced_csa2.pipeline.io_utils import atomic_write_bytes, atomic_write_text, nonfinite_keys, write_json
+from ced_csa2.data.dump_file import DumpReader
+from ced_csa2.pipeline import atomic_files
+from ced_csa2.pipeline.atomic_files import atomic_write_bytes, atomic_write_text, nonfinite_keys, write_json
 from ced_csa2.pipeline.paths import (
     DUMP_PATH,
     RIDGE_PATH,
 )
+from ced_csa2.pipeline.stage_runner import run_stage
 
 # ----------------------------------------------------------------------------- strict JSON
 
@@ -101,7 +101,7 @@ def test_failed_atomic_write_leaves_no_temp_and_the_destination_unchanged(prior_
         assert _leftovers(prior_file.parent), "the temp file exists while writing"
         raise exc
 
-    monkeypatch.setattr(io_utils.os, where, fail)
+    monkeypatch.setattr(atomic_files.os, where, fail)
     with pytest.raises(type(exc)):
         atomic_write_bytes(prior_file, b"new bytes that must not land")
     monkeypatch.undo()

@@ -21,7 +21,7 @@ from torch import nn
 
 from ced_csa2.ced_runtime import load_parts
 from ced_csa2.config import ParamsError, check_provenance, provenance, replaced
-from ced_csa2.data.h5store import DumpLayout, DumpWriter
+from ced_csa2.data.dump_file import DumpLayout, DumpWriter
 from ced_csa2.maps.ridge import load_ridge, save_ridge
 from ced_csa2.pipeline import paths
 from ced_csa2.pipeline.checkpoint import CheckpointError, load_checkpoint, save_checkpoint

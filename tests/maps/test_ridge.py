@@ -15,7 +15,7 @@ from sklearn.linear_model import LinearRegression, Ridge
 from sklearn.metrics import r2_score
 
 from ced_csa2.config import load_params, params_hash, to_dict
-from ced_csa2.data.h5store import DumpError, DumpLayout, DumpReader, DumpWriter
+from ced_csa2.data.dump_file import DumpError, DumpLayout, DumpReader, DumpWriter
 from ced_csa2.data.loader import aligned_block_rows, iter_blocks, load_rows, record_split, row_mask
 from ced_csa2.maps.fit_metrics import FitStats
 from ced_csa2.maps.ridge import RidgeAccumulator, fit_maps, load_ridge, map_groups, projected_groups

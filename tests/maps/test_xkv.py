@@ -15,7 +15,7 @@ from tiny_maps import (
 
 from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_parts
 from ced_csa2.config import ParamsError, load_params
-from ced_csa2.data.h5store import DumpLayout, DumpWriter
+from ced_csa2.data.dump_file import DumpLayout, DumpWriter
 from ced_csa2.data.loader import record_split, row_mask
 from ced_csa2.eval.scoring import multi_group_nll, sequence_nll
 from ced_csa2.kv import kv_bytes as kb
@@ -119,7 +119,7 @@ def test_stage_writes_the_bases_and_their_held_out_fit(dumped, rank, rel_err_bel
     assert json.loads((dumped / paths.XKV_METRICS).read_text()) == json.loads(json.dumps(metrics))
     run = metrics["run"]
     assert run["rank"] == (rank or GEO.kv_dim) and run["layers"] == list(LAYERS) and run["width"] == FULL
-    from ced_csa2.data.h5store import DumpReader
+    from ced_csa2.data.dump_file import DumpReader
     with DumpReader(dumped / paths.DUMP_PATH) as r:  # the ridge stage's record split, every token
         train, val = record_split(r.n_records, 0.2, params.seed)
         assert run["n_train_rows"] == int(row_mask(r.record_offsets, train, 0, params.seed).sum())

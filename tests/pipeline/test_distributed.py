@@ -100,7 +100,7 @@ def test_sharded_dump_holds_exactly_the_single_process_rows(repo):
 def ridge_float64(workdir: Path, out: Path) -> None:
     """The float64 ridge solutions of the plan's maps on the train records, in as many processes as torchrun started."""
     from ced_csa2.config import DistributedConfig, load_params
-    from ced_csa2.data.h5store import DumpReader
+    from ced_csa2.data.dump_file import DumpReader
     from ced_csa2.data.loader import aligned_block_rows, record_split, row_mask
     from ced_csa2.maps.ridge import accumulate, map_groups
     from ced_csa2.pipeline import distributed

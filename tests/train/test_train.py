@@ -11,7 +11,7 @@ from conftest import read_curves
 from tiny_dump import HIDDEN, KV, N_RECORDS, params, synthetic_arrays
 
 from ced_csa2.csa2 import load_adapters
-from ced_csa2.data.h5store import DumpError, DumpLayout, DumpWriter
+from ced_csa2.data.dump_file import DumpError, DumpLayout, DumpWriter
 from ced_csa2.maps.ridge import load_ridge
 from ced_csa2.pipeline import paths
 from ced_csa2.pipeline.checkpoint import expected_meta

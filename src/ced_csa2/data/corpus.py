@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from ..assets import fetch_member
 from ..config import DataConfig, Params
-from ..pipeline.io_utils import atomic_write_text, write_json
+from ..pipeline.atomic_files import atomic_write_text, write_json
 from ..pipeline.paths import EVAL_JSONL, GSM8K_JSONL, PREPARE_METRICS, TRAIN_JSONL
 from . import readers
 

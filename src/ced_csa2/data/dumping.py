@@ -6,7 +6,7 @@ process is killed, the next run resumes after the last complete batch of records
 (when model, tokenizer, corpus and params are unchanged, and the partial file passes
 its checksums) and ends with the same datasets as an uninterrupted run.  Non-finite
 activations and file-system failures (full disk, file-size limit) end the stage with
-one line naming the file (:class:`~ced_csa2.data.h5store.DumpError`, exit 2).
+one line naming the file (:class:`~ced_csa2.data.dump_file.DumpError`, exit 2).
 
 Data-parallel (``distributed.nproc: N``): the single-process batches are dealt out to
 the ranks in contiguous runs (:func:`ced_csa2.pipeline.distributed.batch_bounds`), so each batch
@@ -36,7 +36,7 @@ from ..config import Params, to_dict
 from ..pipeline import distributed
 from ..pipeline.paths import DUMP_PARTIAL, DUMP_PATH, dump_shard
 from ..plan import LayerPlan
-from .h5store import DumpError, DumpLayout, DumpReader, DumpWriter, copy_records
+from .dump_file import DumpError, DumpLayout, DumpReader, DumpWriter, copy_records
 from .records import pad_batch
 
 log = logging.getLogger(__name__)

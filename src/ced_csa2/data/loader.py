@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .h5store import DumpError, DumpReader
+from .dump_file import DumpError, DumpReader
 
 log = logging.getLogger(__name__)
 

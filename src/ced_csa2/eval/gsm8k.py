@@ -73,7 +73,7 @@ from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts
 from ..config import Params
 from ..data.records import read_lines
 from ..pipeline import distributed
-from ..pipeline.io_utils import write_json
+from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import GOLD_PATH
 from .perplexity import mode_a_note
 from .scoring import BLOCK_TOKENS, multi_group_nll, sequence_nll

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..config import Params
 from ..maps.ridge import adapter_map
-from ..pipeline.io_utils import atomic_write_bytes
+from ..pipeline.atomic_files import atomic_write_bytes
 from ..pipeline.paths import METRICS, OBJECTIVES_EVAL, SEED_INIT
 from ..runtime.groups import GROUP_NAMES
 

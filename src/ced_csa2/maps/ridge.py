@@ -39,11 +39,11 @@ import torch
 from tqdm import tqdm
 
 from ..config import check_provenance
-from ..data.h5store import DumpReader
+from ..data.dump_file import DumpReader
 from ..data.loader import active_blocks, cat_features, iter_blocks
 from ..pipeline import distributed
+from ..pipeline.atomic_files import atomic_write_bytes
 from ..pipeline.checkpoint import CheckpointError, state_digest
-from ..pipeline.io_utils import atomic_write_bytes
 from ..plan import LayerPlan
 from .fit_metrics import FitStats, merged
 

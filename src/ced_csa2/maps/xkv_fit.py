@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..data.h5store import DumpReader
+from ..data.dump_file import DumpReader
 from ..data.loader import cat_features, iter_blocks
 from .fit_metrics import FitStats
 from .xkv import KINDS, GramAccumulator, XKVBasis

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..config import check_provenance, params_hash
-from .io_utils import atomic_write_bytes
+from .atomic_files import atomic_write_bytes
 
 if TYPE_CHECKING:
     from ..config import Params

@@ -3,7 +3,7 @@
 A data-parallel stage (``dump``, ``ridge``, ``train_projector``, ``train_adapters``,
 ``eval_ppl``, ``eval_gsm8k``) started as ``python -m ced_csa2.stages.<stage>`` with
 ``distributed.nproc: N > 1`` re-executes itself under ``torchrun --standalone --nproc-per-node N``
-(:func:`relaunch`, called by :func:`ced_csa2.pipeline.entry.run_stage`), so ``dvc.yaml``'s
+(:func:`relaunch`, called by :func:`ced_csa2.pipeline.stage_runner.run_stage`), so ``dvc.yaml``'s
 ``cmd:`` is the same for any ``N``.  Inside, :func:`session` opens the process group
 (``backend: auto``: NCCL on CUDA, gloo on CPU) and closes it; every rank runs the
 stage on its share of the work and only :func:`is_main` writes shared outputs.  With

@@ -5,7 +5,7 @@
 Every other stage declares only the keys it reads, so DVC re-runs nothing after an edit
 that no stage reads -- a misspelt new top-level key, say -- and no stage would ever refuse
 it.  This one declares the whole file: DVC runs it after any edit (about a second), and
-:func:`ced_csa2.pipeline.entry.run_stage` validates ``params.yaml`` first, so ``dvc repro`` fails with
+:func:`ced_csa2.pipeline.stage_runner.run_stage` validates ``params.yaml`` first, so ``dvc repro`` fails with
 one line naming the key.  It writes the validated params, every default filled in
 (``data/params.json``): a stage needs an output for DVC's run cache to restore it.
 """
@@ -16,9 +16,9 @@ import logging
 from pathlib import Path
 
 from ..config import Params, params_hash, to_dict
-from ..pipeline.entry import run_stage
-from ..pipeline.io_utils import write_json
+from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import VALIDATED_PARAMS
+from ..pipeline.stage_runner import run_stage
 
 log = logging.getLogger(__name__)
 

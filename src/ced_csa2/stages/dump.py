@@ -6,7 +6,7 @@ Reads ``params.yaml`` and ``data/corpus/train.jsonl``; runs the base model over 
 records in batches (right padding, ``model.dtype`` compute) with hooks that capture
 ``H_split`` and the ``k_proj``/``v_proj`` outputs (pre-k_norm, pre-RoPE) of every
 layer the plan needs; stores only real tokens in ``data/dump/dump.h5`` (format in
-:mod:`ced_csa2.data.h5store`) and writes ``metrics/dump.json``.
+:mod:`ced_csa2.data.dump_file`) and writes ``metrics/dump.json``.
 
 Resumes after a kill and runs data-parallel as :mod:`ced_csa2.data.dumping` describes.
 """
@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 
 from ..config import Params, params_hash, provenance, to_dict
+from ..data.dump_file import DumpLayout, DumpWriter
 from ..data.dumping import dump_records, fingerprint, merge_shards, shard_done
-from ..data.h5store import DumpLayout, DumpWriter
 from ..data.records import DUMP_SAMPLE_STREAM, read_records, seeded_subset, tokenize
 from ..model_utils import load_model_and_tokenizer, resolve_device, tokenizer_hash
 from ..pipeline import distributed
-from ..pipeline.entry import record_timing, run_stage
-from ..pipeline.io_utils import write_json
+from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import DUMP_METRICS, DUMP_PARTIAL, DUMP_PATH, TRAIN_JSONL, dump_shard
+from ..pipeline.stage_runner import record_timing, run_stage
 from ..plan import load_plan
 
 log = logging.getLogger(__name__)

@@ -30,10 +30,10 @@ from ..eval.gsm8k import (
 )
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline import distributed
-from ..pipeline.entry import record_timing, run_stage
-from ..pipeline.io_utils import write_json
+from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import GOLD_PATH, GSM8K_JSONL, MODELS
 from ..pipeline.paths import GSM8K_METRICS as METRICS_PATH
+from ..pipeline.stage_runner import record_timing, run_stage
 from ..plan import load_plan
 from ..runtime.groups import GROUPS
 

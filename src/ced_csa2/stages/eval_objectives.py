@@ -35,9 +35,9 @@ from ..config import Params
 from ..eval.gsm8k import groups_gold_nll, load_gold_pairs, prompt_protocol
 from ..eval.perplexity import eval_ids, groups_ppl, protocol
 from ..model_utils import load_model_and_tokenizer, resolve_device
-from ..pipeline.entry import run_stage
-from ..pipeline.io_utils import write_json
+from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import GOLD_PATH, OBJECTIVES_EVAL, SEED_INIT
+from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
 
 

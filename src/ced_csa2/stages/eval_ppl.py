@@ -39,9 +39,9 @@ from ..config import Params
 from ..eval.perplexity import eval_ids, groups_ppl, mode_a_prefix, protocol
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline import distributed
-from ..pipeline.entry import record_timing, run_stage
-from ..pipeline.io_utils import write_json
+from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import MODELS, PPL_METRICS
+from ..pipeline.stage_runner import record_timing, run_stage
 from ..plan import load_plan
 from ..runtime.groups import LOW_RANK_GROUPS
 

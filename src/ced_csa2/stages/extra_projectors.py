@@ -27,10 +27,10 @@ from pathlib import Path
 
 from ..config import Params, provenance
 from ..maps.ridge import ridge_provenance
+from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import checkpoint_meta
-from ..pipeline.entry import run_stage
-from ..pipeline.io_utils import write_json
 from ..pipeline.paths import DUMP_PATH, EXTRA_METRICS, PROJECTORS_EXTRA, RIDGE_PATH
+from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
 from ..projector import save_projectors
 from ..train.projector_training import Fitted, ridge_fitted, train_projectors

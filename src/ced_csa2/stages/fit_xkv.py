@@ -24,15 +24,15 @@ import logging
 from pathlib import Path
 
 from ..config import Params, provenance
-from ..data.h5store import DumpReader, dump_provenance
+from ..data.dump_file import DumpReader, dump_provenance
 from ..data.loader import aligned_block_rows
 from ..maps.ridge import DUMP_ATTRS
 from ..maps.xkv import XKVBasis, group_layers, save_xkv, top_eigenvectors
 from ..maps.xkv_fit import BLOCK_ROWS, xkv_heldout, xkv_statistics
+from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import SAVE_DTYPE, checkpoint_meta
-from ..pipeline.entry import run_stage
-from ..pipeline.io_utils import write_json
 from ..pipeline.paths import DUMP_PATH, XKV_METRICS, XKV_PATH
+from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
 from ..train.training import split_masks
 

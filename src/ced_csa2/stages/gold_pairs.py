@@ -23,8 +23,8 @@ from pathlib import Path
 from ..config import Params
 from ..eval.gsm8k import _offline, check_chat_template, count_problems, local_task, prompt_pairs, write_gold_pairs
 from ..model_utils import load_tokenizer
-from ..pipeline.entry import run_stage
 from ..pipeline.paths import GOLD_PATH, GSM8K_JSONL
+from ..pipeline.stage_runner import run_stage
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ..config import Params
 from ..data.corpus import prepare
-from ..pipeline.entry import run_stage
+from ..pipeline.stage_runner import run_stage
 
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from ..config import Params
 from ..eval.results import build_report, groups_table, plots, summary
-from ..pipeline.entry import run_stage
-from ..pipeline.io_utils import atomic_write_text, write_json, write_tsv
+from ..pipeline.atomic_files import atomic_write_text, write_json, write_tsv
 from ..pipeline.paths import GROUPS_TABLE, REPORTS, SUMMARY
+from ..pipeline.stage_runner import run_stage
 
 log = logging.getLogger(__name__)
 

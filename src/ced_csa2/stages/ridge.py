@@ -18,13 +18,13 @@ import logging
 from pathlib import Path
 
 from ..config import Params, check_provenance, params_hash, provenance, to_dict
-from ..data.h5store import DumpReader
+from ..data.dump_file import DumpReader
 from ..data.loader import aligned_block_rows, record_split, row_mask
 from ..maps.ridge import DUMP_ATTRS, MapGroup, evaluate_maps, fit_maps, map_groups, projected_groups, save_ridge
 from ..pipeline import distributed
-from ..pipeline.entry import run_stage
-from ..pipeline.io_utils import write_json
+from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import DUMP_PATH, RIDGE_METRICS, RIDGE_PATH
+from ..pipeline.stage_runner import run_stage
 from ..plan import LayerPlan
 
 log = logging.getLogger(__name__)

@@ -36,9 +36,9 @@ from ..kv.storage_table import (
     seed_ratio_note,
 )
 from ..model_utils import QWEN3_5_4B_ID
-from ..pipeline.entry import run_stage
-from ..pipeline.io_utils import write_json
+from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import STORAGE_METRICS
+from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
 
 log = logging.getLogger(__name__)

@@ -39,10 +39,10 @@ from ..csa2 import save_adapters
 from ..maps.ridge import ridge_provenance
 from ..model_utils import resolve_device
 from ..pipeline import distributed
+from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import checkpoint_meta
-from ..pipeline.entry import run_stage
-from ..pipeline.io_utils import write_json
 from ..pipeline.paths import ADAPTERS_CURVES, ADAPTERS_METRICS, ADAPTERS_PATH, DUMP_PATH, RIDGE_PATH
+from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
 from ..train.adapter_training import GAIN_KEYS, adapter_heads, adapter_optimizer, load_pairs
 from ..train.training import (

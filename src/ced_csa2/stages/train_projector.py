@@ -41,12 +41,11 @@ import logging
 from pathlib import Path
 
 from ..config import Params, provenance, replaced
-from ..data.h5store import dump_provenance
+from ..data.dump_file import dump_provenance
 from ..maps.ridge import ridge_provenance
 from ..pipeline import distributed
+from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import checkpoint_meta
-from ..pipeline.entry import run_stage
-from ..pipeline.io_utils import write_json
 from ..pipeline.paths import (
     DUMP_PATH,
     PROJECTOR_CURVES,
@@ -56,6 +55,7 @@ from ..pipeline.paths import (
     SEED_INIT_MODELS,
     projector_path,
 )
+from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
 from ..projector import save_projector
 from ..train.projector_training import train_projectors

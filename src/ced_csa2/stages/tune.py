@@ -43,9 +43,9 @@ from ..config import Params, provenance, require_listed, to_dict
 from ..data.records import batches
 from ..maps.ridge import ridge_provenance
 from ..model_utils import load_model_and_tokenizer, resolve_device
-from ..pipeline.entry import objective_arg, run_stage
-from ..pipeline.io_utils import write_json
+from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import RIDGE_PATH, objective_curves, objective_metrics, objective_models
+from ..pipeline.stage_runner import objective_arg, run_stage
 from ..plan import load_plan
 from ..train.objectives import PHASE_GROUPS, online_records, ridge_parts
 from ..train.training import Curves, write_curves

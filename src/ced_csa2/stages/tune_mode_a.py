@@ -26,10 +26,10 @@ from ..config import Params, provenance, to_dict
 from ..csa2 import save_adapters
 from ..maps.ridge import ridge_provenance
 from ..model_utils import load_model_and_tokenizer, resolve_device
+from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import checkpoint_meta
-from ..pipeline.entry import run_stage
-from ..pipeline.io_utils import write_json
 from ..pipeline.paths import MODE_A_CURVES, MODE_A_METRICS, MODE_A_MODELS, RIDGE_PATH, projector_path
+from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
 from ..projector import save_projector, save_projectors
 from ..train.mode_a_training import OBJECTIVE, train

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from ..ced_runtime import CEDModeARuntime, CEDParts
 from ..config import Params
-from ..pipeline.entry import record_timing
+from ..pipeline.stage_runner import record_timing
 from .objectives import SAMPLE_STREAM, mode_a_kl
 from .training import Curves, warmup_cosine
 

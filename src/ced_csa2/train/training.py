@@ -42,13 +42,13 @@ from tqdm import tqdm
 
 from ..config import Params, check_provenance
 from ..csa2 import CSA2Adapters
-from ..data.h5store import DumpError, DumpReader
+from ..data.dump_file import DumpError, DumpReader
 from ..data.loader import record_split, row_mask
 from ..maps.fit_metrics import FitStats, merged
 from ..maps.ridge import adapter_map, load_ridge
 from ..model_utils import Geometry, resolve_dtype
 from ..pipeline import distributed
-from ..pipeline.io_utils import atomic_write_text
+from ..pipeline.atomic_files import atomic_write_text
 from ..plan import LayerPlan
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from ..csa2 import save_adapters
 from ..data.records import batches
 from ..model_utils import Geometry
 from ..pipeline.checkpoint import checkpoint_meta
-from ..pipeline.entry import record_timing
 from ..pipeline.paths import projector_path
+from ..pipeline.stage_runner import record_timing
 from ..plan import LayerPlan
 from ..projector import save_projector
 from .objectives import (

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ..config import load_params, record_reads
-from .io_utils import atomic_write_text
+from .atomic_files import atomic_write_text
 from .paths import timings_path
 
 RECORD_ENV = "CED_CSA2_RECORD_READS"
@@ -58,7 +58,7 @@ def recorded_timings() -> dict:
 
 def _audit(event: str, args: tuple) -> None:
     # sys.audit's "open" fires for every Python-level open (builtins, io, pathlib, torch.load);
-    # h5py opens through the HDF5 C library, so h5store raises "ced_csa2.read" itself.
+    # h5py opens through the HDF5 C library, so dump_file raises "ced_csa2.read" itself.
     if _FILES_READ is None or event not in ("open", "ced_csa2.read"):
         return
     path, mode, flags = (args + (None, None))[:3]
