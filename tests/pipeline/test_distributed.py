@@ -28,7 +28,9 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import ROOT
+
+# Not conftest's ROOT: torchrun also runs this file as a script, where conftest is not importable.
+ROOT = Path(__file__).resolve().parents[2]
 
 OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5", "dump.batch_size=4", "train_projector.epochs=1",
              "train_adapters.epochs=1", "train_adapters.batch_size=512", "eval_ppl.groups=[baseline,ced,csa2]",
