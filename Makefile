@@ -17,7 +17,6 @@ repro: $(VENV)/.installed
 	dvc repro
 
 # Two test workers, one torch thread each: the tiny models gain little from a second intra-op
-# thread, and two workers of two threads oversubscribe two cores (741 tests, 2 cores, measured:
-# 5.5 min so, 11 min with two threads per worker).
+# thread, and two workers of two threads oversubscribe two cores (about twice as slow, measured).
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 python -m pytest -q -n 2 --dist loadfile

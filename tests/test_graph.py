@@ -1,3 +1,5 @@
+import importlib
+
 """The pipeline graph cannot go stale: what each stage can import is what dvc.yaml declares.
 
 The params keys and artifact files a stage actually reads are checked in
@@ -85,6 +87,21 @@ def test_code_deps_are_exactly_the_import_closure(stage):
     closure = import_closure(f"ced_csa2.stages.{stage}")
     assert declared == closure, (f"dvc.yaml stage '{stage}': add {sorted(closure - declared)}, "
                                  f"remove {sorted(declared - closure)}")
+
+
+def covered(key: str, declared: list[str]) -> bool:
+    """``key`` (a section or a dotted key) is one of ``declared`` params keys or lies under one."""
+    return any(key == d or key.startswith(d + ".") for d in declared)
+
+
+@pytest.mark.parametrize("stage", [s for s in STAGE_MODULES if hasattr(importlib.import_module(
+    f"ced_csa2.stages.{s}"), "PROVENANCE")])
+def test_what_an_artifact_records_it_was_made_from_is_among_its_stage_s_params(stage):
+    """A recorded key dvc.yaml does not declare would refuse an artifact that `dvc repro` never rebuilds."""
+    module = importlib.import_module(f"ced_csa2.stages.{stage}")
+    declared = stage_templates()[stage]["params"]
+    keys = (*module.PROVENANCE, *getattr(module, "ONLINE_PROVENANCE", ()))
+    assert [k for k in keys if not covered(k, declared)] == [], f"dvc.yaml stage '{stage}' params: {declared}"
 
 
 @pytest.mark.parametrize("stage", STAGE_MODULES)
