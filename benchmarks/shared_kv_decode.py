@@ -15,6 +15,10 @@ leaves its cache's hooks: microseconds against a step).  Caches:
   ``DynamicCache``: the same outputs as the shared store, every layer storing its own K/V;
 * ``{group} / shared-{storage}`` -- :class:`~ced_csa2.runtime.shared_kv.SharedKVCache`: the
   source's pre-norm K/V stored once, every target's K/V recomputed from it at each step;
+* ``{group} / shared-{storage} k{k}+w{window}`` --
+  :class:`~ced_csa2.runtime.sparse_decode.SparseSharedKVCache`: the same store, the targets reading
+  only the newest ``window`` positions and the source's top-``k`` (oracle indexer) at each step,
+  their adapters run on those entries only (``--sparse K:WINDOW ...``);
 * ``baseline / fp4-{format}`` -- :class:`~ced_csa2.runtime.shared_kv.FP4KVCache`: every layer's
   K/V in FP4, no sharing (the cost of FP4 alone).
 
@@ -52,6 +56,7 @@ from ced_csa2.runtime.shared_kv import (
     accounted_copies,
     kv_held_bytes,
 )
+from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
 
 
 def maps(models_dir: Path, plan: LayerPlan, geo, params, model) -> tuple[CEDParts, str]:
@@ -68,7 +73,7 @@ def maps(models_dir: Path, plan: LayerPlan, geo, params, model) -> tuple[CEDPart
     return CEDParts(projector, adapters), f"RANDOM maps (no {files[0].name} + {files[1].name} in {models_dir}/)"
 
 
-def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats):
+def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, sparse: list[SparseDecode]):
     """``(label, accounting (group, storage), make_cache, context)`` for each cache to compare."""
     config = model.config
     yield ("baseline / dynamic", ("baseline", "bf16"), lambda: DynamicCache(config=config),
@@ -79,6 +84,10 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats):
         yield (f"{group} / shared-{storage}", (group, storage), lambda s=storage: SharedKVCache(model, plan, group,
                                                                                                   parts, s),
                lambda cache: cache.feed())
+        for reads in sparse:
+            yield (f"{group} / shared-{storage} k{reads.k}+w{reads.window}", (group, storage),
+                   lambda s=storage, r=reads: SparseSharedKVCache(model, plan, group, parts, s, reads=r),
+                   lambda cache: cache.feed())
     for fmt in fp4_formats:
         yield (f"baseline / fp4-{fmt}", ("baseline", fmt), lambda f=fmt: FP4KVCache(config, f),
                lambda cache: contextlib.nullcontext())
@@ -112,12 +121,15 @@ def main() -> None:
     ap.add_argument("--group", default="csa2", choices=SHARED_GROUPS)
     ap.add_argument("--storages", nargs="+", default=list(STORAGES), choices=STORAGES)
     ap.add_argument("--fp4-baselines", nargs="*", default=["nvfp4", "mxfp4"], choices=STORAGES[1:])
+    ap.add_argument("--sparse", nargs="*", default=["128:64"], metavar="K:WINDOW",
+                    help="sparse decode reads of the shared stores (none: dense stores only)")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--models-dir", type=Path, default=Path("models"))
     ap.add_argument("--dtype", default=None, help="model dtype (default: params.model.dtype)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    sparse = [SparseDecode(*map(int, spec.split(":"))) for spec in args.sparse]
 
     params = load_params(args.params)
     model, _ = load_model_and_tokenizer(params.model, dtype=args.dtype, device=args.device)
@@ -130,7 +142,7 @@ def main() -> None:
           f"{plan.split} source {plan.source} targets {list(plan.targets)}; batch {args.batch}; {note}")
     print(f"'bf16' storage = the model dtype ({dtype}); median of {args.steps} decode steps after one warm-up, "
           "the caches' steps alternated")
-    header = (f"{'context':>7}  {'cache':<26} {'ms/step':>8} {'x ref':>6} {'held MiB':>9} "
+    header = (f"{'context':>7}  {'cache':<34} {'ms/step':>8} {'x ref':>6} {'held MiB':>9} "
               f"{'held/accounted':>14} {'held/ref':>8}")
     print(header)
     gen = torch.Generator().manual_seed(args.seed)
@@ -138,7 +150,8 @@ def main() -> None:
         ids = torch.randint(0, model.config.vocab_size, (args.batch, context), generator=gen).to(args.device)
         ref_ms = ref_bytes = None
         runs, accounting = {}, {}
-        for label, acc, make_cache, ctx in cases(model, plan, args.group, parts, args.storages, args.fp4_baselines):
+        for label, acc, make_cache, ctx in cases(model, plan, args.group, parts, args.storages, args.fp4_baselines,
+                                                   sparse):
             runs[label], accounting[label] = Decoder(model, make_cache(), ctx), acc
             runs[label].prefill(ids)
         seconds = paired_seconds({label: d.step for label, d in runs.items()}, args.steps, device=args.device).seconds
@@ -148,7 +161,7 @@ def main() -> None:
             per_token = bytes_per_token(accounted_copies(geo, plan, acc_group, acc_storage, dtype_bytes))
             accounted = per_token * args.batch * cache.get_seq_length()
             ref_ms, ref_bytes = ref_ms or ms, ref_bytes or held
-            print(f"{context:>7}  {label:<26} {ms:>8.2f} {ms / ref_ms:>6.2f} {held / 2**20:>9.2f} "
+            print(f"{context:>7}  {label:<34} {ms:>8.2f} {ms / ref_ms:>6.2f} {held / 2**20:>9.2f} "
                   f"{held / accounted:>14.4f} {held / ref_bytes:>8.3f}")
             del cache
         del runs

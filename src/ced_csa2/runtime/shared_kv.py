@@ -323,8 +323,9 @@ class _SharedStore:
         if hasattr(attn, "k_norm"):
             k = attn.k_norm(k)
         k = k.transpose(1, 2)
-        # apply_rotary_pos_emb rotates a query too; a one-row slice keeps that cost negligible.
-        _, k = self.rope(k[:1, :1], k, cos, sin)
+        # apply_rotary_pos_emb rotates a query too; one head keeps that cost negligible (all rows: the
+        # positions, so cos/sin, may differ per row -- the sparse decode's selections do).
+        _, k = self.rope(k[:, :1], k, cos, sin)
         return k, _heads(v, attn.head_dim)
 
     def clear(self) -> None:
@@ -420,9 +421,12 @@ class SharedKVCache(DynamicCache):
         _check_fp4_width(fmt, geo.kv_dim)
         super().__init__(config=model.config)
         self.plan, self.group, self.storage = plan, group, storage
-        self._store = _SharedStore(model, plan, group, parts, fmt, geo)
+        self._store = self._make_store(model, plan, group, parts, fmt, geo)
         for layer in (plan.source, *plan.targets):
             self.layers[layer - 1] = _SharedLayer(self._store, layer)
+
+    def _make_store(self, model, plan, group, parts, fmt, geo) -> _SharedStore:
+        return _SharedStore(model, plan, group, parts, fmt, geo)
 
     @contextmanager
     def feed(self) -> Iterator[SharedKVCache]:

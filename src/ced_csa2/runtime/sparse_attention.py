@@ -38,11 +38,10 @@ query see (``k`` and ``window`` reach the whole context), the attention call is 
 unchanged, so the output is the dense one bit for bit.  Otherwise the model's own
 attention function (``sdpa`` or ``eager``) runs with its mask narrowed to the selection.
 
-Mechanics: the model's attention function is looked up per call in transformers'
-``ALL_ATTENTION_FUNCTIONS``; the context wraps that entry (the model's
-``eager_attention_forward`` for ``eager``) with a function that acts on the sparse layers'
-modules only and always restores the entry on exit.  A forward starts at the lowest sparse
-layer, which clears the selections of the previous one.
+Mechanics: the model's attention calls are routed through the context
+(:class:`~ced_csa2.runtime.attention_calls.AttentionCalls`), which acts on the sparse layers'
+modules only and always restores the model's function on exit.  A forward starts at the lowest
+sparse layer, which clears the selections of the previous one.
 
 Limits: statistics count every query row (score unpadded batches for them); sliding-window
 layers may run Full/Reindex/Reuse among layers of the same window, but not HSI across windows.
@@ -50,7 +49,6 @@ layers may run Full/Reindex/Reuse among layers of the same window, but not HSI a
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,6 +58,7 @@ import torch
 from torch import nn
 
 from ..model_utils import Geometry, attention
+from .attention_calls import AttentionCalls
 from .layer_modes import LayerModes, ModeError
 
 
@@ -255,13 +254,7 @@ class SparseAttention:
         self._frames: dict[tuple, dict] = {}
         self._frame_of: dict[int, dict] = {}
         self.trace: dict[int, dict[str, torch.Tensor]] = {}
-        first = attention(model, modes.layers[0])
-        self._impl = first.config._attn_implementation
-        if self._impl not in ("sdpa", "eager"):
-            raise ValueError(f"sparse reads narrow the attention mask, which needs attn_implementation 'sdpa' or "
-                             f"'eager'; the model uses {self._impl!r}")
-        module = sys.modules[type(first).__module__]
-        self._interface, self._eager = module.ALL_ATTENTION_FUNCTIONS, module.eager_attention_forward
+        self._calls = AttentionCalls(attention(model, modes.layers[0]), "sparse reads narrow the attention mask")
         self._installed = None  # the open _wrapped() context
 
     @property
@@ -272,25 +265,16 @@ class SparseAttention:
 
     @contextmanager
     def _wrapped(self) -> Iterator[None]:
-        interface, impl = self._interface, self._impl
-        local = interface._local_mapping
-        had, previous = impl in local, local.get(impl)
-        original = interface.get_interface(impl, self._eager)
-
-        def attend(module, query, key, value, attention_mask, *args, **kwargs):
+        def attend(original, module, query, key, value, attention_mask, *args, **kwargs):
             layer = self._by_module.get(module)
             if layer is not None:
                 attention_mask = self._narrow(layer, query, key, attention_mask)
             return original(module, query, key, value, attention_mask, *args, **kwargs)
 
-        interface[impl] = attend
         try:
-            yield
+            with self._calls.routed(attend):
+                yield
         finally:
-            if had:
-                local[impl] = previous
-            else:
-                local.pop(impl, None)
             self._reset()
 
     def __enter__(self) -> "SparseAttention":
@@ -354,7 +338,7 @@ class SparseAttention:
             return mask  # it reads every entry it may see: the dense call, bit for bit
         narrowed = read[:, None]  # (B, 1, Q, K): one selection for all heads
         if mask is None:
-            mask = torch.ones((), dtype=torch.bool) if self._impl == "sdpa" else torch.zeros((), dtype=query.dtype)
+            mask = torch.ones((), dtype=torch.bool) if self._calls.impl == "sdpa" else torch.zeros((), dtype=query.dtype)
         elif mask.shape[-1] > kv_len:  # a mask wider than the keys (padding of a static cache): nothing read there
             narrowed = torch.nn.functional.pad(narrowed, (0, mask.shape[-1] - kv_len))
         mask = mask.to(query.device)

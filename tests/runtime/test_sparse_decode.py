@@ -1,0 +1,110 @@
+"""Sparse CSA2 decode: the dense store's generation while k covers the context; otherwise each target
+reads exactly the window and the source's top-k, adapted at those positions only, at the dense bytes."""
+
+import pytest
+import torch
+from conftest import tiny_gemma3, tiny_llama
+from tiny_maps import LLAMA_PLAN, QWEN_PLAN, random_parts
+
+from ced_csa2.model_utils import attention, geometry
+from ced_csa2.plan import LayerPlan
+from ced_csa2.runtime.attention_calls import AttentionCalls
+from ced_csa2.runtime.shared_kv import SharedKVCache, greedy_generate, shared_kv_generate
+from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
+
+PROMPT, NEW = 11, 6  # up to 16 cached positions
+
+
+@pytest.fixture(params=["llama", "llama_eager", "qwen3_5"])
+def setup(request, tiny_model):
+    """``(model, plan, parts, prompt)``: the all-attention tiny Llama (sdpa, and eager: a mask tensor even at
+    decode, which the targets' shorter reads must drop) and the hybrid tiny Qwen3.5 (k_norm, partial RoPE)."""
+    model, plan, vocab = {"llama": lambda: (tiny_llama(), LLAMA_PLAN, 300),
+                          "llama_eager": lambda: (tiny_llama("eager"), LLAMA_PLAN, 300),
+                          "qwen3_5": lambda: (tiny_model[0], QWEN_PLAN, 250)}[request.param]()
+    torch.manual_seed(1)
+    return model, plan, random_parts(geometry(model.config), plan), torch.randint(0, vocab, (2, PROMPT))
+
+
+def sparse_generate(model, plan, group, parts, prompt, reads):
+    cache = SparseSharedKVCache(model, plan, group, parts, reads=reads)
+    with cache.feed():
+        return greedy_generate(model, prompt, NEW, cache)
+
+
+def untouched(model):
+    return all(not (m._forward_hooks or m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize("group", ["csa2", "ced_csa2", "share_plain"])
+def test_reads_that_cover_the_context_give_the_dense_store_s_generation_bit_for_bit(setup, group):
+    model, plan, parts, prompt = setup
+    dense = shared_kv_generate(model, plan, group, parts, prompt, NEW)
+    sparse = sparse_generate(model, plan, group, parts, prompt, SparseDecode(k=PROMPT + NEW - 4, window=4))
+    assert torch.equal(sparse.tokens, dense.tokens) and torch.equal(sparse.logits, dense.logits)
+    assert sparse.cache.held_bytes() == dense.cache.held_bytes()
+    assert untouched(model)
+
+
+def recorded_step(model, plan, cache, prompt):
+    """Prefill ``prompt`` into ``cache``, then one decode step; the decode step's attention inputs per layer."""
+    calls = AttentionCalls(attention(model, plan.source), "the test records the attention inputs")
+    layers = {attention(model, la): la for la in (plan.source, *plan.targets)}
+    seen = {}
+
+    def record(original, module, query, key, value, mask, *args, **kwargs):
+        if module in layers:
+            seen[layers[module]] = (query, key, value)
+        return original(module, query, key, value, mask, *args, **kwargs)
+
+    with torch.no_grad(), cache.feed():
+        x = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        with calls.routed(record):
+            logits = model(input_ids=x, cache=cache, use_cache=True).logits[:, -1]
+    return seen, logits
+
+
+@pytest.mark.parametrize("group", ["csa2", "ced_csa2"])
+def test_each_target_reads_the_window_and_the_source_s_top_k_adapted_at_those_positions(setup, group):
+    model, plan, parts, prompt = setup
+    reads = SparseDecode(k=3, window=2)
+    dense, dense_logits = recorded_step(model, plan, SharedKVCache(model, plan, group, parts), prompt)
+    sparse, sparse_logits = recorded_step(model, plan, SparseSharedKVCache(model, plan, group, parts, reads=reads),
+                                          prompt)
+    query, key, _ = dense[plan.source]
+    n = key.shape[2]
+    assert n == PROMPT + 1
+    torch.testing.assert_close(sparse[plan.source][1], key, rtol=0, atol=0)  # the source reads everything
+    # The selection, independently: each query head's logits against its KV head's keys, summed over heads
+    group_size = query.shape[1] // key.shape[1]
+    older = key.repeat_interleave(group_size, dim=1)[:, :, :n - reads.window]  # (B, H, older, d)
+    logits = (query * older).sum(-1)  # (B, H, older): the one query row broadcast over the entries
+    top = logits.sum(1).topk(reads.k, dim=-1).indices.sort(-1).values
+    expected = torch.cat([top, torch.arange(n - reads.window, n).expand(prompt.shape[0], -1)], dim=1)
+    for t in plan.targets:
+        _, k_dense, v_dense = dense[t]
+        _, k_sparse, v_sparse = sparse[t]
+        assert k_sparse.shape[2] == reads.k + reads.window
+        at = expected[:, None, :, None].expand(-1, k_dense.shape[1], -1, k_dense.shape[-1])
+        # float32: the adapter on 5 rows vs on all rows (another matmul blocking), then k_norm and RoPE
+        torch.testing.assert_close(k_sparse, k_dense.gather(2, at), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v_sparse, v_dense.gather(2, at), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(sparse_logits, dense_logits, atol=1e-4)  # fewer entries read: not the dense step
+    assert untouched(model)
+
+
+def test_sparse_generation_holds_the_dense_store_s_bytes(setup):
+    model, plan, parts, prompt = setup
+    dense = shared_kv_generate(model, plan, "csa2", parts, prompt, NEW)
+    sparse = sparse_generate(model, plan, "csa2", parts, prompt, SparseDecode(k=2, window=3))
+    assert sparse.cache.held_bytes() == dense.cache.held_bytes()
+
+
+def test_refusals():
+    model = tiny_gemma3()
+    plan = LayerPlan(2, 3, (5, 6, 8))  # sliding readers 5 and 8 of a full source
+    parts = random_parts(geometry(model.config), plan)
+    with pytest.raises(NotImplementedError, match=r"layers \[5, 8\] of the plan have one"):
+        SparseSharedKVCache(model, plan, "csa2", parts, reads=SparseDecode(k=4, window=2))
+    with pytest.raises(ValueError, match="window >= 1"):
+        SparseDecode(k=4, window=0)
