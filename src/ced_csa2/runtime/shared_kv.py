@@ -299,16 +299,9 @@ class _SharedStore:
             start = self.seen - k_src.shape[1]
             self._step = {"k": k_src, "v": self.v.read(), "rope": {},
                           "positions": torch.arange(start, self.seen, device=k_src.device)[None]}
-        step = self._step
-        window = self.geo.window(layer)
-        visible = step["k"].shape[1] if window is None else min(step["k"].shape[1], window - 1 + new)
-        k, v = step["k"][:, -visible:], step["v"][:, -visible:]
+        k, v, cos, sin = self._entries(layer, new, self._step)
         if layer != self.plan.source and GROUPS[self.group].adapters:
             k, v = self.parts.adapt(layer, k, v)
-        kind = layer_type(self.model.config, layer)
-        if kind not in step["rope"]:  # one (cos, sin) per layer type: its own theta (Gemma-3)
-            step["rope"][kind] = rotary(self.model, layer, step["k"], step["positions"])
-        cos, sin = (x[:, -visible:] for x in step["rope"][kind])
         if layer == max(self.plan.targets):
             self._step = None  # a transient: not kept between decode steps
             source_window = self.geo.window(self.plan.source)
@@ -316,6 +309,16 @@ class _SharedStore:
                 self.k.keep_last(source_window - 1)
                 self.v.keep_last(source_window - 1)
         return self._norm_rope(self.attn[layer], k, v, cos, sin)
+
+    def _entries(self, layer: int, new: int, step: dict):
+        """The stored K and V ``(B, T', kv_dim)`` ``layer`` reads and their RoPE ``cos``/``sin`` ``(B, T', rot)``."""
+        window = self.geo.window(layer)
+        visible = step["k"].shape[1] if window is None else min(step["k"].shape[1], window - 1 + new)
+        kind = layer_type(self.model.config, layer)
+        if kind not in step["rope"]:  # one (cos, sin) per layer type: its own theta (Gemma-3)
+            step["rope"][kind] = rotary(self.model, layer, step["k"], step["positions"])
+        cos, sin = (x[:, -visible:] for x in step["rope"][kind])
+        return step["k"][:, -visible:], step["v"][:, -visible:], cos, sin
 
     def _norm_rope(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor, cos, sin) -> KV:
         """The layer's own k_norm (if any) and RoPE on pre-norm K ``(B, T, kv_dim)``; V reshaped."""

@@ -36,7 +36,6 @@ import torch
 
 from ..model_utils import attention, rotary
 from .attention_calls import AttentionCalls
-from .groups import GROUPS
 from .shared_kv import SharedKVCache, _SharedStore
 from .sparse_attention import index_scores
 
@@ -65,7 +64,7 @@ def select(query: torch.Tensor, key: torch.Tensor, reads: SparseDecode) -> torch
     if reads.k + reads.window >= n:
         return None
     older = n - reads.window
-    scores = index_scores(query, key)[:, 0, :older]  # (B, older)
+    scores = index_scores(query, key[:, :, :older])[:, 0]  # (B, older)
     top = scores.topk(reads.k, dim=-1).indices.sort(dim=-1).values
     recent = torch.arange(older, n, device=key.device).expand(key.shape[0], -1)
     return torch.cat([top, recent], dim=-1)
@@ -80,21 +79,17 @@ class _SparseStore(_SharedStore):
         # None: the targets read every position (prefill, or a context the reads cover).
         self.selection: torch.Tensor | None = None
 
-    def read(self, layer: int, new: int):
+    def _entries(self, layer: int, new: int, step: dict):
         if layer == self.plan.source:
             self.selection = None  # a new forward: the source's attention call selects again
         if layer == self.plan.source or self.selection is None:
-            return super().read(layer, new)
-        step, at = self._step, self.selection
+            return super()._entries(layer, new, step)
+        at = self.selection
         width = step["k"].shape[-1]
         k = step["k"].gather(1, at[..., None].expand(-1, -1, width))
         v = step["v"].gather(1, at[..., None].expand(-1, -1, width))
-        if GROUPS[self.group].adapters:
-            k, v = self.parts.adapt(layer, k, v)
         cos, sin = rotary(self.model, layer, k, at)
-        if layer == max(self.plan.targets):
-            self._step = None  # as the dense read: a transient of one forward
-        return self._norm_rope(self.attn[layer], k, v, cos, sin)
+        return k, v, cos, sin
 
 
 class SparseSharedKVCache(SharedKVCache):
