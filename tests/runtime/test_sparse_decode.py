@@ -108,3 +108,63 @@ def test_refusals():
         SparseSharedKVCache(model, plan, "csa2", parts, reads=SparseDecode(k=4, window=2))
     with pytest.raises(ValueError, match="window >= 1"):
         SparseDecode(k=4, window=0)
+
+
+# ----------------------------------------------------------------------------- a trained indexer
+
+def an_indexer(model, plan):
+    """A random-init indexer of the source layer (its selection is what is checked, not its quality)."""
+    from ced_csa2.maps.indexer import IndexerConfig
+    from ced_csa2.train.indexer_training import new_indexer
+
+    return new_indexer(model, geometry(model.config), plan.source, IndexerConfig(heads=2), seed=3)
+
+
+def test_with_an_indexer_reads_that_cover_the_context_give_the_dense_store_s_generation(setup):
+    model, plan, parts, prompt = setup
+    dense = shared_kv_generate(model, plan, "csa2", parts, prompt, NEW)
+    cache = SparseSharedKVCache(model, plan, "csa2", parts, reads=SparseDecode(k=PROMPT + NEW - 4, window=4),
+                                indexer=an_indexer(model, plan))
+    with cache.feed():
+        sparse = greedy_generate(model, prompt, NEW, cache)
+    assert torch.equal(sparse.tokens, dense.tokens) and torch.equal(sparse.logits, dense.logits)
+    assert untouched(model)
+
+
+def test_with_an_indexer_every_reader_reads_the_window_and_the_indexer_s_top_k(setup):
+    """The source too reads its selection; the selection is the indexer's, recomputed here from the
+    source's k_proj inputs and outputs, its keys through an MXFP4 round trip as the store keeps them."""
+    from ced_csa2.maps.indexer import key_bytes, key_format
+    from ced_csa2.model_utils import rotary
+
+    model, plan, parts, prompt = setup
+    reads, indexer = SparseDecode(k=3, window=2), an_indexer(model, plan)
+    dense, _ = recorded_step(model, plan, SharedKVCache(model, plan, "csa2", parts), prompt)
+    cache = SparseSharedKVCache(model, plan, "csa2", parts, reads=reads, indexer=indexer)
+    proj, seen = attention(model, plan.source).k_proj, []
+    hook = proj.register_forward_hook(lambda m, i, o: seen.append((i[0], o)))
+    try:
+        sparse, _ = recorded_step(model, plan, cache, prompt)
+    finally:
+        hook.remove()
+    x, k = torch.cat([s[0] for s in seen], 1), torch.cat([s[1] for s in seen], 1)  # prefill + step
+    n = k.shape[1]
+    with torch.no_grad():
+        cos, sin = rotary(model, plan.source, k, torch.arange(n)[None])
+        fmt = key_format(indexer.head_dim)
+        keys = fmt.dequantize(fmt.quantize(indexer.keys(k, cos, sin)), torch.float32)
+        q, w = indexer.queries(x[:, -1:], cos[:, -1:], sin[:, -1:])
+        scores = torch.einsum("bh,bhk->bk", w[:, :, 0], (q[:, :, 0, None] * keys[:, None]).sum(-1).relu())
+    top = scores[:, :n - reads.window].topk(reads.k, dim=-1).indices.sort(-1).values
+    expected = torch.cat([top, torch.arange(n - reads.window, n).expand(prompt.shape[0], -1)], dim=1)
+    for layer in (plan.source, *plan.targets):
+        _, k_dense, v_dense = dense[layer]
+        _, k_sparse, v_sparse = sparse[layer]
+        at = expected[:, None, :, None].expand(-1, k_dense.shape[1], -1, k_dense.shape[-1])
+        torch.testing.assert_close(k_sparse, k_dense.gather(2, at), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v_sparse, v_dense.gather(2, at), rtol=1e-5, atol=1e-5)
+    dense_bytes = SharedKVCache(model, plan, "csa2", parts)
+    with dense_bytes.feed(), torch.no_grad():
+        model(input_ids=torch.cat([prompt, prompt[:, :1]], 1), cache=dense_bytes, use_cache=True)
+    assert cache.held_bytes() == dense_bytes.held_bytes() + prompt.shape[0] * n * key_bytes(indexer.head_dim)
+    assert untouched(model)

@@ -1,26 +1,31 @@
-"""CSA2 decode that pays for its adapters: each target reads the local window and the source's top-k.
+"""CSA2 decode that pays for its adapters: each reader reads the local window and a top-k selection.
 
 :class:`~ced_csa2.runtime.shared_kv.SharedKVCache` rebuilds every target's K/V for *all*
 cached positions at each decode step -- the adapters, k_norm and RoPE over ``T``
 positions, a cost that grows with the context.  DeepSeek-V4.1's *Reuse* mode (seed 003
 §4.3) lets a layer attend only over the entries its index source selected plus a local
 window; a CSA2 target then needs adapted K/V for those entries only.
-:class:`SparseSharedKVCache` is that decode path:
+:class:`SparseSharedKVCache` is that decode path.  At each decode step the plan's source
+selects the ``k`` best positions older than the ``window``, and every target (Reuse of the
+source's selection) gathers the stored entries at those positions and at the newest
+``window``, runs its adapter, k_norm and RoPE on them only, and attends over them.  Who
+selects, and what the source itself reads, depends on the indexer:
 
-* the **source** attends densely over its store (a Full layer reading everything) and,
-  at each decode step, ranks the positions older than the window with the oracle indexer
-  (:func:`~ced_csa2.runtime.sparse_attention.index_scores`: its own attention logits summed
-  over its heads -- an upper bound on what a trained indexer picks) and keeps the best ``k``;
-* each **target** (Reuse of the source's selection) gathers the stored entries at those
-  ``k`` positions and at the newest ``window``, runs its adapter, k_norm and RoPE on them
-  only, and attends over them: its read is flat in the context;
-* the bytes held are the dense store's: nothing else is kept (the window's entries are
-  re-adapted at each step rather than cached).
+* **oracle** (no ``indexer``): the source attends densely over its store and ranks by its
+  own attention logits summed over its heads
+  (:func:`~ced_csa2.runtime.sparse_attention.index_scores`) -- an upper bound on what a
+  trained indexer picks, and it needs the source's post-RoPE keys for every position, so
+  the source still rebuilds them each step;
+* **trained** (a :class:`~ced_csa2.maps.indexer.LightningIndexer` of the source layer): the
+  store also keeps one indexer key per position (MXFP4, counted in :attr:`_SparseStore.nbytes`),
+  the indexer scores them against queries from the source's attention input, and the source
+  too reads only its selection and window (V4.1's Full mode): no reader touches every
+  position's K/V, only the indexer's keys are scanned.
 
-Prefill (more than one new position) is the dense store's.  While ``k + window`` covers the
-context the step is the dense one, bit for bit.  The oracle's scores read the source's
-full keys (``T · kv_dim`` multiply-adds per step, as its own attention does); a trained
-indexer would read narrower keys it stores itself.
+Prefill (more than one new position) is the dense store's (the indexer keys of the prompt
+are written then).  While ``k + window`` covers the context the step is the dense one, bit
+for bit.  The bytes held are the dense store's plus the indexer keys (the window's entries
+are re-adapted at each step rather than cached).
 
 Limits: the dense store's (unpadded batches, no beam search), and no sliding-window source
 or target (SmolLM2 and Qwen3.5-4B have none in their plans).
@@ -29,14 +34,15 @@ or target (SmolLM2 and Qwen3.5-4B have none in their plans).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from ..maps.indexer import LightningIndexer, key_format
 from ..model_utils import attention, rotary
 from .attention_calls import AttentionCalls
-from .shared_kv import SharedKVCache, _SharedStore
+from .shared_kv import SharedKVCache, TokenStore, _SharedStore
 from .sparse_attention import index_scores
 
 
@@ -53,36 +59,52 @@ class SparseDecode:
                              f"itself); got k={self.k}, window={self.window}")
 
 
-def select(query: torch.Tensor, key: torch.Tensor, reads: SparseDecode) -> torch.Tensor | None:
-    """Positions a target reads at one decode step, ``(B, k + window)`` ascending; ``None`` when that is all of them.
+def select(scores: torch.Tensor, n: int, reads: SparseDecode) -> torch.Tensor:
+    """Positions a reader reads at one decode step, ``(B, k + window)`` ascending.
 
-    ``query`` ``(B, H, 1, d)`` and ``key`` ``(B, n_kv, T, d)`` are the source's attention
-    inputs (post-RoPE).  The ``k`` best of the positions before the window, by
-    :func:`~ced_csa2.runtime.sparse_attention.index_scores`, then the window's ``T - window .. T - 1``.
+    ``scores`` ``(B, n - window)`` rank the positions before the window (``n`` cached
+    positions, the new one included); the ``k`` best, then the window's ``n - window .. n - 1``.
     """
-    n = key.shape[2]
-    if reads.k + reads.window >= n:
-        return None
-    older = n - reads.window
-    scores = index_scores(query, key[:, :, :older])[:, 0]  # (B, older)
     top = scores.topk(reads.k, dim=-1).indices.sort(dim=-1).values
-    recent = torch.arange(older, n, device=key.device).expand(key.shape[0], -1)
+    recent = torch.arange(n - reads.window, n, device=scores.device).expand(scores.shape[0], -1)
     return torch.cat([top, recent], dim=-1)
 
 
 class _SparseStore(_SharedStore):
-    """The shared store, read at the selected positions only by the targets at a sparse decode step."""
+    """The shared store, read at the selected positions only at a sparse decode step; with an indexer, its keys too."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, reads: SparseDecode, indexer: LightningIndexer | None):
         super().__init__(*args)
-        # (B, n) positions of this forward's sparse step, set by the source's attention call;
-        # None: the targets read every position (prefill, or a context the reads cover).
+        self.reads, self.indexer = reads, indexer
+        self.index_keys = TokenStore(key_format(indexer.head_dim)) if indexer is not None else None
+        self.x: torch.Tensor | None = None  # the source's attention input of this forward (the indexer's queries)
+        # (B, k + window) positions of this forward's sparse step: set by the source (its indexer, or the
+        # oracle at its attention call); None: every reader reads every position.
         self.selection: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + (self.index_keys.nbytes if self.index_keys is not None else 0)
+
+    def covered(self) -> bool:
+        """Whether ``k + window`` reaches every cached position (the step is then the dense one)."""
+        return self.reads.k + self.reads.window >= self.seen
+
+    def write(self, new: int, update_kwargs: dict) -> None:
+        if self.indexer is not None and self.captured is not None and self.plan.source in self.captured["k"]:
+            k = self.captured["k"][self.plan.source]
+            positions = torch.arange(self.seen, self.seen + new, device=k.device)[None]
+            cos, sin = rotary(self.model, self.plan.source, k, positions)
+            with torch.no_grad():
+                self.index_keys.append(self.indexer.keys(k, cos, sin))
+        super().write(new, update_kwargs)
 
     def _entries(self, layer: int, new: int, step: dict):
         if layer == self.plan.source:
-            self.selection = None  # a new forward: the source's attention call selects again
-        if layer == self.plan.source or self.selection is None:
+            self.selection = None  # a new forward: the source selects again
+            if self.indexer is not None and new == 1 and not self.covered():
+                self.selection = self._indexed()
+        if self.selection is None:
             return super()._entries(layer, new, step)
         at = self.selection
         width = step["k"].shape[-1]
@@ -90,6 +112,20 @@ class _SparseStore(_SharedStore):
         v = step["v"].gather(1, at[..., None].expand(-1, -1, width))
         cos, sin = rotary(self.model, layer, k, at)
         return k, v, cos, sin
+
+    @torch.no_grad()
+    def _indexed(self) -> torch.Tensor:
+        """The trained indexer's selection for the one new position."""
+        n, older = self.seen, self.seen - self.reads.window
+        at = torch.full((self.x.shape[0], 1), n - 1, device=self.x.device)
+        queries, weights = self.indexer.queries(self.x, *rotary(self.model, self.plan.source, self.x, at))
+        keys = self.index_keys.read()[:, :older]
+        return select(LightningIndexer.scores(queries, weights, keys)[:, 0], n, self.reads)
+
+    def clear(self) -> None:
+        super().clear()
+        if self.index_keys is not None:
+            self.index_keys.clear()
 
 
 class SparseSharedKVCache(SharedKVCache):
@@ -109,29 +145,42 @@ class SparseSharedKVCache(SharedKVCache):
     ...     out = greedy_generate(model, ids, 32, cache)
     """
 
-    def __init__(self, model, plan, group, parts=None, storage: str = "bf16", *, reads: SparseDecode):
+    def __init__(self, model, plan, group, parts=None, storage: str = "bf16", *, reads: SparseDecode,
+                 indexer: LightningIndexer | None = None):
+        self.reads, self.indexer = reads, indexer
         super().__init__(model, plan, group, parts, storage)
         geo = self._store.geo
         sliding = [la for la in (plan.source, *plan.targets) if geo.window(la) is not None]
         if sliding:
             raise NotImplementedError(f"sparse decode keeps no sliding windows; layers {sliding} of the plan have one")
-        self.reads = reads
-        self._calls = AttentionCalls(attention(model, plan.source), "the sparse decode drops the targets' masks")
+        self._calls = AttentionCalls(attention(model, plan.source), "the sparse decode drops the readers' masks")
         self._modules = {attention(model, la): la for la in (plan.source, *plan.targets)}
 
     def _make_store(self, *args) -> _SparseStore:
-        return _SparseStore(*args)
+        return _SparseStore(*args, reads=self.reads, indexer=self.indexer)
 
     def _attend(self, original, module, query, key, value, attention_mask, *args, **kwargs):
         layer, store = self._modules.get(module), self._store
-        if layer == self.plan.source and query.shape[2] == 1:
-            store.selection = select(query, key, self.reads)
-        elif layer is not None and layer != self.plan.source and store.selection is not None:
+        if layer is None:
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        if layer == self.plan.source and store.indexer is None and query.shape[2] == 1 and not store.covered():
+            # The oracle ranks by the source's own logits: its keys (every position, post-RoPE) are here.
+            older = key.shape[2] - self.reads.window
+            store.selection = select(index_scores(query, key[:, :, :older])[:, 0], key.shape[2], self.reads)
+        elif store.selection is not None:
             attention_mask = None  # one unpadded query sees every entry it was handed
         return original(module, query, key, value, attention_mask, *args, **kwargs)
 
     @contextmanager
     def feed(self) -> Iterator[SparseSharedKVCache]:
-        """The store's hooks and the targets' sparse reads; both always removed."""
-        with super().feed(), self._calls.routed(self._attend):
+        """The store's hooks, the readers' sparse reads and (with an indexer) its query input; all always removed."""
+        store = self._store
+        with ExitStack() as stack:
+            stack.enter_context(super().feed())
+            stack.enter_context(self._calls.routed(self._attend))
+            if self.indexer is not None:
+                hook = attention(store.model, self.plan.source).k_proj.register_forward_hook(
+                    lambda mod, inp, out: setattr(store, "x", inp[0]))
+                stack.callback(hook.remove)
+                stack.callback(setattr, store, "x", None)
             yield self

@@ -1,0 +1,196 @@
+"""Training lightning indexers to imitate the frozen model's attention, and scoring them against the oracle.
+
+:func:`attention_samples` runs the frozen model once over token sequences and keeps, per
+layer, what an indexer reads and what it must imitate -- at ``rows`` sampled query
+positions per sequence (every row of a ``T``-token sequence would hold ``T²`` floats per
+layer):
+
+* ``x`` -- the layer's attention input at those rows (``k_proj``'s input);
+* ``k`` -- its pre-RoPE keys at every position (``k_proj``'s output);
+* ``target`` -- its attention at those rows, averaged over its heads;
+* ``oracle`` -- the oracle indexer's scores there (:func:`~ced_csa2.runtime.sparse_attention.index_scores`).
+
+:func:`fit` trains a :class:`~ced_csa2.maps.indexer.LightningIndexer` on one layer's samples
+(AdamW, warm-up + cosine, seeded); :func:`evaluate` gives its held-out KL and its recall
+of the oracle's top-``k`` outside the local window (what the sparse reads select from).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ..ced_runtime import _rope_fn
+from ..maps.indexer import IndexerConfig, LightningIndexer, indexer_loss
+from ..model_utils import Geometry, attention, rotary
+from ..runtime.attention_calls import AttentionCalls
+from ..runtime.sparse_attention import index_scores
+from .training import warmup_cosine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerSamples:
+    """One layer's samples over ``N`` sequences of ``T`` tokens, ``R`` rows each (float32, CPU)."""
+
+    rows: torch.Tensor    # (N, R) the sampled query positions, ascending
+    x: torch.Tensor       # (N, R, hidden) attention inputs at the rows
+    k: torch.Tensor       # (N, T, kv_dim) pre-RoPE keys of every position
+    target: torch.Tensor  # (N, R, T) attention averaged over heads (0 beyond each row)
+    oracle: torch.Tensor  # (N, R, T) oracle scores (-inf beyond each row)
+    cos: torch.Tensor     # (1, T, rot) the layer's RoPE at positions 0..T-1
+    sin: torch.Tensor
+
+
+def sample_rows(length: int, rows: int, first: int, rng: np.random.Generator | None) -> torch.Tensor:
+    """``rows`` ascending positions in ``first .. length - 1``: seeded uniform draws, or evenly spaced without ``rng``."""
+    if not 0 <= first < length:
+        raise ValueError(f"rows start at {first}: outside a {length}-token sequence")
+    n = min(rows, length - first)
+    if rng is None:
+        return torch.linspace(first, length - 1, n).round().long().unique()
+    return torch.from_numpy(np.sort(rng.choice(np.arange(first, length), size=n, replace=False)))
+
+
+def _head_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, rows: torch.Tensor):
+    """Head-averaged attention and oracle scores ``(B, R, T)`` of the query ``rows`` (causal, unpadded)."""
+    b, h, _, d = query.shape
+    n_kv, t = key.shape[1], key.shape[2]
+    q = query[:, :, rows].float()
+    k = key.float().repeat_interleave(h // n_kv, dim=1)
+    future = torch.arange(t, device=key.device)[None] > rows[:, None]  # (R, T)
+    logits = (q @ k.transpose(-1, -2) * module.scaling).masked_fill(future, float("-inf"))
+    oracle = index_scores(query[:, :, rows], key).masked_fill(future, float("-inf"))
+    return logits.softmax(-1).mean(1), oracle
+
+
+@torch.no_grad()
+def attention_samples(model: nn.Module, geo: Geometry, layers: Sequence[int], sequences: Sequence[Sequence[int]],
+                      rows: int, first_row: int, seed: int | None) -> dict[int, LayerSamples]:
+    """Run ``model`` over ``sequences`` (equal lengths) and keep each layer's :class:`LayerSamples`.
+
+    ``seed`` draws ``rows`` random rows per sequence in ``first_row ..``; ``None`` spaces
+    them evenly (the held-out evaluation).  Refuses sliding-window layers (no plan here has one).
+    """
+    sliding = [la for la in layers if geo.window(la) is not None]
+    if sliding:
+        raise NotImplementedError(f"indexer samples assume full causal attention; layers {sliding} slide")
+    lengths = {len(s) for s in sequences}
+    if len(lengths) != 1:
+        raise ValueError(f"attention_samples takes sequences of one length, got lengths {sorted(lengths)}")
+    rng = None if seed is None else np.random.default_rng(seed)
+    modules = {attention(model, la): la for la in layers}
+    device = next(model.parameters()).device
+    kept = {la: {"rows": [], "x": [], "k": [], "target": [], "oracle": []} for la in layers}
+    this: dict = {}
+
+    def attend(original, module, query, key, value, attention_mask, *args, **kwargs):
+        layer = modules.get(module)
+        if layer is not None:
+            target, oracle = _head_attention(module, query, key, this["rows"].to(key.device))
+            kept[layer]["target"].append(target.cpu())
+            kept[layer]["oracle"].append(oracle.cpu())
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+
+    def k_proj_hook(layer):
+        def hook(mod, inp, out):
+            kept[layer]["x"].append(inp[0][:, this["rows"].to(out.device)].float().cpu())
+            kept[layer]["k"].append(out.float().cpu())
+        return hook
+
+    with ExitStack() as stack:
+        stack.enter_context(AttentionCalls(next(iter(modules)), "sampling attention for the indexer").routed(attend))
+        for la in layers:
+            stack.callback(attention(model, la).k_proj.register_forward_hook(k_proj_hook(la)).remove)
+        for ids in tqdm(sequences, desc="indexer samples", unit="seq"):
+            this["rows"] = sample_rows(len(ids), rows, first_row, rng)
+            for la in layers:
+                kept[la]["rows"].append(this["rows"][None])
+            model.model(input_ids=torch.tensor([list(ids)], device=device), use_cache=False)
+    length = lengths.pop()
+    positions = torch.arange(length, device=device)[None]
+    out = {}
+    for la in layers:
+        cos, sin = (c.float().cpu() for c in rotary(model, la, torch.zeros(1, device=device), positions))
+        out[la] = LayerSamples(**{name: torch.cat(v) for name, v in kept[la].items()}, cos=cos, sin=sin)
+    return out
+
+
+def new_indexer(model: nn.Module, geo: Geometry, layer: int, cfg: IndexerConfig, seed: int) -> LightningIndexer:
+    """A float32 indexer for ``layer``, its init drawn from ``seed``."""
+    torch.manual_seed(seed)
+    return LightningIndexer(geo.hidden_size, geo.kv_dim, geo.head_dim, cfg.heads, _rope_fn(attention(model, layer)))
+
+
+def _batch_loss(indexer: LightningIndexer, s: LayerSamples, idx: torch.Tensor, window: int) -> torch.Tensor:
+    """KL over the entries older than the local ``window`` (the window is always read: only those are ranked)."""
+    rows = s.rows[idx]
+    keys = indexer.keys(s.k[idx], s.cos, s.sin)
+    queries, weights = indexer.queries(s.x[idx], s.cos[0, rows], s.sin[0, rows])
+    older = torch.arange(s.k.shape[1])[None, None] <= rows[..., None] - window
+    target = s.target[idx] * older
+    target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
+    return indexer_loss(LightningIndexer.scores(queries, weights, keys), target, older)
+
+
+def fit(indexer: LightningIndexer, samples: LayerSamples, cfg: IndexerConfig, window: int, seed: int) -> list[float]:
+    """Train ``indexer`` in place on ``samples`` for ``cfg.steps`` AdamW steps; the per-step training loss.
+
+    The loss is KL(attention ‖ softmax of the scores) over each row's entries older than ``window``,
+    the attention renormalised over them (:func:`_batch_loss`).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(indexer.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(cfg.steps, 0.05))
+    n, losses = samples.k.shape[0], []
+    for _ in range(cfg.steps):
+        idx = torch.randperm(n, generator=gen)[:cfg.batch]
+        loss = _batch_loss(indexer, samples, idx, window)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+@torch.no_grad()
+def held_out_kl(indexer: LightningIndexer, samples: LayerSamples, window: int) -> float:
+    """Mean per-row KL of :func:`fit`'s loss over every sequence of ``samples``."""
+    n = samples.k.shape[0]
+    return float(np.mean([_batch_loss(indexer, samples, torch.tensor([i]), window).item() for i in range(n)]))
+
+
+@torch.no_grad()
+def recall(indexer: LightningIndexer, samples: LayerSamples, ks: Sequence[int], window: int) -> dict[int, float]:
+    """Mean ``|top-k(indexer) ∩ top-k(oracle)| / k`` over the rows, among entries older than the ``window``.
+
+    Rows with fewer than ``k`` such entries are left out of that ``k``'s mean.
+    """
+    hits = {k: [] for k in ks}
+    t = samples.k.shape[1]
+    for i in range(samples.k.shape[0]):
+        rows = samples.rows[i]
+        keys = indexer.keys(samples.k[i:i + 1], samples.cos, samples.sin)
+        q, w = indexer.queries(samples.x[i:i + 1], samples.cos[0, rows][None], samples.sin[0, rows][None])
+        older = torch.arange(t)[None] <= rows[:, None] - window  # (R, T)
+        mine = LightningIndexer.scores(q, w, keys)[0].masked_fill(~older, float("-inf"))
+        oracle = samples.oracle[i].masked_fill(~older, float("-inf"))
+        n_older = older.sum(-1)
+        for k in ks:
+            ok = n_older >= k
+            if not ok.any():
+                continue
+            picked = torch.zeros(int(ok.sum()), t, dtype=torch.bool)
+            picked.scatter_(1, mine[ok].topk(k, -1).indices, True)
+            both = picked.gather(1, oracle[ok].topk(k, -1).indices).sum(-1)
+            hits[k].extend((both.float() / k).tolist())
+    return {k: float(np.mean(v)) if v else None for k, v in hits.items()}
