@@ -19,6 +19,9 @@ leaves its cache's hooks: microseconds against a step).  Caches:
   :class:`~ced_csa2.runtime.sparse_decode.SparseSharedKVCache`: the same store, the targets reading
   only the newest ``window`` positions and the source's top-``k`` (oracle indexer) at each step,
   their adapters run on those entries only (``--sparse K:WINDOW ...``);
+* ``... k{k}+w{window} indexed`` -- the same with the trained lightning indexer of ``--indexer``
+  (``studies/indexer/wide.pt``; random weights of its shape when absent: the timing depends on
+  shapes only): its MXFP4 keys in the store, the source reading its selection too;
 * ``baseline / fp4-{format}`` -- :class:`~ced_csa2.runtime.shared_kv.FP4KVCache`: every layer's
   K/V in FP4, no sharing (the cost of FP4 alone).
 
@@ -40,11 +43,12 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_parts
+from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn, load_parts
 from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.kv.kv_bytes import bytes_per_token
-from ced_csa2.model_utils import geometry, load_model_and_tokenizer
+from ced_csa2.maps.indexer import IndexerConfig, LightningIndexer, key_bytes, load_indexer
+from ced_csa2.model_utils import attention, geometry, load_model_and_tokenizer
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import LayerPlan
 from ced_csa2.projector import KVProjector
@@ -57,6 +61,7 @@ from ced_csa2.runtime.shared_kv import (
     kv_held_bytes,
 )
 from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
+from ced_csa2.train.indexer_training import new_indexer
 
 
 def maps(models_dir: Path, plan: LayerPlan, geo, params, model) -> tuple[CEDParts, str]:
@@ -73,7 +78,17 @@ def maps(models_dir: Path, plan: LayerPlan, geo, params, model) -> tuple[CEDPart
     return CEDParts(projector, adapters), f"RANDOM maps (no {files[0].name} + {files[1].name} in {models_dir}/)"
 
 
-def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, sparse: list[SparseDecode]):
+def indexer_for(path: Path, model, plan: LayerPlan, geo, params) -> tuple[LightningIndexer, str]:
+    """The trained indexer of ``path`` if present, else a random narrow one (IndexerConfig defaults)."""
+    rope = _rope_fn(attention(model, plan.source))
+    model_id = params.model.hf_id or params.model.name
+    if path.is_file():
+        return load_indexer(path, rope, expect={"model_id": model_id, "layer": plan.source}), f"trained indexer {path}"
+    return new_indexer(model, geo, plan.source, IndexerConfig(), seed=0), f"RANDOM indexer (no {path})"
+
+
+def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, sparse: list[SparseDecode],
+          indexer: LightningIndexer):
     """``(label, accounting (group, storage), make_cache, context)`` for each cache to compare."""
     config = model.config
     yield ("baseline / dynamic", ("baseline", "bf16"), lambda: DynamicCache(config=config),
@@ -87,6 +102,10 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, spars
         for reads in sparse:
             yield (f"{group} / shared-{storage} k{reads.k}+w{reads.window}", (group, storage),
                    lambda s=storage, r=reads: SparseSharedKVCache(model, plan, group, parts, s, reads=r),
+                   lambda cache: cache.feed())
+            yield (f"{group} / shared-{storage} k{reads.k}+w{reads.window} indexed", (group, storage, indexer),
+                   lambda s=storage, r=reads: SparseSharedKVCache(model, plan, group, parts, s, reads=r,
+                                                                  indexer=indexer),
                    lambda cache: cache.feed())
     for fmt in fp4_formats:
         yield (f"baseline / fp4-{fmt}", ("baseline", fmt), lambda f=fmt: FP4KVCache(config, f),
@@ -125,6 +144,7 @@ def main() -> None:
                     help="sparse decode reads of the shared stores (none: dense stores only)")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--models-dir", type=Path, default=Path("models"))
+    ap.add_argument("--indexer", type=Path, default=Path("studies/indexer/wide.pt"))
     ap.add_argument("--dtype", default=None, help="model dtype (default: params.model.dtype)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -136,10 +156,11 @@ def main() -> None:
     geo = geometry(model.config)
     plan = LayerPlan.from_config(params.plan).validate(geo)
     parts, note = maps(args.models_dir, plan, geo, params, model)
+    indexer, indexer_note = indexer_for(args.indexer, model, plan, geo, params)
     dtype = next(model.parameters()).dtype
     dtype_bytes = torch.finfo(dtype).bits // 8
     print(f"{params.model.name} {dtype} on {args.device} ({torch.get_num_threads()} threads); plan split "
-          f"{plan.split} source {plan.source} targets {list(plan.targets)}; batch {args.batch}; {note}")
+          f"{plan.split} source {plan.source} targets {list(plan.targets)}; batch {args.batch}; {note}; {indexer_note}")
     print(f"'bf16' storage = the model dtype ({dtype}); median of {args.steps} decode steps after one warm-up, "
           "the caches' steps alternated")
     header = (f"{'context':>7}  {'cache':<34} {'ms/step':>8} {'x ref':>6} {'held MiB':>9} "
@@ -151,14 +172,15 @@ def main() -> None:
         ref_ms = ref_bytes = None
         runs, accounting = {}, {}
         for label, acc, make_cache, ctx in cases(model, plan, args.group, parts, args.storages, args.fp4_baselines,
-                                                   sparse):
+                                                   sparse, indexer):
             runs[label], accounting[label] = Decoder(model, make_cache(), ctx), acc
             runs[label].prefill(ids)
         seconds = paired_seconds({label: d.step for label, d in runs.items()}, args.steps, device=args.device).seconds
-        for label, (acc_group, acc_storage) in accounting.items():
+        for label, (acc_group, acc_storage, *with_indexer) in accounting.items():
             cache, ms = runs[label].cache, 1e3 * seconds[label]
             held = kv_held_bytes(cache)
             per_token = bytes_per_token(accounted_copies(geo, plan, acc_group, acc_storage, dtype_bytes))
+            per_token += key_bytes(with_indexer[0].key_width) if with_indexer else 0
             accounted = per_token * args.batch * cache.get_seq_length()
             ref_ms, ref_bytes = ref_ms or ms, ref_bytes or held
             print(f"{context:>7}  {label:<34} {ms:>8.2f} {ms / ref_ms:>6.2f} {held / 2**20:>9.2f} "

@@ -46,7 +46,7 @@ import yaml
 
 from ced_csa2.ced_runtime import CEDModeBRuntime, load_parts
 from ced_csa2.config import Params, from_dict, load_params
-from ced_csa2.data.records import read_records
+from ced_csa2.data.joined import joined_sequences
 from ced_csa2.eval.perplexity import agreement
 from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_deltas
@@ -99,15 +99,6 @@ def group_modes(study: Study, plan: LayerPlan, geo: Geometry) -> dict[str, Layer
             for name, spec in study.groups.items()}
 
 
-def joined_sequences(tok, context: int, n: int, workdir: Path) -> list[list[int]]:
-    """The first ``n`` consecutive ``context``-token sequences of the eval records joined in file order."""
-    text = "\n\n".join(r["text"] for r in read_records(workdir / EVAL_JSONL))
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    if len(ids) < n * context:
-        raise ValueError(f"the eval records hold {len(ids)} tokens: fewer than {n} sequences of {context}")
-    return [ids[i * context:(i + 1) * context] for i in range(n)]
-
-
 def _ppl(v: np.ndarray) -> dict:
     total, n = v[:, :2].sum(0)
     return {"ppl": math.exp(total / n), "nll_per_token": total / n, "tokens": int(n)}
@@ -147,7 +138,7 @@ def run(params: Params, study: Study, workdir: Path = Path("."), *, model_and_to
     device = resolve_device(params.eval_ppl.device)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
     parts = parts or load_parts(workdir / MODELS, params, plan, geo, device=device, extra_sources=False)
-    seqs = joined_sequences(tok, study.context, study.sequences, workdir)
+    seqs = joined_sequences(tok, workdir / EVAL_JSONL, study.context, study.sequences)
     # One sparse group per (group, k), each counting its own selections across the sequences.
     stats: dict[str, SelectionStats] = {}
     labels: dict[str, tuple[str, int]] = {}

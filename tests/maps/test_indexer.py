@@ -86,7 +86,7 @@ def test_samples_are_the_layer_s_head_averaged_attention_and_its_inputs(llama_sa
     assert torch.isinf(s.oracle[0, 0, int(rows[0]) + 1:]).all()
 
 
-CFG = IndexerConfig(heads=2, steps=150, lr=1e-2, rows=48, batch=4)
+CFG = IndexerConfig(heads=2, steps=150, lr=1e-2, batch=4)
 
 
 def test_training_lowers_the_held_out_kl_on_the_tiny_llama(llama_samples):
@@ -135,3 +135,38 @@ def test_recall_counts_the_oracle_s_top_k_among_the_older_entries(llama_samples)
             fractions.append(len(a & b) / k)
     assert got == pytest.approx(np.mean(fractions), abs=1e-6)  # recall averages float32 fractions
     assert 0 < got < 1
+
+
+def test_init_from_attention_starts_at_the_oracle_clipped_per_kv_head(llama_samples):
+    model, geo, _, held, seqs = llama_samples
+    cfg = IndexerConfig(heads=geo.n_kv_heads, key_heads=geo.n_kv_heads, init="attention")
+    indexer = it.new_indexer(model, geo, 3, cfg, seed=0)
+    attn = attention(model, 3)
+    captured = {}
+    hook = attn.k_proj.register_forward_hook(lambda m, i, o: captured.update(x=i[0], k=o))
+    with torch.no_grad():
+        model(torch.tensor([seqs[8]]))
+    hook.remove()
+    x, k = captured["x"], captured["k"]
+    n = x.shape[1]
+    cos, sin = rotary(model, 3, x, torch.arange(n)[None])
+    q = attn.q_proj(x).view(1, n, -1, geo.head_dim).transpose(1, 2)
+    kh = k.view(1, n, -1, geo.head_dim).transpose(1, 2)
+    q, kh = _rope_fn(attn)(q, kh, cos, sin)
+    group = q.shape[1] // kh.shape[1]
+    per_kv = torch.einsum("bgqd,bgkd->bgqk", q.view(1, kh.shape[1], group, n, -1).sum(2), kh)  # (1, n_kv, n, n)
+    with torch.no_grad():
+        got = LightningIndexer.scores(*indexer.queries(x, cos, sin), indexer.keys(k, cos, sin))
+    torch.testing.assert_close(got, per_kv.relu().sum(1), rtol=1e-4, atol=1e-4)
+    r = it.recall(indexer, held[3], [8], 4)[8]
+    assert r > 0.8  # the oracle up to the per-KV-head clipping (a random init: ~0.1)
+    with pytest.raises(ValueError, match="heads = key_heads = n_kv_heads"):
+        it.new_indexer(model, geo, 3, IndexerConfig(heads=4, key_heads=geo.n_kv_heads, init="attention"), seed=0)
+
+
+def test_init_from_attention_refuses_a_gated_normed_attention(tiny_model):
+    model = tiny_model[0]
+    geo = geometry(model.config)
+    cfg = IndexerConfig(heads=geo.n_kv_heads, key_heads=geo.n_kv_heads, init="attention")
+    with pytest.raises(ValueError, match="plain q/k projections"):
+        it.new_indexer(model, geo, geo.attention_layers[0], cfg, seed=0)

@@ -151,7 +151,7 @@ def test_with_an_indexer_every_reader_reads_the_window_and_the_indexer_s_top_k(s
     n = k.shape[1]
     with torch.no_grad():
         cos, sin = rotary(model, plan.source, k, torch.arange(n)[None])
-        fmt = key_format(indexer.head_dim)
+        fmt = key_format(indexer.key_width)
         keys = fmt.dequantize(fmt.quantize(indexer.keys(k, cos, sin)), torch.float32)
         q, w = indexer.queries(x[:, -1:], cos[:, -1:], sin[:, -1:])
         scores = torch.einsum("bh,bhk->bk", w[:, :, 0], (q[:, :, 0, None] * keys[:, None]).sum(-1).relu())
@@ -166,5 +166,5 @@ def test_with_an_indexer_every_reader_reads_the_window_and_the_indexer_s_top_k(s
     dense_bytes = SharedKVCache(model, plan, "csa2", parts)
     with dense_bytes.feed(), torch.no_grad():
         model(input_ids=torch.cat([prompt, prompt[:, :1]], 1), cache=dense_bytes, use_cache=True)
-    assert cache.held_bytes() == dense_bytes.held_bytes() + prompt.shape[0] * n * key_bytes(indexer.head_dim)
+    assert cache.held_bytes() == dense_bytes.held_bytes() + prompt.shape[0] * n * key_bytes(indexer.key_width)
     assert untouched(model)

@@ -27,45 +27,53 @@ unchanged (Qwen3.5's partial rotary included).  The careful choices the seed lea
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..kv.fp4 import MXFP4
 from ..kv.kv_bytes import fp4_entry_bytes
+from ..pipeline.checkpoint import load_checkpoint, load_state, save_checkpoint
 
 KEY_FORMAT_GROUP = 32  # MXFP4: one E8M0 scale per 32 channels
+KIND = "indexer"
+REQUIRED_META = ("model_id", "layer", "seed", "provenance")
 
 
 @dataclass(frozen=True)
 class IndexerConfig:
     """Shape and training recipe of one layer's indexer (not fixed by the seed: our choices).
 
-    ``heads`` 4 indexer heads (V4.1 uses 64 of width 128 on a model 30x wider); AdamW at
-    ``lr`` with a cosine schedule for ``steps`` over ``rows`` sampled query rows per sequence.
+    ``heads`` indexer heads (V4.1 uses 64 of width 128 on a model 30x wider), keys ``key_heads``
+    heads wide, started at random or at the oracle (``init``); AdamW at ``lr``
+    (no weight decay), 5% warm-up then cosine, ``steps`` steps of ``batch`` sequences.
     """
 
     heads: int = 4
+    key_heads: int = 1  # key width in heads (LightningIndexer)
+    init: str = "random"  # or "attention": LightningIndexer.init_from_attention
     steps: int = 300
     lr: float = 3e-3
-    rows: int = 256
     batch: int = 4  # sequences per step
 
     def __post_init__(self):
-        if min(self.heads, self.steps, self.rows, self.batch) < 1 or not self.lr > 0:
-            raise ValueError(f"indexer: heads, steps, rows and batch must be >= 1 and lr > 0, got {self}")
+        if min(self.heads, self.key_heads, self.steps, self.batch) < 1 or not self.lr > 0:
+            raise ValueError(f"indexer: heads, key_heads, steps and batch must be >= 1 and lr > 0, got {self}")
+        if self.init not in ("random", "attention"):
+            raise ValueError(f"indexer.init must be 'random' or 'attention', got {self.init!r}")
 
 
-def key_format(head_dim: int) -> MXFP4:
-    """MXFP4 of the indexer keys: 32-channel blocks, or one block per key when ``head_dim`` is narrower (tiny models)."""
-    return MXFP4(group=min(KEY_FORMAT_GROUP, head_dim))
+def key_format(width: int) -> MXFP4:
+    """MXFP4 of ``width``-channel indexer keys: 32-channel blocks, or one block per key when narrower (tiny models)."""
+    return MXFP4(group=min(KEY_FORMAT_GROUP, width))
 
 
-def key_bytes(head_dim: int) -> int:
-    """Bytes per token of one indexer key in :func:`key_format` (``head_dim/2 + head_dim/group``)."""
-    return fp4_entry_bytes(head_dim, key_format(head_dim).group)
+def key_bytes(width: int) -> int:
+    """Bytes per token of one ``width``-channel indexer key in :func:`key_format` (``width/2 + width/group``)."""
+    return fp4_entry_bytes(width, key_format(width).group)
 
 
 class LightningIndexer(nn.Module):
@@ -77,34 +85,73 @@ class LightningIndexer(nn.Module):
         The layer's attention input width, its ``k_proj`` output width and head width.
     heads
         Indexer heads.
+    key_heads
+        The key's width in heads: ``key_heads · head_dim`` channels, each ``head_dim`` slice
+        rotated as the layer rotates a head (1: V4.1's one narrow key; the layer's own
+        ``n_kv_heads``: as wide as its keys, what :meth:`init_from_attention` needs).
     rope
         The model's ``apply_rotary_pos_emb(q, k, cos, sin)`` (the one its attention calls).
     """
 
-    def __init__(self, hidden: int, kv_dim: int, head_dim: int, heads: int, rope: Callable, *,
+    def __init__(self, hidden: int, kv_dim: int, head_dim: int, heads: int, rope: Callable, *, key_heads: int = 1,
                  device=None, dtype=None):
         super().__init__()
-        self.heads, self.head_dim, self._rope = heads, head_dim, rope
-        kw = {"bias": False, "device": device, "dtype": dtype}
-        self.q = nn.Linear(hidden, heads * head_dim, **kw)
-        self.k = nn.Linear(kv_dim, head_dim, **kw)
+        self.heads, self.key_heads, self.head_dim, self._rope = heads, key_heads, head_dim, rope
+        kw = {"device": device, "dtype": dtype}
+        self.q = nn.Linear(hidden, heads * key_heads * head_dim, bias=False, **kw)
+        self.k = nn.Linear(kv_dim, key_heads * head_dim, bias=False, **kw)
         self.w = nn.Linear(hidden, heads, **kw)
         # PyTorch's default init, with the head weights scaled so that the initial scores are O(1)
         # whatever the width: the softmax of the loss starts near uniform, not saturated.
         with torch.no_grad():
-            self.w.weight.mul_(1 / math.sqrt(heads * head_dim))
+            self.w.weight.mul_(1 / math.sqrt(heads * key_heads * head_dim))
+            self.w.bias.zero_()
+
+    @property
+    def key_width(self) -> int:
+        return self.key_heads * self.head_dim
+
+    @torch.no_grad()
+    def init_from_attention(self, attn: nn.Module, n_heads: int, n_kv_heads: int) -> LightningIndexer:
+        """Start at the oracle: head ``g`` sums the query heads of KV head ``g``, the key is the layer's own.
+
+        Then ``s(t, j) = Σ_g ReLU(Σ_{h ∈ g} q_h(t) · k_g(j))``: the oracle's score
+        (:func:`~ced_csa2.runtime.sparse_attention.index_scores`) with each KV head's part
+        clipped at 0.  Needs ``heads == key_heads == n_kv_heads`` and an attention whose queries
+        and keys are plain projections (no bias, no q_norm/k_norm, no gate: Llama, SmolLM2).
+        """
+        plain = (getattr(attn, "q_proj", None) is not None and attn.q_proj.bias is None
+                 and attn.k_proj.bias is None and not hasattr(attn, "q_norm") and not hasattr(attn, "k_norm")
+                 and attn.q_proj.out_features == n_heads * self.head_dim)
+        if not plain or self.heads != n_kv_heads or self.key_heads != n_kv_heads:
+            raise ValueError(f"init from attention needs heads = key_heads = n_kv_heads ({n_kv_heads}; got "
+                             f"{self.heads}, {self.key_heads}) and plain q/k projections without bias, norms or "
+                             f"gate ({type(attn).__name__} has {'them' if not plain else 'none'})")
+        d, group = self.head_dim, n_heads // n_kv_heads
+        wq = attn.q_proj.weight.view(n_kv_heads, group, d, -1).sum(1)  # (n_kv, d, hidden): summed per KV head
+        self.q.weight.zero_()
+        for g in range(n_kv_heads):
+            rows = slice((g * n_kv_heads + g) * d, (g * n_kv_heads + g + 1) * d)  # head g, key slice g
+            self.q.weight[rows] = wq[g]
+        self.k.weight.copy_(torch.eye(self.key_width))
+        self.w.weight.zero_()
+        self.w.bias.fill_(1.0)
+        return self
+
+    def _rotated(self, x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``(B, T, heads · key_width)`` -> ``(B, heads, T, key_width)``, each ``head_dim`` slice rotated."""
+        b, t, _ = x.shape
+        x = x.view(b, t, heads * self.key_heads, self.head_dim).transpose(1, 2)
+        x = self._rope(x, x[:, :1], cos, sin)[0]
+        return x.view(b, heads, self.key_heads, t, self.head_dim).transpose(2, 3).reshape(b, heads, t, -1)
 
     def keys(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Indexer keys ``(B, T, head_dim)`` of pre-RoPE ``K`` ``(B, T, kv_dim)`` at the positions of ``cos``/``sin``."""
-        key = self.k(k)[:, None]  # (B, 1, T, d): one "head"
-        return self._rope(key, key, cos, sin)[1][:, 0]
+        """Indexer keys ``(B, T, key_width)`` of pre-RoPE ``K`` ``(B, T, kv_dim)`` at the positions of ``cos``/``sin``."""
+        return self._rotated(self.k(k), 1, cos, sin)[:, 0]
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries ``(B, heads, T, head_dim)`` and head weights ``(B, heads, T)`` of attention inputs ``x`` ``(B, T, hidden)``."""
-        b, t, _ = x.shape
-        q = self.q(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        q = self._rope(q, q[:, :1], cos, sin)[0]
-        return q, self.w(x).transpose(1, 2)
+        """Queries ``(B, heads, T, key_width)`` and head weights ``(B, heads, T)`` of attention inputs ``x`` ``(B, T, hidden)``."""
+        return self._rotated(self.q(x), self.heads, cos, sin), self.w(x).transpose(1, 2)
 
     @staticmethod
     def scores(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -123,3 +170,25 @@ def indexer_loss(scores: torch.Tensor, target: torch.Tensor, visible: torch.Tens
     # gradient); the clamp makes 0 · log 0 = 0 for visible entries the target gives no mass.
     log_q = scores.masked_fill(~visible, float("-inf")).log_softmax(-1).masked_fill(~visible, 0.0)
     return (target * (target.clamp_min(1e-30).log() - log_q)).sum(-1).mean()
+
+
+def save_indexer(path: str | Path, indexer: LightningIndexer, meta: Mapping) -> Path:
+    """Write ``indexer`` (FP16) with ``meta`` (:data:`REQUIRED_META`) atomically; its shapes go into the meta."""
+    shapes = {"hidden_size": indexer.q.in_features, "kv_dim": indexer.k.in_features, "head_dim": indexer.head_dim,
+              "heads": indexer.heads, "key_heads": indexer.key_heads}
+    return save_checkpoint(path, KIND, indexer, {**meta, **shapes}, REQUIRED_META)
+
+
+def load_indexer(path: str | Path, rope: Callable, *, expect: Mapping) -> LightningIndexer:
+    """The float32 indexer of ``path`` (eval mode, ``.meta`` attached), after the file's checks and ``expect``'s.
+
+    ``expect`` holds what the model and layer fix (``model_id``, ``layer``, ``hidden_size``,
+    ``kv_dim``, ``head_dim``): a mismatch is refused naming the file and key, before any weight is read.
+    """
+    state, meta = load_checkpoint(path, KIND, expect)
+    indexer = LightningIndexer(meta["hidden_size"], meta["kv_dim"], meta["head_dim"], meta["heads"], rope,
+                               key_heads=meta["key_heads"])
+    load_state(Path(path), indexer, state)
+    indexer.eval().requires_grad_(False)
+    indexer.meta = meta
+    return indexer

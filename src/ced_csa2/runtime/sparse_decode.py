@@ -76,7 +76,7 @@ class _SparseStore(_SharedStore):
     def __init__(self, *args, reads: SparseDecode, indexer: LightningIndexer | None):
         super().__init__(*args)
         self.reads, self.indexer = reads, indexer
-        self.index_keys = TokenStore(key_format(indexer.head_dim)) if indexer is not None else None
+        self.index_keys = TokenStore(key_format(indexer.key_width)) if indexer is not None else None
         self.x: torch.Tensor | None = None  # the source's attention input of this forward (the indexer's queries)
         # (B, k + window) positions of this forward's sparse step: set by the source (its indexer, or the
         # oracle at its attention call); None: every reader reads every position.

@@ -125,9 +125,14 @@ def attention_samples(model: nn.Module, geo: Geometry, layers: Sequence[int], se
 
 
 def new_indexer(model: nn.Module, geo: Geometry, layer: int, cfg: IndexerConfig, seed: int) -> LightningIndexer:
-    """A float32 indexer for ``layer``, its init drawn from ``seed``."""
+    """A float32 indexer for ``layer``: drawn from ``seed``, then started at the oracle if ``cfg.init`` says so."""
     torch.manual_seed(seed)
-    return LightningIndexer(geo.hidden_size, geo.kv_dim, geo.head_dim, cfg.heads, _rope_fn(attention(model, layer)))
+    attn = attention(model, layer)
+    indexer = LightningIndexer(geo.hidden_size, geo.kv_dim, geo.head_dim, cfg.heads, _rope_fn(attn),
+                               key_heads=cfg.key_heads)
+    if cfg.init == "attention":
+        indexer.init_from_attention(attn, model.config.num_attention_heads, geo.n_kv_heads)
+    return indexer
 
 
 def _batch_loss(indexer: LightningIndexer, s: LayerSamples, idx: torch.Tensor, window: int) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""A trained lightning indexer for CSA2's source layer: how well it finds what the oracle would read.
+
+    dvc repro studies/dvc.yaml       # runs: python studies/indexer.py
+
+The sparse decode (:mod:`ced_csa2.runtime.sparse_decode`) reads, at each step, the local
+window plus the top-``k`` older entries its selector picks.  The layer-modes study's
+selector is an oracle (the layer's own attention logits, summed over heads), which needs
+every position's full post-RoPE keys; V4.1's lightning indexer scores narrow keys it keeps
+itself (:mod:`ced_csa2.maps.indexer`).  This study trains one for the plan's source layer on
+the frozen model's attention over the training records (KL to the head-averaged attention
+over the entries older than the window, :func:`ced_csa2.train.indexer_training.fit`) and
+measures, on the layer-modes study's held-out sequences:
+
+* held-out KL before (random init) and after training;
+* recall@k: the share of the oracle's top-``k`` (among the entries older than the window)
+  the indexer's top-``k`` holds, per ``k`` -- the goal is >= 0.9 at 128;
+* what it costs: parameters, training tokens and wall time, key bytes per token (MXFP4)
+  against the KV bytes per token the shared store holds;
+
+for each variant of ``studies/indexer.yaml`` (V4.1's one narrow key from a random start, and
+keys as wide as the layer's started at the oracle).
+
+Every figure is computed from the saved checkpoint (FP16 weights) reloaded, so it is what
+the sparse decode gets.  Writes ``studies/indexer/{variant}.pt``, ``metrics.json``
+and ``indexer.md``.  Params: ``studies/indexer.yaml`` and the root ``params.yaml`` (model, plan, seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from ced_csa2.ced_runtime import _rope_fn
+from ced_csa2.config import from_dict, load_params, provenance
+from ced_csa2.data.joined import joined_sequences
+from ced_csa2.kv.kv_bytes import bytes_per_token, kv_copies
+from ced_csa2.maps.indexer import IndexerConfig, key_bytes, load_indexer, save_indexer
+from ced_csa2.model_utils import attention, load_model_and_tokenizer
+from ced_csa2.pipeline.atomic_files import write_json
+from ced_csa2.pipeline.paths import EVAL_JSONL, TRAIN_JSONL
+from ced_csa2.plan import load_plan
+from ced_csa2.train import indexer_training as it
+
+STUDY_PARAMS = Path("studies/indexer.yaml")
+OUT = Path("studies/indexer")
+log = logging.getLogger("indexer")
+
+
+@dataclass(frozen=True)
+class Sequences:
+    context: int
+    sequences: int
+    rows: int
+    first_row: int
+
+
+@dataclass(frozen=True)
+class Study:
+    train: Sequences
+    held_out: Sequences
+    window: int
+    k: list[int]
+    variants: dict  # {name: IndexerConfig}
+
+
+def load_study(path: Path = STUDY_PARAMS) -> Study:
+    """The study's params, typed and checked (unknown or mistyped keys refused, naming them)."""
+    raw = yaml.safe_load(path.read_text())
+    variants = {name: from_dict(IndexerConfig, spec or {}, f"variants.{name}") for name, spec in raw.pop("variants").items()}
+    study = dataclasses.replace(from_dict(Study, {**raw, "variants": {}}), variants=variants)
+    for name in ("train", "held_out"):
+        s = getattr(study, name)
+        if not 0 <= s.first_row < s.context - study.window or min(s.sequences, s.rows) < 1:
+            raise ValueError(f"{path}: {name} needs 0 <= first_row < context - window and sequences, rows >= 1; "
+                             f"got {s} with window {study.window}")
+    if not study.k or min(study.k) < 1:
+        raise ValueError(f"{path}: k must list values >= 1, got {study.k}")
+    return study
+
+
+def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
+    plan, geo = load_plan(params.plan, params.model)
+    layer = plan.source
+    t0 = time.perf_counter()
+    model, tok = model_and_tok or load_model_and_tokenizer(params.model)
+    # Every variant built first: a recipe the model cannot take (an oracle start on gated attention) is
+    # refused before the samples are drawn.
+    indexers = {name: it.new_indexer(model, geo, layer, cfg, params.seed) for name, cfg in study.variants.items()}
+    train_seqs = joined_sequences(tok, workdir / TRAIN_JSONL, study.train.context, study.train.sequences)
+    held_seqs = joined_sequences(tok, workdir / EVAL_JSONL, study.held_out.context, study.held_out.sequences)
+    train = it.attention_samples(model, geo, [layer], train_seqs, study.train.rows, study.train.first_row,
+                                 seed=params.seed)[layer]
+    held = it.attention_samples(model, geo, [layer], held_seqs, study.held_out.rows, study.held_out.first_row,
+                                seed=None)[layer]
+    model_id = params.model.hf_id or params.model.name
+    rope = _rope_fn(attention(model, layer))
+    results = {}
+    for name, cfg in study.variants.items():
+        indexer = indexers[name]
+        before = {"kl": it.held_out_kl(indexer, held, study.window),
+                  "recall": it.recall(indexer, held, study.k, study.window)}
+        t_fit = time.perf_counter()
+        losses = it.fit(indexer, train, cfg, study.window, params.seed)
+        fit_seconds = time.perf_counter() - t_fit
+        path = save_indexer(workdir / OUT / f"{name}.pt", indexer, {
+            "model_id": model_id, "layer": layer, "seed": params.seed,
+            "provenance": provenance(params, "seed", "model", "plan"), "recipe": dataclasses.asdict(cfg)})
+        saved = load_indexer(path, rope, expect={"model_id": model_id, "layer": layer})
+        after = {"kl": it.held_out_kl(saved, held, study.window),
+                 "recall": it.recall(saved, held, study.k, study.window)}
+        results[name] = {
+            "recipe": dataclasses.asdict(cfg), "before": before, "after": after,
+            "train_loss": {"first_10": float(np.mean(losses[:10])), "last_10": float(np.mean(losses[-10:]))},
+            "parameters": sum(p.numel() for p in saved.parameters()), "fit_seconds": fit_seconds,
+            "key_width": saved.key_width, "key_bytes_per_token": key_bytes(saved.key_width)}
+        log.info("%s: held-out KL %.3f -> %.3f, recall %s -> %s, %.0f s", name, before["kl"], after["kl"],
+                 before["recall"], after["recall"], fit_seconds)
+    return {
+        "protocol": {
+            "model": model_id, "layer": layer, "window": study.window, "k": study.k,
+            "dtype": "float32 (trained in fp32; saved in fp16 and scored from the saved file)",
+            "oracle": "the layer's attention logits summed over its heads",
+            "train": {**dataclasses.asdict(study.train), "data": str(TRAIN_JSONL), "query_rows": int(train.rows.numel()),
+                      "tokens": study.train.context * study.train.sequences},
+            "held_out": {**dataclasses.asdict(study.held_out), "data": str(EVAL_JSONL),
+                         "query_rows": int(held.rows.numel())}},
+        "variants": results,
+        "csa2_kv_bytes_per_token_bf16_all_attention": bytes_per_token(kv_copies(geo, plan, "csa2", "all_attention", 2)),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def markdown(m: dict) -> str:
+    p, ks = m["protocol"], m["protocol"]["k"]
+    lines = [f"Lightning indexers for layer {p['layer']} of {p['model']}, trained on {p['train']['tokens']:,} tokens "
+             f"({p['train']['sequences']} x {p['train']['context']} of {p['train']['data']}, "
+             f"{p['train']['query_rows']:,} query rows); held-out: {p['held_out']['sequences']} x "
+             f"{p['held_out']['context']} tokens of {p['held_out']['data']}, {p['held_out']['query_rows']} query rows "
+             f"at positions >= {p['held_out']['first_row']}. Recall@k: share of the oracle's top-k ({p['oracle']}) "
+             f"among the entries older than the {p['window']}-position window. {p['dtype']}.",
+             "",
+             "| indexer | start | key bytes/token | parameters | fit s | held-out KL | "
+             + " | ".join(f"recall@{k}" for k in ks) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(ks)]
+    for name, v in m["variants"].items():
+        for when in ("before", "after"):
+            r = v[when]
+            start = v["recipe"]["init"] if when == "before" else "trained"
+            lines.append(f"| {name} | {start} | {v['key_bytes_per_token']} | {v['parameters']:,} | "
+                         + (f"{v['fit_seconds']:.0f}" if when == "after" else "") + f" | {r['kl']:.3f} | "
+                         + " | ".join(f"{r['recall'][k]:.3f}" for k in ks) + " |")
+    lines += ["", f"The csa2 cache holds {m['csa2_kv_bytes_per_token_bf16_all_attention']:,} bytes of K/V per token "
+              "(bf16, every attention layer); an indexer adds its key bytes per token."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.manual_seed(0)
+    metrics = run(load_params(Path("params.yaml")), load_study())
+    write_json(OUT / "metrics.json", metrics)
+    (OUT / "indexer.md").write_text(markdown(metrics))
+    log.info("done in %.0f s:\n%s", metrics["seconds"], markdown(metrics))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""studies/indexer.py end to end on the tiny Qwen3.5: checkpoints, figures from the saved files, refusals."""
+
+import json
+import sys
+
+import pytest
+from conftest import ROOT, tiny_params
+
+from ced_csa2.ced_runtime import _rope_fn
+from ced_csa2.data.joined import joined_sequences
+from ced_csa2.maps.indexer import IndexerConfig, key_bytes, load_indexer
+from ced_csa2.model_utils import attention
+from ced_csa2.train import indexer_training as it
+
+sys.path.insert(0, str(ROOT / "studies"))
+import indexer as study_mod  # noqa: E402
+
+
+def test_the_committed_study_params_load():
+    study = study_mod.load_study(ROOT / "studies" / "indexer.yaml")
+    assert study.variants["wide"].init == "attention" and study.variants["narrow"].key_heads == 1
+    assert study.held_out.first_row >= 1024 and 128 in study.k
+
+
+def corpus(tmp_path):
+    folder = tmp_path / "data" / "corpus"
+    folder.mkdir(parents=True)
+    text = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 6
+    for name in ("train", "eval"):
+        folder.joinpath(f"{name}.jsonl").write_text(
+            "".join(json.dumps({"id": f"r{i}", "source": "t", "text": text, "n_tokens": 1}) + "\n" for i in range(3)))
+
+
+def test_study_on_the_tiny_model(tiny_model, tmp_path):
+    model, tok = tiny_model
+    corpus(tmp_path)
+    study = study_mod.Study(train=study_mod.Sequences(96, 3, 32, 8), held_out=study_mod.Sequences(96, 1, 16, 48),
+                            window=4, k=[4, 8], variants={"narrow": IndexerConfig(heads=2, steps=20, batch=2)})
+    m = study_mod.run(tiny_params(), study, tmp_path, model_and_tok=(model, tok))
+    v = m["variants"]["narrow"]
+    assert m["protocol"]["train"]["query_rows"] == 3 * 32 and m["protocol"]["held_out"]["query_rows"] == 16
+    assert v["key_bytes_per_token"] == key_bytes(v["key_width"]) and set(v["after"]["recall"]) == {4, 8}
+    # The figures are the saved file's: reloading it and scoring again gives the same KL.
+    layer = m["protocol"]["layer"]
+    saved = load_indexer(tmp_path / "studies" / "indexer" / "narrow.pt", _rope_fn(attention(model, layer)),
+                         expect={"layer": layer})
+    geo = study_mod.load_plan(tiny_params().plan, tiny_params().model)[1]
+    seqs = joined_sequences(tok, tmp_path / "data" / "corpus" / "eval.jsonl", 96, 1)
+    held = it.attention_samples(model, geo, [layer], seqs, 16, 48, seed=None)[layer]
+    assert it.held_out_kl(saved, held, 4) == pytest.approx(v["after"]["kl"], rel=1e-6)
+    assert "| narrow | trained |" in study_mod.markdown(m)
+
+
+def test_an_oracle_start_on_gated_attention_is_refused_before_sampling(tiny_model, tmp_path, monkeypatch):
+    model, tok = tiny_model
+    corpus(tmp_path)
+    study = study_mod.Study(train=study_mod.Sequences(96, 3, 32, 8), held_out=study_mod.Sequences(96, 1, 16, 48),
+                            window=4, k=[4], variants={"wide": IndexerConfig(heads=2, key_heads=2, init="attention")})
+    calls = []
+    original = it.attention_samples
+    monkeypatch.setattr(it, "attention_samples", lambda *a, **k: calls.append(1) or original(*a, **k))
+    with pytest.raises(ValueError, match="plain q/k projections"):
+        study_mod.run(tiny_params(), study, tmp_path, model_and_tok=(model, tok))
+    assert not calls and not (tmp_path / "studies").exists()
