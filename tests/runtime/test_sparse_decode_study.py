@@ -1,0 +1,53 @@
+"""studies/sparse_decode.py end to end on the tiny Qwen3.5: every cache scored on the same tokens, tables, plot."""
+
+import json
+import sys
+
+import pytest
+from conftest import ROOT, tiny_params
+from tiny_maps import random_parts
+
+from ced_csa2.maps.indexer import IndexerConfig, key_bytes
+from ced_csa2.model_utils import geometry
+from ced_csa2.train.indexer_training import new_indexer
+
+sys.path.insert(0, str(ROOT / "studies"))
+import sparse_decode as study_mod  # noqa: E402
+
+
+def test_the_committed_study_params_load():
+    study = study_mod.load_study(ROOT / "studies" / "sparse_decode.yaml")
+    assert max(study.k) + study.window < study.prefill and set(study.indexers) <= {"wide", "narrow"}
+
+
+def test_reads_that_would_cover_the_context_are_refused(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("context: 96\nsequences: 1\nprefill: 32\nsteps: 8\nwindow: 4\nk: [40]\nindexers: []\n")
+    with pytest.raises(ValueError, match="k \\+ window must stay below prefill"):
+        study_mod.load_study(path)
+
+
+def test_study_on_the_tiny_model(tiny_model, tmp_path):
+    model, tok = tiny_model
+    params = tiny_params()
+    corpus = tmp_path / "data" / "corpus"
+    corpus.mkdir(parents=True)
+    text = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 6
+    corpus.joinpath("eval.jsonl").write_text(
+        "".join(json.dumps({"id": f"r{i}", "source": "t", "text": text, "n_tokens": 1}) + "\n" for i in range(2)))
+    plan, geo = study_mod.load_plan(params.plan, params.model)
+    indexer = new_indexer(model, geo, plan.source, IndexerConfig(heads=2), seed=0)
+    study = study_mod.Study(context=96, sequences=2, prefill=48, steps=8, window=4, k=[4, 16], indexers=["r"])
+    m = study_mod.run(params, study, tmp_path, model_and_tok=(model, tok),
+                      parts=random_parts(geometry(model.config), plan), indexers={"r": indexer})
+    rows = m["groups"]
+    assert set(rows) == {"baseline", "csa2"} | {f"csa2 sparse {s}@{k}" for s in ("oracle", "r") for k in (4, 16)}
+    assert m["protocol"]["scored_tokens"] == 2 * 8
+    assert rows["csa2"]["kl_vs_csa2"] == 0 and rows["baseline"]["kl_vs_baseline"] == 0
+    assert rows["csa2 sparse oracle@4"]["kl_vs_csa2"] > 0
+    extra = rows["csa2 sparse r@4"]["held_bytes_per_position"] - rows["csa2 sparse oracle@4"]["held_bytes_per_position"]
+    assert extra == key_bytes(indexer.key_width)
+    assert rows["csa2"]["held_bytes_per_position"] < rows["baseline"]["held_bytes_per_position"]
+    assert "| csa2 sparse r@16 |" in study_mod.markdown(m)
+    study_mod.plot(m, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
