@@ -17,8 +17,8 @@ measures, on the layer-modes study's held-out sequences:
 * what it costs: parameters, training tokens and wall time, key bytes per token (MXFP4)
   against the KV bytes per token the shared store holds;
 
-for each variant of ``studies/indexer.yaml`` (V4.1's one narrow key from a random start, and
-keys as wide as the layer's started at the oracle).
+for each variant of ``studies/indexer.yaml`` (V4.1's one narrow key, and keys as wide as the
+layer's).
 
 Every figure is computed from the saved checkpoint (FP16 weights) reloaded, so it is what
 the sparse decode gets.  Writes ``studies/indexer/{variant}.pt``, ``metrics.json``

@@ -140,6 +140,19 @@ def tiny_gemma3(attn_implementation="sdpa"):
     return build_tiny_model(cfg, vocab_size=300, attn_implementation=attn_implementation)
 
 
+def study_corpus(root: Path, names=("eval",), records: int = 3) -> Path:
+    """``root/data/corpus/{name}.jsonl``: ``records`` identical short English records each, as the studies read them."""
+    import json
+
+    folder = root / "data" / "corpus"
+    folder.mkdir(parents=True, exist_ok=True)
+    text = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 6
+    for name in names:
+        folder.joinpath(f"{name}.jsonl").write_text(
+            "".join(json.dumps({"id": f"r{i}", "source": "t", "text": text, "n_tokens": 1}) + "\n" for i in range(records)))
+    return folder
+
+
 def read_curves(path) -> tuple[str, dict[tuple[str, str], list[tuple[int, float]]]]:
     """``(x name, {(series, quantity): [(x, value), ...]})`` of a stage's curve table, checking its layout.
 

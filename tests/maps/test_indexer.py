@@ -58,6 +58,18 @@ def llama_samples():
     return model, geo, train, held, seqs
 
 
+def k_proj_io(model, layer, ids):
+    """The attention input and pre-RoPE keys of ``layer`` over ``ids``: ``k_proj``'s input and output."""
+    captured = {}
+    hook = attention(model, layer).k_proj.register_forward_hook(lambda m, i, o: captured.update(x=i[0], k=o))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        hook.remove()
+    return captured["x"], captured["k"]
+
+
 def test_samples_are_the_layer_s_head_averaged_attention_and_its_inputs(llama_samples):
     model, geo, train, _, seqs = llama_samples
     s = train[3]
@@ -65,12 +77,7 @@ def test_samples_are_the_layer_s_head_averaged_attention_and_its_inputs(llama_sa
     assert s.target.shape == s.oracle.shape == (8, 48, 96)
     # Independently: the eager attention of layer 3 from its own projections and RoPE
     attn = attention(model, 3)
-    captured = {}
-    hook = attn.k_proj.register_forward_hook(lambda m, i, o: captured.update(x=i[0], k=o))
-    with torch.no_grad():
-        model(torch.tensor([seqs[0]]))
-    hook.remove()
-    x, k = captured["x"], captured["k"]
+    x, k = k_proj_io(model, 3, seqs[0])
     cos, sin = rotary(model, 3, x, torch.arange(96)[None])
     q = attn.q_proj(x).view(1, 96, -1, geo.head_dim).transpose(1, 2)
     kh = k.view(1, 96, -1, geo.head_dim).transpose(1, 2)
@@ -142,12 +149,7 @@ def test_init_from_attention_starts_at_the_oracle_clipped_per_kv_head(llama_samp
     cfg = IndexerConfig(heads=geo.n_kv_heads, key_heads=geo.n_kv_heads, init="attention")
     indexer = it.new_indexer(model, geo, 3, cfg, seed=0)
     attn = attention(model, 3)
-    captured = {}
-    hook = attn.k_proj.register_forward_hook(lambda m, i, o: captured.update(x=i[0], k=o))
-    with torch.no_grad():
-        model(torch.tensor([seqs[8]]))
-    hook.remove()
-    x, k = captured["x"], captured["k"]
+    x, k = k_proj_io(model, 3, seqs[8])
     n = x.shape[1]
     cos, sin = rotary(model, 3, x, torch.arange(n)[None])
     q = attn.q_proj(x).view(1, n, -1, geo.head_dim).transpose(1, 2)

@@ -1,10 +1,9 @@
 """studies/indexer.py end to end on the tiny Qwen3.5: checkpoints, figures from the saved files, refusals."""
 
-import json
 import sys
 
 import pytest
-from conftest import ROOT, tiny_params
+from conftest import ROOT, study_corpus, tiny_params
 
 from ced_csa2.ced_runtime import _rope_fn
 from ced_csa2.data.joined import joined_sequences
@@ -18,22 +17,13 @@ import indexer as study_mod  # noqa: E402
 
 def test_the_committed_study_params_load():
     study = study_mod.load_study(ROOT / "studies" / "indexer.yaml")
-    assert study.variants["wide"].init == "attention" and study.variants["narrow"].key_heads == 1
+    assert study.variants["wide"].key_heads > study.variants["narrow"].key_heads == 1
     assert study.held_out.first_row >= 1024 and 128 in study.k
-
-
-def corpus(tmp_path):
-    folder = tmp_path / "data" / "corpus"
-    folder.mkdir(parents=True)
-    text = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 6
-    for name in ("train", "eval"):
-        folder.joinpath(f"{name}.jsonl").write_text(
-            "".join(json.dumps({"id": f"r{i}", "source": "t", "text": text, "n_tokens": 1}) + "\n" for i in range(3)))
 
 
 def test_study_on_the_tiny_model(tiny_model, tmp_path):
     model, tok = tiny_model
-    corpus(tmp_path)
+    study_corpus(tmp_path, ("train", "eval"))
     study = study_mod.Study(train=study_mod.Sequences(96, 3, 32, 8), held_out=study_mod.Sequences(96, 1, 16, 48),
                             window=4, k=[4, 8], variants={"narrow": IndexerConfig(heads=2, steps=20, batch=2)})
     m = study_mod.run(tiny_params(), study, tmp_path, model_and_tok=(model, tok))
@@ -53,7 +43,7 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
 
 def test_an_oracle_start_on_gated_attention_is_refused_before_sampling(tiny_model, tmp_path, monkeypatch):
     model, tok = tiny_model
-    corpus(tmp_path)
+    study_corpus(tmp_path, ("train", "eval"))
     study = study_mod.Study(train=study_mod.Sequences(96, 3, 32, 8), held_out=study_mod.Sequences(96, 1, 16, 48),
                             window=4, k=[4], variants={"wide": IndexerConfig(heads=2, key_heads=2, init="attention")})
     calls = []

@@ -1,10 +1,9 @@
 """studies/layer_modes.py end to end on the tiny Qwen3.5 (its tables, plot and figures hold together)."""
 
-import json
 import sys
 
 import pytest
-from conftest import ROOT, tiny_params
+from conftest import ROOT, study_corpus, tiny_params
 from tiny_maps import (
     random_parts,
 )
@@ -26,11 +25,7 @@ def test_the_committed_study_params_load_and_name_the_embedded_plans_layers():
 def test_study_on_the_tiny_model(tiny_model, tmp_path):
     model, tok = tiny_model
     params = tiny_params()
-    corpus = tmp_path / "data" / "corpus"
-    corpus.mkdir(parents=True)
-    text = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 6
-    corpus.joinpath("eval.jsonl").write_text(
-        "".join(json.dumps({"id": f"r{i}", "source": "t", "text": text, "n_tokens": 1}) + "\n" for i in range(2)))
+    study_corpus(tmp_path, records=2)
     groups = {"full": study_mod.GroupSpec("baseline"), "full_reuse": study_mod.GroupSpec("csa2", {28: 20, 32: 20}),
               "full_reindex_hsi": study_mod.GroupSpec("csa2", hsi=True)}
     study = study_mod.Study(context=96, sequences=2, score_from=48, window=4, k=[4, 16], hsi=HSI(4, 4), groups=groups)

@@ -1,10 +1,9 @@
 """studies/sparse_decode.py end to end on the tiny Qwen3.5: every cache scored on the same tokens, tables, plot."""
 
-import json
 import sys
 
 import pytest
-from conftest import ROOT, tiny_params
+from conftest import ROOT, study_corpus, tiny_params
 from tiny_maps import random_parts
 
 from ced_csa2.maps.indexer import IndexerConfig, key_bytes
@@ -30,11 +29,7 @@ def test_reads_that_would_cover_the_context_are_refused(tmp_path):
 def test_study_on_the_tiny_model(tiny_model, tmp_path):
     model, tok = tiny_model
     params = tiny_params()
-    corpus = tmp_path / "data" / "corpus"
-    corpus.mkdir(parents=True)
-    text = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 6
-    corpus.joinpath("eval.jsonl").write_text(
-        "".join(json.dumps({"id": f"r{i}", "source": "t", "text": text, "n_tokens": 1}) + "\n" for i in range(2)))
+    study_corpus(tmp_path, records=2)
     plan, geo = study_mod.load_plan(params.plan, params.model)
     indexer = new_indexer(model, geo, plan.source, IndexerConfig(heads=2), seed=0)
     study = study_mod.Study(context=96, sequences=2, prefill=48, steps=8, window=4, k=[4, 16], indexers=["r"])

@@ -156,7 +156,7 @@ def fit(indexer: LightningIndexer, samples: LayerSamples, cfg: IndexerConfig, wi
     opt = torch.optim.AdamW(indexer.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(cfg.steps, 0.05))
     n, losses = samples.k.shape[0], []
-    for _ in range(cfg.steps):
+    for _ in tqdm(range(cfg.steps), desc="indexer fit", unit="step"):
         idx = torch.randperm(n, generator=gen)[:cfg.batch]
         loss = _batch_loss(indexer, samples, idx, window)
         opt.zero_grad(set_to_none=True)
