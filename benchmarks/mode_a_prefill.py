@@ -111,8 +111,9 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         for n in lengths:
             ids = torch.randint(0, len(tok), (1, n), generator=g).to(device)
-            t = paired_seconds({"plain": lambda: timed_plain(model, ids), "mode_a": lambda: runtime.prefill(ids)},
-                               args.repeats, device=device)
+            # the arms bind this loop's model and prompt (both are deleted after the dtype's loop)
+            arms = {"plain": lambda m=model, x=ids: timed_plain(m, x), "mode_a": lambda r=runtime, x=ids: r.prefill(x)}
+            t = paired_seconds(arms, args.repeats, device=device)
             ratio = t.ratio("plain", "mode_a")
             rows.append((n, dtype, t.seconds["plain"], t.seconds["mode_a"], ratio))
             try:

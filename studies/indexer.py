@@ -43,7 +43,7 @@ from ced_csa2.data.joined import joined_sequences
 from ced_csa2.kv.kv_bytes import bytes_per_token, kv_copies
 from ced_csa2.maps.indexer import IndexerConfig, key_bytes, load_indexer, save_indexer
 from ced_csa2.model_utils import attention, load_model_and_tokenizer
-from ced_csa2.pipeline.atomic_files import write_json
+from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.paths import EVAL_JSONL, TRAIN_JSONL
 from ced_csa2.plan import load_plan
 from ced_csa2.train import indexer_training as it
@@ -156,7 +156,7 @@ def markdown(m: dict) -> str:
             lines.append(f"| {name} | {start} | {v['key_bytes_per_token']} | {v['parameters']:,} | "
                          + (f"{v['fit_seconds']:.0f}" if when == "after" else "") + f" | {r['kl']:.3f} | "
                          + " | ".join(f"{r['recall'][k]:.3f}" for k in ks) + " |")
-    lines += ["", f"The csa2 cache holds {m['csa2_kv_bytes_per_token_bf16_all_attention']:,} bytes of K/V per token "
+    lines += ["", f"The csa2 cache holds {m['csa2_kv_bytes_per_token_bf16_all_attention']:,g} bytes of K/V per token "
               "(bf16, every attention layer); an indexer adds its key bytes per token."]
     return "\n".join(lines) + "\n"
 
@@ -166,7 +166,7 @@ def main() -> None:
     torch.manual_seed(0)
     metrics = run(load_params(Path("params.yaml")), load_study())
     write_json(OUT / "metrics.json", metrics)
-    (OUT / "indexer.md").write_text(markdown(metrics))
+    atomic_write_text(OUT / "indexer.md", markdown(metrics))
     log.info("done in %.0f s:\n%s", metrics["seconds"], markdown(metrics))
 
 

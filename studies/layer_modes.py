@@ -52,7 +52,8 @@ from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_deltas
 from ced_csa2.kv.kv_bytes import bytes_per_token, dense_entry_bytes, kv_copies
 from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
-from ced_csa2.pipeline.atomic_files import write_json
+from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
+from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.runtime.layer_modes import LayerModes, sparse_layers
@@ -292,16 +293,14 @@ def plot(metrics: dict, path: Path) -> None:
     p = metrics["protocol"]
     fig.suptitle(f"V4.1 layer modes, oracle indexer: {p['model']}, {p['sequences']} x {p['context']} tokens, "
                  f"positions >= {p['score_from']} scored")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
-    plt.close(fig)
+    write_png(fig, path)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     metrics = run(load_params(Path("params.yaml")), load_study())
     write_json(OUT / "metrics.json", metrics)
-    (OUT / "modes.md").write_text(markdown(metrics))
+    atomic_write_text(OUT / "modes.md", markdown(metrics))
     plot(metrics, OUT / "quality_vs_k.png")
     log.info("done in %.0f s:\n%s", metrics["seconds"], markdown(metrics))
 

@@ -37,6 +37,7 @@ from ced_csa2.eval.gsm8k import _offline, groups_gold_nll, load_gold_pairs, mode
 from ced_csa2.eval.perplexity import eval_ids, mode_a_prefix
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import write_tsv
+from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.paths import GOLD_PATH, MODE_A_MODELS, RIDGE_PATH
 from ced_csa2.plan import load_plan
 from ced_csa2.train.objectives import ridge_parts
@@ -73,9 +74,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("replayed prompt tokens (mode_a.replay)")
         ax.legend(fontsize=7)
     fig.suptitle("Mode A with bounded replay: quality and prefill speed-up (embedded default; not Qwen3.5-4B)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
-    plt.close(fig)
+    write_png(fig, path)
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_bootstrap
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import write_tsv
+from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.paths import DUMP_PATH, RIDGE_PATH
 from ced_csa2.plan import load_plan
 from ced_csa2.train.projector_training import ridge_fitted, train_projectors
@@ -76,9 +77,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     dppl.set_yscale("log")
     dppl.set_ylabel("ced ΔPPL % vs baseline [95% CI]")
     fig.suptitle("The seed's projector recipe (AdamW lr 2e-3, cosine) against its open batch size")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
-    plt.close(fig)
+    write_png(fig, path)
 
 
 def main() -> None:

@@ -18,7 +18,8 @@ at a time for ``steps`` decode steps and scores each step's next-token predictio
 Per cache: PPL over the scored steps, ΔPPL % against ``baseline`` and against the dense
 ``csa2`` (paired bootstrap 95% CI over sequences), mean per-step KL(baseline ‖ cache) and
 KL(csa2 ‖ cache), top-1 agreement with the baseline, and the bytes held per position at the
-last step (:func:`~ced_csa2.runtime.shared_kv.kv_held_bytes`, indexer keys included).  Data:
+last step, averaged over sequences (:func:`~ced_csa2.runtime.shared_kv.kv_held_bytes`, indexer keys
+included).  Data:
 the eval records joined in file order (``data/corpus/eval.jsonl``), the first ``sequences``
 ``context``-token pieces.  Model dtype: the root params' (float32 on the embedded default).
 
@@ -46,7 +47,8 @@ from ced_csa2.data.joined import joined_sequences
 from ced_csa2.eval.stats import paired_bootstrap
 from ced_csa2.maps.indexer import load_indexer
 from ced_csa2.model_utils import attention, load_model_and_tokenizer, resolve_device
-from ced_csa2.pipeline.atomic_files import write_json
+from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
+from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.shared_kv import SharedKVCache, kv_held_bytes
@@ -122,7 +124,7 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
     nll = {g: [] for g in caches}
     kl = {g: {"baseline": [], "csa2": []} for g in caches}
     top1 = {g: [] for g in caches}
-    held = {}
+    held = {g: [] for g in caches}
     for seq in tqdm(seqs, desc="sparse decode", unit="seq"):
         ids = torch.tensor([seq], device=device)
         gold = ids[0, study.prefill + 1:study.prefill + study.steps + 1]
@@ -130,7 +132,7 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
         for g, (make, feed) in caches.items():
             cache = make()
             logp[g] = teacher_forced(model, cache, feed, ids, study.prefill, study.steps)[:len(gold)]
-            held[g] = kv_held_bytes(cache) / cache.get_seq_length()
+            held[g].append(kv_held_bytes(cache) / cache.get_seq_length())
         for g, lp in logp.items():
             nll[g].append([-lp.gather(1, gold[:, None]).sum().item(), len(gold)])
             for ref in ("baseline", "csa2"):
@@ -143,7 +145,8 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
         v = np.array(nll[g])
         rows[g] = {"ppl": float(np.exp(v[:, 0].sum() / v[:, 1].sum())),
                    "kl_vs_baseline": float(np.mean(kl[g]["baseline"])), "kl_vs_csa2": float(np.mean(kl[g]["csa2"])),
-                   "top1_vs_baseline_pct": 100 * float(np.mean(top1[g])), "held_bytes_per_position": held[g]}
+                   "top1_vs_baseline_pct": 100 * float(np.mean(top1[g])),
+                   "held_bytes_per_position": float(np.mean(held[g]))}
         for ref in ("baseline", "csa2"):
             if g != ref:
                 d = paired_bootstrap(v, np.array(nll[ref]), "delta_ppl_pct", seed=params.seed)
@@ -206,16 +209,14 @@ def plot(m: dict, path: Path) -> None:
     p = m["protocol"]
     fig.suptitle(f"Sparse CSA2 decode: {p['model']}, {p['sequences']} x {p['steps']} decode steps after "
                  f"{p['prefill']} tokens")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
-    plt.close(fig)
+    write_png(fig, path)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     metrics = run(load_params(Path("params.yaml")), load_study())
     write_json(OUT / "metrics.json", metrics)
-    (OUT / "decode.md").write_text(markdown(metrics))
+    atomic_write_text(OUT / "decode.md", markdown(metrics))
     plot(metrics, OUT / "quality_vs_k.png")
     log.info("done in %.0f s:\n%s", metrics["seconds"], markdown(metrics))
 

@@ -86,11 +86,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from pathlib import Path
-from ced_csa2.eval.results import _save
+from ced_csa2.pipeline.figures import write_png
 fig, ax = plt.subplots(figsize=(8, 6))
 ax.imshow(__import__("numpy").random.default_rng(0).random((200, 200)))  # noise: a PNG far above 4 KiB
 try:
-    _save(fig, Path({str(figure)!r}))
+    write_png(fig, Path({str(figure)!r}))
 except OSError as exc:
     print(exc.errno, exc, file=sys.stderr)
     sys.exit(3)

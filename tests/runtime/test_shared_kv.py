@@ -17,6 +17,7 @@ from ced_csa2.runtime.shared_kv import (
     FP4KVCache,
     FP4Layer,
     SharedKVCache,
+    TokenStore,
     accounted_copies,
     greedy_generate,
     kv_held_bytes,
@@ -145,6 +146,18 @@ def test_fp4_store_holds_packed_blocks_of_exactly_fp4_entry_bytes(tiny_model, mo
     assert torch.equal(store.k.data.elements[:, :PROMPT], expected.elements)
     assert torch.equal(store.k.data.scales[:, :PROMPT], expected.scales)
     assert got.logits.isfinite().all() and no_hooks(model)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "nvfp4", "mxfp4"])
+def test_a_token_store_read_at_positions_is_those_rows_of_the_whole_read(storage):
+    """The sparse decode's read: packed rows gathered, then dequantised -- the same bits as the whole read's rows."""
+    store = TokenStore(FORMATS[storage]() if storage in FORMATS else None)
+    x = torch.randn(2, 9, 64)
+    store.append(x[:, :5])
+    store.append(x[:, 5:])
+    at = torch.tensor([[0, 3, 8], [2, 2, 7]])  # per-row positions, a repeat included
+    whole = store.read()
+    assert torch.equal(store.read(at), torch.stack([whole[b, at[b]] for b in range(2)]))
 
 
 def test_fp4_layer_returns_the_fp4_round_trip_of_what_it_was_given():

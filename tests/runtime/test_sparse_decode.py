@@ -64,13 +64,14 @@ def recorded_step(model, plan, cache, prompt):
     return seen, logits
 
 
+@pytest.mark.parametrize("storage", ["bf16", "nvfp4"])  # nvfp4: packed rows gathered, then dequantised
 @pytest.mark.parametrize("group", ["csa2", "ced_csa2"])
-def test_each_target_reads_the_window_and_the_source_s_top_k_adapted_at_those_positions(setup, group):
+def test_each_target_reads_the_window_and_the_source_s_top_k_adapted_at_those_positions(setup, group, storage):
     model, plan, parts, prompt = setup
     reads = SparseDecode(k=3, window=2)
-    dense, dense_logits = recorded_step(model, plan, SharedKVCache(model, plan, group, parts), prompt)
-    sparse, sparse_logits = recorded_step(model, plan, SparseSharedKVCache(model, plan, group, parts, reads=reads),
-                                          prompt)
+    dense, dense_logits = recorded_step(model, plan, SharedKVCache(model, plan, group, parts, storage), prompt)
+    sparse, sparse_logits = recorded_step(
+        model, plan, SparseSharedKVCache(model, plan, group, parts, storage, reads=reads), prompt)
     query, key, _ = dense[plan.source]
     n = key.shape[2]
     assert n == PROMPT + 1

@@ -5,14 +5,13 @@ line and the figures.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from pathlib import Path
 
 from ..config import Params
 from ..maps.ridge import adapter_map
-from ..pipeline.atomic_files import atomic_write_bytes
+from ..pipeline.figures import write_png
 from ..pipeline.paths import METRICS, OBJECTIVES_EVAL, SEED_INIT
 from ..runtime.groups import GROUP_NAMES
 
@@ -375,7 +374,7 @@ def plots(out: Path, ppl: dict, adapters: dict, storage: dict) -> list[Path]:
     bx.barh(ys, comp, color="#55a868")
     bx.set_xlabel("KV compression ×\n(bf16, decoder attention)")
     bx.set_xlim(0, max([c for c in comp if c == c] + [1.0]) * 1.15)
-    paths.append(_save(fig, out / "ppl_by_group.png"))
+    paths.append(write_png(fig, out / "ppl_by_group.png"))
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     layers = list(adapters["layers"])
@@ -391,7 +390,7 @@ def plots(out: Path, ppl: dict, adapters: dict, storage: dict) -> list[Path]:
     ax.legend(fontsize=8)
     ax.set_title("CSA2 adapter fit per target layer" + (" (trained = ridge: the start was kept)" if same else ""),
                  fontsize=9)
-    paths.append(_save(fig, out / "adapter_cosine.png"))
+    paths.append(write_png(fig, out / "adapter_cosine.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     numbered = [(i, r) for i, r in enumerate(rows, 1) if r[0] in kv]
@@ -415,20 +414,8 @@ def plots(out: Path, ppl: dict, adapters: dict, storage: dict) -> list[Path]:
     # numbers on the points, names in the key: labels never overlap
     key = "\n".join(f"{i} {r[0]}" for i, r in numbered)
     ax.text(1.02, 1.0, key, transform=ax.transAxes, va="top", fontsize=7, family="monospace")
-    paths.append(_save(fig, out / "bytes_vs_ppl.png"))
+    paths.append(write_png(fig, out / "bytes_vs_ppl.png"))
     return paths
-
-
-def _save(fig, path: Path) -> Path:
-    """The figure as a PNG at ``path``, written atomically (a failed write leaves the old figure whole)."""
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    # Fixed metadata keeps the PNG bytes identical across runs (DVC hashes them).
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
-    return path
 
 
 def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, dict, dict]]:

@@ -123,11 +123,21 @@ class TokenStore:
                          shape, old.group, old.scale_kind)
         self.data = new
 
-    def read(self) -> torch.Tensor:
-        """All entries ``(B, T, D)`` in the written dtype (dequantised when packed)."""
+    def read(self, at: torch.Tensor | None = None) -> torch.Tensor:
+        """Entries in the written dtype (dequantised when packed): all ``(B, T, D)``, or those at ``at``.
+
+        ``at`` ``(B, n)`` indexes each row's entries (``(B, n, D)`` out); packed rows are gathered
+        first and only those dequantised, so a sparse read costs ``n``, not ``T``, entries.
+        """
         if self.data is None:
             raise RuntimeError("read from an empty TokenStore")
-        return self.data if self.fmt is None else self.fmt.dequantize(self.data, self.dtype)
+        d = self.data
+        if at is not None:
+            if self.fmt is None:
+                return _rows(d, at)
+            d = Packed(_rows(d.elements, at), _rows(d.scales, at), torch.Size((d.shape[0], at.shape[1], d.shape[2])),
+                       d.group, d.scale_kind)
+        return d if self.fmt is None else self.fmt.dequantize(d, self.dtype)
 
     def keep_last(self, n: int) -> None:
         """Forget all but the last ``n`` entries (a sliding window moving on); a copy, so memory is freed."""
@@ -142,6 +152,11 @@ class TokenStore:
 
     def clear(self) -> None:
         self.data = self.dtype = None
+
+
+def _rows(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``x[b, at[b]]`` for every row ``b``: ``(B, T, D)`` and ``(B, n)`` -> ``(B, n, D)``."""
+    return x.gather(1, at[..., None].expand(-1, -1, x.shape[-1]))
 
 
 # ----------------------------------------------------------------------------- cache layers
@@ -265,8 +280,9 @@ class _SharedStore:
         self.attn = {layer: attention(model, layer) for layer in (plan.source, *plan.targets)}
         self.rope = _rope_fn(self.attn[plan.source])
         self.captured: dict | None = None  # kv_hooks.capture's dict while SharedKVCache.feed() is open
-        # Per forward: the store read back (dequantised), its positions and (cos, sin) per layer
-        # type, shared by the source and every target, dropped after the last target has read.
+        # Per forward, shared by the source and every target and dropped after the last target has
+        # read: what the readers read of the store (dequantised) and its (cos, sin) per layer type,
+        # each built by the first reader that needs it (_entries).
         self._step: dict | None = None
 
     @property
@@ -295,10 +311,7 @@ class _SharedStore:
         ``min(seen - new, window - 1) + new`` of them (what ``DynamicSlidingWindowLayer`` returns).
         """
         if self._step is None:
-            k_src = self.k.read()
-            start = self.seen - k_src.shape[1]
-            self._step = {"k": k_src, "v": self.v.read(), "rope": {},
-                          "positions": torch.arange(start, self.seen, device=k_src.device)[None]}
+            self._step = {}
         k, v, cos, sin = self._entries(layer, new, self._step)
         if layer != self.plan.source and GROUPS[self.group].adapters:
             k, v = self.parts.adapt(layer, k, v)
@@ -312,13 +325,26 @@ class _SharedStore:
 
     def _entries(self, layer: int, new: int, step: dict):
         """The stored K and V ``(B, T', kv_dim)`` ``layer`` reads and their RoPE ``cos``/``sin`` ``(B, T', rot)``."""
+        if "k" not in step:
+            k = self.k.read()
+            at = torch.arange(self.seen - k.shape[1], self.seen, device=k.device)[None]
+            step.update(k=k, v=self.v.read(), rope=self._rope_per_type(k, at))
         window = self.geo.window(layer)
         visible = step["k"].shape[1] if window is None else min(step["k"].shape[1], window - 1 + new)
-        kind = layer_type(self.model.config, layer)
-        if kind not in step["rope"]:  # one (cos, sin) per layer type: its own theta (Gemma-3)
-            step["rope"][kind] = rotary(self.model, layer, step["k"], step["positions"])
-        cos, sin = (x[:, -visible:] for x in step["rope"][kind])
+        cos, sin = (x[:, -visible:] for x in step["rope"](layer))
         return step["k"][:, -visible:], step["v"][:, -visible:], cos, sin
+
+    def _rope_per_type(self, k: torch.Tensor, positions: torch.Tensor):
+        """``layer -> (cos, sin)`` at ``positions`` ``(B, T)``: one pair per layer type (its own theta, as
+        Gemma-3's), computed when a layer of that type first asks."""
+        done: dict = {}
+
+        def rope(layer: int):
+            kind = layer_type(self.model.config, layer)
+            if kind not in done:
+                done[kind] = rotary(self.model, layer, k, positions)
+            return done[kind]
+        return rope
 
     def _norm_rope(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor, cos, sin) -> KV:
         """The layer's own k_norm (if any) and RoPE on pre-norm K ``(B, T, kv_dim)``; V reshaped."""

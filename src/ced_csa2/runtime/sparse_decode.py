@@ -106,12 +106,12 @@ class _SparseStore(_SharedStore):
                 self.selection = self._indexed()
         if self.selection is None:
             return super()._entries(layer, new, step)
-        at = self.selection
-        width = step["k"].shape[-1]
-        k = step["k"].gather(1, at[..., None].expand(-1, -1, width))
-        v = step["v"].gather(1, at[..., None].expand(-1, -1, width))
-        cos, sin = rotary(self.model, layer, k, at)
-        return k, v, cos, sin
+        if "selected" not in step:  # every sparse reader of this forward reads the same positions
+            at = self.selection
+            k = self.k.read(at)
+            step["selected"] = k, self.v.read(at), self._rope_per_type(k, at)
+        k, v, rope = step["selected"]
+        return (k, v, *rope(layer))
 
     @torch.no_grad()
     def _indexed(self) -> torch.Tensor:
