@@ -1,0 +1,155 @@
+"""4-bit KV formats per stream: which axis a block scale runs along, how wide, rotated or not.
+
+NVFP4 as DeepSeek-V4.1 stores its main KV (:mod:`ced_csa2.kv.fp4`) scales each *token's*
+entry in blocks of 16 channels.  Keys are not shaped for that: a few pre-RoPE key channels are
+many times larger than the rest *for every token* (the outlier channels that
+:mod:`ced_csa2.kv.rotation` spreads out), so a per-token block holding one of them rounds its
+other channels coarsely.  KIVI (Liu et al., 2024) quantises keys **per channel**, one scale
+for a channel's values over a block of consecutive tokens, and values per token; KVQuant
+(Hooper et al., 2024) does the keys' per-channel step *before* RoPE, where a channel keeps
+its scale across positions -- the injection point here (pre-k_norm, pre-RoPE).
+
+A :class:`StreamFormat` is one stream's (K's or V's) format: the element and scale types of
+:mod:`ced_csa2.kv.fp4` (E2M1 elements; E4M3 scales ``nvfp4`` or E8M0 scales ``mxfp4``), the
+block width ``group`` and the block's ``axis``:
+
+* ``channels`` -- one scale per ``group`` channels of a token's entry (NVFP4, MXFP4);
+* ``tokens`` -- one scale per channel for each block of ``group`` consecutive tokens.
+
+Either way a stored token costs ``D/2`` element bytes plus ``D/group`` scale bytes
+(:meth:`StreamFormat.bytes_per_token`), so the axis changes the quality, not the bytes.
+``rotate`` applies the layer's randomised Hadamard rotation per head first (as the
+``*_fp4_rot`` groups do).
+
+Teacher forcing and the token axis.  :meth:`StreamFormat.round_trip` quantises a whole
+sequence at once, so every key is read from its full block -- as every query after the
+block has filled reads it.  A decode cache holds the newest, unfilled block's keys in full
+precision until the block fills (KIVI's residual: at most ``(group - 1) · D`` dense entries
+per layer, bounded, not per token), so the queries inside a block see *more* rounding here
+than a decode does: the pessimistic side.  A partial last block is quantised on the tokens
+it has (zero padding leaves a block's maximum, and so its scale, unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import kv_hooks
+from ..runtime.groups import GROUPS
+from .fp4 import FORMATS
+from .rotation import HeadRotation, layer_rotation
+
+AXES = ("channels", "tokens")
+
+
+@dataclass(frozen=True)
+class StreamFormat:
+    """How one stream (K or V) of a layer is stored.
+
+    Parameters
+    ----------
+    element
+        ``nvfp4`` (E2M1 elements, E4M3 scales) or ``mxfp4`` (E2M1, E8M0 scales).
+    group
+        Values per scale: channels (``axis: channels``) or tokens (``axis: tokens``).
+    axis
+        :data:`AXES`: what a block runs along.
+    rotate
+        Rotate each head by the layer's randomised Hadamard matrix before quantising.
+    """
+
+    element: str = "nvfp4"
+    group: int = 16
+    axis: str = "channels"
+    rotate: bool = False
+
+    def __post_init__(self):
+        if self.element not in FORMATS:
+            raise ValueError(f"element {self.element!r}: choose one of {list(FORMATS)}")
+        if self.axis not in AXES:
+            raise ValueError(f"axis {self.axis!r}: choose one of {list(AXES)}")
+        if not isinstance(self.group, int) or self.group < 1:
+            raise ValueError(f"group must be a positive int, got {self.group!r}")
+
+    def bytes_per_token(self, kv_dim: int) -> float:
+        """Stored bytes per token of one ``kv_dim``-wide stream: ``kv_dim/2 + kv_dim/group``.
+
+        On the token axis a scale is shared by ``group`` tokens; the figure is per token of
+        whole blocks (a partial last block costs its scales in full).
+        """
+        if kv_dim % 2 or (self.axis == "channels" and kv_dim % self.group):
+            raise ValueError(f"{self}: kv_dim {kv_dim} does not split into packed channel pairs and "
+                             f"groups of {self.group}")
+        return kv_dim / 2 + kv_dim / self.group
+
+    def round_trip(self, x: torch.Tensor, rotation: HeadRotation | None = None) -> torch.Tensor:
+        """What reading ``x`` back from this format gives.
+
+        Parameters
+        ----------
+        x : torch.Tensor, shape (B, T, kv_dim), floating
+            One stream of one layer at the injection point, tokens along ``T``.
+        rotation
+            The layer's rotation; required when :attr:`rotate`.
+
+        Returns
+        -------
+        torch.Tensor, shape (B, T, kv_dim), ``x.dtype``
+        """
+        if self.rotate and rotation is None:
+            raise ValueError(f"{self}: a rotated format needs the layer's rotation")
+        fmt = FORMATS[self.element](self.group)
+        y = rotation.rotate(x) if self.rotate else x.to(torch.float32)
+        if self.axis == "channels":
+            y = fmt.dequantize(fmt.quantize(y), dtype=y.dtype)
+        else:
+            t = y.shape[1]
+            pad = -t % self.group
+            cols = torch.nn.functional.pad(y.transpose(1, 2), (0, pad))  # (B, kv_dim, T + pad): blocks along T
+            y = fmt.dequantize(fmt.quantize(cols), dtype=y.dtype)[..., :t].transpose(1, 2)
+        return rotation.unrotate(y, dtype=x.dtype) if self.rotate else y.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """A layer's K and V formats (the same at every attention layer)."""
+
+    k: StreamFormat
+    v: StreamFormat
+
+    def bytes_per_token(self, kv_dim: int) -> float:
+        """Stored bytes per token of one layer: K's plus V's."""
+        return self.k.bytes_per_token(kv_dim) + self.v.bytes_per_token(kv_dim)
+
+
+class FormatRuntime:
+    """Every attention layer's K and V read back from a :class:`KVFormat`: one context, scored like a group.
+
+    It has what :func:`ced_csa2.eval.scoring.multi_group_nll` uses of a runtime (``extra=``):
+    ``replaced_layers`` (every attention layer, so the shared trunk branches at the first),
+    ``spec`` (``baseline_fp4``'s: every layer's own entries stored, nothing shared) and
+    ``seed`` (nothing to seed).  The hooks (:func:`ced_csa2.kv_hooks.inject`) are always removed.
+    """
+
+    def __init__(self, model, fmt: KVFormat, attention_layers, head_dim: int):
+        self.model, self.fmt, self.spec = model, fmt, GROUPS["baseline_fp4"]
+        self.replaced_layers = tuple(attention_layers)
+        streams = {"k": fmt.k, "v": fmt.v}
+        rotations = {layer: layer_rotation(head_dim, layer) for layer in self.replaced_layers}
+        self._replacements = {(layer, kind): lambda out, s=streams[kind], r=rotations[layer]: s.round_trip(out, r)
+                              for layer in self.replaced_layers for kind in "kv"}
+        self._hooks = None
+
+    def seed(self, **kwargs) -> None:
+        """Nothing to hand over: the hooks read only the layer's own output."""
+
+    def __enter__(self) -> FormatRuntime:
+        self._hooks = kv_hooks.inject(self.model, self._replacements)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)

@@ -1,0 +1,109 @@
+"""4-bit formats per stream: the token axis against an independent per-channel implementation, the
+channel axis equal to the FP4 groups' round trip, exact bytes, and a runtime scored like baseline_fp4."""
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_llama
+from tiny_maps import LLAMA_PLAN, rows
+
+from ced_csa2.eval.scoring import multi_group_nll
+from ced_csa2.kv.formats import FormatRuntime, KVFormat, StreamFormat
+from ced_csa2.kv.fp4 import FORMATS
+from ced_csa2.kv.kv_bytes import fp4_entry_bytes
+from ced_csa2.kv.rotation import fp4_round_trip, layer_rotation
+from ced_csa2.model_utils import geometry
+
+GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def e2m1_reference(v: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 value of each element (saturating at 6); a tie goes to the even code."""
+    d = (v.abs().clamp(max=6.0)[:, None] - GRID[None]).abs()
+    best = d == d.min(dim=1, keepdim=True).values
+    codes = torch.arange(8).expand_as(best)
+    even = torch.where(best & (codes % 2 == 0), codes, 99).min(dim=1).values
+    chosen = torch.where(even < 99, even, torch.where(best, codes, 99).min(dim=1).values)
+    return torch.sign(v) * GRID[chosen]
+
+
+def per_channel_reference(x: torch.Tensor, group: int) -> torch.Tensor:
+    """NVFP4 elements with one E4M3 scale per channel per block of ``group`` tokens, one block at a time."""
+    out = torch.empty_like(x)
+    b, t, d = x.shape
+    for i in range(b):
+        for c in range(d):
+            for start in range(0, t, group):
+                vals = x[i, start:start + group, c]
+                scale = (vals.abs().max() / 6).to(torch.float8_e4m3fn).to(torch.float32)
+                scale = scale if scale > 0 else torch.tensor(1.0)
+                out[i, start:start + group, c] = e2m1_reference(vals / scale) * scale
+    return out
+
+
+def test_the_token_axis_is_one_scale_per_channel_per_block_of_tokens():
+    torch.manual_seed(0)
+    x = torch.randn(2, 21, 16) * 3  # 21 tokens: two blocks of 8 and a partial one of 5
+    got = StreamFormat(group=8, axis="tokens").round_trip(x)
+    assert torch.equal(got, per_channel_reference(x, 8))
+
+
+def test_the_channel_axis_is_the_fp4_groups_round_trip_plain_and_rotated():
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 128)
+    rot = layer_rotation(64, 3)
+    for element, group in (("nvfp4", 16), ("mxfp4", 32)):
+        fmt = FORMATS[element](group)
+        assert torch.equal(StreamFormat(element, group).round_trip(x), fp4_round_trip(fmt, x))
+        assert torch.equal(StreamFormat(element, group, rotate=True).round_trip(x, rot), fp4_round_trip(fmt, x, rot))
+
+
+def test_per_channel_blocks_keep_an_outlier_channel_from_flattening_the_others():
+    """Pre-RoPE keys' outlier channels: per-token blocks round their neighbours coarsely, per-channel ones do not."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 64, 32)
+    x[..., 5] *= 40
+    def err(fmt):
+        return ((fmt.round_trip(x) - x)[..., [c for c in range(32) if c != 5]] ** 2).mean().item()
+    assert err(StreamFormat(axis="tokens")) < 0.25 * err(StreamFormat(axis="channels"))
+
+
+def test_bytes_per_token_count_every_element_and_scale_byte():
+    kv_dim = 192
+    for group in (8, 16, 32):
+        # channels: exactly the FP4 entry; tokens: T·D nibbles and one byte per channel per block, per token
+        assert StreamFormat(group=group).bytes_per_token(kv_dim) == fp4_entry_bytes(kv_dim, group)
+        t = 4 * group
+        assert StreamFormat(group=group, axis="tokens").bytes_per_token(kv_dim) * t == t * kv_dim / 2 + kv_dim * t / group
+    both = KVFormat(StreamFormat(group=8, axis="tokens"), StreamFormat(element="mxfp4", group=32))
+    assert both.bytes_per_token(kv_dim) == kv_dim / 2 + kv_dim / 8 + kv_dim / 2 + kv_dim / 32
+    with pytest.raises(ValueError, match="groups of 32"):
+        StreamFormat(group=32).bytes_per_token(48)
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="element 'int4'"):
+        StreamFormat(element="int4")
+    with pytest.raises(ValueError, match="axis 'heads'"):
+        StreamFormat(axis="heads")
+    with pytest.raises(ValueError, match="needs the layer's rotation"):
+        StreamFormat(rotate=True).round_trip(torch.randn(1, 2, 16))
+
+
+def test_a_format_runtime_scores_exactly_as_the_fp4_groups_do():
+    """NVFP4 on the channel axis at every attention layer is baseline_fp4 (rotated: baseline_fp4_rot), bit for bit."""
+    model = tiny_llama()
+    geo = geometry(model.config)
+    nvfp4 = StreamFormat()
+    rotated = StreamFormat(rotate=True)
+    extra = {name: FormatRuntime(model, KVFormat(s, s), geo.attention_layers, geo.head_dim)
+             for name, s in (("plain", nvfp4), ("rot", rotated))}
+    extra["k_tokens"] = FormatRuntime(model, KVFormat(StreamFormat(axis="tokens"), nvfp4), geo.attention_layers,
+                                      geo.head_dim)
+    seqs, cut = rows(300)
+    nll = multi_group_nll(model, LLAMA_PLAN, ["baseline", "baseline_fp4", "baseline_fp4_rot"], None, seqs, cut, 1,
+                          0, kv_format="nvfp4", extra=extra)
+    assert torch.equal(nll["plain"], nll["baseline_fp4"]) and torch.equal(nll["rot"], nll["baseline_fp4_rot"])
+    assert not torch.equal(nll["k_tokens"], nll["baseline_fp4"]) and math.isfinite(nll["k_tokens"][:, 0].sum())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
