@@ -2,7 +2,16 @@
 
 import pytest
 
-from ced_csa2.eval.results import HEADLINE, group_rows, groups_table, mode_a_table, objective_table, summary
+from ced_csa2.eval.results import (
+    HEADLINE,
+    frontier,
+    frontier_table,
+    group_rows,
+    groups_table,
+    mode_a_table,
+    objective_table,
+    summary,
+)
 
 
 def metrics(tokens=1000):
@@ -171,3 +180,20 @@ def test_window_line_names_the_sliding_layers_and_how_they_are_counted():
     assert window_line({"active_model": {"geometry": {"sliding_windows": {}}}}) == ""
     line = window_line({"active_model": {"geometry": {"sliding_windows": {"1": 512, "2": 512, "4": 512}}}})
     assert line.startswith("Sliding-window layers (3: 1, 2, 4; window 512)") and "min(context, window − 1)" in line
+
+
+def test_the_frontier_marks_the_rows_no_other_row_beats_on_both_bytes_and_quality():
+    rows = {"baseline": {"ppl": 20.0, "kv_bytes": 100.0, "kv_compression": 1.0},
+            "a": {"dppl_pct": 5.0, "dppl_pct_lo": 4.0, "dppl_pct_hi": 6.0, "kv_bytes": 80.0, "kv_compression": 1.25},
+            "b": {"dppl_pct": 7.0, "dppl_pct_lo": 6.0, "dppl_pct_hi": 8.0, "kv_bytes": 80.0, "kv_compression": 1.25},
+            "c": {"dppl_pct": 4.0, "dppl_pct_lo": 3.0, "dppl_pct_hi": 5.0, "kv_bytes": 100.0, "kv_compression": 1.0},
+            "d": {"dppl_pct": 9.0, "dppl_pct_lo": 8.0, "dppl_pct_hi": 10.0, "kv_bytes": 30.0, "kv_compression": 3.3},
+            "b@x": {"dppl_pct": 3.0, "dppl_pct_lo": 2.0, "dppl_pct_hi": 4.0},  # stores what b stores
+            "mode_a": {"dppl_pct": 40.0, "dppl_pct_lo": 30.0, "dppl_pct_hi": 50.0}}  # no bytes of its own
+    points = frontier(rows)
+    assert [(p["name"], p["kv_bytes"], p["front"]) for p in points] == [
+        ("d", 30.0, True), ("b@x", 80.0, True), ("a", 80.0, False), ("b", 80.0, False),
+        ("baseline", 100.0, True), ("c", 100.0, False)]
+    table = frontier_table(points)
+    assert table[2] == "| 30 | 3.30× | **d** | +9.00 [+8.00, +10.00] | ✓ |"
+    assert table[-2] == "| 100 | 1.00× | **baseline** | – | ✓ |"

@@ -344,8 +344,43 @@ def _dppl_rows(ppl: dict) -> list[tuple[str, float, float, float]]:
     return sorted(rows, key=lambda r: r[1])
 
 
-def plots(out: Path, ppl: dict, adapters: dict, storage: dict) -> list[Path]:
-    """The report's three figures under ``out``: ΔPPL with intervals and compression, adapter fit, bytes vs ΔPPL."""
+def frontier(rows: dict[str, dict[str, float]]) -> list[dict]:
+    """Every row of :func:`group_rows` that stores KV, fewest bytes first, marked where it is on the Pareto front.
+
+    A recipe ``<group>@<objective>`` stores what its group stores; ``mode_a`` saves compute, not
+    bytes, and is left out.  Each point: ``name``, ``kv_bytes``, ``kv_compression``, ``dppl_pct``
+    with ``_lo``/``_hi`` (0 for the baseline) and ``front``: no other row stores at most as many
+    bytes at a ΔPPL at most as large, one of them strictly less -- the row to pick at its byte
+    budget.  The point estimates decide; the intervals say how sure that pick is.
+    """
+    points = []
+    for name, r in rows.items():
+        kv = rows.get(name.split("@")[0], {})
+        if "kv_bytes" not in kv:
+            continue
+        d = {k: r.get(k, 0.0) for k in ("dppl_pct", "dppl_pct_lo", "dppl_pct_hi")}
+        points.append({"name": name, "kv_bytes": kv["kv_bytes"], "kv_compression": kv["kv_compression"], **d})
+    for p in points:
+        p["front"] = not any(q["kv_bytes"] <= p["kv_bytes"] and q["dppl_pct"] <= p["dppl_pct"]
+                             and (q["kv_bytes"] < p["kv_bytes"] or q["dppl_pct"] < p["dppl_pct"]) for q in points)
+    return sorted(points, key=lambda p: (p["kv_bytes"], p["dppl_pct"]))
+
+
+def frontier_table(points: list[dict]) -> list[str]:
+    """:func:`frontier` as a Markdown table, the front's rows in bold."""
+    lines = ["| KV bytes/token | compression | group / recipe | ΔPPL % [95% CI] | Pareto front |",
+             "|---:|---:|---|---|:---:|"]
+    for p in points:
+        d = ("–" if p["name"] == "baseline" else
+             f"{p['dppl_pct']:+.2f} [{p['dppl_pct_lo']:+.2f}, {p['dppl_pct_hi']:+.2f}]")
+        name = f"**{p['name']}**" if p["front"] else p["name"]
+        lines.append(f"| {p['kv_bytes']:,g} | {p['kv_compression']:.2f}× | {name} | {d} | {'✓' if p['front'] else ''} |")
+    return lines
+
+
+def plots(out: Path, ppl: dict, adapters: dict, storage: dict, points: list[dict]) -> list[Path]:
+    """The report's three figures under ``out``: ΔPPL with intervals and compression, adapter fit, and the
+    bytes–quality frontier (``points``: :func:`frontier`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -392,35 +427,44 @@ def plots(out: Path, ppl: dict, adapters: dict, storage: dict) -> list[Path]:
                  fontsize=9)
     paths.append(write_png(fig, out / "adapter_cosine.png"))
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    numbered = [(i, r) for i, r in enumerate(rows, 1) if r[0] in kv]
-    points: list[tuple[float, float, list[int]]] = []  # points closer than a label's size share one label
-    for i, r in numbered:
-        x, y = kv[r[0]]["bytes_per_token"], min(max(r[1], lo_lim), hi_lim)
-        ax.scatter(x, y, color="#4c72b0")
-        near = next((p for p in points if abs(p[0] - x) < 300 and abs(math.log10(p[1] / y)) < 0.08), None)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    numbered = [(i, p) for i, p in enumerate((p for p in points if p["name"] != "baseline"), 1)]
+    labels: list[tuple[float, float, list[int]]] = []  # points closer than a label's size share one label
+    for i, p in numbered:
+        x, y = p["kv_bytes"], min(max(p["dppl_pct"], lo_lim), hi_lim)
+        lo, hi = (min(max(p[k], lo_lim), hi_lim) for k in ("dppl_pct_lo", "dppl_pct_hi"))
+        ax.errorbar(x, y, yerr=[[y - min(lo, y)], [max(hi, y) - y]], marker="o", capsize=2, linewidth=0.8,
+                    color="#dd8452" if p["front"] else "#4c72b0")
+        near = next((q for q in labels if abs(q[0] - x) < 300 and abs(math.log10(q[1] / y)) < 0.08), None)
         if near:
             near[2].append(i)
         else:
-            points.append((x, y, [i]))
-    for x, y, ids in points:
+            labels.append((x, y, [i]))
+    for x, y, ids in labels:
         ax.annotate(",".join(map(str, ids)), (x, y), textcoords="offset points", xytext=(5, 2), fontsize=7)
+    front = [p for p in points if p["front"]]  # the baseline (ΔPPL 0, drawn at the axis' floor) included
+    base = next((p for p in points if p["name"] == "baseline"), None)
+    if base is not None:
+        ax.scatter(base["kv_bytes"], lo_lim, marker="s", color="black", zorder=3, label="baseline (ΔPPL 0, at the floor)")
+    ax.plot([p["kv_bytes"] for p in front], [min(max(p["dppl_pct"], lo_lim), hi_lim) for p in front],
+            drawstyle="steps-post", color="#dd8452", linewidth=1, label="Pareto front (fewer bytes, lower ΔPPL)")
     ax.set_yscale("log")
     ax.set_ylim(lo_lim, hi_lim)
-    ax.set_xlim(0, max([kv[r[0]]["bytes_per_token"] for _, r in numbered] + [1.0]) * 1.1)
+    ax.set_xlim(0, max([p["kv_bytes"] for p in points] + [1.0]) * 1.15)
     ax.set_xlabel("stored KV bytes/token (bf16, decoder attention layers)")
-    ax.set_ylabel("ΔPPL % vs baseline (log)")
-    ax.set_title(f"Storage vs quality ({model})", fontsize=9)
+    ax.set_ylabel("ΔPPL % vs baseline (log; bars: paired 95% CI)")
+    ax.set_title(f"Bytes vs quality, every group and recipe ({model})", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
     # numbers on the points, names in the key: labels never overlap
-    key = "\n".join(f"{i} {r[0]}" for i, r in numbered)
-    ax.text(1.02, 1.0, key, transform=ax.transAxes, va="top", fontsize=7, family="monospace")
+    key = "\n".join(f"{i} {p['name']}" + (" *" if p["front"] else "") for i, p in numbered)
+    ax.text(1.02, 1.0, key + "\n(* on the front)", transform=ax.transAxes, va="top", fontsize=7, family="monospace")
     paths.append(write_png(fig, out / "bytes_vs_ppl.png"))
     return paths
 
 
-def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, dict, dict]]:
-    """``reports/results.md``'s text, :func:`group_rows` and the figures' inputs (ppl, adapters, storage) from the
-    detailed results under ``workdir``."""
+def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, dict, dict, list]]:
+    """``reports/results.md``'s text, :func:`group_rows` and the figures' inputs (ppl, adapters, storage and
+    the :func:`frontier`) from the detailed results under ``workdir``."""
     workdir = Path(workdir)
     ppl, gsm, storage = (_load(workdir, n) for n in ("ppl", "gsm8k", "storage"))
     ridge, projector, adapters = (_load(workdir, n) for n in ("ridge", "projector", "adapters"))
@@ -435,6 +479,7 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
     groups = params.train.eval_groups
     windows = window_line(storage)
     rows = group_rows(ppl, gsm, storage, objectives | {SEED_INIT: {"eval": {"groups": evals[SEED_INIT]}}}, groups)
+    points = frontier(rows)
     text = "\n".join([
         "# Results", "", protocol_line(ppl, gsm), "", *([windows, ""] if windows else []),
         "## Headline (metrics/summary.json; intervals in metrics/groups.tsv)", "", *headline_table(summary(rows)), "",
@@ -462,6 +507,12 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
                     f"csa2 {storage['qwen3_5_4b']['kv']['bf16'][b]['csa2']['bytes_per_token']:,.0f} B/token"
                     for b in BASES) + ".", "",
         f"_{storage['note']}_", "",
+        "## Bytes and quality: the frontier", "",
+        "Every group and recipe that stores KV (a recipe `<group>@<objective>` stores what its group stores), "
+        "fewest bytes first; on the Pareto front (bold) no other row stores at most as many bytes at a ΔPPL at "
+        "most as large: at each byte budget, the row of the front at or below it is the one to pick. Point "
+        "estimates decide; the intervals say how sure the pick is.", "",
+        *frontier_table(points), "",
         "![PPL by group](ppl_by_group.png) ![adapter cosine](adapter_cosine.png) ![bytes vs PPL](bytes_vs_ppl.png)", "",
     ])
-    return text, rows, (ppl, adapters, storage)
+    return text, rows, (ppl, adapters, storage, points)
