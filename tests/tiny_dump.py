@@ -3,6 +3,9 @@
 import numpy as np
 from conftest import tiny_params
 
+from ced_csa2.data.dump_file import DumpLayout, DumpWriter
+from ced_csa2.pipeline import paths
+
 HIDDEN, KV = 64, 32  # the tiny Qwen3.5 profile (2 kv heads x 16)
 N_RECORDS = 60
 
@@ -39,6 +42,22 @@ def synthetic_arrays(n_rows: int, layers, rng) -> dict[str, np.ndarray]:
     for t in targets:
         out[f"k_{t}"], out[f"v_{t}"] = noisy_nonlinear(out[f"k_{source}"]), noisy_nonlinear(out[f"v_{source}"])
     return out
+
+
+LAYERS = (20, 24, 28, 32)  # the tiny Qwen3.5 plan's source and targets (split 16)
+
+
+def write_synthetic_dump(work, p, **attrs) -> None:
+    """``work/data/dump/dump.h5``: :data:`N_RECORDS` records of :func:`synthetic_arrays` (seed 0), made "by" ``p``'s model."""
+    from ced_csa2.stages import ridge
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(24, 48, N_RECORDS).tolist()
+    writer = DumpWriter(work / paths.DUMP_PATH, work / "data/dump.partial.h5", DumpLayout(HIDDEN, KV, LAYERS),
+                        chunk_kib=64, attrs={"fingerprint": "synthetic", "model": p.model.name, "split": 16, **attrs})
+    writer.append(synthetic_arrays(sum(lengths), LAYERS, rng), np.zeros(sum(lengths), np.int32), lengths)
+    writer.finalize()
+    ridge.run(p, work)  # models/ridge.pt: every trainer starts from it or is compared with it
 
 
 TEXTS = [f"Record {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][: 1 + i % 4] * (3 + i)) for i in range(11)]

@@ -13,15 +13,13 @@ The model-loading guard (a checkpoint that does not fill the model) is ``tests/t
 import dataclasses
 import json
 
-import numpy as np
 import pytest
 import torch
-from tiny_dump import HIDDEN, KV, N_RECORDS, params, synthetic_arrays
+from tiny_dump import params, write_synthetic_dump
 from torch import nn
 
 from ced_csa2.ced_runtime import load_parts
 from ced_csa2.config import ParamsError, check_provenance, provenance, replaced
-from ced_csa2.data.dump_file import DumpLayout, DumpWriter
 from ced_csa2.maps.ridge import load_ridge, save_ridge
 from ced_csa2.pipeline import paths
 from ced_csa2.pipeline.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -84,15 +82,8 @@ def test_provenance_names_the_first_key_that_differs():
 @pytest.fixture
 def fitted(tmp_path):
     """A workdir whose dump records its provenance (as the dump stage writes it) and ``models/ridge.pt`` fitted on it."""
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(24, 48, N_RECORDS).tolist()
     p = params()
-    writer = DumpWriter(tmp_path / paths.DUMP_PATH, tmp_path / "data/dump.partial.h5", DumpLayout(HIDDEN, KV, (20, 24, 28, 32)),
-                        chunk_kib=64, attrs={"fingerprint": "synthetic", "model": p.model.name, "split": 16,
-                                             "provenance": json.dumps(provenance(p, "seed", "model"))})
-    writer.append(synthetic_arrays(sum(lengths), (20, 24, 28, 32), rng), np.zeros(sum(lengths), np.int32), lengths)
-    writer.finalize()
-    ridge.run(p, tmp_path)
+    write_synthetic_dump(tmp_path, p, provenance=json.dumps(provenance(p, "seed", "model")))
     return tmp_path, p
 
 

@@ -2,15 +2,12 @@
 
 import sys
 
-import numpy as np
 import pytest
 from conftest import ROOT, study_corpus
-from tiny_dump import HIDDEN, KV, N_RECORDS, params, synthetic_arrays
+from tiny_dump import params, write_synthetic_dump
 
-from ced_csa2.data.dump_file import DumpLayout, DumpWriter
 from ced_csa2.maps.residual_projector import HeadConfig
-from ced_csa2.pipeline import paths
-from ced_csa2.stages import ridge, train_adapters, train_projector
+from ced_csa2.stages import train_adapters, train_projector
 
 sys.path.insert(0, str(ROOT / "studies"))
 import projector_head as study_mod  # noqa: E402
@@ -30,14 +27,8 @@ def test_no_widths_are_refused(tmp_path):
 
 def test_study_on_a_synthetic_dump(tiny_model, tmp_path):
     p = params()
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(24, 48, N_RECORDS).tolist()
-    layers = (20, 24, 28, 32)
-    writer = DumpWriter(tmp_path / paths.DUMP_PATH, tmp_path / "data/dump.partial.h5", DumpLayout(HIDDEN, KV, layers),
-                        chunk_kib=64, attrs={"fingerprint": "synthetic", "model": p.model.name, "split": 16})
-    writer.append(synthetic_arrays(sum(lengths), layers, rng), np.zeros(sum(lengths), np.int32), lengths)
-    writer.finalize()
-    for stage in (ridge, train_projector, train_adapters):
+    write_synthetic_dump(tmp_path, p)
+    for stage in (train_projector, train_adapters):
         stage.run(p, tmp_path)
     study_corpus(tmp_path, records=3)
     study = study_mod.Study(widths=[16], train=HeadConfig(epochs=3, batch_size=128, lr=1e-2, weight_decay=0.0,

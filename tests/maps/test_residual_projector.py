@@ -1,15 +1,12 @@
 """The nonlinear CED projector: it starts as the ridge map exactly and its MLP lowers the held-out loss."""
 
-import numpy as np
 import pytest
 import torch
-from tiny_dump import HIDDEN, KV, N_RECORDS, params, synthetic_arrays
+from tiny_dump import HIDDEN, KV, params, write_synthetic_dump
 
-from ced_csa2.data.dump_file import DumpLayout, DumpWriter
 from ced_csa2.maps.residual_projector import HeadConfig, ResidualProjector, train_residual_projector
 from ced_csa2.pipeline import paths
 from ced_csa2.plan import load_plan
-from ced_csa2.stages import ridge
 from ced_csa2.train.training import ridge_maps, split_masks
 
 CFG = HeadConfig(epochs=12, batch_size=128, lr=1e-2, weight_decay=0.0, warmup_fraction=0.1)
@@ -19,15 +16,7 @@ CFG = HeadConfig(epochs=12, batch_size=128, lr=1e-2, weight_decay=0.0, warmup_fr
 def workdir(tmp_path_factory):
     """A synthetic dump whose K/V are a linear map of H_split plus a quadratic part, and its ridge maps."""
     work = tmp_path_factory.mktemp("residual")
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(24, 48, N_RECORDS).tolist()
-    layers = (20, 24, 28, 32)
-    p = params()
-    writer = DumpWriter(work / paths.DUMP_PATH, work / "data/dump.partial.h5", DumpLayout(HIDDEN, KV, layers),
-                        chunk_kib=64, attrs={"fingerprint": "synthetic", "model": p.model.name, "split": 16})
-    writer.append(synthetic_arrays(sum(lengths), layers, rng), np.zeros(sum(lengths), np.int32), lengths)
-    writer.finalize()
-    ridge.run(p, work)
+    write_synthetic_dump(work, params())
     return work
 
 

@@ -4,14 +4,13 @@ import dataclasses
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from conftest import read_curves
-from tiny_dump import HIDDEN, KV, N_RECORDS, params, synthetic_arrays
+from tiny_dump import HIDDEN, KV, params, write_synthetic_dump
 
 from ced_csa2.csa2 import load_adapters
-from ced_csa2.data.dump_file import DumpError, DumpLayout, DumpWriter
+from ced_csa2.data.dump_file import DumpError
 from ced_csa2.maps.ridge import load_ridge
 from ced_csa2.pipeline import paths
 from ced_csa2.pipeline.checkpoint import expected_meta
@@ -35,16 +34,7 @@ def one_thread():
 def prepared(one_thread, tmp_path_factory):
     """A workdir with a synthetic ``data/dump/dump.h5`` (plan 16 / 20 / 24, 28, 32) and ``models/ridge.pt``."""
     work = tmp_path_factory.mktemp("train")
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(24, 48, N_RECORDS).tolist()
-    layers = (20, 24, 28, 32)
-    p = params()
-    writer = DumpWriter(work / paths.DUMP_PATH, work / "data/dump.partial.h5",
-                        DumpLayout(HIDDEN, KV, layers), chunk_kib=64,
-                        attrs={"fingerprint": "synthetic", "model": p.model.name, "split": 16})
-    writer.append(synthetic_arrays(sum(lengths), layers, rng), np.zeros(sum(lengths), np.int32), lengths)
-    writer.finalize()
-    ridge.run(p, work)
+    write_synthetic_dump(work, params())
     return work
 
 
