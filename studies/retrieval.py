@@ -1,0 +1,227 @@
+"""Long-context retrieval: does the compressed cache still find a passkey hidden in filler text?
+
+    dvc repro studies/dvc.yaml       # runs: python studies/retrieval.py
+
+Every quality figure of the pipeline is next-token PPL/KL on short records; sharing K/V
+across layers and reading only a selection of it are what a retrieval test at length would
+break.  Per length of ``studies/retrieval.yaml`` this study builds ``records`` seeded passkey
+prompts (:mod:`ced_csa2.eval.retrieval`: the filler is the held-out corpus joined, the
+needle at stratified depths) and scores, per record, whether greedy decoding returns the key:
+
+* the Mode B groups of ``groups`` (the trained maps of ``models/``), teacher-forced in one
+  forward each under the group's runtime;
+* CSA2's sparse decode (:class:`~ced_csa2.runtime.sparse_decode.SparseSharedKVCache`) with
+  the oracle selector and each trained indexer of ``sparse.indexers`` (``studies/indexer``):
+  the prompt prefilled densely, then the answer decoded step by step, each step's targets
+  reading the newest ``window`` entries and the source's top-``k``.
+
+The baseline alone is also scored at ``baseline_lengths`` (where the unchanged model still
+retrieves: the study's lengths are chosen below that).  Per group and length: accuracy with
+its Wilson 95% interval, and the change in points against the baseline on the same records
+(paired bootstrap over records).  Model dtype: the root params' (float32 on the default).
+
+Writes ``studies/retrieval/metrics.json``, ``retrieval.md`` and ``accuracy_vs_length.png``.
+Params: ``studies/retrieval.yaml`` and the root ``params.yaml``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from ced_csa2.ced_runtime import CEDModeBRuntime, _rope_fn, load_parts
+from ced_csa2.config import from_dict, load_params
+from ced_csa2.data.records import read_records
+from ced_csa2.eval import retrieval
+from ced_csa2.eval.stats import ratio_bootstrap
+from ced_csa2.maps.indexer import load_indexer
+from ced_csa2.model_utils import attention, load_model_and_tokenizer, resolve_device
+from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
+from ced_csa2.pipeline.figures import write_png
+from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
+from ced_csa2.plan import load_plan
+from ced_csa2.runtime.groups import GROUP_NAMES, LOW_RANK_GROUPS
+from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
+
+STUDY_PARAMS = Path("studies/retrieval.yaml")
+OUT = Path("studies/retrieval")
+INDEXERS = Path("studies/indexer")
+log = logging.getLogger("retrieval")
+
+
+@dataclass(frozen=True)
+class Sparse:
+    window: int
+    k: int
+    indexers: list[str]
+
+
+@dataclass(frozen=True)
+class Study:
+    lengths: list[int]
+    baseline_lengths: list[int]
+    records: int
+    digits: int
+    batch_size: int
+    groups: list[str]
+    sparse: Sparse
+
+
+def load_study(path: Path = STUDY_PARAMS) -> Study:
+    """The study's params, typed and checked (unknown or mistyped keys refused, naming them)."""
+    study = from_dict(Study, yaml.safe_load(path.read_text()))
+    unknown = sorted(set(study.groups) - set(GROUP_NAMES))
+    if unknown or "baseline" not in study.groups:
+        raise ValueError(f"{path}: groups must include baseline and name Mode B groups ({', '.join(GROUP_NAMES)}); "
+                         f"got unknown {unknown}" if unknown else f"{path}: groups must include baseline")
+    if study.records < 1 or not study.lengths or study.batch_size < 1 or not 1 <= study.digits <= 9:
+        raise ValueError(f"{path}: need records >= 1, some lengths, batch_size >= 1 and 1..9 digits; got {study}")
+    if study.sparse.k + study.sparse.window >= min(study.lengths):
+        raise ValueError(f"{path}: sparse k + window ({study.sparse.k + study.sparse.window}) must stay below the "
+                         f"shortest length ({min(study.lengths)}), or the reads cover the context")
+    return study
+
+
+def sparse_label(selector: str, reads: Sparse) -> str:
+    return f"csa2 sparse {selector}@{reads.k}"
+
+
+def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, parts=None, indexers=None) -> dict:
+    plan, geo = load_plan(params.plan, params.model)
+    t0 = time.perf_counter()
+    device = resolve_device(params.eval_ppl.device)
+    model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
+    parts = parts or load_parts(workdir / MODELS, params, plan, geo, device=device, extra_sources=False,
+                                low_rank=any(g in LOW_RANK_GROUPS for g in study.groups))
+    if indexers is None:
+        rope, model_id = _rope_fn(attention(model, plan.source)), params.model.hf_id or params.model.name
+        indexers = {name: load_indexer(workdir / INDEXERS / f"{name}.pt", rope,
+                                       expect={"model_id": model_id, "layer": plan.source})
+                    for name in study.sparse.indexers}
+    filler = tok("\n\n".join(r["text"] for r in read_records(workdir / EVAL_JSONL)), add_special_tokens=False)["input_ids"]
+    reads = SparseDecode(k=study.sparse.k, window=study.sparse.window)
+    selectors = {"oracle": None, **indexers}
+
+    hits: dict[int, dict[str, list[bool]]] = {}
+    seconds: dict[int, dict[str, float]] = {}
+    for length in sorted({*study.lengths, *study.baseline_lengths}):
+        records = retrieval.passkey_prompts(tok, filler, length, study.records, params.seed, study.digits)
+        groups = study.groups if length in study.lengths else ["baseline"]
+        hits[length], seconds[length] = {}, {}
+        for g in tqdm(groups, desc=f"retrieval @{length}", unit="group"):
+            t = time.perf_counter()
+            with CEDModeBRuntime(model, plan, g, parts, kv_format=params.kv_format):
+                hits[length][g] = retrieval.forward_hits(model, records, study.batch_size)
+            seconds[length][g] = time.perf_counter() - t
+            log.info("%d tokens, %s: %d/%d retrieved, %.0f s", length, g, sum(hits[length][g]), len(records),
+                     seconds[length][g])
+        if length not in study.lengths:
+            continue
+        for name, ix in selectors.items():
+            label, t = sparse_label(name, study.sparse), time.perf_counter()
+            hits[length][label] = retrieval.decode_hits(
+                model, lambda ix=ix: SparseSharedKVCache(model, plan, "csa2", parts, reads=reads, indexer=ix), records)
+            seconds[length][label] = time.perf_counter() - t
+            log.info("%d tokens, %s: %d/%d retrieved, %.0f s", length, label, sum(hits[length][label]), len(records),
+                     seconds[length][label])
+
+    rows: dict[str, dict[int, dict]] = {}
+    for length, by_group in hits.items():
+        base = np.array(by_group["baseline"], dtype=np.float64)
+        for g, h in by_group.items():
+            h = np.array(h, dtype=np.float64)
+            r = {"retrieved": int(h.sum()), "n": len(h), "accuracy_pct": 100 * float(h.mean()),
+                 "accuracy_ci95": [100 * x for x in retrieval.wilson(int(h.sum()), len(h))],
+                 "seconds": round(seconds[length][g], 1)}
+            if g != "baseline":
+                d = ratio_bootstrap(h - base, np.ones_like(h), scale=100.0, seed=params.seed)
+                r.update(delta_points=d["value"], delta_points_ci95=d["ci95"])
+            rows.setdefault(g, {})[length] = r
+    return {"protocol": {"model": params.model.hf_id or params.model.name, "dtype": str(model.dtype).removeprefix("torch."),
+                         "task": "passkey retrieval (Mohtashami & Jaggi 2023): instruction, filler with one needle "
+                                 "sentence, question; retrieved = greedy decoding returns every answer token "
+                                 "(checked teacher-forced)",
+                         "template": {"intro": retrieval.INTRO, "needle": retrieval.NEEDLE,
+                                      "question": retrieval.QUESTION, "answer": retrieval.ANSWER},
+                         "filler": f"{EVAL_JSONL} records joined with blank lines, a seeded offset per record",
+                         "records_per_length": study.records, "digits": study.digits, "seed": params.seed,
+                         "depth": "stratified: record i's needle inside the i-th of n equal slices of the filler",
+                         "lengths": study.lengths, "baseline_lengths": study.baseline_lengths,
+                         "sparse": {"window": reads.window, "k": reads.k, "selectors": list(selectors),
+                                    "path": "prompt prefilled densely, answer decoded one step at a time"},
+                         "plan": {"source": plan.source, "targets": list(plan.targets)}, "kv_format": params.kv_format,
+                         "ci": "accuracy: Wilson 95%; change vs baseline: paired bootstrap over records, 95%"},
+            "groups": {g: {str(k): v for k, v in sorted(by_len.items())} for g, by_len in rows.items()},
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return "—"
+    lo, hi = r["accuracy_ci95"]
+    cell = f"{r['accuracy_pct']:.0f} [{lo:.0f}, {hi:.0f}]"
+    if "delta_points" in r:
+        dlo, dhi = r["delta_points_ci95"]
+        cell += f" ({r['delta_points']:+.0f} [{dlo:+.0f}, {dhi:+.0f}])"
+    return cell
+
+
+def markdown(m: dict) -> str:
+    p = m["protocol"]
+    lengths = sorted({int(k) for rows in m["groups"].values() for k in rows})
+    lines = [f"Passkey retrieval: {p['model']} ({p['dtype']}), {p['records_per_length']} seeded records per length, "
+             f"{p['digits']}-digit keys in {p['filler']}; {p['task']}. Cells: accuracy % [Wilson 95%] "
+             f"(points vs baseline [paired bootstrap 95%]). Sparse decode: window {p['sparse']['window']}, "
+             f"top-{p['sparse']['k']} of the source's selection ({p['sparse']['path']}).",
+             "",
+             "| group | " + " | ".join(f"{n:,} tokens" for n in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
+    for g, rows in m["groups"].items():
+        lines.append(f"| {g} | " + " | ".join(_cell(rows.get(str(n))) for n in lengths) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(m: dict, path: Path) -> None:
+    """Accuracy against prompt length, one line per group, Wilson intervals as bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    groups = list(m["groups"])
+    for i, (g, rows) in enumerate(m["groups"].items()):
+        # a small horizontal offset per group keeps overlapping intervals readable
+        xs = [int(n) * 2 ** (0.03 * (i - len(groups) / 2)) for n in rows]
+        acc = [r["accuracy_pct"] for r in rows.values()]
+        err = [[r["accuracy_pct"] - r["accuracy_ci95"][0] for r in rows.values()],
+               [r["accuracy_ci95"][1] - r["accuracy_pct"] for r in rows.values()]]
+        ax.errorbar(xs, acc, yerr=err, marker="o", capsize=3, label=g,
+                    linestyle="--" if "sparse" in g else "-", linewidth=2.5 if g == "baseline" else 1.2)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt length, tokens")
+    ax.set_ylabel("passkey retrieved, % [Wilson 95%]")
+    ax.set_ylim(-2, 102)
+    ax.legend(fontsize=7, ncol=2)
+    p = m["protocol"]
+    ax.set_title(f"Passkey retrieval: {p['model']}, {p['records_per_length']} records per length")
+    write_png(fig, path)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    metrics = run(load_params(Path("params.yaml")), load_study())
+    write_json(OUT / "metrics.json", metrics)
+    atomic_write_text(OUT / "retrieval.md", markdown(metrics))
+    plot(metrics, OUT / "accuracy_vs_length.png")
+    log.info("done in %.0f s:\n%s", metrics["seconds"], markdown(metrics))
+
+
+if __name__ == "__main__":
+    main()
