@@ -13,7 +13,10 @@ needle at stratified depths) and scores, per record, whether greedy decoding ret
 * CSA2's sparse decode (:class:`~ced_csa2.runtime.sparse_decode.SparseSharedKVCache`) with
   the oracle selector and each trained indexer of ``sparse.indexers`` (``studies/indexer``):
   the prompt prefilled densely, then the answer decoded step by step, each step's targets
-  reading the newest ``window`` entries and the source's top-``k``.
+  reading the newest ``window`` entries and the source's top-``k``;
+* the layer-mode groups of ``sparse.layer_modes`` (as ``studies/layer_modes.yaml`` defines
+  them): every attention layer above the cut reads its window plus the oracle's top-``k``,
+  prompt included, teacher-forced like the Mode B groups.
 
 The baseline alone is also scored at ``baseline_lengths`` (where the unchanged model still
 retrieves: the study's lengths are chosen below that).  Per group and length: accuracy with
@@ -26,9 +29,10 @@ Params: ``studies/retrieval.yaml`` and the root ``params.yaml``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +51,8 @@ from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.groups import GROUP_NAMES, LOW_RANK_GROUPS
+from ced_csa2.runtime.layer_modes import LayerModes
+from ced_csa2.runtime.sparse_attention import SparseAttention, SparseGroup, SparseReads
 from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
 
 STUDY_PARAMS = Path("studies/retrieval.yaml")
@@ -56,10 +62,17 @@ log = logging.getLogger("retrieval")
 
 
 @dataclass(frozen=True)
+class LayerModeGroup:
+    kv: str  # the Mode B group whose K/V the layers read (baseline | csa2 | ced_csa2 | share_plain)
+    index_source_layer_ids: dict = field(default_factory=dict)  # {layer: index source}; others select their own
+
+
+@dataclass(frozen=True)
 class Sparse:
     window: int
     k: int
     indexers: list[str]
+    layer_modes: dict  # {name: LayerModeGroup}
 
 
 @dataclass(frozen=True)
@@ -75,7 +88,12 @@ class Study:
 
 def load_study(path: Path = STUDY_PARAMS) -> Study:
     """The study's params, typed and checked (unknown or mistyped keys refused, naming them)."""
-    study = from_dict(Study, yaml.safe_load(path.read_text()))
+    raw = yaml.safe_load(path.read_text())
+    sparse = raw.get("sparse") or {}
+    study = from_dict(Study, {**raw, "sparse": {**sparse, "layer_modes": {}}})
+    specs = {name: from_dict(LayerModeGroup, spec or {}, f"sparse.layer_modes.{name}")
+             for name, spec in (sparse.get("layer_modes") or {}).items()}
+    study = dataclasses.replace(study, sparse=dataclasses.replace(study.sparse, layer_modes=specs))
     unknown = sorted(set(study.groups) - set(GROUP_NAMES))
     if unknown or "baseline" not in study.groups:
         raise ValueError(f"{path}: groups must include baseline and name Mode B groups ({', '.join(GROUP_NAMES)}); "
@@ -90,6 +108,17 @@ def load_study(path: Path = STUDY_PARAMS) -> Study:
 
 def sparse_label(selector: str, reads: Sparse) -> str:
     return f"csa2 sparse {selector}@{reads.k}"
+
+
+def layer_mode_groups(model, plan, geo, parts, study: Study, kv_format) -> dict[str, SparseGroup]:
+    """Per layer-mode group of ``sparse.layer_modes``: its runtime, the oracle selecting ``k`` beside the window."""
+    reads = SparseReads(k=study.sparse.k, window=study.sparse.window)
+    out = {}
+    for name, spec in study.sparse.layer_modes.items():
+        modes = LayerModes.build(plan, geo, spec.kv, spec.index_source_layer_ids)
+        out[f"{name} oracle@{reads.k}"] = SparseGroup(CEDModeBRuntime(model, plan, spec.kv, parts, kv_format=kv_format),
+                                                      SparseAttention(model, modes, reads, geo))
+    return out
 
 
 def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, parts=None, indexers=None) -> dict:
@@ -107,6 +136,7 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
     filler = tok("\n\n".join(r["text"] for r in read_records(workdir / EVAL_JSONL)), add_special_tokens=False)["input_ids"]
     reads = SparseDecode(k=study.sparse.k, window=study.sparse.window)
     selectors = {"oracle": None, **indexers}
+    sparse_groups = layer_mode_groups(model, plan, geo, parts, study, params.kv_format)
 
     hits: dict[int, dict[str, list[bool]]] = {}
     seconds: dict[int, dict[str, float]] = {}
@@ -114,9 +144,12 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
         records = retrieval.passkey_prompts(tok, filler, length, study.records, params.seed, study.digits)
         groups = study.groups if length in study.lengths else ["baseline"]
         hits[length], seconds[length] = {}, {}
-        for g in tqdm(groups, desc=f"retrieval @{length}", unit="group"):
+        runtimes = {g: CEDModeBRuntime(model, plan, g, parts, kv_format=params.kv_format) for g in groups}
+        if length in study.lengths:
+            runtimes |= sparse_groups
+        for g, runtime in tqdm(runtimes.items(), desc=f"retrieval @{length}", unit="group"):
             t = time.perf_counter()
-            with CEDModeBRuntime(model, plan, g, parts, kv_format=params.kv_format):
+            with runtime:
                 hits[length][g] = retrieval.forward_hits(model, records, study.batch_size)
             seconds[length][g] = time.perf_counter() - t
             log.info("%d tokens, %s: %d/%d retrieved, %.0f s", length, g, sum(hits[length][g]), len(records),
@@ -154,7 +187,11 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
                          "depth": "stratified: record i's needle inside the i-th of n equal slices of the filler",
                          "lengths": study.lengths, "baseline_lengths": study.baseline_lengths,
                          "sparse": {"window": reads.window, "k": reads.k, "selectors": list(selectors),
-                                    "path": "prompt prefilled densely, answer decoded one step at a time"},
+                                    "path": "prompt prefilled densely, answer decoded one step at a time",
+                                    "layer_modes": {n: dataclasses.asdict(s) for n, s in study.sparse.layer_modes.items()},
+                                    "layer_modes_path": "every attention layer above the cut reads its window and the "
+                                                        "oracle's top-k (its own attention logits), prompt included, "
+                                                        "teacher-forced"},
                          "plan": {"source": plan.source, "targets": list(plan.targets)}, "kv_format": params.kv_format,
                          "ci": "accuracy: Wilson 95%; change vs baseline: paired bootstrap over records, 95%"},
             "groups": {g: {str(k): v for k, v in sorted(by_len.items())} for g, by_len in rows.items()},

@@ -104,12 +104,15 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
     study_corpus(tmp_path, records=3)
     plan, geo = load_plan(params.plan, params.model)
     study = study_mod.Study(lengths=[280, 320], baseline_lengths=[360], records=3, digits=5, batch_size=2,
-                            groups=["baseline", "csa2", "ced"], sparse=study_mod.Sparse(window=4, k=8, indexers=["r"]))
+                            groups=["baseline", "csa2", "ced"],
+                            sparse=study_mod.Sparse(window=4, k=8, indexers=["r"], layer_modes={
+                                "full_reuse": study_mod.LayerModeGroup("csa2", {t: plan.source for t in plan.targets})}))
     m = study_mod.run(params, study, tmp_path, model_and_tok=(model, tok), parts=random_parts(geometry(model.config), plan),
                       indexers={"r": new_indexer(model, geo, plan.source, IndexerConfig(heads=2), seed=0)})
     rows = m["groups"]
-    assert set(rows) == {"baseline", "csa2", "ced", "csa2 sparse oracle@8", "csa2 sparse r@8"}
-    assert set(rows["baseline"]) == {"280", "320", "360"} and set(rows["ced"]) == {"280", "320"}
+    assert set(rows) == {"baseline", "csa2", "ced", "csa2 sparse oracle@8", "csa2 sparse r@8", "full_reuse oracle@8"}
+    assert set(rows["baseline"]) == {"280", "320", "360"}
+    assert all(set(rows[g]) == {"280", "320"} for g in rows if g != "baseline")
     for g, by_len in rows.items():
         for r in by_len.values():
             assert r["n"] == 3 and r["accuracy_pct"] == pytest.approx(100 * r["retrieved"] / 3)
