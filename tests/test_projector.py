@@ -42,7 +42,7 @@ def test_round_trip_is_bit_exact_in_fp16(tmp_path):
     p = small()
     path = save_projector(tmp_path / "projector_k20v20.pt", p, META)
     half, meta = load_projector(path, dtype=torch.float16)
-    assert meta == {**META, "hidden_size": 64, "kv_dim": 32}
+    assert meta == {**META, "hidden_size": 64, "kv_dim": 32, "mlp_width": 0, "activation": "gelu"}
     for name, t in p.state_dict().items():
         assert torch.equal(half.state_dict()[name], t.half())
     full, _ = load_projector(path)  # default float32 holds the FP16 values exactly
@@ -99,3 +99,57 @@ def test_several_projectors_in_one_file_and_an_empty_one(tmp_path):
     assert empty == {} and m["layers"] == [] and m["kv_dim"] == 32
     with pytest.raises(CheckpointError, match="not a ced_csa2.projector checkpoint"):
         load_projector(tmp_path / "empty.pt")
+
+
+def headed(seed=0, hidden=64, kv=32, width=16):
+    """A projector with a residual MLP, its input stats set (one outlier channel) and its MLP moved off zero."""
+    torch.manual_seed(seed)
+    p = KVProjector(hidden, kv, mlp_width=width)
+    mean, std = torch.randn(hidden), torch.rand(hidden) + 0.5
+    std[3] = 1000.0  # an outlier channel, as H_split has
+    p.set_input_stats(mean, std)
+    return p
+
+
+def test_a_residual_head_starts_exactly_at_its_linear_map():
+    p = headed()
+    h = torch.randn(4, 7, 64)
+    assert torch.equal(torch.cat(p(h), -1), p.proj(h))  # the MLP's last layer is zero: it adds exact zeros
+    with torch.no_grad():
+        p.mlp.down.weight.normal_()
+    z = (h - p.h_mean) / p.h_std
+    assert torch.allclose(torch.cat(p(h), -1), p.proj(h) + p.mlp.down(F.gelu(p.mlp.up(z))), atol=1e-6)
+    assert sorted(n for n, _ in p.named_parameters() if n.startswith("mlp.")) == [
+        "mlp.down.bias", "mlp.down.weight", "mlp.up.bias", "mlp.up.weight"]
+    assert {id(w) for w in p.mlp_parameters()} == {id(w) for w in p.mlp.parameters()}
+    assert small().mlp_parameters() == []
+
+
+def test_input_stats_are_rounded_as_the_file_stores_them_and_must_be_positive():
+    p = KVProjector(8, 4, mlp_width=4)
+    mean = torch.full((8,), 1 / 3)
+    p.set_input_stats(mean, torch.ones(8))
+    assert torch.equal(p.h_mean, mean.half().float()) and not torch.equal(p.h_mean, mean)
+    with pytest.raises(ValueError, match="std must be > 0"):
+        p.set_input_stats(mean, torch.zeros(8))
+    with pytest.raises(ValueError, match="without an MLP"):
+        small().set_input_stats(mean, torch.ones(8))
+
+
+def test_a_residual_head_round_trips_with_its_form_and_stats(tmp_path):
+    p = headed()
+    with torch.no_grad():
+        p.mlp.down.weight.normal_()
+    loaded, meta = load_projector(save_projector(tmp_path / "p.pt", p, META))
+    assert (meta["mlp_width"], meta["activation"]) == (16, "gelu") and loaded.mlp_width == 16
+    for name, t in p.state_dict().items():  # weights and the input standardisation, as FP16
+        assert torch.equal(loaded.state_dict()[name], t.half().float()), name
+    rounded = KVProjector(64, 32, mlp_width=16)
+    rounded.load_state_dict({n: t.half().float() for n, t in p.state_dict().items()})
+    h = torch.randn(5, 64)
+    assert torch.equal(torch.cat(loaded(h), -1), torch.cat(rounded(h), -1))
+    meta_many = {k: v for k, v in META.items() if k != "layer"} | {"hidden_size": 64, "kv_dim": 32}
+    many, m = load_projectors(save_projectors(tmp_path / "extra.pt", {16: headed(1), 17: headed(2)}, meta_many))
+    assert m["mlp_width"] == 16 and all(q.mlp_width == 16 for q in many.values())
+    with pytest.raises(ValueError, match="different heads"):
+        save_projectors(tmp_path / "mixed.pt", {16: headed(1), 17: small(2)}, meta_many)

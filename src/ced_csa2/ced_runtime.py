@@ -551,24 +551,28 @@ class CEDModeARuntime:
             model.model(input_ids=input_ids[:, mapped:], cache=cache, use_cache=True)
         return cache
 
-    def _skip(self, input_ids: torch.Tensor, cache) -> None:
-        """Layers ``1..split`` on ``input_ids`` into ``cache``; the covered layers above get the mapped K/V."""
-        model, plan = self.model, self.plan
+    def split_hidden(self, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
+        """``H_split`` ``(B, T, hidden)`` of ``input_ids`` ``(B, T)``: layers ``1..split`` only (into ``cache``, if given)."""
         h_split = {}
 
         def stop(mod, inp, out):
             h_split["h"] = out[0] if isinstance(out, tuple) else out
             raise _StopForward
 
-        handle = decoder_layer(model, plan.split).register_forward_hook(stop)
+        handle = decoder_layer(self.model, self.plan.split).register_forward_hook(stop)
         try:
             with torch.no_grad():
-                model.model(input_ids=input_ids, cache=cache, use_cache=True)
+                self.model.model(input_ids=input_ids, cache=cache, use_cache=cache is not None)
         except _StopForward:
             pass
         finally:
             handle.remove()
-        h = h_split["h"]
+        return h_split["h"]
+
+    def _skip(self, input_ids: torch.Tensor, cache) -> None:
+        """Layers ``1..split`` on ``input_ids`` into ``cache``; the covered layers above get the mapped K/V."""
+        model = self.model
+        h = self.split_hidden(input_ids, cache)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         for layer, (k, v) in sorted(self.predicted_kv(h).items()):
             attn = attention(model, layer)

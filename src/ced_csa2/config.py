@@ -488,17 +488,23 @@ class TrainConfig(Section):
 
 @dataclass(frozen=True)
 class ModeATrainConfig(Section):
-    """Budget of stage ``tune_mode_a`` (train.online's records, seq_len, batch_size, warm-up and held-out records)."""
+    """Budget of stage ``tune_mode_a`` (train.online's seq_len, batch_size, warm-up and held-out records)."""
 
+    records: int  # training records (train.online's seeded sample, this many: the first train.online.records are those)
     epochs: int
-    # AdamW, the source's and the extra sources' projectors: AdamW moves every weight by ~lr per step,
-    # and on H_split's outlier channels 1e-5 already throws them off their ridge start
+    # AdamW, the linear maps of the source's and the extra sources' projectors: AdamW moves every weight by
+    # ~lr per step, and on H_split's outlier channels 1e-5 already throws them off their ridge start
     projector_lr: float
     adapters_lr: float  # AdamW, the targets' adapters
+    # hidden width of a zero-initialised residual MLP on every Mode A projector, reading standardised H_split
+    # (0 = linear projectors); trained at head_lr
+    head_width: int
+    head_lr: float
 
     def __post_init__(self):
         _check_finite(self, "mode_a.train")
-        _check_positive(self, "mode_a.train", "epochs", "projector_lr", "adapters_lr")
+        _check_positive(self, "mode_a.train", "records", "epochs", "projector_lr", "adapters_lr", "head_lr")
+        _check(self.head_width >= 0, "mode_a.train.head_width", f"must be >= 0 (0 = linear), got {self.head_width}")
 
 
 @dataclass(frozen=True)

@@ -495,12 +495,14 @@ def est_eval_gsm8k(s: Setup) -> StageEstimate:
                                                f"tokens{', Mode A' if mode_a else ''}")
 
 
-def online_counts(s: Setup) -> tuple[int, int, int]:
-    """``(train records, val records, tokens per record)`` of the online objectives (``train.online``)."""
+def online_counts(s: Setup, records: int | None = None) -> tuple[int, int, int]:
+    """``(train records, val records, tokens per record)`` of the online objectives (``train.online``;
+    ``records`` train records instead of ``train.online.records``, as ``tune_mode_a`` asks)."""
     cfg = s.params.train.online
     n = train_records(s.params, s.workdir) or len(s.dump.tokens)  # the whole train split, not the dump's sample
     train, val = record_split(n, s.params.split.val_fraction, s.params.seed)
-    return min(cfg.records, len(train)), min(cfg.val_records, len(val)), min(cfg.seq_len, s.params.data.max_tokens)
+    asked = cfg.records if records is None else records
+    return min(asked, len(train)), min(cfg.val_records, len(val)), min(cfg.seq_len, s.params.data.max_tokens)
 
 
 def est_tune(s: Setup, objective: str) -> StageEstimate:
@@ -528,22 +530,25 @@ def est_tune(s: Setup, objective: str) -> StageEstimate:
 
 def est_tune_mode_a(s: Setup) -> StageEstimate | None:
     """Mode A's maps trained through the skip: per record a teacher forward, the skip and the continuation's
-    forward and backward (3x a forward) -- one record at a time; the held-out KL before and after."""
+    forward and backward (3x a forward), the records of one length in one forward; the held-out KL
+    before and after (the projectors' residual MLPs, if any, are small beside the model: not counted)."""
     if not mode_a_covered(s):
         return None
     cfg, geo, online = s.params.mode_a.train, s.model.geo, s.params.train.online
-    records, val, seq = online_counts(s)
+    records, val, seq = online_counts(s, cfg.records)
     half = seq - max(2, int(seq * s.params.eval_ppl.prefix_fraction))
     skip = s.plan.split / geo.n_layers * forward_flops(s.model, seq - half)
     record = forward_flops(s.model, seq) + skip + 3 * forward_flops(s.model, half)
     checks = 2 * val * (forward_flops(s.model, seq) + skip + forward_flops(s.model, half))
     steps = cfg.epochs * math.ceil(records / online.batch_size)
-    # the continuation's activations, every layer, for the backward; teacher and student logits and log-softmax
-    work = half * geo.n_layers * (8 * geo.hidden_size + 4 * s.model.intermediate) * s.b + 2 * logits_bytes(s, half)
+    # the continuation's activations, every layer, for the backward; teacher and student logits and log-softmax;
+    # for a whole step's records at once (one forward per length)
+    work = online.batch_size * (half * geo.n_layers * (8 * geo.hidden_size + 4 * s.model.intermediate) * s.b
+                                + 2 * logits_bytes(s, half))
     host, device = peaks(s, model=True, device_work=work)
     return StageEstimate("tune_mode_a", f"{records:,} records x {seq} tokens", host=host, device=device, steps=steps,
                          seconds=(cfg.epochs * records * record + checks) / s.rates.model_flops,
-                         note=f"one record per forward, {online.batch_size} per step")
+                         note=f"{online.batch_size} records per step, one forward per length")
 
 
 def est_eval_objectives(s: Setup) -> StageEstimate | None:

@@ -137,10 +137,11 @@ def test_attn_out_lowers_every_phase_s_held_out_loss(tmp_path, frozen):
         assert phase["val_after"]["loss"] < phase["val_before"]["loss"], (group, phase)
 
 
-@pytest.mark.parametrize("profile", ["qwen3_5", "gemma3"])
-def test_mode_a_objective_lowers_its_held_out_kl(tmp_path, profile):
+@pytest.mark.parametrize("profile, head_width", [("qwen3_5", 0), ("gemma3", 0), ("qwen3_5", 16)])
+def test_mode_a_objective_lowers_its_held_out_kl(tmp_path, profile, head_width):
     """tune_mode_a trains every map Mode A reads through the skip itself: hybrid Qwen3.5 (zero DeltaNet
-    state above the cut) and Gemma-3 (sliding and full layers, extra sources)."""
+    state above the cut) and Gemma-3 (sliding and full layers, extra sources); with ``head_width`` the
+    projectors as ridge maps plus residual MLPs."""
     import yaml
     from conftest import TINY_GEMMA3_OVERRIDES, compose
 
@@ -153,7 +154,8 @@ def test_mode_a_objective_lowers_its_held_out_kl(tmp_path, profile):
     params = dataclasses.replace(
         params, train=dataclasses.replace(params.train, online=dataclasses.replace(ONLINE, records=8, epochs=1)),
         mode_a=dataclasses.replace(params.mode_a, maps="trained", train=dataclasses.replace(
-            params.mode_a.train, epochs=4, projector_lr=3e-3, adapters_lr=3e-3)))
+            params.mode_a.train, records=8, epochs=4, projector_lr=3e-3, adapters_lr=3e-3, head_width=head_width,
+            head_lr=3e-3)))
     model, tok = load_model_and_tokenizer(params.model, dtype=torch.float32)
     maps = write_inputs(tmp_path, params, tok)
     plan, geo = load_plan(params.plan, params.model)
@@ -172,3 +174,35 @@ def test_mode_a_objective_lowers_its_held_out_kl(tmp_path, profile):
     parts = load_mode_a_parts(tmp_path, params, plan, geo)  # what eval_ppl / eval_gsm8k run Mode A with
     assert sorted(parts.extra) == sorted(plan.extra_sources)
     assert not torch.equal(parts.projector.proj.weight, maps[f"proj_{plan.source}"]["W"].T.half().float())
+    assert m["protocol"]["projector_head"] == (f"ridge + residual MLP {head_width}" if head_width else "linear")
+    for p in (parts.projector, *parts.extra.values()):
+        assert p.mlp_width == head_width
+        if head_width:  # trained off its zero start, and standardising by the prompts' spread
+            assert p.mlp.down.weight.abs().max() > 0 and bool((p.h_std > 0).all())
+
+
+def test_mode_a_kl_of_records_stacked_is_the_mean_of_their_own(tiny_model):
+    """tune_mode_a runs the records of one length in one forward: the loss (and so the gradient) is the
+    mean of the per-record losses it replaced, to float32 rounding."""
+    from ced_csa2.ced_runtime import CEDModeARuntime
+    from ced_csa2.train.mode_a_training import by_length
+    from ced_csa2.train.objectives import mode_a_kl
+
+    model, tok = tiny_model
+    params = tiny_params()
+    plan, geo = load_plan(params.plan, params.model)
+    from tiny_maps import random_parts
+    parts = random_parts(geo, plan, seed=3)
+    runtime = CEDModeARuntime(model, plan, geo, parts)
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, 200, (1, n), generator=g) for n in (24, 24, 17, 24)]
+    stacked = by_length(rows)
+    assert [tuple(r.shape) for r in stacked] == [(3, 24), (1, 17)]
+    assert torch.equal(stacked[0][2], rows[3][0])
+    with torch.no_grad():
+        one = [mode_a_kl(model, runtime, r, 0.5) for r in rows[:2] + rows[3:]]
+        together = mode_a_kl(model, runtime, stacked[0], 0.5)
+    assert one[0] > 0
+    # Batching changes summation order only: each token's KL sums p·(log p − log q) over log-probabilities of
+    # magnitude ~log(vocab), each carrying float32 rounding, so the tolerance is absolute, a few dozen eps.
+    assert together.item() == pytest.approx(sum(one).item() / 3, rel=0, abs=32 * torch.finfo(torch.float32).eps)

@@ -104,7 +104,8 @@ def mode_a_table(ppl: dict, gsm: dict, train: dict) -> list[str]:
             f"GSM8K: the same lm-eval task, each prompt prefilled by the skip (lm-eval `ModeALM`)"
             f"{'' if 'strict-match' in g else '; exact match not generated here (eval_gsm8k.mode_a: gold_nll)'}. "
             f"{a['note']}", *([""] if train.get("covered") else []), *([
-                f"Trained maps (tune_mode_a): from the ridge maps, {train['steps']} AdamW steps on "
+                f"Trained maps (tune_mode_a): from the ridge maps (projectors: "
+                f"{train['protocol'].get('projector_head', 'linear')}), {train['steps']} AdamW steps on "
                 f"{train['protocol']['records']} train records ({train['tokens']:,} tokens) under the pure skip, "
                 f"KL(plain ‖ Mode A) on the continuation; held-out KL ({train['protocol']['val_records']} records) "
                 f"{train['val_before']['kl']:.4f} → {train['val_after']['kl']:.4f}."] if train.get("covered") else [])]

@@ -2,7 +2,8 @@
 
     python -m ced_csa2.stages.tune_mode_a     # what `dvc repro tune_mode_a` runs
 
-From the ridge maps (``models/ridge.pt``), the source's and the extra sources' projectors and the
+From the ridge maps (``models/ridge.pt``; with ``mode_a.train.head_width > 0`` each projector also
+gets a zero-initialised residual MLP), the source's and the extra sources' projectors and the
 targets' adapters are trained together under Mode A itself, KL(plain ‖ Mode A) on the
 continuation (:mod:`ced_csa2.train.mode_a_training` says how).  A plan that does not cover every
 attention layer above the cut has no Mode A: the ridge maps are written untrained and
@@ -32,7 +33,8 @@ from ..pipeline.paths import MODE_A_CURVES, MODE_A_METRICS, MODE_A_MODELS, RIDGE
 from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
 from ..projector import save_projector, save_projectors
-from ..train.mode_a_training import OBJECTIVE, train
+from ..ced_runtime import CEDModeARuntime
+from ..train.mode_a_training import OBJECTIVE, input_stats, train, with_heads
 from ..train.objectives import online_records, ridge_parts
 from ..train.projector_training import ridge_projectors
 from ..train.training import Curves, write_curves
@@ -60,8 +62,15 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
         for m in (parts.projector, parts.adapters, *parts.extra.values()):
             m.to(device)
         train_rows, val_rows = ([torch.tensor([r], device=device) for r in rows]
-                                for rows in online_records(params, tok, workdir))
+                                for rows in online_records(params, tok, workdir, params.mode_a.train.records))
         torch.manual_seed(params.seed)
+        cfg = params.mode_a.train
+        if cfg.head_width:
+            mean, std = input_stats(model, CEDModeARuntime(model, plan, geo, parts), train_rows,
+                                    params.eval_ppl.prefix_fraction)
+            heads = with_heads({plan.source: parts.projector, **parts.extra}, cfg.head_width,
+                               params.train_adapters.activation, mean, std)
+            parts.projector, parts.extra = heads.pop(plan.source), heads
         summary, curves = train(model, parts, plan, geo, train_rows, val_rows, params)
         metrics |= summary
         metrics["protocol"] = {"model": params.model.name, "data": params.data.name,
@@ -69,6 +78,7 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
                                "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
                                "prefix_fraction": params.eval_ppl.prefix_fraction, "replay": 0,
                                "records": len(train_rows), "val_records": len(val_rows),
+                               "projector_head": f"ridge + residual MLP {cfg.head_width}" if cfg.head_width else "linear",
                                **to_dict(params.mode_a.train),
                                **{k: v for k, v in to_dict(params.train.online).items()
                                   if k in ("seq_len", "batch_size", "warmup_fraction", "weight_decay")}}

@@ -10,11 +10,18 @@ cropped to ``seq_len``) the prompt -- the first ``eval_ppl.prefix_fraction``, as
 ``eval_ppl`` cuts it -- is prefilled by the skip (pure skip, no replay: the maps serve
 every mapped position whatever ``mode_a.replay`` keeps), the continuation runs through
 every layer, and the loss is KL(plain ‖ Mode A) on the continuation's next-token
-distributions (:func:`ced_csa2.train.objectives.mode_a_kl`).  One record per forward (the skip
-prefill has no padding), gradients accumulated over ``train.online.batch_size`` records
-per AdamW step (``mode_a.train.projector_lr`` for the projectors, ``mode_a.train.adapters_lr`` for the
-adapters), warm-up + cosine over ``mode_a.train.epochs`` epochs; held-out KL on
-``train.online.val_records`` records of the validation split before and after.  Seeded.
+distributions (:func:`ced_csa2.train.objectives.mode_a_kl`).  ``train.online.batch_size`` records
+per AdamW step, those of one length in one forward (the skip prefill has no padding; records
+cropped to ``seq_len`` mostly share it), each record weighing the same as when they ran one at a time
+(``mode_a.train.projector_lr`` for the projectors' linear maps, ``head_lr`` for their residual
+MLPs where ``head_width > 0``, ``adapters_lr`` for the adapters), warm-up + cosine over
+``mode_a.train.epochs`` epochs; held-out KL on ``train.online.val_records`` records of the
+validation split before and after.  Seeded.
+
+With ``head_width > 0`` every Mode A projector is the ridge map plus a zero-initialised residual
+MLP (:class:`~ced_csa2.projector.KVProjector`) reading ``H_split`` standardised by its per-channel
+mean and std over the training records' prompts (:func:`input_stats`), so training starts at the
+ridge maps exactly.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from tqdm import tqdm
 
 from ..ced_runtime import CEDModeARuntime, CEDParts
 from ..config import Params
+from ..projector import KVProjector
 from ..pipeline.stage_runner import record_timing
 from .objectives import SAMPLE_STREAM, mode_a_kl
 from .training import Curves, warmup_cosine
@@ -46,10 +54,52 @@ def held_out_kl(model, runtime: CEDModeARuntime, rows: list[torch.Tensor], fract
 
 def optimizer_for(parts: CEDParts, params: Params) -> torch.optim.AdamW:
     cfg = params.mode_a.train
-    projectors = [w for p in (parts.projector, *parts.extra.values()) for w in p.parameters()]
-    return torch.optim.AdamW([{"params": projectors, "lr": cfg.projector_lr},
-                              {"params": list(parts.adapters.parameters()), "lr": cfg.adapters_lr}],
-                             weight_decay=params.train.online.weight_decay)
+    projectors = (parts.projector, *parts.extra.values())
+    groups = [{"params": [w for p in projectors for w in p.proj.parameters()], "lr": cfg.projector_lr},
+              {"params": list(parts.adapters.parameters()), "lr": cfg.adapters_lr}]
+    heads = [w for p in projectors for w in p.mlp_parameters()]
+    if heads:
+        groups.append({"params": heads, "lr": cfg.head_lr})
+    return torch.optim.AdamW(groups, weight_decay=params.train.online.weight_decay)
+
+
+def with_heads(projectors: dict[int, KVProjector], width: int, activation: str, mean: torch.Tensor,
+               std: torch.Tensor) -> dict[int, KVProjector]:
+    """Each linear projector as the same map plus a zero-initialised residual MLP of ``width`` (0: unchanged).
+
+    ``mean``/``std`` ``(hidden,)``: the MLP's input standardisation (:func:`input_stats`).  Seeded by the
+    caller (the MLPs' first layers take PyTorch's init).
+    """
+    if not width:
+        return projectors
+    out = {}
+    for layer, linear in projectors.items():
+        head = KVProjector(linear.hidden_size, linear.kv_dim, mlp_width=width, activation=activation)
+        head.proj.load_state_dict(linear.proj.state_dict())
+        head.set_input_stats(mean, std)
+        out[layer] = head.to(linear.proj.weight.device)
+    return out
+
+
+@torch.no_grad()
+def input_stats(model, runtime: CEDModeARuntime, rows: list[torch.Tensor], fraction: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and std ``(hidden,)`` of ``H_split`` over the prompts the skip maps (float64 sums)."""
+    total, squares, n = 0.0, 0.0, 0
+    for row in rows:
+        h = runtime.split_hidden(row[:, :max(2, int(row.shape[1] * fraction)) - 1]).double().flatten(0, -2)
+        total, squares, n = total + h.sum(0), squares + (h * h).sum(0), n + h.shape[0]
+    mean = total / n
+    std = (squares / n - mean * mean).clamp_min(0).sqrt()
+    return mean.float(), std.float().clamp_min(1e-3)
+
+
+def by_length(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``rows`` ``(1, T_i)`` stacked per length, in order of first appearance: ``[(B_j, T_j)]``."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for row in rows:
+        groups.setdefault(row.shape[1], []).append(row)
+    return [torch.cat(g) for g in groups.values()]
 
 
 def train(model, parts: CEDParts, plan, geo, train_rows: list[torch.Tensor], val_rows: list[torch.Tensor],
@@ -72,11 +122,13 @@ def train(model, parts: CEDParts, plan, geo, train_rows: list[torch.Tensor], val
                 batch = [train_rows[i] for i in order[s:s + online.batch_size]]
                 optimizer.zero_grad(set_to_none=True)
                 loss = 0.0
-                for row in batch:  # one record per forward: the skip prefill has no padding
-                    record_loss = mode_a_kl(model, runtime, row, fraction) / len(batch)
-                    record_loss.backward()
-                    loss += record_loss.item()
-                    tokens += row.shape[1]
+                for rows in by_length(batch):  # the skip prefill has no padding: one forward per length
+                    # mode_a_kl is a per-token mean, and equal-length records have equal token counts,
+                    # so each record weighs 1/len(batch), as one record per forward gave
+                    part_loss = mode_a_kl(model, runtime, rows, fraction) * (rows.shape[0] / len(batch))
+                    part_loss.backward()
+                    loss += part_loss.item()
+                    tokens += rows.numel()
                 optimizer.step()
                 scheduler.step()
                 losses.append((len(losses) + 1, loss))

@@ -211,7 +211,7 @@ def objective_loss(objective: str, model: nn.Module, parts: CEDParts, plan: Laye
 
 
 def mode_a_kl(model: nn.Module, runtime: CEDModeARuntime, row: torch.Tensor, fraction: float) -> torch.Tensor:
-    """KL(plain ‖ Mode A) per continuation token of one record ``row`` ``(1, T)``, through the prefill skip.
+    """KL(plain ‖ Mode A) per continuation token of records ``row`` ``(B, T)`` (one length), through the prefill skip.
 
     The prompt (the first ``max(2, int(T * fraction))`` tokens, as
     :func:`ced_csa2.eval.perplexity.mode_a_prefix` cuts) is prefilled by the skip with the
@@ -243,12 +243,19 @@ def ridge_parts(params: Params, plan: LayerPlan, geo: Geometry, ridge_path: Path
 
 
 
-def online_records(params: Params, tok, workdir: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """Seeded train and held-out token rows (the ridge stage's record split), cropped to ``seq_len``."""
+def online_records(params: Params, tok, workdir: Path, records: int | None = None
+                   ) -> tuple[list[list[int]], list[list[int]]]:
+    """Seeded train and held-out token rows (the ridge stage's record split), cropped to ``seq_len``.
+
+    ``records`` train rows (default ``train.online.records``): a prefix of one seeded permutation,
+    so a smaller sample is part of every larger one; a split smaller than that gives all its records
+    (the caller's protocol records how many).
+    """
     cfg = params.train.online
     rows = tokenize(tok, read_records(workdir / TRAIN_JSONL), params.data.max_tokens)
     train, val = record_split(len(rows), params.split.val_fraction, params.seed)
+    n_train = cfg.records if records is None else records
     rng = np.random.default_rng([params.seed, SAMPLE_STREAM])
-    pick = [np.sort(rng.permutation(ix)[:n]) for ix, n in ((train, cfg.records), (val, cfg.val_records))]
+    pick = [np.sort(rng.permutation(ix)[:n]) for ix, n in ((train, n_train), (val, cfg.val_records))]
     return tuple([rows[i][:cfg.seq_len] for i in ix] for ix in pick)
 
