@@ -213,7 +213,7 @@ def in_tiny_folder(tmp_path, monkeypatch):
 E2E_OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5", "train_adapters.epochs=3",
              "train_projector.epochs=2", "eval_gsm8k.max_gen_toks=12", "eval_gsm8k.groups=[baseline,csa2,ced]",
              "eval_gsm8k.generate=[baseline,csa2]",
-             "train.online.records=8", "train.online.val_records=2", "train.online.seq_len=32",
+             "train.online.records=8", "train.online.val_records=2", "train.online.seq_len=32", "mode_a.train.records=8",
              "train.objectives=[ridge,attn_out,distill]"]
 
 
