@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ced_csa2.ced_runtime import CEDModeARuntime, CEDParts, load_parts, plain_prefill
+from ced_csa2.ced_runtime import CEDModeARuntime, CEDParts, load_parts, plain_prefill, prompt_tokens
 from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.eval.perplexity import eval_ids, prefill_bound
@@ -58,8 +58,8 @@ def median_prompt(params, tok, workdir: Path) -> tuple[int, str]:
     if not (workdir / EVAL_JSONL).is_file():
         return DEFAULT_PROMPT, f"default {DEFAULT_PROMPT} ({workdir / EVAL_JSONL} absent)"
     ids = eval_ids(params, tok, workdir)
-    # as mode_a_prefix cuts: max(2, int(len * fraction)) prompt tokens, all but the last prefilled
-    lengths = [max(2, int(len(r) * params.eval_ppl.prefix_fraction)) - 1 for r in ids]
+    # as mode_a_prefix cuts: all but the prompt's last token prefilled
+    lengths = [prompt_tokens(len(r), params.eval_ppl.prefix_fraction) - 1 for r in ids]
     return int(statistics.median(lengths)), f"median of {len(ids)} eval records' prompts"
 
 

@@ -459,6 +459,15 @@ def _rope_fn(attn: nn.Module):
 
 
 @torch.inference_mode()
+def prompt_tokens(length: int, fraction: float) -> int:
+    """Tokens of a ``length``-token record that Mode A takes as the prompt: the first ``fraction``, at least 2.
+
+    The prompt's last token is fed with the continuation (it predicts the first scored token), so the
+    skip prefills ``prompt_tokens(...) - 1`` tokens.
+    """
+    return max(2, int(length * fraction))
+
+
 def plain_prefill(model: nn.Module, input_ids: torch.Tensor):
     """The unmodified model's cache for ``input_ids`` ``(B, T)``: what Mode A's prefill replaces."""
     from transformers import DynamicCache

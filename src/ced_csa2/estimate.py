@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import yaml
 
+from .ced_runtime import prompt_tokens
 from .config import Params, from_dict, load_params
 from .csa2 import mlp_width
 from .data.dump_file import DumpLayout
@@ -536,7 +537,7 @@ def est_tune_mode_a(s: Setup) -> StageEstimate | None:
         return None
     cfg, geo, online = s.params.mode_a.train, s.model.geo, s.params.train.online
     records, val, seq = online_counts(s, cfg.records)
-    half = seq - max(2, int(seq * s.params.eval_ppl.prefix_fraction))
+    half = seq - prompt_tokens(seq, s.params.eval_ppl.prefix_fraction)
     skip = s.plan.split / geo.n_layers * forward_flops(s.model, seq - half)
     record = forward_flops(s.model, seq) + skip + 3 * forward_flops(s.model, half)
     checks = 2 * val * (forward_flops(s.model, seq) + skip + forward_flops(s.model, half))

@@ -16,7 +16,8 @@ from typing import Mapping, Sequence
 import torch
 from tqdm import tqdm
 
-from ..ced_runtime import ZERO_STATE_NOTE, CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_hidden, plain_prefill
+from ..ced_runtime import (ZERO_STATE_NOTE, CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_hidden, plain_prefill,
+                           prompt_tokens)
 from ..config import Params
 from ..data.records import read_records, seeded_subset
 from ..pipeline import distributed
@@ -159,7 +160,7 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     lo, hi = distributed.bounds(len(ids))
     for i in tqdm(range(lo, hi), desc="mode A", unit="record", disable=not distributed.is_main()):
         row = ids[i]
-        x, cut = torch.tensor([row], device=device), max(2, int(len(row) * fraction))
+        x, cut = torch.tensor([row], device=device), prompt_tokens(len(row), fraction)
         prompt, cont = x[:, :cut], x[:, cut:]
         head = prompt[:, :-1]
         caches = {"plain": plain_prefill(model, head), "mode_a": runtime.prefill(head)}
@@ -174,7 +175,7 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     distributed.all_reduce_sum(plain, skip, seconds, timed_lengths)
     base, ced = _ppl(plain[:, :2]), _ppl(skip[:, :2])
     delta = paired_bootstrap(skip[:, :2].numpy(), plain[:, :2].numpy(), "delta_ppl_pct", seed=seed)
-    prefilled = [max(2, int(len(row) * fraction)) - 1 for row in ids]
+    prefilled = [prompt_tokens(len(row), fraction) - 1 for row in ids]
     timed = [int(t) for t in timed_lengths.tolist() if t]
     timed_bound = prefill_bound(geo, plan, replay, timed or prefilled)
     return {"covered": True, "prefix_fraction": fraction, "replay": replay, "records": len(ids), "baseline": base,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..ced_runtime import CEDModeARuntime
 from ..config import Params, provenance, to_dict
 from ..csa2 import save_adapters
 from ..maps.ridge import ridge_provenance
@@ -33,7 +34,6 @@ from ..pipeline.paths import MODE_A_CURVES, MODE_A_METRICS, MODE_A_MODELS, RIDGE
 from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
 from ..projector import save_projector, save_projectors
-from ..ced_runtime import CEDModeARuntime
 from ..train.mode_a_training import OBJECTIVE, input_stats, train, with_heads
 from ..train.objectives import online_records, ridge_parts
 from ..train.projector_training import ridge_projectors

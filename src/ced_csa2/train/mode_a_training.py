@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..ced_runtime import CEDModeARuntime, CEDParts
+from ..ced_runtime import CEDModeARuntime, CEDParts, prompt_tokens
 from ..config import Params
 from ..projector import KVProjector
 from ..pipeline.stage_runner import record_timing
@@ -65,13 +65,11 @@ def optimizer_for(parts: CEDParts, params: Params) -> torch.optim.AdamW:
 
 def with_heads(projectors: dict[int, KVProjector], width: int, activation: str, mean: torch.Tensor,
                std: torch.Tensor) -> dict[int, KVProjector]:
-    """Each linear projector as the same map plus a zero-initialised residual MLP of ``width`` (0: unchanged).
+    """Each linear projector as the same map plus a zero-initialised residual MLP of ``width`` (> 0).
 
     ``mean``/``std`` ``(hidden,)``: the MLP's input standardisation (:func:`input_stats`).  Seeded by the
     caller (the MLPs' first layers take PyTorch's init).
     """
-    if not width:
-        return projectors
     out = {}
     for layer, linear in projectors.items():
         head = KVProjector(linear.hidden_size, linear.kv_dim, mlp_width=width, activation=activation)
@@ -87,7 +85,7 @@ def input_stats(model, runtime: CEDModeARuntime, rows: list[torch.Tensor], fract
     """Per-channel mean and std ``(hidden,)`` of ``H_split`` over the prompts the skip maps (float64 sums)."""
     total, squares, n = 0.0, 0.0, 0
     for row in rows:
-        h = runtime.split_hidden(row[:, :max(2, int(row.shape[1] * fraction)) - 1]).double().flatten(0, -2)
+        h = runtime.split_hidden(row[:, :prompt_tokens(row.shape[1], fraction) - 1]).double().flatten(0, -2)
         total, squares, n = total + h.sum(0), squares + (h * h).sum(0), n + h.shape[0]
     mean = total / n
     std = (squares / n - mean * mean).clamp_min(0).sqrt()

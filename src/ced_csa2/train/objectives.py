@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kv_hooks
-from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, _StopForward
+from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, _StopForward, prompt_tokens
 from ..config import Params
 from ..data.loader import record_split
 from ..data.records import read_records, tokenize
@@ -213,13 +213,13 @@ def objective_loss(objective: str, model: nn.Module, parts: CEDParts, plan: Laye
 def mode_a_kl(model: nn.Module, runtime: CEDModeARuntime, row: torch.Tensor, fraction: float) -> torch.Tensor:
     """KL(plain ‖ Mode A) per continuation token of records ``row`` ``(B, T)`` (one length), through the prefill skip.
 
-    The prompt (the first ``max(2, int(T * fraction))`` tokens, as
+    The prompt (:func:`~ced_csa2.ced_runtime.prompt_tokens`, as
     :func:`ced_csa2.eval.perplexity.mode_a_prefix` cuts) is prefilled by the skip with the
     maps' gradients kept (:meth:`~ced_csa2.ced_runtime.CEDModeARuntime.prefill_with_grad`);
     the continuation runs through every layer, reading the mapped K/V; the teacher is
     the plain model on the whole row (no grad).  Temperature 1: what ``eval_ppl`` reports.
     """
-    cut = max(2, int(row.shape[1] * fraction))
+    cut = prompt_tokens(row.shape[1], fraction)
     prompt, cont = row[:, :cut], row[:, cut:]
     with torch.no_grad():
         teacher = model(input_ids=row).logits[:, cut - 1:-1]
