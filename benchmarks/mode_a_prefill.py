@@ -2,13 +2,16 @@
 
     python benchmarks/mode_a_prefill.py                                   # from the repository root
     python benchmarks/mode_a_prefill.py --workdir /path/to/repro --models /path/to/models --repeats 5
+    python benchmarks/mode_a_prefill.py --dtypes float32 --lengths 512 --head-widths 0 64 384  # what heads cost
 
 The model is loaded as the pipeline loads it (``load_model_and_tokenizer(params.model,
 dtype=...)``), once per ``--dtypes`` entry; the plan is ``params.plan`` (it must cover every
 attention layer above the cut, as ``eval_ppl``'s Mode A requires).  The maps come from
 ``--models`` (:func:`~ced_csa2.ced_runtime.load_parts`, float32 as in ``eval_ppl``) when
 they are there and match, else random maps of the right shapes (speed does not depend on
-the weights); the output says which.
+the weights); the output says which.  ``--head-widths w ...`` adds, in the same paired run, one
+arm per width ``w``: random maps whose projectors carry a residual MLP of width ``w`` (0: linear),
+so the speed a ``mode_a.train.head_width`` costs is measured before any training.
 
 Prompt lengths: the median prompt of ``eval_ppl``'s Mode A (``prefix_fraction`` of each
 eval record of ``--workdir``, minus the last token, which the continuation consumes)
@@ -46,11 +49,14 @@ from ced_csa2.projector import KVProjector
 DEFAULT_PROMPT = 220  # the embedded default's median Mode A prompt, when its eval records are absent
 
 
-def random_parts(geo, plan) -> CEDParts:
-    """Maps of ``plan``'s shapes, seeded (float32, as :func:`load_parts` builds them)."""
+def random_parts(geo, plan, head_width: int = 0) -> CEDParts:
+    """Maps of ``plan``'s shapes, seeded (float32, as :func:`load_parts` builds them); projectors with a
+    residual MLP of ``head_width`` (0: linear)."""
     torch.manual_seed(0)
-    return CEDParts(KVProjector(geo.hidden_size, geo.kv_dim), CSA2Adapters(plan.targets, geo.kv_dim),
-                    {e: KVProjector(geo.hidden_size, geo.kv_dim) for e in plan.extra_sources})
+
+    def projector():
+        return KVProjector(geo.hidden_size, geo.kv_dim, mlp_width=head_width)
+    return CEDParts(projector(), CSA2Adapters(plan.targets, geo.kv_dim), {e: projector() for e in plan.extra_sources})
 
 
 def median_prompt(params, tok, workdir: Path) -> tuple[int, str]:
@@ -82,6 +88,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--head-widths", type=int, nargs="*", default=[],
+                    help="also time random maps with residual heads of these widths (0 = linear)")
     args = ap.parse_args()
 
     params = load_params(args.params)
@@ -104,27 +112,32 @@ def main() -> None:
             lengths = [prompt, *args.lengths]
             print(f"maps: {maps}; prompt lengths: {prompt} ({origin}), {', '.join(map(str, args.lengths))}")
             print()
-            print("| prompt tokens | dtype | plain s | Mode A s | ratio | bound |")
-            print("|---:|---|---:|---:|---:|---:|")
-        runtime = CEDModeARuntime(model, plan, geo, parts)
+            print("| prompt tokens | dtype | maps | plain s | Mode A s | ratio | bound |")
+            print("|---:|---|---|---:|---:|---:|---:|")
+        runtimes = {"mode_a": CEDModeARuntime(model, plan, geo, parts)}
+        runtimes.update({f"random, head {w}": CEDModeARuntime(model, plan, geo, random_parts(geo, plan, w))
+                         for w in args.head_widths})
+        names = {"mode_a": maps.split(" (")[0], **{k: k for k in runtimes if k != "mode_a"}}
         timed_plain = torch.inference_mode()(plain_prefill)
         g = torch.Generator().manual_seed(0)
         for n in lengths:
             ids = torch.randint(0, len(tok), (1, n), generator=g).to(device)
             # the arms bind this loop's model and prompt (both are deleted after the dtype's loop)
-            arms = {"plain": lambda m=model, x=ids: timed_plain(m, x), "mode_a": lambda r=runtime, x=ids: r.prefill(x)}
+            arms = {"plain": lambda m=model, x=ids: timed_plain(m, x)}
+            arms.update({k: (lambda r=r, x=ids: r.prefill(x)) for k, r in runtimes.items()})
             t = paired_seconds(arms, args.repeats, device=device)
-            ratio = t.ratio("plain", "mode_a")
-            rows.append((n, dtype, t.seconds["plain"], t.seconds["mode_a"], ratio))
-            try:
-                check_bound(ratio, bound, f"Mode A prefill, {n} tokens, {dtype}", t.seconds)
-                flag = ""
-            except BoundExceeded as exc:
-                exceeded.append(str(exc))
-                flag = " **exceeds the bound**"
-            print(f"| {n} | {dtype} | {t.seconds['plain']:.4f} | {t.seconds['mode_a']:.4f} | {ratio:.3f}{flag} | "
-                  f"{bound:.3f} |", flush=True)
-        del model, runtime, parts
+            for arm in runtimes:
+                ratio = t.ratio("plain", arm)
+                rows.append((n, dtype, arm, t.seconds["plain"], t.seconds[arm], ratio))
+                try:
+                    check_bound(ratio, bound, f"Mode A prefill ({names[arm]} maps), {n} tokens, {dtype}", t.seconds)
+                    flag = ""
+                except BoundExceeded as exc:
+                    exceeded.append(str(exc))
+                    flag = " **exceeds the bound**"
+                print(f"| {n} | {dtype} | {names[arm]} | {t.seconds['plain']:.4f} | {t.seconds[arm]:.4f} | "
+                      f"{ratio:.3f}{flag} | {bound:.3f} |", flush=True)
+        del model, runtimes, parts
     if exceeded:
         raise BoundExceeded("; ".join(exceeded))
 
