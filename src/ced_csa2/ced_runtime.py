@@ -595,6 +595,32 @@ class CEDModeARuntime:
             # The cache layer keeps what its kind keeps (a sliding-window layer: the last window - 1).
             cache.update(k, v.view(shape).transpose(1, 2), layer - 1)
 
+    def continue_above_cut(self, cache, input_ids: torch.Tensor, h_split: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``(B, C, hidden)`` (after the final norm) of ``input_ids`` ``(B, C)`` continuing ``cache``.
+
+        ``cache`` holds the skip-prefilled prompt (:meth:`prefill_with_grad`, no replay);
+        ``h_split`` ``(B, C, hidden)`` is ``H_split`` at the continuation's positions.  Below the
+        cut Mode A's continuation *is* the plain model's (those layers read the prompt's true
+        cache), so the plain model's pass over the whole record gives ``h_split`` exactly and
+        only the layers above the cut run here, under the caller's autograd mode -- what
+        :func:`ced_csa2.train.objectives.mode_a_kl` trains through.  The model's own forward
+        runs on ``input_ids`` only until each kind of layer above the cut has been handed its
+        arguments (:func:`~ced_csa2.kv_hooks.layer_calls`: this cache's masks and positions);
+        the layers it passes on the way write the continuation into their part of ``cache``,
+        which nothing above the cut reads (the cache is the caller's to drop).  A model whose
+        layer kinds above the cut first appear above it runs the whole forward instead.
+        """
+        first, n = self.plan.split + 1, self.geo.n_layers
+        stop = kv_hooks.kinds_seen_by(self.model, range(first, n + 1))
+        if stop > first:
+            return self.model.model(input_ids=input_ids, cache=cache, use_cache=True).last_hidden_state
+        with kv_hooks.layer_calls(self.model, stop) as calls:
+            try:
+                self.model.model(input_ids=input_ids, cache=cache, use_cache=True)
+            except kv_hooks.StopLayers:
+                pass
+        return kv_hooks.run_layers(self.model, h_split, first, calls, fresh_cache=False)
+
     @torch.inference_mode()
     def continuation_logits(self, prompt_ids: torch.Tensor, continuation_ids: torch.Tensor) -> torch.Tensor:
         """Logits predicting ``continuation_ids`` ``(B, C)`` given a skip-prefilled prompt.

@@ -530,26 +530,31 @@ def est_tune(s: Setup, objective: str) -> StageEstimate:
 
 
 def est_tune_mode_a(s: Setup) -> StageEstimate | None:
-    """Mode A's maps trained through the skip: per record a teacher forward, the skip and the continuation's
-    forward and backward (3x a forward), the records of one length in one forward; the held-out KL
-    before and after (the projectors' residual MLPs, if any, are small beside the model: not counted)."""
+    """Mode A's maps trained through the skip: the teacher's forward once per record (kept on the host, two
+    hidden states per continuation token), then per record and epoch the skip and the continuation through the
+    layers above the cut, forward and backward (3x a forward), the teacher's and the student's LM heads, the
+    records of one length in one forward; the held-out KL before and after (the projectors' residual MLPs, if
+    any, are small beside the model: not counted)."""
     if not mode_a_covered(s):
         return None
     cfg, geo, online = s.params.mode_a.train, s.model.geo, s.params.train.online
     records, val, seq = online_counts(s, cfg.records)
     half = seq - prompt_tokens(seq, s.params.eval_ppl.prefix_fraction)
-    skip = s.plan.split / geo.n_layers * forward_flops(s.model, seq - half)
-    record = forward_flops(s.model, seq) + skip + 3 * forward_flops(s.model, half)
-    checks = 2 * val * (forward_flops(s.model, seq) + skip + forward_flops(s.model, half))
+    upper = (geo.n_layers - s.plan.split) / geo.n_layers
+    skip = forward_flops(s.model, seq - half, layers=s.plan.split / geo.n_layers, heads=0)
+    step = skip + 3 * forward_flops(s.model, half, layers=upper) + forward_flops(s.model, half, layers=0)  # + teacher's head
+    teacher = forward_flops(s.model, seq)
+    checks = 2 * val * (teacher + skip + forward_flops(s.model, half, layers=upper, heads=2))
     steps = cfg.epochs * math.ceil(records / online.batch_size)
-    # the continuation's activations, every layer, for the backward; teacher and student logits and log-softmax;
+    # the continuation's activations above the cut for the backward; teacher and student logits and log-softmax;
     # for a whole step's records at once (one forward per length)
-    work = online.batch_size * (half * geo.n_layers * (8 * geo.hidden_size + 4 * s.model.intermediate) * s.b
-                                + 2 * logits_bytes(s, half))
-    host, device = peaks(s, model=True, device_work=work)
+    work = online.batch_size * (half * (geo.n_layers - s.plan.split) * (8 * geo.hidden_size + 4 * s.model.intermediate)
+                                * s.b + 2 * logits_bytes(s, half))
+    kept = records * 2 * half * geo.hidden_size * s.b  # the teachers' H_split and final hidden states
+    host, device = peaks(s, model=True, device_work=work, host_work=kept)
     return StageEstimate("tune_mode_a", f"{records:,} records x {seq} tokens", host=host, device=device, steps=steps,
-                         seconds=(cfg.epochs * records * record + checks) / s.rates.model_flops,
-                         note=f"{online.batch_size} records per step, one forward per length")
+                         seconds=(records * teacher + cfg.epochs * records * step + checks) / s.rates.model_flops,
+                         note=f"{online.batch_size} records per step, one forward per length; teacher kept")
 
 
 def est_eval_objectives(s: Setup) -> StageEstimate | None:

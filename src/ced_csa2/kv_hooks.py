@@ -86,3 +86,83 @@ def inject(model: nn.Module, replacements: Mapping[tuple[int, str], Replacement]
 
     with _installed(factory):
         yield
+
+
+# ----------------------------------------------------------------------------- replaying the upper layers
+
+class StopLayers(Exception):
+    """Raised by :func:`layer_calls`'s hook at its ``stop`` layer, before that layer runs."""
+
+
+def layer_kinds(model: nn.Module) -> list[str]:
+    """Per decoder layer (0-based) the key the model's forward picks its mask by (``layer_types``)."""
+    cfg = model.model.config
+    n = len(model.model.layers)
+    return list(getattr(cfg, "layer_types", None) or ["decoder"] * n)[:n]
+
+
+def kinds_seen_by(model: nn.Module, layers: Iterable[int]) -> int:
+    """Lowest 1-based layer by which every kind among ``layers`` (1-based) has been called.
+
+    A forward stopped there (:func:`layer_calls`) has recorded the arguments of each of them.
+    """
+    kinds, first = layer_kinds(model), {}
+    for i, kind in enumerate(kinds, 1):
+        first.setdefault(kind, i)
+    return max((first[kinds[layer - 1]] for layer in layers), default=1)
+
+
+@contextmanager
+def layer_calls(model: nn.Module, stop: int | None = None, inputs_at: Iterable[int] = ()) -> Iterator[dict]:
+    """Record what the model's own forward hands its decoder layers, to replay layers on other inputs.
+
+    Yields ``{"kwargs": {kind: kwargs}, "inputs": {layer: hidden}}``, filled by the next forward:
+    per kind of layer (:func:`layer_kinds`) the keyword arguments it passes (mask, position
+    embeddings, cache, ...: the same object for every layer of a kind, checked), and the hidden
+    state entering each layer in ``inputs_at``.  With ``stop`` the forward raises
+    :class:`StopLayers` on entering that layer, before it runs (catch it): pick ``stop`` with
+    :func:`kinds_seen_by` so that every kind to replay has been seen.  :func:`run_layers` replays.
+    """
+    kinds, inputs_at = layer_kinds(model), set(inputs_at)
+    store: dict = {"kwargs": {}, "inputs": {}}
+
+    def record(layer: int):
+        def hook(module, args, kwargs):
+            if len(args) != 1:
+                raise RuntimeError(f"decoder layer {layer} was called with {len(args)} positional arguments; "
+                                   "only the hidden state can be replayed")
+            if layer in inputs_at:
+                store["inputs"][layer] = args[0]
+            kind, kw = kinds[layer - 1], dict(kwargs)
+            seen = store["kwargs"].setdefault(kind, kw)
+            if seen is not kw and (seen.keys() != kw.keys() or any(seen[k] is not kw[k] for k in kw)):
+                raise RuntimeError(f"decoder layer {layer} got other arguments than an earlier {kind!r} layer; "
+                                   "this model's forward cannot be replayed layer by layer")
+            if layer == stop:
+                raise StopLayers
+        return hook
+
+    def factory():
+        return [decoder_layer(model, i).register_forward_pre_hook(record(i), with_kwargs=True)
+                for i in range(1, (stop or len(kinds)) + 1)]
+
+    with _installed(factory):
+        yield store
+
+
+def run_layers(model: nn.Module, hidden: torch.Tensor, first: int, calls: dict, *, fresh_cache: bool) -> torch.Tensor:
+    """Decoder layers ``first..n`` on ``hidden`` ``(B, T, hidden)``, then the final norm: the forward's end.
+
+    Each layer gets the arguments :func:`layer_calls` recorded for its kind; with ``fresh_cache``
+    a new cache of the recorded one's type (one for all these layers, as a forward makes one)
+    instead of the recorded cache.  Returns the final hidden states ``(B, T, hidden)``.
+    """
+    layers, kinds, fresh = model.model.layers, layer_kinds(model), {}
+    for i in range(first, len(layers) + 1):
+        kw = dict(calls["kwargs"][kinds[i - 1]])
+        if fresh_cache:
+            for name in ("cache", "past_key_values"):
+                if kw.get(name) is not None:
+                    kw[name] = fresh.setdefault(name, type(kw[name])(config=model.model.config))
+        hidden = _hidden(layers[i - 1](hidden, **kw))
+    return model.model.norm(hidden)

@@ -185,7 +185,7 @@ def test_mode_a_kl_of_records_stacked_is_the_mean_of_their_own(tiny_model):
     """tune_mode_a runs the records of one length in one forward: the loss (and so the gradient) is the
     mean of the per-record losses it replaced, to float32 rounding."""
     from ced_csa2.ced_runtime import CEDModeARuntime
-    from ced_csa2.train.mode_a_training import by_length
+    from ced_csa2.train.mode_a_training import length_groups
     from ced_csa2.train.objectives import mode_a_kl
 
     model, tok = tiny_model
@@ -196,13 +196,70 @@ def test_mode_a_kl_of_records_stacked_is_the_mean_of_their_own(tiny_model):
     runtime = CEDModeARuntime(model, plan, geo, parts)
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(3, 200, (1, n), generator=g) for n in (24, 24, 17, 24)]
-    stacked = by_length(rows)
-    assert [tuple(r.shape) for r in stacked] == [(3, 24), (1, 17)]
-    assert torch.equal(stacked[0][2], rows[3][0])
+    assert length_groups(rows) == [[0, 1, 3], [2]]
     with torch.no_grad():
         one = [mode_a_kl(model, runtime, r, 0.5) for r in rows[:2] + rows[3:]]
-        together = mode_a_kl(model, runtime, stacked[0], 0.5)
+        together = mode_a_kl(model, runtime, torch.cat(rows[:2] + rows[3:]), 0.5)
     assert one[0] > 0
     # Batching changes summation order only: each token's KL sums p·(log p − log q) over log-probabilities of
     # magnitude ~log(vocab), each carrying float32 rounding, so the tolerance is absolute, a few dozen eps.
     assert together.item() == pytest.approx(sum(one).item() / 3, rel=0, abs=32 * torch.finfo(torch.float32).eps)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5", "gemma3"])
+def test_mode_a_kl_runs_only_the_layers_above_the_cut_and_is_the_whole_forwards_loss(name, tiny_model):
+    """mode_a_kl continues from the teacher's H_split through the layers above the cut alone; its loss and the
+    maps' gradients are those of the definition -- the whole model on the skip-prefilled cache against the whole
+    model on the row -- to float32 rounding, on an all-attention, a hybrid and a sliding-window model."""
+    from conftest import tiny_gemma3, tiny_llama
+    from tiny_maps import GEMMA_PLAN, LLAMA_PLAN, QWEN_PLAN, random_parts
+
+    from ced_csa2 import kv_hooks
+    from ced_csa2.ced_runtime import CEDModeARuntime, prompt_tokens
+    from ced_csa2.model_utils import decoder_layer, geometry
+    from ced_csa2.plan import LayerPlan
+    from ced_csa2.train.objectives import kl_distill, mode_a_kl, mode_a_teacher
+
+    model, plan = {"llama": lambda: (tiny_llama(), LayerPlan(2, 3, (5, 6), (4,))),
+                   "qwen3_5": lambda: (tiny_model[0], QWEN_PLAN), "gemma3": lambda: (tiny_gemma3(), GEMMA_PLAN)}[name]()
+    assert LLAMA_PLAN.split == 2  # the tiny Llama's cut, as the other tests use it
+    geo = geometry(model.config)
+    plan = plan.validate(geo)
+    model.requires_grad_(False)
+    try:
+        parts = random_parts(geo, plan, seed=3)
+        maps = [w for m in (parts.projector, parts.adapters, *parts.extra.values()) for w in m.parameters()]
+        runtime = CEDModeARuntime(model, plan, geo, parts)
+        row = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(5))
+        cut = prompt_tokens(row.shape[1], 0.5)
+        with torch.no_grad():
+            teacher_logits = model(input_ids=row).logits[:, cut - 1:-1]
+        cache = runtime.prefill_with_grad(row[:, :cut - 1])
+        student = model(input_ids=row[:, cut - 1:-1], cache=cache, use_cache=True).logits
+        ref = kl_distill(student, teacher_logits, torch.ones(row[:, cut:].shape), 1.0)
+        ref_grads = torch.autograd.grad(ref, maps)
+
+        teacher = mode_a_teacher(model, plan, row, 0.5)
+        calls = [0] * (geo.n_layers + 1)
+        hooks = [decoder_layer(model, i).register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+                 for i in range(1, geo.n_layers + 1)]
+        try:
+            got = mode_a_kl(model, runtime, row, 0.5, teacher)
+        finally:
+            for h in hooks:
+                h.remove()
+        got_grads = torch.autograd.grad(got, maps)
+    finally:
+        model.requires_grad_(True)
+    # Below the cut the skip's prefill of the prompt ran, and on the continuation only the layers before the
+    # first layer of the last kind seen above the cut (the hybrid's three DeltaNet layers before its first
+    # attention layer; none on the others), where the forward handing the upper layers their arguments stops.
+    stop = kv_hooks.kinds_seen_by(model, range(plan.split + 1, geo.n_layers + 1))
+    assert stop == {"llama": 1, "qwen3_5": 4, "gemma3": 3}[name]
+    assert calls[1:] == [2] * (stop - 1) + [1] * (geo.n_layers - stop + 1)
+    assert ref > 0
+    # Each token's KL sums p·(log p − log q) over log-probabilities of magnitude ~log(vocab): absolute rounding.
+    eps = torch.finfo(torch.float32).eps
+    assert got.item() == pytest.approx(ref.item(), rel=0, abs=64 * eps)
+    for g, r in zip(got_grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4 * float(r.abs().max()) + 1e-8)

@@ -20,7 +20,6 @@ from tqdm import tqdm
 
 from .. import kv_hooks
 from ..ced_runtime import CEDModeBRuntime, CEDParts, parts_for
-from ..model_utils import decoder_layer
 from ..pipeline import distributed
 from ..plan import LayerPlan
 
@@ -211,17 +210,6 @@ def sequence_nll(model, sequences: Sequence[Sequence[int]], score_from: Sequence
 
 # ----------------------------------------------------------------------------- shared trunk
 
-class _StopTrunk(Exception):
-    """Raised by the trunk's hook once it has recorded the highest branch point."""
-
-
-def _layer_kinds(model) -> list[str]:
-    """Per decoder layer (0-based) the key the model's forward picks its mask by (``layer_types``)."""
-    cfg = model.model.config
-    n = len(model.model.layers)
-    return list(getattr(cfg, "layer_types", None) or ["decoder"] * n)[:n]
-
-
 def branch_point(runtime: CEDModeBRuntime, n_layers: int) -> int:
     """First layer (1-based) whose output differs from the plain model's under ``runtime``.
 
@@ -292,19 +280,13 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
         return {}
     if agreement and "baseline" not in runtimes:
         raise ValueError(f"multi_group_nll: agreement is measured against 'baseline', which is not among {list(groups)}")
-    layers, kinds = model.model.layers, _layer_kinds(model)
-    n = len(layers)
+    n = len(model.model.layers)
     branch = {g: branch_point(rt, n) for g, rt in runtimes.items()}
     points = sorted({b for b in branch.values() if b <= n})
     plain = any(b > n for b in branch.values())
-    stop = None
-    if points and not plain:
-        # Stop the trunk at the highest branch point -- but only once every kind of layer
-        # above it has been seen (the arguments of a layer are recorded per kind).
-        first = {}
-        for i, kind in enumerate(kinds, 1):
-            first.setdefault(kind, i)
-        stop = max(points[-1], *(first[kinds[i - 1]] for i in range(points[-1], n + 1)))
+    # Stop the trunk at the highest branch point -- but only once every kind of layer above it
+    # has been seen (the arguments of a layer are recorded per kind).
+    stop = max(points[-1], kv_hooks.kinds_seen_by(model, range(points[-1], n + 1))) if points and not plain else None
     # xkv groups read the clean K/V of the source and every target (a compressed clean
     # prefill): the trunk, which is that clean pass, captures them, so it runs through the top target.
     clean_layers = (plan.source, *plan.targets) if any(rt.spec.low_rank for rt in runtimes.values()) else ()
@@ -313,39 +295,14 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
 
     device = next(model.parameters()).device
     out = {g: torch.zeros(len(sequences), 4 if agreement else 2, dtype=torch.float64) for g in runtimes}
-    inputs: dict[int, torch.Tensor] = {}
-    layer_kwargs: dict[str, dict] = {}
-
-    def record(layer: int):
-        def hook(module, args, kwargs):
-            if len(args) != 1:
-                raise RuntimeError(f"decoder layer {layer} was called with {len(args)} positional arguments; "
-                                   "multi_group_nll supports the hidden state only")
-            if layer in points:
-                inputs[layer] = args[0]
-            kind, kw = kinds[layer - 1], dict(kwargs)
-            seen = layer_kwargs.setdefault(kind, kw)
-            if seen is not kw and (seen.keys() != kw.keys() or any(seen[k] is not kw[k] for k in kw)):
-                raise RuntimeError(f"decoder layer {layer} got other arguments than an earlier {kind!r} layer; "
-                                   "multi_group_nll cannot replay this model's forward")
-            if layer == stop:
-                raise _StopTrunk
-        return hook
-
-    def trunk_hooks():
-        return [decoder_layer(model, i).register_forward_pre_hook(record(i), with_kwargs=True)
-                for i in range(1, (stop or n) + 1)]
-
     batches = _batches(sequences, score_from, batch_size, pad_id)
     for start, ids, mask, scored in _progress(batches, sequences, batch_size, f"score {len(runtimes)} groups"):
-        inputs.clear()
-        layer_kwargs.clear()
         hidden = {}  # each group's final hidden state (after the final norm), in runtimes' order
-        with kv_hooks._installed(trunk_hooks), \
+        with kv_hooks.layer_calls(model, stop, points) as calls, \
                 kv_hooks.capture(model, list(dict.fromkeys((plan.source, *clean_layers))), [plan.split]) as trunk:
             try:
                 plain_h = final_hidden(model, input_ids=ids.to(device), attention_mask=mask.to(device))
-            except _StopTrunk:
+            except kv_hooks.StopLayers:
                 pass
             else:  # the plain model's groups: the trunk's own output
                 hidden.update((g, plain_h) for g, b in branch.items() if b > n)
@@ -358,14 +315,8 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
                              source_kv=(trunk["k"][plan.source], trunk["v"][plan.source]) if plan.source < b else None,
                              clean_kv={l: (trunk["k"][l], trunk["v"][l]) for l in clean_layers}
                              if runtime.spec.low_rank else None)
-                h, fresh = inputs[b], {}
-                for i in range(b, n + 1):
-                    kw = dict(layer_kwargs[kinds[i - 1]])
-                    for name in ("cache", "past_key_values"):  # a fresh cache per branch, as the forward makes one
-                        if kw.get(name) is not None:
-                            kw[name] = fresh.setdefault(name, type(kw[name])(config=model.model.config))
-                    h = kv_hooks._hidden(layers[i - 1](h, **kw))
-                hidden[g] = model.model.norm(h)
+                # a fresh cache per branch, as the forward makes one
+                hidden[g] = kv_hooks.run_layers(model, calls["inputs"][b], b, calls, fresh_cache=True)
         # position t-1 predicts token t; the scores of every group are written in one pass over the blocks
         cut: dict[int, torch.Tensor] = {}  # one view per distinct state: groups sharing the trunk's share its scores
         score_hidden(model, out, start, {g: cut.setdefault(id(hidden[g]), hidden[g][:, :-1]) for g in runtimes},

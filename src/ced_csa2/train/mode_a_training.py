@@ -10,7 +10,11 @@ cropped to ``seq_len``) the prompt -- the first ``eval_ppl.prefix_fraction``, as
 ``eval_ppl`` cuts it -- is prefilled by the skip (pure skip, no replay: the maps serve
 every mapped position whatever ``mode_a.replay`` keeps), the continuation runs through
 every layer, and the loss is KL(plain ‖ Mode A) on the continuation's next-token
-distributions (:func:`ced_csa2.train.objectives.mode_a_kl`).  ``train.online.batch_size`` records
+distributions (:func:`ced_csa2.train.objectives.mode_a_kl`).  The plain model's pass over each
+record (its ``H_split`` and final hidden states on the continuation, :func:`teachers`) runs once
+before the first step and serves every epoch; below the cut the continuation is the plain
+model's, so each step runs only the skip's prefill and the layers above the cut (measured on
+the embedded default: ``benchmarks/mode_a_step.py``).  ``train.online.batch_size`` records
 per AdamW step, those of one length in one forward (the skip prefill has no padding; records
 cropped to ``seq_len`` mostly share it), each record weighing the same as when they ran one at a time
 (``mode_a.train.projector_lr`` for the projectors' linear maps, ``head_lr`` for their residual
@@ -37,7 +41,7 @@ from ..ced_runtime import CEDModeARuntime, CEDParts, prompt_tokens
 from ..config import Params
 from ..projector import KVProjector
 from ..pipeline.stage_runner import record_timing
-from .objectives import SAMPLE_STREAM, mode_a_kl
+from .objectives import SAMPLE_STREAM, ModeATeacher, mode_a_kl, mode_a_teacher
 from .training import Curves, warmup_cosine
 
 log = logging.getLogger(__name__)
@@ -92,12 +96,28 @@ def input_stats(model, runtime: CEDModeARuntime, rows: list[torch.Tensor], fract
     return mean.float(), std.float().clamp_min(1e-3)
 
 
-def by_length(rows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``rows`` ``(1, T_i)`` stacked per length, in order of first appearance: ``[(B_j, T_j)]``."""
-    groups: dict[int, list[torch.Tensor]] = {}
-    for row in rows:
-        groups.setdefault(row.shape[1], []).append(row)
-    return [torch.cat(g) for g in groups.values()]
+def length_groups(rows: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``rows`` ``(1, T_i)`` grouped by length, in order of first appearance."""
+    groups: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(row.shape[1], []).append(i)
+    return list(groups.values())
+
+
+def teachers(model, plan, rows: list[torch.Tensor], fraction: float, batch_size: int) -> list[ModeATeacher]:
+    """:func:`~ced_csa2.train.objectives.mode_a_teacher` of every row ``(1, T_i)``, kept on the CPU.
+
+    ``batch_size`` records of one length per forward.  Kept per record:
+    ``2 * C * hidden`` floats (the embedded default's 384 records: ~113 MB).
+    """
+    out: list[ModeATeacher | None] = [None] * len(rows)
+    for group in tqdm(length_groups(rows), desc="Mode A teacher", unit="length"):
+        for s in range(0, len(group), batch_size):
+            ix = group[s:s + batch_size]
+            stacked = mode_a_teacher(model, plan, torch.cat([rows[i] for i in ix]), fraction)
+            for i, t in zip(ix, stacked.to("cpu").split()):
+                out[i] = t
+    return out
 
 
 def train(model, parts: CEDParts, plan, geo, train_rows: list[torch.Tensor], val_rows: list[torch.Tensor],
@@ -113,17 +133,23 @@ def train(model, parts: CEDParts, plan, geo, train_rows: list[torch.Tensor], val
     log.info("Mode A maps: held-out KL %.5f before %d steps (%d records, %d per step)", before, steps,
              len(train_rows), online.batch_size)
     losses, tokens, t0 = [], 0, time.perf_counter()
+    # The plain model is the teacher of every epoch: its pass over each record runs once.
+    taught = teachers(model, plan, train_rows, fraction, online.batch_size)
+    device = train_rows[0].device
     with tqdm(total=steps, desc="tune_mode_a", unit="step") as bar:
         for epoch in range(params.mode_a.train.epochs):
             order = np.random.default_rng([params.seed, SAMPLE_STREAM, epoch]).permutation(len(train_rows))
             for s in range(0, len(order), online.batch_size):
-                batch = [train_rows[i] for i in order[s:s + online.batch_size]]
+                batch = [int(i) for i in order[s:s + online.batch_size]]
                 optimizer.zero_grad(set_to_none=True)
                 loss = 0.0
-                for rows in by_length(batch):  # the skip prefill has no padding: one forward per length
+                for group in length_groups([train_rows[i] for i in batch]):  # no padding: one forward per length
+                    ix = [batch[j] for j in group]
+                    rows = torch.cat([train_rows[i] for i in ix])
+                    teacher = ModeATeacher.stack([taught[i] for i in ix]).to(device)
                     # mode_a_kl is a per-token mean, and equal-length records have equal token counts,
                     # so each record weighs 1/len(batch), as one record per forward gave
-                    part_loss = mode_a_kl(model, runtime, rows, fraction) * (rows.shape[0] / len(batch))
+                    part_loss = mode_a_kl(model, runtime, rows, fraction, teacher) * (rows.shape[0] / len(batch))
                     part_loss.backward()
                     loss += part_loss.item()
                     tokens += rows.numel()

@@ -17,7 +17,9 @@ and logits are recomputed per batch, never stored.
 * :func:`mode_a_kl`: the maps Mode A uses (source and extra projectors, adapters) under
   the prefill skip itself: the prompt prefilled by the skip, the continuation through every
   layer, KL(plain ‖ Mode A) on the continuation (stage ``tune_mode_a``, as SwiftKV trains
-  its single-input K/V).
+  its single-input K/V).  Its teacher pass (:func:`mode_a_teacher`: two hidden states per
+  continuation token, no logits) is the one thing kept between steps: the caller computes it
+  once per record.
 
 A *phase* trains maps under one group: the projector under ``ced``, the adapters under
 ``csa2``, and both at once under ``ced_csa2`` (its own projector and adapters, from the
@@ -27,6 +29,7 @@ ridge start: the maps of the group they serve).
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -40,6 +43,7 @@ from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, _StopForwa
 from ..config import Params
 from ..data.loader import record_split
 from ..data.records import read_records, tokenize
+from ..eval.scoring import final_hidden, head_logits
 from ..model_utils import Geometry, attention, decoder_layer
 from ..pipeline.paths import TRAIN_JSONL
 from ..plan import LayerPlan
@@ -210,22 +214,69 @@ def objective_loss(objective: str, model: nn.Module, parts: CEDParts, plan: Laye
     raise ValueError(f"objective {objective!r} does not train through the model; expected attn_out or distill")
 
 
-def mode_a_kl(model: nn.Module, runtime: CEDModeARuntime, row: torch.Tensor, fraction: float) -> torch.Tensor:
+@dataclass
+class ModeATeacher:
+    """The plain model's pass over records ``(B, T)`` of one length, as :func:`mode_a_kl` reads it.
+
+    Attributes
+    ----------
+    h_split
+        ``(B, C, hidden)``: ``H_split`` at the ``C`` positions that predict the continuation
+        (``cut - 1 .. T - 2``), the input of the layers above the cut there.
+    final
+        ``(B, C, hidden)``: the final hidden states (after the final norm) at those positions;
+        the teacher's logits are their LM head.
+    """
+
+    h_split: torch.Tensor
+    final: torch.Tensor
+
+    @staticmethod
+    def stack(teachers: list[ModeATeacher]) -> ModeATeacher:
+        """Records of one length, in the order given, as one ``(B, C, hidden)`` batch."""
+        return ModeATeacher(torch.cat([t.h_split for t in teachers]), torch.cat([t.final for t in teachers]))
+
+    def split(self) -> list[ModeATeacher]:
+        """One ``(1, C, hidden)`` teacher per record."""
+        return [ModeATeacher(h[None], f[None]) for h, f in zip(self.h_split, self.final)]
+
+    def to(self, device) -> ModeATeacher:
+        return ModeATeacher(self.h_split.to(device), self.final.to(device))
+
+
+@torch.no_grad()
+def mode_a_teacher(model: nn.Module, plan: LayerPlan, row: torch.Tensor, fraction: float) -> ModeATeacher:
+    """The plain model's pass over records ``row`` ``(B, T)`` (one length) that :func:`mode_a_kl` needs.
+
+    One forward per record, whatever the epochs: the teacher does not change while the maps train.
+    """
+    cut = prompt_tokens(row.shape[1], fraction)
+    with kv_hooks.capture(model, (), [plan.split]) as store:
+        final = final_hidden(model, input_ids=row)
+    return ModeATeacher(store["h"][plan.split][:, cut - 1:-1], final[:, cut - 1:-1])
+
+
+def mode_a_kl(model: nn.Module, runtime: CEDModeARuntime, row: torch.Tensor, fraction: float,
+              teacher: ModeATeacher | None = None) -> torch.Tensor:
     """KL(plain ‖ Mode A) per continuation token of records ``row`` ``(B, T)`` (one length), through the prefill skip.
 
     The prompt (:func:`~ced_csa2.ced_runtime.prompt_tokens`, as
     :func:`ced_csa2.eval.perplexity.mode_a_prefix` cuts) is prefilled by the skip with the
     maps' gradients kept (:meth:`~ced_csa2.ced_runtime.CEDModeARuntime.prefill_with_grad`);
-    the continuation runs through every layer, reading the mapped K/V; the teacher is
-    the plain model on the whole row (no grad).  Temperature 1: what ``eval_ppl`` reports.
+    the continuation runs through the layers above the cut, reading the mapped K/V, from the
+    teacher's ``H_split`` (:meth:`~ced_csa2.ced_runtime.CEDModeARuntime.continue_above_cut`: below
+    the cut the continuation is the plain model's).  The teacher is the plain model on the whole
+    row (:func:`mode_a_teacher`; computed here when not given).  Temperature 1: what ``eval_ppl``
+    reports.
     """
     cut = prompt_tokens(row.shape[1], fraction)
     prompt, cont = row[:, :cut], row[:, cut:]
-    with torch.no_grad():
-        teacher = model(input_ids=row).logits[:, cut - 1:-1]
+    if teacher is None:
+        teacher = mode_a_teacher(model, runtime.plan, row, fraction)
     cache = runtime.prefill_with_grad(prompt[:, :-1])
-    student = model(input_ids=torch.cat([prompt[:, -1:], cont[:, :-1]], 1), cache=cache, use_cache=True).logits
-    return kl_distill(student, teacher, torch.ones(cont.shape, device=row.device), 1.0)
+    hidden = runtime.continue_above_cut(cache, torch.cat([prompt[:, -1:], cont[:, :-1]], 1), teacher.h_split)
+    return kl_distill(head_logits(model, hidden), head_logits(model, teacher.final),
+                      torch.ones(cont.shape, device=row.device), 1.0)
 
 
 SAMPLE_STREAM = 5  # numpy seed-sequence tag (loader.py uses 0-3, training.py 4)
