@@ -1,5 +1,6 @@
 """Shared-trunk scoring gives every group exactly what a separate pass under its runtime gives."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -182,31 +183,46 @@ def test_eval_ppl_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny
             group_ppl(model, plan, group, parts, ids, params, tok.pad_token_id), group
 
 
-def test_eval_objectives_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny_model, monkeypatch):
-    """Two objectives in one shared pass: one with its own maps, one whose csa2 maps equal the first's (scored once)."""
-    from conftest import tiny_params
+def objectives_workdir(tmp_path, tok, monkeypatch, params, parts):
+    """eval_objectives' inputs in ``tmp_path``: eval records, gold pairs, and ``parts`` served as each objective's
+    maps (loading is tested elsewhere, test_checkpoint_match.py); ``ced`` under the seed-literal projector rides
+    along.  Returns the gold pairs."""
     from test_eval_ppl import write_eval
 
-    from ced_csa2.eval.gsm8k import gold_nll, write_gold_pairs
-    from ced_csa2.eval.perplexity import eval_ids, group_ppl
+    from ced_csa2.eval.gsm8k import write_gold_pairs
     from ced_csa2.pipeline import paths
     from ced_csa2.plan import load_plan
     from ced_csa2.stages import eval_objectives
 
-    model, tok = tiny_model
-    params = tiny_params(eval_gsm8k={"batch_size": 2}, train={"objectives": ["ridge", "attn_out"]})
     plan, geo = load_plan(params.plan, params.model)
-    parts = {"ridge": random_parts(geo, plan, seed=3), "attn_out": random_parts(geo, plan, seed=4)}
-    parts["attn_out"].adapters = parts["ridge"].adapters  # csa2@attn_out reads exactly csa2@ridge's tensors
     served = {o: {g: p for g in params.train.eval_groups} for o, p in parts.items()}
-    # loading is tested elsewhere (test_checkpoint_match.py)
     monkeypatch.setattr(eval_objectives, "load_objective_parts", lambda workdir, o, *args: served[o])
-    seed_init = random_parts(geo, plan, seed=5)  # ced under the seed-literal projector rides along
+    seed_init = random_parts(geo, plan, seed=5)
     monkeypatch.setattr(eval_objectives, "load_seed_init", lambda *args: seed_init)
     write_eval(tmp_path, tok)
     seqs, cut = rows(250, seed=1)
     pairs = [(s, c) for s, c in zip(seqs, cut) if c < len(s)]
     write_gold_pairs(tmp_path / paths.GOLD_PATH, params, pairs)
+    return pairs, seed_init
+
+
+def test_eval_objectives_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny_model, monkeypatch):
+    """Two objectives in one shared pass: one with its own maps, one whose csa2 maps equal the first's (scored once)."""
+    from conftest import tiny_params
+
+    from ced_csa2.eval.gsm8k import gold_nll
+    from ced_csa2.eval.perplexity import eval_ids, group_ppl
+    from ced_csa2.plan import load_plan
+    from ced_csa2.stages import eval_objectives
+
+    model, tok = tiny_model
+    # no group of the main branch scored (eval_ppl.groups): every label is scored here
+    params = tiny_params(eval_gsm8k={"batch_size": 2}, eval_ppl={"groups": ["baseline"]},
+                         train={"objectives": ["ridge", "attn_out"]})
+    plan, geo = load_plan(params.plan, params.model)
+    parts = {"ridge": random_parts(geo, plan, seed=3), "attn_out": random_parts(geo, plan, seed=4)}
+    parts["attn_out"].adapters = parts["ridge"].adapters  # csa2@attn_out reads exactly csa2@ridge's tensors
+    pairs, seed_init = objectives_workdir(tmp_path, tok, monkeypatch, params, parts)
     m = eval_objectives.run(params, tmp_path, model_and_tok=(model, tok))
 
     ids = eval_ids(params, tok, tmp_path)
@@ -224,3 +240,40 @@ def test_eval_objectives_gives_each_group_what_one_group_at_a_time_gives(tmp_pat
     want = group_ppl(model, plan, "ced", seed_init, ids, params, tok.pad_token_id)
     got = m["seed_init"]["ced"]
     assert {k: v for k, v in got.items() if not k.startswith(("delta", "kl", "top1")) and k != "gold_nll"} == want
+
+
+def test_eval_objectives_copies_the_rows_of_the_main_branch_s_maps_as_scoring_them_gives(tmp_path, tiny_model,
+                                                                                         monkeypatch):
+    """Labels whose maps are the main branch's are not scored: their rows are eval_ppl's and eval_gsm8k's (written
+    here by the functions those stages call), and equal, interval for interval, what scoring them here gives."""
+    from conftest import tiny_params
+
+    from ced_csa2.eval.gsm8k import groups_gold_nll
+    from ced_csa2.eval.perplexity import eval_ids, groups_ppl
+    from ced_csa2.pipeline import paths
+    from ced_csa2.pipeline.atomic_files import write_json
+    from ced_csa2.plan import load_plan
+    from ced_csa2.stages import eval_objectives
+
+    model, tok = tiny_model
+    params = tiny_params(eval_gsm8k={"batch_size": 2}, train={"objectives": ["ridge", "attn_out"]})
+    plan, geo = load_plan(params.plan, params.model)
+    parts = {"ridge": random_parts(geo, plan, seed=3), "attn_out": random_parts(geo, plan, seed=4)}
+    pairs, _ = objectives_workdir(tmp_path, tok, monkeypatch, params, parts)
+    groups = ["baseline", *params.train.eval_groups]
+    assert set(groups) <= set(params.eval_ppl.groups) & set(params.eval_gsm8k.groups)
+    # with no main-branch group scored (eval_ppl.groups) every label is scored here
+    alone = dataclasses.replace(params, eval_ppl=dataclasses.replace(params.eval_ppl, groups=["baseline"]))
+    scored_here = eval_objectives.run(alone, tmp_path, model_and_tok=(model, tok))
+    assert scored_here["copied_from_main"] == {}
+
+    # the main branch: the ridge objective's maps, scored as eval_ppl and eval_gsm8k score them
+    monkeypatch.setattr(eval_objectives, "load_parts", lambda *args, **kwargs: parts["ridge"])
+    ppl = groups_ppl(model, plan, groups, parts["ridge"], eval_ids(params, tok, tmp_path), params, tok.pad_token_id)
+    gold = groups_gold_nll(model, plan, groups, parts["ridge"], pairs, params.eval_gsm8k.batch_size,
+                           tok.pad_token_id, kv_format=params.kv_format, seed=params.seed)
+    write_json(tmp_path / paths.PPL_METRICS, {"groups": ppl})
+    write_json(tmp_path / paths.GSM8K_METRICS, {"groups": {g: {"gold_nll": gold[g]} for g in groups}})
+    m = eval_objectives.run(params, tmp_path, model_and_tok=(model, tok))
+    assert m["copied_from_main"] == {f"{g}@ridge": g for g in params.train.eval_groups}
+    assert m["objectives"] == scored_here["objectives"] and m["seed_init"] == scored_here["seed_init"]

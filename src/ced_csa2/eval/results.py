@@ -5,12 +5,12 @@ line and the figures.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from ..config import Params
 from ..maps.ridge import adapter_map
+from ..pipeline.atomic_files import read_json
 from ..pipeline.figures import write_png
 from ..pipeline.paths import METRICS, OBJECTIVES_EVAL, SEED_INIT
 from ..runtime.groups import GROUP_NAMES
@@ -23,10 +23,7 @@ CED_CSA2_START = {"csa2": "csa2's ridge maps, fitted on the true source K/V",
 
 
 def _load(workdir: Path, name: str | Path) -> dict:
-    path = workdir / METRICS / f"{name}.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: metrics file not found (run `dvc repro` for the stage that writes it)")
-    return json.loads(path.read_text())
+    return read_json(workdir / METRICS / f"{name}.json")
 
 
 def _em(g: dict, key: str) -> str:
@@ -191,6 +188,16 @@ def _kept(fit: dict) -> str:
 
 
 SUMMARY_BASIS = "decoder_attention"  # the groups' KV bytes: bf16, the decoder's attention layers
+
+
+def copied_note(evals: dict) -> list[str]:
+    """One sentence naming the objective rows copied from the main branch (its maps, byte for byte), if any."""
+    copied = evals.get("copied_from_main") or {}
+    if not copied:
+        return []
+    labels = ", ".join(f"`{label}`" for label in copied)
+    return [f"Not re-scored: {labels} read the main branch's maps byte for byte (the same tensors), so their "
+            "rows are the main branch's rows (`eval_ppl`, `eval_gsm8k`), copied, as scoring them again gives."]
 
 
 def group_rows(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], groups: list[str]) -> dict:
@@ -501,6 +508,7 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
         "phases (ced, csa2, ced_csa2; metrics/objectives/*/train.json). Wall times of every stage: "
         "`timings/<stage>.json` after a run.", "",
         *objective_table(ppl, gsm, projector, adapters, objectives, evals[SEED_INIT], groups), "",
+        *copied_note(evals), "",
         "## Fit of the maps (held-out tokens)", "", *fit_table(ridge, projector, adapters), "",
         *served_fit_table(ridge, list(adapters["layers"]), params.train_adapters.input), "",
         "Qwen3.5-4B geometry (computed from its config, no weights): "

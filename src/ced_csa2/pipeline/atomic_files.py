@@ -104,6 +104,13 @@ def write_json(path: Path, obj) -> None:
 
 
 
+def read_json(path: Path) -> dict:
+    """The JSON written at ``path`` by a stage; a missing file is one line naming it (run the stage first)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: metrics file not found (run `dvc repro` for the stage that writes it)")
+    return json.loads(path.read_text())
+
+
 def write_tsv(path: Path, rows: list[dict]) -> None:
     """Rows as a tab-separated table (every row has the first row's columns; floats to 6 significant digits)."""
     cols = list(rows[0])
