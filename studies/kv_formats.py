@@ -1,9 +1,9 @@
-"""4-bit KV formats beyond NVFP4's per-token blocks: per-channel keys, more bits for K, rotation as a switch.
+"""KV formats beyond NVFP4's per-token blocks: per-channel keys, more bits for K (FP6), rotation as a switch.
 
     dvc repro studies/dvc.yaml       # runs: python studies/kv_formats.py
 
 Every attention layer's K and V, at the injection point (pre-k_norm, pre-RoPE), is read back
-from a 4-bit format (:class:`ced_csa2.kv.formats.KVFormat`, one :class:`~ced_csa2.kv.formats.StreamFormat`
+from a block-scaled format (:class:`ced_csa2.kv.formats.KVFormat`, one :class:`~ced_csa2.kv.formats.StreamFormat`
 per stream) while the model scores the pipeline's held-out eval records, teacher-forced, as
 ``eval_ppl`` scores ``baseline_fp4``.  The formats (``studies/kv_formats.yaml``) vary what a
 block scale runs along (a token's channels, as NVFP4; or a channel's tokens, as KIVI quantises
@@ -135,7 +135,7 @@ def _stream(s: dict) -> str:
 
 def markdown(m: dict) -> str:
     p = m["protocol"]
-    lines = [f"4-bit KV formats on {p['model']} ({p['dtype']}): {p['records']} eval records, {p['tokens_scored']:,} "
+    lines = [f"Block-scaled KV formats (4- and 6-bit elements) on {p['model']} ({p['dtype']}): {p['records']} eval records, {p['tokens_scored']:,} "
              f"scored tokens; {p['where']}. {p['intervals']}; not a Qwen3.5-4B result.", "",
              f"| format | K | V | bytes/token | compression | ΔPPL % [95% CI] | vs {p['reference']} [95% CI] | "
              "KL nats/token | top-1 % |", "|---|---|---|---:|---:|---|---|---:|---:|"]
@@ -172,7 +172,7 @@ def plot(m: dict, path: Path) -> None:
     ax.text(1.02, 1.0, "\n".join(f"{i} {n}" for i, (n, _) in enumerate(rows, 1)), transform=ax.transAxes, va="top",
             fontsize=7, family="monospace")
     p = m["protocol"]
-    ax.set_title(f"4-bit KV formats: {p['model']}, {p['records']} records (not Qwen3.5-4B)", fontsize=9)
+    ax.set_title(f"KV formats (4-/6-bit): {p['model']}, {p['records']} records (not Qwen3.5-4B)", fontsize=9)
     write_png(fig, path)
 
 

@@ -1,4 +1,4 @@
-"""4-bit KV formats per stream: which axis a block scale runs along, how wide, rotated or not.
+"""Block-scaled KV formats per stream: element bits, which axis a block scale runs along, how wide, rotated or not.
 
 NVFP4 as DeepSeek-V4.1 stores its main KV (:mod:`ced_csa2.kv.fp4`) scales each *token's*
 entry in blocks of 16 channels.  Keys are not shaped for that: a few pre-RoPE key channels are
@@ -10,13 +10,14 @@ for a channel's values over a block of consecutive tokens, and values per token;
 its scale across positions -- the injection point here (pre-k_norm, pre-RoPE).
 
 A :class:`StreamFormat` is one stream's (K's or V's) format: the element and scale types of
-:mod:`ced_csa2.kv.fp4` (E2M1 elements; E4M3 scales ``nvfp4`` or E8M0 scales ``mxfp4``), the
-block width ``group`` and the block's ``axis``:
+:mod:`ced_csa2.kv.fp4` (E2M1 elements; E4M3 scales ``nvfp4`` or E8M0 scales ``mxfp4``) or of
+:mod:`ced_csa2.kv.fp6` (E2M3 elements, 6 bits: ``fp6`` with E4M3 scales, ``mxfp6`` with E8M0 --
+more bits for keys), the block width ``group`` and the block's ``axis``:
 
 * ``channels`` -- one scale per ``group`` channels of a token's entry (NVFP4, MXFP4);
 * ``tokens`` -- one scale per channel for each block of ``group`` consecutive tokens.
 
-Either way a stored token costs ``D/2`` element bytes plus ``D/group`` scale bytes
+Either way a stored token costs ``D · bits / 8`` element bytes plus ``D/group`` scale bytes
 (:meth:`StreamFormat.bytes_per_token`), so the axis changes the quality, not the bytes.
 ``rotate`` applies the layer's randomised Hadamard rotation per head first (as the
 ``*_fp4_rot`` groups do).
@@ -32,16 +33,20 @@ it has (zero padding leaves a block's maximum, and so its scale, unchanged).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .. import kv_hooks
 from ..runtime.groups import GROUPS
-from .fp4 import FORMATS
+from .fp4 import FORMATS as FP4_FORMATS
+from .fp6 import FORMATS as FP6_FORMATS
 from .rotation import HeadRotation, layer_rotation
 
 AXES = ("channels", "tokens")
+ELEMENTS = {**FP4_FORMATS, **FP6_FORMATS}  # element name -> block format (called with the group)
+ELEMENT_BITS = {**dict.fromkeys(FP4_FORMATS, 4), **dict.fromkeys(FP6_FORMATS, 6)}
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,8 @@ class StreamFormat:
     Parameters
     ----------
     element
-        ``nvfp4`` (E2M1 elements, E4M3 scales) or ``mxfp4`` (E2M1, E8M0 scales).
+        ``nvfp4`` (E2M1 elements, E4M3 scales), ``mxfp4`` (E2M1, E8M0 scales), ``fp6`` (E2M3,
+        E4M3 scales) or ``mxfp6`` (E2M3, E8M0 scales).
     group
         Values per scale: channels (``axis: channels``) or tokens (``axis: tokens``).
     axis
@@ -66,23 +72,26 @@ class StreamFormat:
     rotate: bool = False
 
     def __post_init__(self):
-        if self.element not in FORMATS:
-            raise ValueError(f"element {self.element!r}: choose one of {list(FORMATS)}")
+        if self.element not in ELEMENTS:
+            raise ValueError(f"element {self.element!r}: choose one of {list(ELEMENTS)}")
         if self.axis not in AXES:
             raise ValueError(f"axis {self.axis!r}: choose one of {list(AXES)}")
         if not isinstance(self.group, int) or self.group < 1:
             raise ValueError(f"group must be a positive int, got {self.group!r}")
 
     def bytes_per_token(self, kv_dim: int) -> float:
-        """Stored bytes per token of one ``kv_dim``-wide stream: ``kv_dim/2 + kv_dim/group``.
+        """Stored bytes per token of one ``kv_dim``-wide stream: ``kv_dim · bits / 8 + kv_dim/group``.
 
         On the token axis a scale is shared by ``group`` tokens; the figure is per token of
         whole blocks (a partial last block costs its scales in full).
         """
-        if kv_dim % 2 or (self.axis == "channels" and kv_dim % self.group):
-            raise ValueError(f"{self}: kv_dim {kv_dim} does not split into packed channel pairs and "
+        bits = ELEMENT_BITS[self.element]
+        pack = 8 // math.gcd(8, bits)  # values per whole number of bytes: 2 (4-bit), 4 (6-bit)
+        packed_axis = kv_dim if self.axis == "channels" else self.group
+        if kv_dim % 2 or packed_axis % pack or (self.axis == "channels" and kv_dim % self.group):
+            raise ValueError(f"{self}: kv_dim {kv_dim} does not split into packed runs of {pack} values and "
                              f"groups of {self.group}")
-        return kv_dim / 2 + kv_dim / self.group
+        return kv_dim * bits / 8 + kv_dim / self.group
 
     def round_trip(self, x: torch.Tensor, rotation: HeadRotation | None = None) -> torch.Tensor:
         """What reading ``x`` back from this format gives.
@@ -100,7 +109,7 @@ class StreamFormat:
         """
         if self.rotate and rotation is None:
             raise ValueError(f"{self}: a rotated format needs the layer's rotation")
-        fmt = FORMATS[self.element](self.group)
+        fmt = ELEMENTS[self.element](self.group)
         y = rotation.rotate(x) if self.rotate else x.to(torch.float32)
         if self.axis == "channels":
             y = fmt.dequantize(fmt.quantize(y), dtype=y.dtype)
