@@ -224,3 +224,15 @@ def sh(cwd, *cmd, **env_extra):
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout + proc.stderr
+
+
+def nearest_on_grid(v: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Each element of 1-D ``v`` to the nearest magnitude of ``grid`` (ascending, codes 0..len-1), saturating at the
+    largest; a tie goes to the even code; the sign kept (``-0.0`` too).  A brute-force reference for the
+    element encoders."""
+    d = (v.abs().clamp(max=float(grid[-1]))[:, None] - grid[None]).abs()
+    best = d == d.min(dim=1, keepdim=True).values
+    codes = torch.arange(len(grid)).expand_as(best)
+    chosen = torch.where(best & (codes % 2 == 0), codes, len(grid)).min(dim=1).values
+    chosen = torch.where(chosen < len(grid), chosen, torch.where(best, codes, len(grid)).min(dim=1).values)
+    return torch.where(torch.signbit(v), -grid[chosen], grid[chosen])

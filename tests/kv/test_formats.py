@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import nearest_on_grid, tiny_llama
 from tiny_maps import LLAMA_PLAN, rows
 
 from ced_csa2.eval.scoring import multi_group_nll
@@ -20,12 +20,7 @@ GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 def e2m1_reference(v: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 value of each element (saturating at 6); a tie goes to the even code."""
-    d = (v.abs().clamp(max=6.0)[:, None] - GRID[None]).abs()
-    best = d == d.min(dim=1, keepdim=True).values
-    codes = torch.arange(8).expand_as(best)
-    even = torch.where(best & (codes % 2 == 0), codes, 99).min(dim=1).values
-    chosen = torch.where(even < 99, even, torch.where(best, codes, 99).min(dim=1).values)
-    return torch.sign(v) * GRID[chosen]
+    return nearest_on_grid(v, GRID)
 
 
 def per_channel_reference(x: torch.Tensor, group: int) -> torch.Tensor:

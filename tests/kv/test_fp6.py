@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import nearest_on_grid
 
 from ced_csa2.kv.formats import StreamFormat
 from ced_csa2.kv.fp6 import FP6, MXFP6, e2m3_decode, e2m3_encode, pack_sextets, unpack_sextets
@@ -17,12 +18,7 @@ GRID = torch.tensor(MAGNITUDES)
 
 def e2m3_reference(v: torch.Tensor) -> torch.Tensor:
     """Nearest E2M3 value of each element (saturating at 7.5); a tie goes to the even code."""
-    d = (v.abs().clamp(max=7.5)[:, None] - GRID[None]).abs()
-    best = d == d.min(dim=1, keepdim=True).values
-    codes = torch.arange(32).expand_as(best)
-    chosen = torch.where(best & (codes % 2 == 0), codes, 99).min(dim=1).values
-    chosen = torch.where(chosen < 99, chosen, torch.where(best, codes, 99).min(dim=1).values)
-    return torch.where(torch.signbit(v), -GRID[chosen], GRID[chosen])
+    return nearest_on_grid(v, GRID)
 
 
 def test_e2m3_rounds_to_nearest_with_ties_to_even_and_saturates():
