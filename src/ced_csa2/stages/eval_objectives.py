@@ -16,8 +16,8 @@ Every (group, objective) is one branch of the same shared trunk
 run once per batch for all objectives, and the baseline is the reference of every paired
 interval.  Two labels whose maps are the same tensors (a digest of what the group reads)
 are scored once; ``scored_as`` in the output names the label a row was copied from.  A
-label whose maps are the main branch's (``models/``; the ridge objective's ``ced`` and ``csa2``
-on the embedded default, whose trainers keep their ridge start) is not scored at all: its row
+label whose maps are the main branch's (``models/``; the ridge objective's ``ced`` on the
+embedded default, whose projector training keeps its ridge start) is not scored at all: its row
 is the main branch's, copied from ``metrics/ppl.json`` and ``metrics/gsm8k.json``, which scored
 the same maps with the same protocol (``copied_from_main`` names them; a group missing from
 ``eval_ppl.groups`` or ``eval_gsm8k.groups`` is scored here).
