@@ -11,14 +11,19 @@ the frozen model's attention over the training records (KL to the head-averaged 
 over the entries older than the window, :func:`ced_csa2.train.indexer_training.fit`) and
 measures, on the layer-modes study's held-out sequences:
 
-* held-out KL before (random init) and after training;
+* held-out KL before (random init, or the oracle start) and after training;
 * recall@k: the share of the oracle's top-``k`` (among the entries older than the window)
   the indexer's top-``k`` holds, per ``k`` -- the goal is >= 0.9 at 128;
+* mass@k: the share of the layer's attention over those entries that the top-``k`` holds
+  (what a sparse read keeps), beside the oracle's own;
 * what it costs: parameters, training tokens and wall time, key bytes per token (MXFP4)
   against the KV bytes per token the shared store holds;
 
-for each variant of ``studies/indexer.yaml`` (V4.1's one narrow key, and keys as wide as the
-layer's).
+for each variant of ``studies/indexer.yaml``: V4.1's one narrow key and keys as wide as the
+layer's, from a random start; and the oracle's own algebra as a start (queries summed per KV
+head, the layer's keys, an offset inside the ReLU), keys stored plain (V4.1) or
+Hadamard-rotated (V4).  Every indexer is scored with its keys read back from MXFP4, as the
+sparse decode stores them.
 
 Every figure is computed from the saved checkpoint (FP16 weights) reloaded, so it is what
 the sparse decode gets.  Writes ``studies/indexer/{variant}.pt``, ``metrics.json``
@@ -102,10 +107,13 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None) 
     model_id = params.model.hf_id or params.model.name
     rope = _rope_fn(attention(model, layer))
     results = {}
+    oracle = it.selection(None, held, study.k, study.window)["mass"]
     for name, cfg in study.variants.items():
         indexer = indexers[name]
+        if cfg.init == "attention":
+            it.lift_offsets(indexer, train, study.window)
         before = {"kl": it.held_out_kl(indexer, held, study.window),
-                  "recall": it.recall(indexer, held, study.k, study.window)}
+                  **it.selection(indexer, held, study.k, study.window)}
         t_fit = time.perf_counter()
         losses = it.fit(indexer, train, cfg, study.window, params.seed)
         fit_seconds = time.perf_counter() - t_fit
@@ -114,7 +122,7 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None) 
             "provenance": provenance(params, "seed", "model", "plan"), "recipe": dataclasses.asdict(cfg)})
         saved = load_indexer(path, rope, expect={"model_id": model_id, "layer": layer})
         after = {"kl": it.held_out_kl(saved, held, study.window),
-                 "recall": it.recall(saved, held, study.k, study.window)}
+                 **it.selection(saved, held, study.k, study.window)}
         results[name] = {
             "recipe": dataclasses.asdict(cfg), "before": before, "after": after,
             "train_loss": {"first_10": float(np.mean(losses[:10])), "last_10": float(np.mean(losses[-10:]))},
@@ -125,12 +133,15 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None) 
     return {
         "protocol": {
             "model": model_id, "layer": layer, "window": study.window, "k": study.k,
-            "dtype": "float32 (trained in fp32; saved in fp16 and scored from the saved file)",
+            "dtype": "float32 (trained in fp32; saved in fp16 and scored from the saved file, keys through MXFP4)",
             "oracle": "the layer's attention logits summed over its heads",
+            "mass": "share of the layer's head-averaged attention over the entries older than the window "
+                    "that the top-k holds (mean over query rows)",
             "train": {**dataclasses.asdict(study.train), "data": str(TRAIN_JSONL), "query_rows": int(train.rows.numel()),
                       "tokens": study.train.context * study.train.sequences},
             "held_out": {**dataclasses.asdict(study.held_out), "data": str(EVAL_JSONL),
                          "query_rows": int(held.rows.numel())}},
+        "oracle_mass": oracle,
         "variants": results,
         "csa2_kv_bytes_per_token_bf16_all_attention": bytes_per_token(kv_copies(geo, plan, "csa2", "all_attention", 2)),
         "seconds": time.perf_counter() - t0,
@@ -144,18 +155,21 @@ def markdown(m: dict) -> str:
              f"{p['train']['query_rows']:,} query rows); held-out: {p['held_out']['sequences']} x "
              f"{p['held_out']['context']} tokens of {p['held_out']['data']}, {p['held_out']['query_rows']} query rows "
              f"at positions >= {p['held_out']['first_row']}. Recall@k: share of the oracle's top-k ({p['oracle']}) "
-             f"among the entries older than the {p['window']}-position window. {p['dtype']}.",
+             f"among the entries older than the {p['window']}-position window; mass@k: {p['mass']}. {p['dtype']}.",
              "",
              "| indexer | start | key bytes/token | parameters | fit s | held-out KL | "
-             + " | ".join(f"recall@{k}" for k in ks) + " |",
-             "|---|---|---|---|---|---|" + "---|" * len(ks)]
+             + " | ".join(f"recall@{k}" for k in ks) + " | " + " | ".join(f"mass@{k}" for k in ks) + " |",
+             "|---|---|---|---|---|---|" + "---|" * 2 * len(ks),
+             "| oracle | – | – | – | – | – | " + " | ".join("1" for _ in ks) + " | "
+             + " | ".join(f"{m['oracle_mass'][k]:.4f}" for k in ks) + " |"]
     for name, v in m["variants"].items():
         for when in ("before", "after"):
             r = v[when]
             start = v["recipe"]["init"] if when == "before" else "trained"
             lines.append(f"| {name} | {start} | {v['key_bytes_per_token']} | {v['parameters']:,} | "
                          + (f"{v['fit_seconds']:.0f}" if when == "after" else "") + f" | {r['kl']:.3f} | "
-                         + " | ".join(f"{r['recall'][k]:.3f}" for k in ks) + " |")
+                         + " | ".join(f"{r['recall'][k]:.3f}" for k in ks) + " | "
+                         + " | ".join(f"{r['mass'][k]:.4f}" for k in ks) + " |")
     lines += ["", f"The csa2 cache holds {m['csa2_kv_bytes_per_token_bf16_all_attention']:,g} bytes of K/V per token "
               "(bf16, every attention layer); an indexer adds its key bytes per token."]
     return "\n".join(lines) + "\n"

@@ -6,6 +6,7 @@ import torch
 from conftest import tiny_llama
 
 from ced_csa2.ced_runtime import _rope_fn
+from ced_csa2.kv.fp4 import MXFP4
 from ced_csa2.maps.indexer import IndexerConfig, LightningIndexer, indexer_loss, key_bytes
 from ced_csa2.model_utils import attention, geometry, rotary
 from ced_csa2.train import indexer_training as it
@@ -21,6 +22,36 @@ def test_scores_are_v4_1_s_weighted_sum_of_relu_dot_products():
             for j in range(7):
                 want[b, t, j] = sum(w[b, h, t] * max(0.0, float(q[b, h, t] @ k[b, j])) for h in range(3))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_offset_is_the_query_s_last_channel_against_a_constant_key_channel_inside_the_relu():
+    torch.manual_seed(0)
+    q, w, k = torch.randn(1, 2, 3, 5), torch.randn(1, 2, 3), torch.randn(1, 4, 4)
+    got = LightningIndexer.scores(q, w, k)  # queries one channel wider than the keys
+    want = LightningIndexer.scores(q, w, torch.cat((k, torch.ones(1, 4, 1)), -1))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="width 5 cannot score keys of width 3"):
+        LightningIndexer.scores(q, w, k[..., :3])
+
+
+def test_rotated_keys_leave_the_float_scores_and_change_only_what_fp4_stores():
+    torch.manual_seed(0)
+    rope = lambda q, k, cos, sin: (q * cos + torch.roll(q, 1, -1) * sin, k)  # noqa: E731 (any per-position map)
+    plain = LightningIndexer(16, 8, 8, 2, rope, key_heads=2, offset=True)
+    rotated = LightningIndexer(16, 8, 8, 2, rope, key_heads=2, offset=True, rotate_keys=True)
+    rotated.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        plain.b.bias.fill_(3.0), rotated.b.bias.fill_(3.0)
+    x, k = torch.randn(1, 6, 16), torch.randn(1, 6, 8) * torch.tensor([20.0] + [1.0] * 7)  # one outlier channel
+    cos, sin = torch.rand(1, 6, 8), torch.rand(1, 6, 8)
+    with torch.no_grad():
+        kp, kr = plain.keys(k, cos, sin), rotated.keys(k, cos, sin)
+        sp = LightningIndexer.scores(*plain.queries(x, cos, sin), kp)
+        sr = LightningIndexer.scores(*rotated.queries(x, cos, sin), kr)
+    torch.testing.assert_close(sr, sp, rtol=1e-5, atol=1e-5)
+    r = rotated.rotation.matrix.float()
+    torch.testing.assert_close(kr.view(1, 6, 2, 8), kp.view(1, 6, 2, 8) @ r.T, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(kr, kp)
 
 
 def test_loss_is_the_kl_from_the_target_over_the_visible_entries():
@@ -122,16 +153,17 @@ def test_training_lowers_the_loss_on_the_tiny_qwen3_5(tiny_model):
         assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:10]), layer
 
 
-def test_recall_counts_the_oracle_s_top_k_among_the_older_entries(llama_samples):
+def test_selection_counts_the_oracle_s_top_k_and_the_attention_it_keeps_among_the_older_entries(llama_samples):
     model, geo, _, held, _ = llama_samples
     indexer = it.new_indexer(model, geo, 3, IndexerConfig(heads=2), seed=1)
     s, k, window = held[3], 5, 4
-    got = it.recall(indexer, s, [k], window)[k]
-    fractions = []
+    got = it.selection(indexer, s, [k], window)
+    fractions, kept, oracle_kept = [], [], []
     for i in range(s.k.shape[0]):
-        # The scores and their top-k over whole masked rows, as recall ranks them: ReLU makes exact-zero ties
-        # whose order topk leaves to the layout.  The counting below is independent.
-        keys = indexer.keys(s.k[i:i + 1], s.cos, s.sin)
+        # The scores and their top-k over whole masked rows, as selection ranks them: ReLU makes exact-zero ties
+        # whose order topk leaves to the layout.  The counting below is independent.  Keys read back from MXFP4.
+        fmt = MXFP4(group=min(32, indexer.key_width))
+        keys = fmt.dequantize(fmt.quantize(indexer.keys(s.k[i:i + 1], s.cos, s.sin)))
         q, w = indexer.queries(s.x[i:i + 1], s.cos[:, s.rows[i]], s.sin[:, s.rows[i]])
         scores = LightningIndexer.scores(q, w, keys)[0]
         for r, row in enumerate(s.rows[i].tolist()):
@@ -140,13 +172,19 @@ def test_recall_counts_the_oracle_s_top_k_among_the_older_entries(llama_samples)
             b = set(s.oracle[i, r].masked_fill(newer, float("-inf")).topk(k).indices.tolist())
             assert max(a | b) <= row - window
             fractions.append(len(a & b) / k)
-    assert got == pytest.approx(np.mean(fractions), abs=1e-6)  # recall averages float32 fractions
-    assert 0 < got < 1
+            p = s.target[i, r, :row - window + 1].double()
+            kept.append(float(p[sorted(a)].sum() / p.sum()))
+            oracle_kept.append(float(p[sorted(b)].sum() / p.sum()))
+    assert got["recall"][k] == pytest.approx(np.mean(fractions), abs=1e-6)  # float32 fractions
+    assert got["mass"][k] == pytest.approx(np.mean(kept), abs=1e-5)
+    assert 0 < got["recall"][k] < 1 and 0 < got["mass"][k] < 1
+    oracle = it.selection(None, s, [k], window)
+    assert oracle["recall"][k] == 1 and oracle["mass"][k] == pytest.approx(np.mean(oracle_kept), abs=1e-5)
 
 
-def test_init_from_attention_starts_at_the_oracle_clipped_per_kv_head(llama_samples):
+def test_init_from_attention_starts_at_the_oracle_and_lifted_offsets_keep_its_order(llama_samples):
     model, geo, _, held, seqs = llama_samples
-    cfg = IndexerConfig(heads=geo.n_kv_heads, key_heads=geo.n_kv_heads, init="attention")
+    cfg = IndexerConfig(heads=geo.n_kv_heads, key_heads=geo.n_kv_heads, offset=True, init="attention")
     indexer = it.new_indexer(model, geo, 3, cfg, seed=0)
     attn = attention(model, 3)
     x, k = k_proj_io(model, 3, seqs[8])
@@ -157,18 +195,35 @@ def test_init_from_attention_starts_at_the_oracle_clipped_per_kv_head(llama_samp
     q, kh = _rope_fn(attn)(q, kh, cos, sin)
     group = q.shape[1] // kh.shape[1]
     per_kv = torch.einsum("bgqd,bgkd->bgqk", q.view(1, kh.shape[1], group, n, -1).sum(2), kh)  # (1, n_kv, n, n)
+    w = attn.scaling / model.config.num_attention_heads
     with torch.no_grad():
         got = LightningIndexer.scores(*indexer.queries(x, cos, sin), indexer.keys(k, cos, sin))
-    torch.testing.assert_close(got, per_kv.relu().sum(1), rtol=1e-4, atol=1e-4)
-    r = it.recall(indexer, held[3], [8], 4)[8]
-    assert r > 0.8  # the oracle up to the per-KV-head clipping (a random init: ~0.1)
+    torch.testing.assert_close(got, w * per_kv.relu().sum(1), rtol=1e-4, atol=1e-5)  # offsets 0: clipped per KV head
+    # Lifted over samples of this sequence, none of their dot products is clipped, so at their rows the score
+    # is the oracle's, scaled and shifted -- the oracle's order (random weights: the offsets are not trivial).
+    offsets = it.lift_offsets(indexer, held[3], 4)
+    assert (offsets > 0).all()
+    rows = held[3].rows[0]
+    older = torch.arange(n)[None] <= rows[:, None] - 4
+    with torch.no_grad():
+        got = LightningIndexer.scores(*indexer.queries(x, cos, sin), indexer.keys(k, cos, sin))[0, rows]
+    want = w * (per_kv[0][:, rows] + offsets[:, None, None]).sum(0)
+    torch.testing.assert_close(got[older], want[older], rtol=1e-4, atol=1e-4)
+    oracle = held[3].oracle[0]
+    for r in range(len(rows)):
+        if older[r].sum() >= 8:
+            assert set(got[r].masked_fill(~older[r], -1e9).topk(8).indices.tolist()) == \
+                set(oracle[r].masked_fill(~older[r], -1e9).topk(8).indices.tolist())
     with pytest.raises(ValueError, match="heads = key_heads = n_kv_heads"):
-        it.new_indexer(model, geo, 3, IndexerConfig(heads=4, key_heads=geo.n_kv_heads, init="attention"), seed=0)
+        it.new_indexer(model, geo, 3, IndexerConfig(heads=4, key_heads=geo.n_kv_heads, offset=True, init="attention"),
+                       seed=0)
+    with pytest.raises(ValueError, match="needs offset: true"):
+        IndexerConfig(heads=geo.n_kv_heads, key_heads=geo.n_kv_heads, init="attention")
 
 
 def test_init_from_attention_refuses_a_gated_normed_attention(tiny_model):
     model = tiny_model[0]
     geo = geometry(model.config)
-    cfg = IndexerConfig(heads=geo.n_kv_heads, key_heads=geo.n_kv_heads, init="attention")
+    cfg = IndexerConfig(heads=geo.n_kv_heads, key_heads=geo.n_kv_heads, offset=True, init="attention")
     with pytest.raises(ValueError, match="plain q/k projections"):
         it.new_indexer(model, geo, geo.attention_layers[0], cfg, seed=0)

@@ -45,7 +45,7 @@ def test_an_oracle_start_on_gated_attention_is_refused_before_sampling(tiny_mode
     model, tok = tiny_model
     study_corpus(tmp_path, ("train", "eval"))
     study = study_mod.Study(train=study_mod.Sequences(96, 3, 32, 8), held_out=study_mod.Sequences(96, 1, 16, 48),
-                            window=4, k=[4], variants={"wide": IndexerConfig(heads=2, key_heads=2, init="attention")})
+                            window=4, k=[4], variants={"wide": IndexerConfig(heads=2, key_heads=2, offset=True, init="attention")})
     calls = []
     original = it.attention_samples
     monkeypatch.setattr(it, "attention_samples", lambda *a, **k: calls.append(1) or original(*a, **k))

@@ -113,12 +113,17 @@ def test_refusals():
 
 # ----------------------------------------------------------------------------- a trained indexer
 
-def an_indexer(model, plan):
-    """A random-init indexer of the source layer (its selection is what is checked, not its quality)."""
+def an_indexer(model, plan, **options):
+    """A random-init indexer of the source layer (its selection is what is checked, not its quality);
+    with an offset, random offsets (they start at 0)."""
     from ced_csa2.maps.indexer import IndexerConfig
     from ced_csa2.train.indexer_training import new_indexer
 
-    return new_indexer(model, geometry(model.config), plan.source, IndexerConfig(heads=2), seed=3)
+    indexer = new_indexer(model, geometry(model.config), plan.source, IndexerConfig(heads=2, **options), seed=3)
+    if indexer.has_offset:
+        with torch.no_grad():
+            indexer.b.bias.copy_(torch.randn(indexer.heads))
+    return indexer
 
 
 def test_with_an_indexer_reads_that_cover_the_context_give_the_dense_store_s_generation(setup):
@@ -132,14 +137,16 @@ def test_with_an_indexer_reads_that_cover_the_context_give_the_dense_store_s_gen
     assert untouched(model)
 
 
-def test_with_an_indexer_every_reader_reads_the_window_and_the_indexer_s_top_k(setup):
+@pytest.mark.parametrize("options", [{}, {"offset": True, "rotate_keys": True}], ids=["v4_1", "offset_rotated"])
+def test_with_an_indexer_every_reader_reads_the_window_and_the_indexer_s_top_k(setup, options):
     """The source too reads its selection; the selection is the indexer's, recomputed here from the
-    source's k_proj inputs and outputs, its keys through an MXFP4 round trip as the store keeps them."""
+    source's k_proj inputs and outputs, its keys through an MXFP4 round trip as the store keeps them
+    (rotated keys: the store holds them rotated; an offset: the query's last channel, not stored)."""
     from ced_csa2.maps.indexer import key_bytes, key_format
     from ced_csa2.model_utils import rotary
 
     model, plan, parts, prompt = setup
-    reads, indexer = SparseDecode(k=3, window=2), an_indexer(model, plan)
+    reads, indexer = SparseDecode(k=3, window=2), an_indexer(model, plan, **options)
     dense, _ = recorded_step(model, plan, SharedKVCache(model, plan, "csa2", parts), prompt)
     cache = SparseSharedKVCache(model, plan, "csa2", parts, reads=reads, indexer=indexer)
     proj, seen = attention(model, plan.source).k_proj, []
@@ -155,7 +162,9 @@ def test_with_an_indexer_every_reader_reads_the_window_and_the_indexer_s_top_k(s
         fmt = key_format(indexer.key_width)
         keys = fmt.dequantize(fmt.quantize(indexer.keys(k, cos, sin)), torch.float32)
         q, w = indexer.queries(x[:, -1:], cos[:, -1:], sin[:, -1:])
-        scores = torch.einsum("bh,bhk->bk", w[:, :, 0], (q[:, :, 0, None] * keys[:, None]).sum(-1).relu())
+        d = indexer.key_width
+        dots = (q[:, :, 0, None, :d] * keys[:, None]).sum(-1) + q[:, :, 0, d:].sum(-1, keepdim=True)
+        scores = torch.einsum("bh,bhk->bk", w[:, :, 0], dots.relu())
     top = scores[:, :n - reads.window].topk(reads.k, dim=-1).indices.sort(-1).values
     expected = torch.cat([top, torch.arange(n - reads.window, n).expand(prompt.shape[0], -1)], dim=1)
     for layer in (plan.source, *plan.targets):

@@ -11,8 +11,10 @@ layer):
 * ``oracle`` -- the oracle indexer's scores there (:func:`~ced_csa2.runtime.sparse_attention.index_scores`).
 
 :func:`fit` trains a :class:`~ced_csa2.maps.indexer.LightningIndexer` on one layer's samples
-(AdamW, warm-up + cosine, seeded); :func:`evaluate` gives its held-out KL and its recall
-of the oracle's top-``k`` outside the local window (what the sparse reads select from).
+(AdamW, warm-up + cosine, seeded; an oracle start first gets its offsets from
+:func:`lift_offsets`); :func:`held_out_kl` and :func:`recall` score it as a decode step
+reads it -- its keys through the MXFP4 store (:func:`stored_keys`) -- against the attention
+and the oracle's top-``k`` outside the local window (what the sparse reads select from).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..ced_runtime import _rope_fn
-from ..maps.indexer import IndexerConfig, LightningIndexer, indexer_loss
+from ..maps.indexer import IndexerConfig, LightningIndexer, indexer_loss, key_format
 from ..model_utils import Geometry, attention, rotary
 from ..runtime.attention_calls import AttentionCalls
 from ..runtime.sparse_attention import index_scores
@@ -129,16 +131,50 @@ def new_indexer(model: nn.Module, geo: Geometry, layer: int, cfg: IndexerConfig,
     torch.manual_seed(seed)
     attn = attention(model, layer)
     indexer = LightningIndexer(geo.hidden_size, geo.kv_dim, geo.head_dim, cfg.heads, _rope_fn(attn),
-                               key_heads=cfg.key_heads)
+                               key_heads=cfg.key_heads, offset=cfg.offset, rotate_keys=cfg.rotate_keys)
     if cfg.init == "attention":
         indexer.init_from_attention(attn, model.config.num_attention_heads, geo.n_kv_heads)
     return indexer
 
 
-def _batch_loss(indexer: LightningIndexer, s: LayerSamples, idx: torch.Tensor, window: int) -> torch.Tensor:
-    """KL over the entries older than the local ``window`` (the window is always read: only those are ranked)."""
+def stored_keys(indexer: LightningIndexer, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The indexer's keys of pre-RoPE ``k`` ``(B, T, kv_dim)`` as a decode step reads them: through MXFP4 and back."""
+    fmt = key_format(indexer.key_width)
+    return fmt.dequantize(fmt.quantize(indexer.keys(k, cos, sin)))
+
+
+@torch.no_grad()
+def lift_offsets(indexer: LightningIndexer, samples: LayerSamples, window: int) -> torch.Tensor:
+    """Set each head's constant offset ``c_h`` to the lowest dot product it meets in ``samples``, negated.
+
+    Over every sampled row's entries older than the ``window`` (the ones an indexer ranks), so
+    no dot product of the training data is clipped by the ReLU: an oracle start
+    (:meth:`~ced_csa2.maps.indexer.LightningIndexer.init_from_attention`) then ranks as the
+    oracle does.  Returns the offsets ``(heads,)``.
+    """
+    if not indexer.has_offset:
+        raise ValueError("lift_offsets: this indexer has no offset (IndexerConfig.offset)")
+    low = torch.full((indexer.heads,), float("inf"))
+    t = samples.k.shape[1]
+    for i in range(samples.k.shape[0]):
+        rows = samples.rows[i]
+        keys = indexer.keys(samples.k[i:i + 1], samples.cos, samples.sin)
+        q, _ = indexer.queries(samples.x[i:i + 1], samples.cos[0, rows][None], samples.sin[0, rows][None])
+        dots = torch.einsum("bhqd,bkd->bhqk", q[..., :-1].float(), keys.float())[0]  # (heads, R, T)
+        older = torch.arange(t)[None] <= rows[:, None] - window
+        low = torch.minimum(low, dots.masked_fill(~older, float("inf")).amin((1, 2)))
+    indexer.b.bias.copy_((-low).clamp_min(0.0))
+    return indexer.b.bias.detach().clone()
+
+
+def _batch_loss(indexer: LightningIndexer, s: LayerSamples, idx: torch.Tensor, window: int,
+                stored: bool = False) -> torch.Tensor:
+    """KL over the entries older than the local ``window`` (the window is always read: only those are ranked).
+
+    ``stored``: the keys as a decode step reads them (:func:`stored_keys`); training takes them unrounded.
+    """
     rows = s.rows[idx]
-    keys = indexer.keys(s.k[idx], s.cos, s.sin)
+    keys = (stored_keys if stored else LightningIndexer.keys)(indexer, s.k[idx], s.cos, s.sin)
     queries, weights = indexer.queries(s.x[idx], s.cos[0, rows], s.sin[0, rows])
     older = torch.arange(s.k.shape[1])[None, None] <= rows[..., None] - window
     target = s.target[idx] * older
@@ -169,26 +205,41 @@ def fit(indexer: LightningIndexer, samples: LayerSamples, cfg: IndexerConfig, wi
 
 @torch.no_grad()
 def held_out_kl(indexer: LightningIndexer, samples: LayerSamples, window: int) -> float:
-    """Mean per-row KL of :func:`fit`'s loss over every sequence of ``samples``."""
+    """Mean per-row KL of :func:`fit`'s loss over every sequence of ``samples``, the keys as stored (MXFP4)."""
     n = samples.k.shape[0]
-    return float(np.mean([_batch_loss(indexer, samples, torch.tensor([i]), window).item() for i in range(n)]))
+    return float(np.mean([_batch_loss(indexer, samples, torch.tensor([i]), window, stored=True).item()
+                          for i in range(n)]))
 
 
 @torch.no_grad()
-def recall(indexer: LightningIndexer, samples: LayerSamples, ks: Sequence[int], window: int) -> dict[int, float]:
-    """Mean ``|top-k(indexer) ∩ top-k(oracle)| / k`` over the rows, among entries older than the ``window``.
+def selection(indexer: LightningIndexer | None, samples: LayerSamples, ks: Sequence[int],
+              window: int) -> dict[str, dict[int, float]]:
+    """How well a top-``k`` selection among the entries older than the ``window`` does, per ``k``.
 
-    Rows with fewer than ``k`` such entries are left out of that ``k``'s mean.
+    * ``recall`` -- mean ``|top-k(indexer) ∩ top-k(oracle)| / k`` over the rows;
+    * ``mass`` -- mean share of the row's attention over those entries (``samples.target``,
+      renormalised over them) that the selection holds: what a sparse read keeps of what
+      the layer would attend to.
+
+    The indexer reads its keys as stored (MXFP4, :func:`stored_keys`); ``indexer=None``
+    scores the oracle itself (the exact logits summed over heads: recall 1).  Rows with fewer
+    than ``k`` such entries are left out of that ``k``'s means.
     """
     hits = {k: [] for k in ks}
+    mass = {k: [] for k in ks}
     t = samples.k.shape[1]
     for i in range(samples.k.shape[0]):
         rows = samples.rows[i]
-        keys = indexer.keys(samples.k[i:i + 1], samples.cos, samples.sin)
-        q, w = indexer.queries(samples.x[i:i + 1], samples.cos[0, rows][None], samples.sin[0, rows][None])
         older = torch.arange(t)[None] <= rows[:, None] - window  # (R, T)
-        mine = LightningIndexer.scores(q, w, keys)[0].masked_fill(~older, float("-inf"))
         oracle = samples.oracle[i].masked_fill(~older, float("-inf"))
+        if indexer is None:
+            mine = oracle
+        else:
+            keys = stored_keys(indexer, samples.k[i:i + 1], samples.cos, samples.sin)
+            q, w = indexer.queries(samples.x[i:i + 1], samples.cos[0, rows][None], samples.sin[0, rows][None])
+            mine = LightningIndexer.scores(q, w, keys)[0].masked_fill(~older, float("-inf"))
+        target = samples.target[i] * older
+        target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
         n_older = older.sum(-1)
         for k in ks:
             ok = n_older >= k
@@ -198,4 +249,6 @@ def recall(indexer: LightningIndexer, samples: LayerSamples, ks: Sequence[int], 
             picked.scatter_(1, mine[ok].topk(k, -1).indices, True)
             both = picked.gather(1, oracle[ok].topk(k, -1).indices).sum(-1)
             hits[k].extend((both.float() / k).tolist())
-    return {k: float(np.mean(v)) if v else None for k, v in hits.items()}
+            mass[k].extend((target[ok] * picked).sum(-1).tolist())
+    mean = lambda d: {k: float(np.mean(v)) if v else None for k, v in d.items()}  # noqa: E731
+    return {"recall": mean(hits), "mass": mean(mass)}
