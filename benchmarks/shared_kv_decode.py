@@ -20,7 +20,7 @@ leaves its cache's hooks: microseconds against a step).  Caches:
   only the newest ``window`` positions and the source's top-``k`` (oracle indexer) at each step,
   their adapters run on those entries only (``--sparse K:WINDOW ...``);
 * ``... k{k}+w{window} indexed`` -- the same with the trained lightning indexer of ``--indexer``
-  (``studies/indexer/wide.pt``; random weights of its shape when absent: the timing depends on
+  (``studies/indexer/attention_rot.pt``; random weights of the narrow shape when absent: the timing depends on
   shapes only): its MXFP4 keys in the store, the source reading its selection too;
 * ``baseline / fp4-{format}`` -- :class:`~ced_csa2.runtime.shared_kv.FP4KVCache`: every layer's
   K/V in FP4, no sharing (the cost of FP4 alone).
@@ -144,7 +144,7 @@ def main() -> None:
                     help="sparse decode reads of the shared stores (none: dense stores only)")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--models-dir", type=Path, default=Path("models"))
-    ap.add_argument("--indexer", type=Path, default=Path("studies/indexer/wide.pt"))
+    ap.add_argument("--indexer", type=Path, default=Path("studies/indexer/attention_rot.pt"))
     ap.add_argument("--dtype", default=None, help="model dtype (default: params.model.dtype)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
