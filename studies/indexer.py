@@ -51,6 +51,7 @@ from ced_csa2.model_utils import attention, load_model_and_tokenizer
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.paths import EVAL_JSONL, TRAIN_JSONL
 from ced_csa2.plan import load_plan
+from ced_csa2.runtime.layer_modes import sparse_layers
 from ced_csa2.train import indexer_training as it
 
 STUDY_PARAMS = Path("studies/indexer.yaml")
@@ -73,6 +74,7 @@ class Study:
     window: int
     k: list[int]
     variants: dict  # {name: IndexerConfig}
+    every_layer: str | None = None  # a variant also trained for every sparse layer (the layer-modes study's)
 
 
 def load_study(path: Path = STUDY_PARAMS) -> Study:
@@ -87,62 +89,73 @@ def load_study(path: Path = STUDY_PARAMS) -> Study:
                              f"got {s} with window {study.window}")
     if not study.k or min(study.k) < 1:
         raise ValueError(f"{path}: k must list values >= 1, got {study.k}")
+    if study.every_layer is not None and study.every_layer not in study.variants:
+        raise ValueError(f"{path}: every_layer names variant {study.every_layer!r}, not one of {sorted(study.variants)}")
     return study
+
+
+def _fit_and_score(model, params, study: Study, layer: int, indexer, cfg: IndexerConfig, train, held,
+                   path: Path) -> dict:
+    """Start (offsets for an oracle start), score, train, save to ``path``, reload and score again."""
+    model_id = params.model.hf_id or params.model.name
+    if cfg.init == "attention":
+        it.lift_offsets(indexer, train, study.window)
+    before = {"kl": it.held_out_kl(indexer, held, study.window), **it.selection(indexer, held, study.k, study.window)}
+    t_fit = time.perf_counter()
+    losses = it.fit(indexer, train, cfg, study.window, params.seed)
+    fit_seconds = time.perf_counter() - t_fit
+    save_indexer(path, indexer, {"model_id": model_id, "layer": layer, "seed": params.seed,
+                                 "provenance": provenance(params, "seed", "model", "plan"),
+                                 "recipe": dataclasses.asdict(cfg)})
+    saved = load_indexer(path, _rope_fn(attention(model, layer)), expect={"model_id": model_id, "layer": layer})
+    after = {"kl": it.held_out_kl(saved, held, study.window), **it.selection(saved, held, study.k, study.window)}
+    log.info("layer %d, %s: held-out KL %.3f -> %.3f, recall %s -> %s, %.0f s", layer, path.name, before["kl"],
+             after["kl"], before["recall"], after["recall"], fit_seconds)
+    return {"recipe": dataclasses.asdict(cfg), "before": before, "after": after,
+            "train_loss": {"first_10": float(np.mean(losses[:10])), "last_10": float(np.mean(losses[-10:]))},
+            "parameters": sum(p.numel() for p in saved.parameters()), "fit_seconds": fit_seconds,
+            "key_width": saved.key_width, "key_bytes_per_token": key_bytes(saved.key_width)}
 
 
 def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
     plan, geo = load_plan(params.plan, params.model)
     layer = plan.source
+    every = sparse_layers(plan, geo) if study.every_layer is not None else ()
     t0 = time.perf_counter()
     model, tok = model_and_tok or load_model_and_tokenizer(params.model)
-    # Every variant built first: a recipe the model cannot take (an oracle start on gated attention) is
+    # Every indexer built first: a recipe the model cannot take (an oracle start on gated attention) is
     # refused before the samples are drawn.
     indexers = {name: it.new_indexer(model, geo, layer, cfg, params.seed) for name, cfg in study.variants.items()}
+    per_layer = {la: it.new_indexer(model, geo, la, study.variants[study.every_layer], params.seed) for la in every}
     train_seqs = joined_sequences(tok, workdir / TRAIN_JSONL, study.train.context, study.train.sequences)
     held_seqs = joined_sequences(tok, workdir / EVAL_JSONL, study.held_out.context, study.held_out.sequences)
-    train = it.attention_samples(model, geo, [layer], train_seqs, study.train.rows, study.train.first_row,
-                                 seed=params.seed)[layer]
-    held = it.attention_samples(model, geo, [layer], held_seqs, study.held_out.rows, study.held_out.first_row,
-                                seed=None)[layer]
-    model_id = params.model.hf_id or params.model.name
-    rope = _rope_fn(attention(model, layer))
-    results = {}
-    oracle = it.selection(None, held, study.k, study.window)["mass"]
-    for name, cfg in study.variants.items():
-        indexer = indexers[name]
-        if cfg.init == "attention":
-            it.lift_offsets(indexer, train, study.window)
-        before = {"kl": it.held_out_kl(indexer, held, study.window),
-                  **it.selection(indexer, held, study.k, study.window)}
-        t_fit = time.perf_counter()
-        losses = it.fit(indexer, train, cfg, study.window, params.seed)
-        fit_seconds = time.perf_counter() - t_fit
-        path = save_indexer(workdir / OUT / f"{name}.pt", indexer, {
-            "model_id": model_id, "layer": layer, "seed": params.seed,
-            "provenance": provenance(params, "seed", "model", "plan"), "recipe": dataclasses.asdict(cfg)})
-        saved = load_indexer(path, rope, expect={"model_id": model_id, "layer": layer})
-        after = {"kl": it.held_out_kl(saved, held, study.window),
-                 **it.selection(saved, held, study.k, study.window)}
-        results[name] = {
-            "recipe": dataclasses.asdict(cfg), "before": before, "after": after,
-            "train_loss": {"first_10": float(np.mean(losses[:10])), "last_10": float(np.mean(losses[-10:]))},
-            "parameters": sum(p.numel() for p in saved.parameters()), "fit_seconds": fit_seconds,
-            "key_width": saved.key_width, "key_bytes_per_token": key_bytes(saved.key_width)}
-        log.info("%s: held-out KL %.3f -> %.3f, recall %s -> %s, %.0f s", name, before["kl"], after["kl"],
-                 before["recall"], after["recall"], fit_seconds)
+    layers = sorted({layer, *every})  # one pass samples them all (the same rows for every layer)
+    train = it.attention_samples(model, geo, layers, train_seqs, study.train.rows, study.train.first_row,
+                                 seed=params.seed)
+    held = it.attention_samples(model, geo, layers, held_seqs, study.held_out.rows, study.held_out.first_row, seed=None)
+    results = {name: _fit_and_score(model, params, study, layer, indexers[name], cfg, train[layer], held[layer],
+                                    workdir / OUT / f"{name}.pt") for name, cfg in study.variants.items()}
+    every_layer = {}
+    for la in every:
+        every_layer[la] = _fit_and_score(model, params, study, la, per_layer[la], study.variants[study.every_layer],
+                                         train[la], held[la], workdir / OUT / "layers" / f"{la}.pt")
+        every_layer[la]["oracle_mass"] = it.selection(None, held[la], study.k, study.window)["mass"]
     return {
         "protocol": {
-            "model": model_id, "layer": layer, "window": study.window, "k": study.k,
+            "model": params.model.hf_id or params.model.name, "layer": layer, "window": study.window, "k": study.k,
             "dtype": "float32 (trained in fp32; saved in fp16 and scored from the saved file, keys through MXFP4)",
             "oracle": "the layer's attention logits summed over its heads",
             "mass": "share of the layer's head-averaged attention over the entries older than the window "
                     "that the top-k holds (mean over query rows)",
-            "train": {**dataclasses.asdict(study.train), "data": str(TRAIN_JSONL), "query_rows": int(train.rows.numel()),
+            "train": {**dataclasses.asdict(study.train), "data": str(TRAIN_JSONL),
+                      "query_rows": int(train[layer].rows.numel()),
                       "tokens": study.train.context * study.train.sequences},
             "held_out": {**dataclasses.asdict(study.held_out), "data": str(EVAL_JSONL),
-                         "query_rows": int(held.rows.numel())}},
-        "oracle_mass": oracle,
+                         "query_rows": int(held[layer].rows.numel())},
+            "every_layer": study.every_layer},
+        "oracle_mass": it.selection(None, held[layer], study.k, study.window)["mass"],
         "variants": results,
+        "every_layer": every_layer,
         "csa2_kv_bytes_per_token_bf16_all_attention": bytes_per_token(kv_copies(geo, plan, "csa2", "all_attention", 2)),
         "seconds": time.perf_counter() - t0,
     }
@@ -170,6 +183,16 @@ def markdown(m: dict) -> str:
                          + (f"{v['fit_seconds']:.0f}" if when == "after" else "") + f" | {r['kl']:.3f} | "
                          + " | ".join(f"{r['recall'][k]:.3f}" for k in ks) + " | "
                          + " | ".join(f"{r['mass'][k]:.4f}" for k in ks) + " |")
+    if m["every_layer"]:
+        lines += ["", f"`{p['every_layer']}` trained for every sparse layer (`studies/indexer/layers/<layer>.pt`: the "
+                  "layer-modes study's trained selection); after training, against each layer's oracle:", "",
+                  "| layer | held-out KL start → trained | " + " | ".join(f"recall@{k}" for k in ks) + " | "
+                  + " | ".join(f"mass@{k} (oracle)" for k in ks) + " |", "|---|---|" + "---|" * 2 * len(ks)]
+        for la, v in m["every_layer"].items():
+            a = v["after"]
+            lines.append(f"| {la} | {v['before']['kl']:.3f} → {a['kl']:.3f} | "
+                         + " | ".join(f"{a['recall'][k]:.3f}" for k in ks) + " | "
+                         + " | ".join(f"{a['mass'][k]:.4f} ({v['oracle_mass'][k]:.4f})" for k in ks) + " |")
     lines += ["", f"The csa2 cache holds {m['csa2_kv_bytes_per_token_bf16_all_attention']:,g} bytes of K/V per token "
               "(bf16, every attention layer); an indexer adds its key bytes per token."]
     return "\n".join(lines) + "\n"

@@ -10,9 +10,11 @@ V4.1's ``kv_source_layer_ids`` / ``index_source_layer_ids`` do
 from the maps the pipeline trained (``models/``: ``csa2``'s adapters give the targets
 ``adapter(KV_source)``); nothing is trained here.
 
-The indexer is an **oracle**: each selecting layer ranks entries by its own exact
-attention logits summed over its heads, so every figure is what selection *could* keep,
-not what a trained indexer would.
+Two selectors (``selectors``): the **oracle** -- each selecting layer ranks entries by its own
+exact attention logits summed over its heads: what selection *could* keep -- and, as
+``{group}+trained``, the **trained** lightning indexers of ``studies/indexer/layers`` (one per
+sparse layer, the indexer study's ``every_layer`` variant; their keys read back from MXFP4):
+what a deployable selector keeps.
 
 Data: the held-out eval records (whole held-out articles, ``data/corpus/eval.jsonl``) in
 file order, joined with blank lines and cut into consecutive ``context``-token sequences
@@ -44,14 +46,15 @@ import numpy as np
 import torch
 import yaml
 
-from ced_csa2.ced_runtime import CEDModeBRuntime, load_parts
+from ced_csa2.ced_runtime import CEDModeBRuntime, _rope_fn, load_parts
 from ced_csa2.config import Params, from_dict, load_params
 from ced_csa2.data.joined import joined_sequences
 from ced_csa2.eval.perplexity import agreement
 from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_deltas
 from ced_csa2.kv.kv_bytes import bytes_per_token, dense_entry_bytes, kv_copies
-from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
+from ced_csa2.maps.indexer import LightningIndexer, load_indexer
+from ced_csa2.model_utils import Geometry, attention, load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
@@ -61,6 +64,8 @@ from ced_csa2.runtime.sparse_attention import HSI, SelectionStats, SparseAttenti
 
 STUDY_PARAMS = Path("studies/layer_modes.yaml")
 OUT = Path("studies/layer_modes")
+INDEXERS = Path("studies/indexer/layers")  # <layer>.pt: the trained selectors (studies/indexer.py, every_layer)
+SELECTORS = ("oracle", "trained")
 DENSE = ("baseline", "csa2")  # the dense references: the unchanged model, and today's csa2
 BF16 = 2
 log = logging.getLogger("layer_modes")
@@ -82,6 +87,7 @@ class Study:
     k: list[int]
     hsi: HSI
     groups: dict  # {name: GroupSpec}
+    selectors: list = field(default_factory=lambda: ["oracle"])  # of SELECTORS
 
 
 def load_study(path: Path = STUDY_PARAMS) -> Study:
@@ -91,6 +97,8 @@ def load_study(path: Path = STUDY_PARAMS) -> Study:
     study = from_dict(Study, {**raw, "groups": {}})
     if not 0 < study.score_from < study.context or study.sequences < 1 or not study.k:
         raise ValueError(f"{path}: need 0 < score_from < context, sequences >= 1 and some k, got {raw}")
+    if not study.selectors or set(study.selectors) - set(SELECTORS):
+        raise ValueError(f"{path}: selectors must list some of {SELECTORS}, got {study.selectors}")
     return dataclasses.replace(study, groups=groups)
 
 
@@ -111,8 +119,12 @@ def stored_bytes(geo: Geometry, plan: LayerPlan, kv: str) -> dict:
             for basis in ("decoder_attention", "all_attention")}
 
 
-def selection_figures(stats: SelectionStats, modes: LayerModes, geo: Geometry) -> dict:
-    """Per-token reads and indexer work, and the consecutive layers' shared selections, from ``stats``."""
+def selection_figures(stats: SelectionStats, modes: LayerModes, geo: Geometry, macs_per_entry: int) -> dict:
+    """Per-token reads and indexer work, and the consecutive layers' shared selections, from ``stats``.
+
+    ``macs_per_entry``: multiply-adds the selector spends on one entry (the oracle: one
+    ``kv_dim``-long dot product; a lightning indexer: ``heads`` dots of its key width, plus the offset).
+    """
     own = [(a, b) for a, b in stats.pairs if modes.selecting(a) and modes.selecting(b)]
     shared, chance = stats.shared_fraction(own)
     vs_source, vs_source_chance = stats.shared_fraction(of=stats.source_pairs)
@@ -124,7 +136,7 @@ def selection_figures(stats: SelectionStats, modes: LayerModes, geo: Geometry) -
         "entries_read_per_token": read, "entries_visible_per_token": stats.per_token("visible"),
         "bytes_read_per_token_bf16": read * 2 * entry,
         "indexer_entries_per_token": stats.per_token("scored"),
-        "indexer_macs_per_token": stats.per_token("scored") * geo.kv_dim,  # one kv_dim-long dot per scored entry
+        "indexer_macs_per_token": stats.per_token("scored") * macs_per_entry,
         "shared_consecutive": shared, "shared_consecutive_chance": chance,
         "shared_by_pair": {f"{a}->{b}": p["shared"] / p["picked"] for (a, b), p in stats.pairs.items() if p["picked"]},
         "reindex_shares_with_kv_source": vs_source, "reindex_shares_with_kv_source_chance": vs_source_chance,
@@ -140,17 +152,27 @@ def run(params: Params, study: Study, workdir: Path = Path("."), *, model_and_to
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
     parts = parts or load_parts(workdir / MODELS, params, plan, geo, device=device, extra_sources=False)
     seqs = joined_sequences(tok, workdir / EVAL_JSONL, study.context, study.sequences)
-    # One sparse group per (group, k), each counting its own selections across the sequences.
+    trained = {}
+    if "trained" in study.selectors:
+        model_id = params.model.hf_id or params.model.name
+        trained = {la: load_indexer(workdir / INDEXERS / f"{la}.pt", _rope_fn(attention(model, la)),
+                                    expect={"model_id": model_id, "layer": la}) for la in sparse_layers(plan, geo)}
+    macs = {"oracle": geo.kv_dim, "trained": _indexer_macs(next(iter(trained.values()), None))}
+    # One sparse group per (group, selector, k), each counting its own selections across the sequences.
     stats: dict[str, SelectionStats] = {}
-    labels: dict[str, tuple[str, int]] = {}
+    labels: dict[str, tuple[str, int, str]] = {}
     groups: dict[str, SparseGroup] = {}
     for name, spec in study.groups.items():
-        for k in study.k:
-            label = f"{name}@k{k}"
-            labels[label], stats[label] = (name, k), SelectionStats()
-            reads = SparseReads(k=k, window=study.window, hsi=study.hsi if spec.hsi else None)
-            groups[label] = SparseGroup(CEDModeBRuntime(model, plan, spec.kv, parts, kv_format=params.kv_format),
-                                        SparseAttention(model, modes[name], reads, geo, stats=stats[label]))
+        for selector in study.selectors:
+            indexers = None if selector == "oracle" else {
+                la: trained[la] for la in modes[name].layers if modes[name].selecting(la)}
+            for k in study.k:
+                label = f"{name}@k{k}" if selector == "oracle" else f"{name}+{selector}@k{k}"
+                labels[label], stats[label] = (name, k, selector), SelectionStats()
+                reads = SparseReads(k=k, window=study.window, hsi=study.hsi if spec.hsi else None)
+                groups[label] = SparseGroup(
+                    CEDModeBRuntime(model, plan, spec.kv, parts, kv_format=params.kv_format),
+                    SparseAttention(model, modes[name], reads, geo, stats=stats[label], indexers=indexers))
     rows: dict[str, list[np.ndarray]] = {}
     for i, seq in enumerate(seqs):  # one sequence per call: the trunk (layers 1..split) runs once per sequence
         nll = multi_group_nll(model, plan, list(DENSE), parts, [seq], [study.score_from], 1, tok.pad_token_id,
@@ -164,9 +186,10 @@ def run(params: Params, study: Study, workdir: Path = Path("."), *, model_and_to
     deltas = {base: paired_deltas(sums, "delta_ppl_pct", params.seed, base=base) for base in DENSE}
     results = {}
     for g, v in per_seq.items():
-        name, k = labels.get(g, (g, None))
+        name, k, selector = labels.get(g, (g, None, None))
         kv = study.groups[name].kv if name in study.groups else g
-        r = {"group": name, "kv": kv, "k": k, **_ppl(v), "stored_bytes_per_token_bf16": stored_bytes(geo, plan, kv)}
+        r = {"group": name, "selector": selector, "kv": kv, "k": k, **_ppl(v),
+             "stored_bytes_per_token_bf16": stored_bytes(geo, plan, kv)}
         if g != "baseline":
             r.update(delta_pct=deltas["baseline"][g]["value"], delta_pct_ci95=deltas["baseline"][g]["ci95"],
                      **agreement(torch.from_numpy(v), params.seed))
@@ -174,7 +197,7 @@ def run(params: Params, study: Study, workdir: Path = Path("."), *, model_and_to
             d = deltas[kv][g]
             r.update(delta_vs_dense_kv_pct=d["value"], delta_vs_dense_kv_pct_ci95=d["ci95"])
         if g in stats:
-            r.update(selection_figures(stats[g], modes[name], geo))
+            r.update(selection_figures(stats[g], modes[name], geo, macs[selector]))
         else:  # dense: every layer reads every visible position, no indexer
             visible = (study.context + 1) / 2 * len(sparse_layers(plan, geo))
             r.update(entries_read_per_token=visible, entries_visible_per_token=visible,
@@ -192,7 +215,9 @@ def run(params: Params, study: Study, workdir: Path = Path("."), *, model_and_to
             "hsi": dataclasses.asdict(study.hsi), "dtype": str(model.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
             "indexer": "oracle: the selecting layer's exact attention logits summed over its heads (one selection "
-                       "per query position for all heads); an upper bound on a trained indexer",
+                       "per query position for all heads); trained: each selecting layer's lightning indexer "
+                       f"({INDEXERS}/<layer>.pt, keys read back from MXFP4)",
+            "selectors": study.selectors,
             "per_token": "entries/bytes read and indexer entries: summed over the sparse layers, averaged over every "
                          "position of a sequence; bytes stored: kv_bytes accounting, bf16",
             "command": "dvc repro studies/dvc.yaml (python studies/layer_modes.py)",
@@ -205,6 +230,15 @@ def run(params: Params, study: Study, workdir: Path = Path("."), *, model_and_to
     return metrics
 
 
+def _indexer_macs(indexer: LightningIndexer | None) -> int | None:
+    """Multiply-adds a lightning indexer spends per scored entry: ``heads`` dots of its key width (+ the offset)."""
+    return None if indexer is None else indexer.heads * (indexer.key_width + int(indexer.has_offset))
+
+
+def _name(r: dict) -> str:
+    return r["group"] if r.get("selector") in (None, "oracle") else f"{r['group']} ({r['selector']})"
+
+
 def _ci(r: dict, key: str, fmt: str) -> str:
     low, high = r[f"{key}_ci95"]
     return f"{r[key]:{fmt}} [{low:{fmt}}, {high:{fmt}}]"
@@ -213,9 +247,10 @@ def _ci(r: dict, key: str, fmt: str) -> str:
 def ordered(metrics: dict) -> list[dict]:
     """The results, dense references first, then each group's in the modes' order by k (JSON sorts keys)."""
     names = list(metrics["modes"])
+    selectors = list(SELECTORS)
     return sorted(metrics["groups"].values(),
                   key=lambda r: (r["k"] is not None, DENSE.index(r["group"]) if r["k"] is None else
-                                 names.index(r["group"]), r["k"] or 0))
+                                 names.index(r["group"]), selectors.index(r.get("selector") or "oracle"), r["k"] or 0))
 
 
 def markdown(metrics: dict) -> str:
@@ -238,10 +273,10 @@ def markdown(metrics: dict) -> str:
     for r in ordered(metrics):
         k = r["k"] if r["k"] is not None else "dense"
         if "delta_pct" not in r:
-            lines.append(f"| {r['group']} | {r['kv']} | {k} | {r['ppl']:.3f} | — | — | — | — |")
+            lines.append(f"| {_name(r)} | {r['kv']} | {k} | {r['ppl']:.3f} | — | — | — | — |")
             continue
         alone = _ci(r, "delta_vs_dense_kv_pct", "+.2f") if "delta_vs_dense_kv_pct" in r else "—"
-        lines.append(f"| {r['group']} | {r['kv']} | {k} | {r['ppl']:.3f} | {_ci(r, 'delta_pct', '+.2f')} | "
+        lines.append(f"| {_name(r)} | {r['kv']} | {k} | {r['ppl']:.3f} | {_ci(r, 'delta_pct', '+.2f')} | "
                      f"{_ci(r, 'kl', '.4f')} | {r['top1_pct']:.1f} | {alone} |")
     lines += ["", f"## Selection and cost ({p['per_token']}; shares: of a layer's picks, also picked by the other "
               "layer, where both choose among more than k; chance: two random k-subsets)", "",
@@ -254,7 +289,7 @@ def markdown(metrics: dict) -> str:
 
     for r in ordered(metrics):
         recall = f"{r['hsi_pool_recall']:.2f}" if r.get("hsi_pool_recall") is not None else "—"
-        lines.append(f"| {r['group']} | {r['k'] if r['k'] is not None else 'dense'} | "
+        lines.append(f"| {_name(r)} | {r['k'] if r['k'] is not None else 'dense'} | "
                      f"{r['entries_read_per_token']:,.0f} | {r['indexer_entries_per_token']:,.0f} | "
                      f"{r['indexer_macs_per_token']:,.0f} | "
                      f"{r['stored_bytes_per_token_bf16']['decoder_attention']:,.0f} | "
@@ -272,14 +307,17 @@ def plot(metrics: dict, path: Path) -> None:
     groups = metrics["groups"]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     names = list(metrics["modes"])
-    for name in names:
-        rows = sorted((r for r in groups.values() if r["group"] == name), key=lambda r: r["k"])
-        ks = [r["k"] for r in rows]
-        axes[0].errorbar(ks, [r["delta_pct"] for r in rows], marker="o", capsize=3, label=name,
-                         yerr=[[r["delta_pct"] - r["delta_pct_ci95"][0] for r in rows],
-                               [r["delta_pct_ci95"][1] - r["delta_pct"] for r in rows]])
-        axes[1].plot(ks, [r["kl"] for r in rows], marker="o", label=name)
-        axes[2].plot(ks, [r["top1_pct"] for r in rows], marker="o", label=name)
+    for i, name in enumerate(names):
+        for selector in metrics["protocol"].get("selectors", ["oracle"]):
+            rows = sorted((r for r in groups.values() if r["group"] == name and r.get("selector", "oracle") == selector),
+                          key=lambda r: r["k"])
+            ks, label = [r["k"] for r in rows], name if selector == "oracle" else f"{name} ({selector})"
+            style = {"color": f"C{i}", "linestyle": "-" if selector == "oracle" else "--"}
+            axes[0].errorbar(ks, [r["delta_pct"] for r in rows], marker="o", capsize=3, label=label, **style,
+                             yerr=[[r["delta_pct"] - r["delta_pct_ci95"][0] for r in rows],
+                                   [r["delta_pct_ci95"][1] - r["delta_pct"] for r in rows]])
+            axes[1].plot(ks, [r["kl"] for r in rows], marker="o", label=label, **style)
+            axes[2].plot(ks, [r["top1_pct"] for r in rows], marker="o", label=label, **style)
     dense = groups["csa2"]
     for ax, key, base in zip(axes, ("delta_pct", "kl", "top1_pct"), (0.0, 0.0, 100.0)):
         ax.axhline(dense[key], color="gray", linestyle="--", label="csa2, dense")
@@ -291,7 +329,7 @@ def plot(metrics: dict, path: Path) -> None:
     axes[1].set_ylabel("KL(baseline ‖ group), nats/token")
     axes[2].set_ylabel("top-1 agreement with baseline, %")
     p = metrics["protocol"]
-    fig.suptitle(f"V4.1 layer modes, oracle indexer: {p['model']}, {p['sequences']} x {p['context']} tokens, "
+    fig.suptitle(f"V4.1 layer modes, {' and '.join(p.get('selectors', ['oracle']))} selection: {p['model']}, {p['sequences']} x {p['context']} tokens, "
                  f"positions >= {p['score_from']} scored")
     write_png(fig, path)
 

@@ -19,6 +19,7 @@ def test_the_committed_study_params_load():
     study = study_mod.load_study(ROOT / "studies" / "indexer.yaml")
     assert study.variants["wide"].key_heads > study.variants["narrow"].key_heads == 1
     assert study.held_out.first_row >= 1024 and 128 in study.k
+    assert study.every_layer in study.variants
 
 
 def test_study_on_the_tiny_model(tiny_model, tmp_path):
@@ -39,6 +40,31 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
     held = it.attention_samples(model, geo, [layer], seqs, 16, 48, seed=None)[layer]
     assert it.held_out_kl(saved, held, 4) == pytest.approx(v["after"]["kl"], rel=1e-6)
     assert "| narrow | trained |" in study_mod.markdown(m)
+
+
+def test_every_layer_trains_the_named_variant_for_each_sparse_layer(tiny_model, tmp_path):
+    from ced_csa2.runtime.layer_modes import sparse_layers
+
+    model, tok = tiny_model
+    study_corpus(tmp_path, ("train", "eval"))
+    params = tiny_params()
+    study = study_mod.Study(train=study_mod.Sequences(96, 2, 16, 8), held_out=study_mod.Sequences(96, 1, 8, 48),
+                            window=4, k=[4], variants={"n": IndexerConfig(heads=2, steps=5, batch=2)}, every_layer="n")
+    m = study_mod.run(params, study, tmp_path, model_and_tok=(model, tok))
+    plan, geo = study_mod.load_plan(params.plan, params.model)
+    layers = sparse_layers(plan, geo)
+    assert list(m["every_layer"]) == list(layers) and len(layers) > 1
+    for la in layers:
+        saved = load_indexer(tmp_path / "studies" / "indexer" / "layers" / f"{la}.pt",
+                             _rope_fn(attention(model, la)), expect={"layer": la})
+        assert saved.meta["recipe"]["heads"] == 2
+        assert 0 < m["every_layer"][la]["oracle_mass"][4] <= 1
+    assert f"| {layers[-1]} |" in study_mod.markdown(m)
+    with pytest.raises(ValueError, match="every_layer names variant 'x'"):
+        path = tmp_path / "s.yaml"
+        path.write_text((ROOT / "studies" / "indexer.yaml").read_text().replace("every_layer: attention_rot",
+                                                                                 "every_layer: x"))
+        study_mod.load_study(path)
 
 
 def test_an_oracle_start_on_gated_attention_is_refused_before_sampling(tiny_model, tmp_path, monkeypatch):

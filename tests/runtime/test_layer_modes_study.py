@@ -44,6 +44,37 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 
+def test_trained_selection_reads_the_every_layer_indexers(tiny_model, tmp_path):
+    from ced_csa2.maps.indexer import IndexerConfig, save_indexer
+    from ced_csa2.runtime.layer_modes import sparse_layers
+    from ced_csa2.train.indexer_training import new_indexer
+
+    model, tok = tiny_model
+    params = tiny_params()
+    study_corpus(tmp_path, records=2)
+    plan, geo = study_mod.load_plan(params.plan, params.model)
+    for la in sparse_layers(plan, geo):
+        save_indexer(tmp_path / study_mod.INDEXERS / f"{la}.pt", new_indexer(model, geo, la, IndexerConfig(heads=2), 0),
+                     {"model_id": params.model.hf_id or params.model.name, "layer": la, "seed": 0, "provenance": {}})
+    groups = {"full": study_mod.GroupSpec("baseline"), "full_reuse": study_mod.GroupSpec("csa2", {28: 20, 32: 20})}
+    study = study_mod.Study(context=96, sequences=2, score_from=48, window=4, k=[4], hsi=HSI(4, 4), groups=groups,
+                            selectors=["oracle", "trained"])
+    metrics = study_mod.run(params, study, tmp_path, model_and_tok=(model, tok), parts=random_parts(geo, plan))
+    rows = metrics["groups"]
+    assert set(rows) == {"baseline", "csa2"} | {f"{g}{s}@k4" for g in groups for s in ("", "+trained")}
+    oracle, trained = rows["full@k4"], rows["full+trained@k4"]
+    assert trained["selector"] == "trained" and oracle["selector"] == "oracle"
+    assert trained["indexer_entries_per_token"] == oracle["indexer_entries_per_token"]  # same candidates ranked
+    assert trained["indexer_macs_per_token"] == oracle["indexer_macs_per_token"] / geo.kv_dim * 2 * geo.head_dim
+    assert trained["nll_per_token"] != oracle["nll_per_token"]  # other picks (random indexers)
+    assert "| full (trained) | baseline | 4 |" in study_mod.markdown(metrics)
+    study_mod.plot(metrics, tmp_path / "plot.png")
+    # Missing files are refused, naming the file, before any scoring.
+    (tmp_path / study_mod.INDEXERS / f"{sparse_layers(plan, geo)[-1]}.pt").unlink()
+    with pytest.raises(Exception, match=f"{sparse_layers(plan, geo)[-1]}.pt"):
+        study_mod.run(params, study, tmp_path, model_and_tok=(model, tok), parts=random_parts(geo, plan))
+
+
 def test_study_refuses_an_invalid_group_before_loading_anything(tmp_path):
     params = tiny_params()
     study = study_mod.Study(context=96, sequences=1, score_from=48, window=4, k=[4], hsi=HSI(),

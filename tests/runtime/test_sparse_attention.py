@@ -258,3 +258,100 @@ def test_the_attention_interface_is_restored_even_when_the_forward_fails():
         assert not interface_untouched(model)
         raise RuntimeError("boom")
     assert interface_untouched(model)
+
+
+# ----------------------------------------------------------------------------- trained indexers
+
+def trained_indexers(model, geo, modes):
+    """A random indexer per selecting layer, with large offsets: no ReLU ties, so each top-k is unique."""
+    from ced_csa2.maps.indexer import IndexerConfig
+    from ced_csa2.train.indexer_training import new_indexer
+
+    out = {}
+    for i, layer in enumerate(la for la in modes.layers if modes.selecting(la)):
+        out[layer] = new_indexer(model, geo, layer, IndexerConfig(heads=2, offset=True), seed=10 + i)
+        out[layer].b.bias.data.fill_(100.0)
+    return out
+
+
+@torch.no_grad()
+def test_trained_indexers_pick_their_top_k_of_the_k_each_layer_is_handed(setup):
+    """Under csa2 a target's K is adapter(KV_source): its indexer must rank those entries, from that K."""
+    from ced_csa2.kv_hooks import capture
+    from ced_csa2.model_utils import rotary
+
+    name, model, plan, geo, parts, ids = setup
+    kv, index = GROUPS[name]["full_reindex"]
+    modes = LayerModes.build(plan, geo, kv, index)
+    indexers = trained_indexers(model, geo, modes)
+    reads = SparseReads(k=4, window=3)
+    with sparse(model, plan, geo, parts, kv, index, reads, record=True, indexers=indexers) as group, \
+            capture(model, kv_layers=indexers) as seen, \
+            capture_inputs(model, indexers) as inputs:
+        model(ids)
+    for layer, ix in indexers.items():
+        trace = group.sparse.trace[layer]
+        cos, sin = rotary(model, layer, inputs[layer], torch.arange(T)[None])
+        keys = ix.stored_keys(seen["k"][layer], cos, sin)  # the injected K: adapter(KV_source) on a target
+        q, w = ix.queries(inputs[layer], cos, sin)
+        scores = v41_scores(q, w, keys)
+        candidates = trace["allowed"] & ~trace["window"]
+        assert torch.equal(trace["chosen"], top_k(scores, candidates, reads.k)), (name, layer)
+    # The oracle picks otherwise somewhere (so the check above can fail).
+    with sparse(model, plan, geo, parts, kv, index, reads, record=True) as oracle:
+        model(ids)
+    assert any(not torch.equal(oracle.sparse.trace[la]["chosen"], group.sparse.trace[la]["chosen"]) for la in indexers)
+    assert interface_untouched(model)
+
+
+def v41_scores(q, w, keys):
+    """V4.1's score written out, with the offset: ``Σ_h w_h ReLU(q_h · k + b_h)``."""
+    d = keys.shape[-1]
+    dots = torch.einsum("bhqd,bkd->bhqk", q[..., :d], keys) + q[..., d:]
+    return torch.einsum("bhq,bhqk->bqk", w, dots.relu())
+
+
+def capture_inputs(model, layers):
+    """k_proj's input of each layer (the attention input: what the indexer's queries read)."""
+    import contextlib
+
+    from ced_csa2.model_utils import attention
+
+    @contextlib.contextmanager
+    def ctx():
+        got = {}
+        handles = [attention(model, la).k_proj.register_forward_hook(
+            lambda m, i, o, la=la: got.__setitem__(la, i[0])) for la in layers]
+        try:
+            yield got
+        finally:
+            for h in handles:
+                h.remove()
+    return ctx()
+
+
+@torch.no_grad()
+def test_trained_selection_needs_an_indexer_for_every_selecting_layer_and_a_teacher_forced_pass(setup):
+    name, model, plan, geo, parts, ids = setup
+    kv, index = GROUPS[name]["full_reuse"]
+    modes = LayerModes.build(plan, geo, kv, index)
+    indexers = trained_indexers(model, geo, modes)
+    first = min(indexers)
+    with pytest.raises(ModeError, match=rf"layers \[{first}\] select their own entries but have no trained indexer"):
+        SparseAttention(model, modes, SparseReads(k=3), geo, indexers={la: ix for la, ix in indexers.items()
+                                                                       if la != first})
+    # The shared trunk (what the layer-modes study scores with) runs it as a full pass does.
+    groups = {"s": sparse(model, plan, geo, parts, kv, index, SparseReads(k=3, window=2), indexers=indexers)}
+    got = multi_group_nll(model, plan, ["baseline"], parts, ids.tolist(), [0, 0], 2, kv_format=None, extra=groups)["s"]
+    with groups["s"]:
+        logits = model(ids).logits.double()
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
+    torch.testing.assert_close(got[:, 0], nll, atol=1e-3, rtol=1e-5)
+    # A cached step hands the layer more entries than its k_proj saw: refused, not ranked from a part.
+    cache = DynamicCache(config=model.config)
+    with CEDModeBRuntime(model, plan, kv, parts, kv_format=None), \
+            SparseAttention(model, modes, SparseReads(k=3), geo, indexers=indexers):
+        model(ids[:, :-1], cache=cache, use_cache=True)
+        with pytest.raises(RuntimeError, match="needs every position in one forward"):
+            model(ids[:, -1:], cache=cache, use_cache=True)
+    assert interface_untouched(model)

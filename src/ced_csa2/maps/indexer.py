@@ -189,6 +189,11 @@ class LightningIndexer(nn.Module):
         """Indexer keys ``(B, T, key_width)`` of pre-RoPE ``K`` ``(B, T, kv_dim)`` at the positions of ``cos``/``sin``."""
         return self._rotated(self.k(k), 1, cos, sin)[:, 0]
 
+    def stored_keys(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`keys` as a cache holds them: through :func:`key_format` (MXFP4) and back, float32."""
+        fmt = key_format(self.key_width)
+        return fmt.dequantize(fmt.quantize(self.keys(k, cos, sin)))
+
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries ``(B, heads, T, key_width [+ 1])`` and head weights ``(B, heads, T)`` of attention inputs ``x`` ``(B, T, hidden)``.
 

@@ -26,6 +26,13 @@ head first).  A real indexer scores narrower, cheaper keys (V4.1: 128 channels, 
 is trained to imitate attention; this one reads the layer's full keys and *is* attention,
 so the figures it gives are an upper bound on what a trained indexer could select.
 
+**Or trained lightning indexers** (``indexers=``, one per selecting layer:
+:class:`~ced_csa2.maps.indexer.LightningIndexer`): a layer then ranks by its indexer's score,
+its keys from the pre-RoPE K the layer is handed (``k_proj``'s output, after any Mode B
+injection: a CSA2 target's is ``adapter(KV_source)``) read back from MXFP4, its queries from
+the layer's attention input -- both taken from ``k_proj`` in the same forward, so this needs
+every position's K in that forward (teacher-forced; a cached step is refused).
+
 **HSI** (:class:`HSI`, seed 003 §4.7): a Full layer whose KV a Reindex layer reads
 max-pools its scores over blocks of ``block`` positions (aligned at position 0), keeps the
 ``pool_blocks`` best blocks -- the block holding the query's own (newest) position taking
@@ -57,7 +64,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..model_utils import Geometry, attention
+from ..maps.indexer import LightningIndexer
+from ..model_utils import Geometry, attention, rotary
 from .attention_calls import AttentionCalls
 from .layer_modes import LayerModes, ModeError
 
@@ -227,6 +235,9 @@ class SparseAttention:
     record
         Keep each layer's masks of the last forward in :attr:`trace` (tests): ``chosen``
         (its selection), ``window``, ``read`` (what it attended) and, for a pool maker, ``pool``.
+    indexers
+        ``{layer: LightningIndexer}`` for every selecting layer (Full / Reindex): rank by them
+        instead of the oracle.  ``None``: the oracle.
 
     Examples
     --------
@@ -237,8 +248,14 @@ class SparseAttention:
     """
 
     def __init__(self, model: nn.Module, modes: LayerModes, reads: SparseReads, geo: Geometry, *,
-                 stats: SelectionStats | None = None, record: bool = False):
+                 stats: SelectionStats | None = None, record: bool = False,
+                 indexers: dict[int, LightningIndexer] | None = None):
         modes.validate(geo)
+        if indexers is not None:
+            missing = [la for la in modes.layers if modes.selecting(la) and la not in indexers]
+            if missing:
+                raise ModeError(f"layers {missing} select their own entries but have no trained indexer "
+                                f"(indexers given for {sorted(indexers)})")
         if reads.hsi is not None:
             for la in modes.layers:
                 kv = modes.kv_source[la]
@@ -246,7 +263,9 @@ class SparseAttention:
                     raise ModeError(f"layer {la} (window {geo.window(la)}) would search the HSI pool of layer {kv} "
                                     f"(window {geo.window(kv)}): their caches hold different positions")
         self.model, self.modes, self.reads, self.stats, self.record = model, modes, reads, stats, record
+        self.indexers = indexers
         self._by_module = {attention(model, la): la for la in modes.layers}
+        self._proj_io: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> k_proj's (input, output)
         self._pool_makers = set(modes.pool_sources()) if reads.hsi is not None else set()
         # Per forward: each selecting layer's top-k, each pool maker's HSI pool, the shared frames.
         self._chosen: dict[int, torch.Tensor] = {}
@@ -271,10 +290,19 @@ class SparseAttention:
                 attention_mask = self._narrow(layer, query, key, attention_mask)
             return original(module, query, key, value, attention_mask, *args, **kwargs)
 
+        def keep_proj_io(layer):
+            return lambda mod, inp, out: self._proj_io.__setitem__(layer, (inp[0], out))
+
+        # Registered after any Mode B runtime's hooks (entered first): k_proj's output is then the injected K.
+        handles = [attention(self.model, la).k_proj.register_forward_hook(keep_proj_io(la))
+                   for la in (self.indexers or ())]
         try:
             with self._calls.routed(attend):
                 yield
         finally:
+            for h in handles:
+                h.remove()
+            self._proj_io.clear()
             self._reset()
 
     def __enter__(self) -> "SparseAttention":
@@ -317,7 +345,7 @@ class SparseAttention:
         allowed, window, candidates = f["allowed"], f["window"], f["candidates"]
         scores = scored = None
         if modes.selecting(layer):
-            scores = index_scores(query, key)
+            scores = index_scores(query, key) if self.indexers is None else self._indexer_scores(layer, query, key)
             if modes.mode(layer) == "reindex" and reads.hsi is not None:
                 scored = candidates & self._stored(self._pool, modes.kv_source[layer], layer, allowed.shape, "HSI pool")
             chosen = top_k(scores, candidates if scored is None else scored, reads.k)
@@ -345,6 +373,19 @@ class SparseAttention:
         if mask.dtype == torch.bool:
             return mask & narrowed
         return torch.where(narrowed, mask, torch.finfo(mask.dtype).min)
+
+    def _indexer_scores(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """``(B, Q, K)`` scores of ``layer``'s trained indexer over the ``K`` entries it is handed."""
+        x, k = self._proj_io.pop(layer, (None, None))
+        if k is None or k.shape[1] != key.shape[2]:
+            raise RuntimeError(f"layer {layer}'s trained indexer ranks {key.shape[2]} entries but this forward's "
+                               f"k_proj gave {0 if k is None else k.shape[1]}: trained selection needs every "
+                               "position in one forward (teacher-forced, no cache)")
+        indexer, q_len = self.indexers[layer], query.shape[2]
+        cos, sin = rotary(self.model, layer, x, torch.arange(k.shape[1], device=k.device)[None])
+        keys = indexer.stored_keys(k.float(), cos.float(), sin.float())
+        queries, weights = indexer.queries(x[:, -q_len:].float(), cos[:, -q_len:].float(), sin[:, -q_len:].float())
+        return LightningIndexer.scores(queries, weights, keys)
 
     def _reset(self) -> None:
         for store in (self._chosen, self._pool, self._frames, self._frame_of):

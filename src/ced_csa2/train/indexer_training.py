@@ -12,8 +12,9 @@ layer):
 
 :func:`fit` trains a :class:`~ced_csa2.maps.indexer.LightningIndexer` on one layer's samples
 (AdamW, warm-up + cosine, seeded; an oracle start first gets its offsets from
-:func:`lift_offsets`); :func:`held_out_kl` and :func:`recall` score it as a decode step
-reads it -- its keys through the MXFP4 store (:func:`stored_keys`) -- against the attention
+:func:`lift_offsets`); :func:`held_out_kl` and :func:`selection` score it as a decode step
+reads it -- its keys through the MXFP4 store
+(:meth:`~ced_csa2.maps.indexer.LightningIndexer.stored_keys`) -- against the attention
 and the oracle's top-``k`` outside the local window (what the sparse reads select from).
 """
 
@@ -30,7 +31,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..ced_runtime import _rope_fn
-from ..maps.indexer import IndexerConfig, LightningIndexer, indexer_loss, key_format
+from ..maps.indexer import IndexerConfig, LightningIndexer, indexer_loss
 from ..model_utils import Geometry, attention, rotary
 from ..runtime.attention_calls import AttentionCalls
 from ..runtime.sparse_attention import index_scores
@@ -137,12 +138,6 @@ def new_indexer(model: nn.Module, geo: Geometry, layer: int, cfg: IndexerConfig,
     return indexer
 
 
-def stored_keys(indexer: LightningIndexer, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The indexer's keys of pre-RoPE ``k`` ``(B, T, kv_dim)`` as a decode step reads them: through MXFP4 and back."""
-    fmt = key_format(indexer.key_width)
-    return fmt.dequantize(fmt.quantize(indexer.keys(k, cos, sin)))
-
-
 @torch.no_grad()
 def lift_offsets(indexer: LightningIndexer, samples: LayerSamples, window: int) -> torch.Tensor:
     """Set each head's constant offset ``c_h`` to the lowest dot product it meets in ``samples``, negated.
@@ -171,10 +166,11 @@ def _batch_loss(indexer: LightningIndexer, s: LayerSamples, idx: torch.Tensor, w
                 stored: bool = False) -> torch.Tensor:
     """KL over the entries older than the local ``window`` (the window is always read: only those are ranked).
 
-    ``stored``: the keys as a decode step reads them (:func:`stored_keys`); training takes them unrounded.
+    ``stored``: the keys as a decode step reads them (MXFP4, ``LightningIndexer.stored_keys``);
+    training takes them unrounded.
     """
     rows = s.rows[idx]
-    keys = (stored_keys if stored else LightningIndexer.keys)(indexer, s.k[idx], s.cos, s.sin)
+    keys = (indexer.stored_keys if stored else indexer.keys)(s.k[idx], s.cos, s.sin)
     queries, weights = indexer.queries(s.x[idx], s.cos[0, rows], s.sin[0, rows])
     older = torch.arange(s.k.shape[1])[None, None] <= rows[..., None] - window
     target = s.target[idx] * older
@@ -221,7 +217,7 @@ def selection(indexer: LightningIndexer | None, samples: LayerSamples, ks: Seque
       renormalised over them) that the selection holds: what a sparse read keeps of what
       the layer would attend to.
 
-    The indexer reads its keys as stored (MXFP4, :func:`stored_keys`); ``indexer=None``
+    The indexer reads its keys as stored (MXFP4, ``LightningIndexer.stored_keys``); ``indexer=None``
     scores the oracle itself (the exact logits summed over heads: recall 1).  Rows with fewer
     than ``k`` such entries are left out of that ``k``'s means.
     """
@@ -235,7 +231,7 @@ def selection(indexer: LightningIndexer | None, samples: LayerSamples, ks: Seque
         if indexer is None:
             mine = oracle
         else:
-            keys = stored_keys(indexer, samples.k[i:i + 1], samples.cos, samples.sin)
+            keys = indexer.stored_keys(samples.k[i:i + 1], samples.cos, samples.sin)
             q, w = indexer.queries(samples.x[i:i + 1], samples.cos[0, rows][None], samples.sin[0, rows][None])
             mine = LightningIndexer.scores(q, w, keys)[0].masked_fill(~older, float("-inf"))
         target = samples.target[i] * older
