@@ -262,16 +262,20 @@ def test_the_attention_interface_is_restored_even_when_the_forward_fails():
 
 # ----------------------------------------------------------------------------- trained indexers
 
-def trained_indexers(model, geo, modes):
-    """A random indexer per selecting layer, with large offsets: no ReLU ties, so each top-k is unique."""
+def trained_indexers(setup, group):
+    """``group``'s KV group, index sources, modes and a random indexer per selecting layer, with large offsets
+    (no ReLU ties, so each top-k is unique)."""
     from ced_csa2.maps.indexer import IndexerConfig
     from ced_csa2.train.indexer_training import new_indexer
 
+    name, model, plan, geo, _, _ = setup
+    kv, index = GROUPS[name][group]
+    modes = LayerModes.build(plan, geo, kv, index)
     out = {}
     for i, layer in enumerate(la for la in modes.layers if modes.selecting(la)):
         out[layer] = new_indexer(model, geo, layer, IndexerConfig(heads=2, offset=True), seed=10 + i)
         out[layer].b.bias.data.fill_(100.0)
-    return out
+    return kv, index, modes, out
 
 
 @torch.no_grad()
@@ -281,9 +285,7 @@ def test_trained_indexers_pick_their_top_k_of_the_k_each_layer_is_handed(setup):
     from ced_csa2.model_utils import rotary
 
     name, model, plan, geo, parts, ids = setup
-    kv, index = GROUPS[name]["full_reindex"]
-    modes = LayerModes.build(plan, geo, kv, index)
-    indexers = trained_indexers(model, geo, modes)
+    kv, index, modes, indexers = trained_indexers(setup, "full_reindex")
     reads = SparseReads(k=4, window=3)
     with sparse(model, plan, geo, parts, kv, index, reads, record=True, indexers=indexers) as group, \
             capture(model, kv_layers=indexers) as seen, \
@@ -333,9 +335,7 @@ def capture_inputs(model, layers):
 @torch.no_grad()
 def test_trained_selection_needs_an_indexer_for_every_selecting_layer_and_a_teacher_forced_pass(setup):
     name, model, plan, geo, parts, ids = setup
-    kv, index = GROUPS[name]["full_reuse"]
-    modes = LayerModes.build(plan, geo, kv, index)
-    indexers = trained_indexers(model, geo, modes)
+    kv, index, modes, indexers = trained_indexers(setup, "full_reuse")
     first = min(indexers)
     with pytest.raises(ModeError, match=rf"layers \[{first}\] select their own entries but have no trained indexer"):
         SparseAttention(model, modes, SparseReads(k=3), geo, indexers={la: ix for la, ix in indexers.items()
