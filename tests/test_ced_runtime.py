@@ -7,6 +7,7 @@ from conftest import tiny_gemma3, tiny_llama
 from tiny_maps import (
     GEMMA_PLAN,
     QWEN_PLAN,
+    Replay,
     identity_parts,
     random_parts,
     true_kv,
@@ -14,7 +15,7 @@ from tiny_maps import (
 from torch import nn
 
 from ced_csa2 import kv_hooks
-from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_from, plain_prefill
+from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, SinkKV, continue_from, plain_prefill
 from ced_csa2.eval.perplexity import prefill_bound
 from ced_csa2.model_utils import attention, geometry
 from ced_csa2.plan import LayerPlan, PlanError
@@ -192,6 +193,66 @@ def test_mode_a_replay_with_true_kv_of_the_older_positions_reproduces_baseline()
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name,model,plan", [
+    ("llama", tiny_llama, LayerPlan(2, 3, (5, 6), (4,))),
+    ("gemma3", tiny_gemma3, GEMMA_PLAN),  # per-type theta: the mapped keys' RoPE must start at the sink's end
+], ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("replay", [0, 3])
+def test_mode_a_sink_with_true_kv_of_the_mapped_positions_reproduces_baseline(name, model, plan, replay):
+    """The sink through every layer + exact maps of the positions after it (+ a replayed tail) = the plain model."""
+    model = model()
+    geo = geometry(model.config)
+    plan = plan.validate(geo)
+    prompt, cont = torch.randint(0, 300, (2, 15)), torch.randint(0, 300, (2, 9))
+    end = prompt.shape[1] - 1 - replay
+    kv = {layer: (k[:, 1:end], v[:, 1:end]) for layer, (k, v) in true_kv(model, prompt[:, :-1], plan.kv_layers).items()}
+    parts = CEDParts(Replay({None: kv[plan.source]}), Replay({t: kv[t] for t in plan.targets}),
+                     {e: Replay({None: kv[e]}) for e in plan.extra_sources})
+    with torch.no_grad():
+        ref = model(torch.cat([prompt, cont], 1)).logits[:, prompt.shape[1] - 1:-1]
+    got = CEDModeARuntime(model, plan, geo, parts, sink="exact", replay=replay).continuation_logits(prompt, cont)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_mode_a_mean_sink_puts_the_constants_at_the_first_position_only():
+    """With sink="mean" the first position above the cut holds parts.sink's K/V, every other one the maps'."""
+    model, plan = tiny_llama(), LayerPlan(2, 3, (5, 6), (4,))
+    geo = geometry(model.config)
+    plan = plan.validate(geo)
+    prompt = torch.randint(0, 300, (2, 10))
+    parts = identity_parts(model, prompt, plan)  # the true K/V of every position
+    sink = SinkKV(plan.kv_layers, geo.kv_dim)
+    torch.nn.init.normal_(sink.k), torch.nn.init.normal_(sink.v)
+    parts.sink = sink
+    cache = CEDModeARuntime(model, plan, geo, parts, sink="mean").prefill(prompt)
+    plain = plain_prefill(model, prompt)
+    for layer in plan.kv_layers:
+        got, ref = cache.layers[layer - 1], plain.layers[layer - 1]
+        torch.testing.assert_close(got.keys[:, :, 1:], ref.keys[:, :, 1:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.values[:, :, 1:], ref.values[:, :, 1:], atol=1e-5, rtol=1e-5)
+        k, v = sink(layer)  # pre-RoPE; RoPE at position 0 is the identity
+        assert torch.allclose(got.keys[:, :, 0], k.view(-1, geo.head_dim).expand(2, -1, -1), atol=1e-6)
+        assert torch.allclose(got.values[:, :, 0], v.view(-1, geo.head_dim).expand(2, -1, -1), atol=1e-6)
+    with pytest.raises(ValueError, match="parts.sink, which is None"):
+        CEDModeARuntime(model, plan, geo, identity_parts(model, prompt, plan), sink="mean")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_mode_a_sink_over_the_whole_prompt_is_the_plain_prefill(name, tiny_model):
+    """The exact sink + a replay covering the rest runs the plain prefill (maps random, never read)."""
+    model, plan = (tiny_llama(), LayerPlan(2, 3, (5, 6), (4,))) if name == "llama" else (tiny_model[0], QWEN_PLAN)
+    geo = geometry(model.config)
+    plan = plan.validate(geo)
+    prompt, cont = torch.randint(0, 250, (2, 12)), torch.randint(0, 250, (2, 6))
+    ref = continue_from(model, plain_prefill(model, prompt[:, :-1]), prompt, cont)
+    for replay in (10, 40):  # the first token and the last 10 of 11 (or more): every position, in two forwards
+        both = CEDModeARuntime(model, plan, geo, random_parts(geo, plan), sink="exact",
+                               replay=replay).continuation_logits(prompt, cont)
+        torch.testing.assert_close(both, ref, atol=1e-5, rtol=1e-5)
+    skip = CEDModeARuntime(model, plan, geo, random_parts(geo, plan), sink="exact").continuation_logits(prompt, cont)
+    assert not torch.allclose(skip, ref, atol=1e-3)
+
+
 def test_prefill_bound_counts_the_replayed_layers():
     geo, plan = geometry(tiny_llama().config), LayerPlan(2, 3, (5, 6), (4,))
     n = geo.n_layers
@@ -199,10 +260,19 @@ def test_prefill_bound_counts_the_replayed_layers():
     assert prefill_bound(geo, plan, replay=100, prefilled=[10, 30]) == 1.0  # everything replayed
     assert prefill_bound(geo, plan, replay=5, prefilled=[10, 30]) == pytest.approx(
         n * 40 / (2 * 40 + (n - 2) * (5 + 5)))
+    # The sink's tokens run above the cut too; sink + replay over the prompt is the plain prefill's work.
+    assert prefill_bound(geo, plan, sink=1, prefilled=[10, 30]) == pytest.approx(n * 40 / (2 * 40 + (n - 2) * 2))
+    assert prefill_bound(geo, plan, replay=5, sink=1, prefilled=[10, 30]) == pytest.approx(
+        n * 40 / (2 * 40 + (n - 2) * (6 + 6)))
+    assert prefill_bound(geo, plan, replay=5, sink=5, prefilled=[10]) == 1.0
     with pytest.raises(ValueError, match="prefilled lengths"):
         prefill_bound(geo, plan, replay=5)
+    with pytest.raises(ValueError, match="prefilled lengths"):
+        prefill_bound(geo, plan, sink=1)
     with pytest.raises(ValueError, match="replay must be >= 0"):
         CEDModeARuntime(tiny_llama(), plan.validate(geo), geo, CEDParts(), replay=-1)
+    with pytest.raises(ValueError, match="sink must be one of"):
+        CEDModeARuntime(tiny_llama(), plan.validate(geo), geo, CEDParts(), sink="first")
 
 
 def test_mode_a_refuses_a_non_covering_plan(tiny_model):

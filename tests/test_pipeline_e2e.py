@@ -66,7 +66,7 @@ def test_full_pipeline_writes_every_metric_and_the_report(repo, reproduced):
     for group in ("ced", "csa2", "ced_csa2"):
         assert {(group, o) for o in ("kv_mse (seed)", "ridge", "attn_out", "distill")} <= objective_rows
     assert ("ced", "kv_mse, random init (seed read literally)") in objective_rows
-    assert "mode_a (prefill skip, replay 0, maps trained through the skip (tune_mode_a))" in rows
+    assert "mode_a (prefill skip, sink: mean, replay 0, maps trained through the skip (tune_mode_a))" in rows
     mode_a = json.loads((repo / "metrics/mode_a/train.json").read_text())
     assert mode_a["covered"] and mode_a["val_after"]["kl"] < mode_a["val_before"]["kl"]
     for objective in ("attn_out", "distill"):

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ced_csa2 import kv_hooks
-from ced_csa2.ced_runtime import CEDParts
+from ced_csa2.ced_runtime import CEDParts, SinkKV
 from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.maps.xkv import XKVBasis
 from ced_csa2.plan import LayerPlan
@@ -46,9 +46,11 @@ def random_parts(geo, plan, seed=0):
     adapters = CSA2Adapters(plan.targets, geo.kv_dim)
     for p in adapters.parameters():  # the MLP's last layer starts at zero; make it count here
         nn.init.normal_(p, std=0.05)
+    sink = SinkKV(plan.kv_layers, geo.kv_dim)  # Mode A's sink: "mean"
+    nn.init.normal_(sink.k), nn.init.normal_(sink.v)
     return CEDParts(KVProjector(geo.hidden_size, geo.kv_dim), adapters,
                     {e: KVProjector(geo.hidden_size, geo.kv_dim) for e in plan.extra_sources},
-                    xkv=random_xkv(geo, plan))
+                    xkv=random_xkv(geo, plan), sink=sink)
 
 
 def random_xkv(geo, plan, rank=None):

@@ -46,8 +46,9 @@ from .kv import rotation
 from .kv.fp4 import FORMATS as FP4_FORMATS
 from .kv.rotation import HeadRotation, fp4_round_trip, layer_rotation
 from .maps.xkv import XKVBasis, load_xkv
-from .model_utils import Geometry, attention, decoder_layer, geometry, rotary
-from .pipeline.checkpoint import check_meta_provenance, expected_meta
+from .model_utils import Geometry, attention, decoder_layer, geometry, layer_type, rotary
+from .pipeline.checkpoint import (check_meta_provenance, expected_meta, load_checkpoint, load_state,
+                                  save_checkpoint)
 from .pipeline.paths import SEED_INIT, SEED_INIT_MODELS, objective_models, projector_path
 from .plan import LayerPlan
 from .runtime.groups import GROUPS
@@ -74,12 +75,15 @@ class CEDParts:
     xkv
         The cross-layer bases of the ``xkv`` group (:class:`~ced_csa2.maps.xkv.XKVBasis`):
         ``xkv({layer: k}, {layer: v}) -> {layer: (k̂, v̂)}`` over ``(source, *targets)``.
+    sink
+        The attention sink's K/V above the cut (:class:`SinkKV`; Mode A's ``sink="mean"``).
     """
 
     projector: Callable[[torch.Tensor], KV] | None = None
     adapters: Callable[[int, torch.Tensor, torch.Tensor], KV] | None = None
     extra: dict[int, Callable[[torch.Tensor], KV]] = field(default_factory=dict)
     xkv: XKVBasis | None = None
+    sink: "SinkKV | None" = None
 
     def project(self, layer: int, plan: LayerPlan, h: torch.Tensor) -> KV:
         fn = self.projector if layer == plan.source else self.extra[layer]
@@ -87,6 +91,54 @@ class CEDParts:
 
     def adapt(self, layer: int, k_src: torch.Tensor, v_src: torch.Tensor) -> KV:
         return _run(self.adapters, lambda k, v: self.adapters(layer, k, v), k_src, v_src)
+
+
+class SinkKV(nn.Module):
+    """The attention sink's K/V in the layers above the cut: one constant ``(K, V)`` per layer.
+
+    Position 0 attends to itself only, and from the first layers on its hidden state is
+    dominated by the model's massive activations, whatever the token: on the embedded
+    default its K/V above the cut differ from their mean over 128 training records' first
+    tokens by 1-6% (K) and 2-15% (V), while no map of ``H_split`` fitted over all positions
+    comes close (Mode A's ΔPPL: ``docs/results.md``).  So Mode A reads the first position's
+    K/V above the cut from these constants: the mean over the training records' first
+    positions (:func:`ced_csa2.train.mode_a_training.mean_sink`), pre-k_norm and pre-RoPE like
+    every map's output (RoPE at position 0 is the identity).
+
+    Parameters
+    ----------
+    layers
+        The layers it holds, sorted.
+    kv_dim
+        Width of one K or V row.
+    """
+
+    def __init__(self, layers, kv_dim: int):
+        super().__init__()
+        self.layers = tuple(layers)
+        self.register_buffer("k", torch.zeros(len(self.layers), kv_dim))
+        self.register_buffer("v", torch.zeros(len(self.layers), kv_dim))
+
+    def forward(self, layer: int) -> KV:
+        """``(k, v)`` of ``layer``, each ``(kv_dim,)``."""
+        i = self.layers.index(layer)
+        return self.k[i], self.v[i]
+
+
+SINK_KIND = "mode_a_sink"
+
+
+def save_sink(path: Path | str, sink: SinkKV, meta: Mapping) -> Path:
+    """Write ``sink`` with ``meta`` (:func:`~ced_csa2.pipeline.checkpoint.checkpoint_meta`'s ``"sink"``)."""
+    return save_checkpoint(path, SINK_KIND, sink, {**meta, "layers": list(sink.layers)}, ("model", "layers", "kv_dim"))
+
+
+def load_sink(path: Path | str, expect: Mapping, device=None) -> tuple[SinkKV, dict]:
+    """A file of :func:`save_sink`, refused unless it holds ``expect`` (model, layers, geometry, plan)."""
+    state, meta = load_checkpoint(path, SINK_KIND, expect)
+    sink = SinkKV(meta["layers"], meta["kv_dim"])
+    load_state(Path(path), sink, state)
+    return sink.to(device=device, dtype=torch.float32), meta
 
 
 def _run(owner, fn, *xs: torch.Tensor) -> KV:
@@ -156,11 +208,18 @@ def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geo
 def load_mode_a_parts(workdir: Path | str, params: Params, plan: LayerPlan, geo: Geometry, *, device=None) -> CEDParts:
     """The maps Mode A runs with (``mode_a.maps``): the main branch's (``models/``) or ``tune_mode_a``'s
     (``models/mode_a/``, marked ``objective: mode_a``), checked as :func:`load_parts` checks them."""
-    from .pipeline.paths import MODE_A_MODELS, MODELS
+    from .pipeline.paths import MODE_A_MODELS, MODE_A_SINK, MODELS
 
     if params.mode_a.maps == "main":
-        return load_parts(Path(workdir) / MODELS, params, plan, geo, device=device)
-    return load_parts(Path(workdir) / MODE_A_MODELS, params, plan, geo, device=device, also={"objective": "mode_a"})
+        parts = load_parts(Path(workdir) / MODELS, params, plan, geo, device=device)
+    else:
+        parts = load_parts(Path(workdir) / MODE_A_MODELS, params, plan, geo, device=device,
+                           also={"objective": "mode_a"})
+    if params.mode_a.sink == "mean":
+        path = Path(workdir) / MODE_A_SINK
+        parts.sink, meta = load_sink(path, expected_meta(params, plan, geo)["sink"], device=device)
+        check_meta_provenance(path, meta, params)
+    return parts
 
 
 
@@ -496,9 +555,7 @@ def continue_hidden(model: nn.Module, cache, prompt_ids: torch.Tensor, continuat
     return model.model(input_ids=x, cache=cache, use_cache=True).last_hidden_state
 
 
-ZERO_STATE_NOTE = ("Mode A: prompt tokens run through layers 1..split only; attention layers above the cut get "
-                   "K/V from the projector/adapters; non-attention layers above the cut start from a zero state "
-                   "(an approximation; none on an all-attention model).")
+SINKS = ("none", "exact", "mean")  # what Mode A's first position holds above the cut (CEDModeARuntime)
 
 
 class CEDModeARuntime:
@@ -507,11 +564,19 @@ class CEDModeARuntime:
     The plan must cover every attention layer above the cut (refused otherwise, naming
     the uncovered layers).  Non-attention layers above the cut start from a zero state.
 
+    ``sink`` says what the first position (the attention sink, StreamingLLM's term: the entry
+    most heads attend to when nothing else matches) holds above the cut: ``"none"`` the maps'
+    K/V like every position (the seed's pure skip); ``"exact"`` its own, the first token run
+    through every layer first (a one-token forward: it reads every weight of the layers above
+    the cut once); ``"mean"`` the constants of ``parts.sink`` (:class:`SinkKV`, no compute).
+    The first token's hidden state carries the model's massive activations, which no map of
+    the other positions reproduces (the embedded default: ``docs/results.md``, "Mode A").
+
     With ``replay = r > 0`` (bounded replay, as DeepSeek-V4.1 serves its compressed
     prefixes) the last ``r`` prefilled tokens also run through the layers above the cut:
     they get their own K/V there (attending to the mapped K/V of the older positions) and
-    a non-attention layer's state is built from them instead of staying zero.  ``r`` at
-    least the prefilled length is the plain prefill.
+    a non-attention layer's state is built from them (and the sink's) instead of staying
+    zero.  An exact sink plus ``r`` at least the prefilled length is the plain prefill.
 
     Parameters
     ----------
@@ -521,13 +586,27 @@ class CEDModeARuntime:
         The model's geometry (for the covering check).
     replay
         Prefilled tokens (the last ones) that also run through the layers above the cut.
+    sink
+        ``"none"``, ``"exact"`` or ``"mean"``: the first position's K/V above the cut.
     """
 
-    def __init__(self, model: nn.Module, plan: LayerPlan, geo: Geometry, parts: CEDParts, *, replay: int = 0):
+    def __init__(self, model: nn.Module, plan: LayerPlan, geo: Geometry, parts: CEDParts, *, replay: int = 0,
+                 sink: str = "none"):
         plan.require_covering(geo)
         if replay < 0:
             raise ValueError(f"CEDModeARuntime: replay must be >= 0 tokens, got {replay}")
-        self.model, self.plan, self.geo, self.parts, self.replay = model, plan, geo, parts, replay
+        if sink not in SINKS:
+            raise ValueError(f"CEDModeARuntime: sink must be one of {list(SINKS)}, got {sink!r}")
+        if sink == "mean" and parts.sink is None:
+            raise ValueError("CEDModeARuntime: sink='mean' reads the sink's constants from parts.sink, which is None "
+                             "(stage tune_mode_a writes them)")
+        self.model, self.plan, self.geo, self.parts = model, plan, geo, parts
+        self.replay, self.sink = replay, sink
+
+    @property
+    def exact_tokens(self) -> int:
+        """Prompt tokens that run through every layer before the skip: the exact sink's one, or none."""
+        return int(self.sink == "exact")
 
     def predicted_kv(self, h: torch.Tensor) -> dict[int, KV]:
         """``{layer: (K, V)}`` for every covered layer, from ``H_split`` ``(B, T, hidden)``."""
@@ -545,7 +624,7 @@ class CEDModeARuntime:
     def prefill_with_grad(self, input_ids: torch.Tensor):
         """:meth:`prefill` under the caller's autograd mode: the mapped K/V carry the maps' gradients.
 
-        Layers ``1..split`` run without autograd (nothing below the cut depends on the maps); the
+        Layers ``1..split`` and the sink run without autograd (neither depends on the maps); the
         mapped entries and the replayed tail (which attends to them) keep their graph, for a
         loss on the continuation that trains the maps (``tune@mode_a``).
         """
@@ -553,11 +632,16 @@ class CEDModeARuntime:
 
         model = self.model
         cache = DynamicCache(config=model.config)
-        mapped = input_ids.shape[1] - min(self.replay, input_ids.shape[1])
-        if mapped:
-            self._skip(input_ids[:, :mapped], cache)
-        if mapped < input_ids.shape[1]:  # the replayed tail: every layer, after the mapped positions
-            model.model(input_ids=input_ids[:, mapped:], cache=cache, use_cache=True)
+        length = input_ids.shape[1]
+        sink = min(self.exact_tokens, length)
+        end = max(sink, length - self.replay)  # mapped positions: [sink, end)
+        if sink:  # the exact sink: every layer
+            with torch.no_grad():
+                model.model(input_ids=input_ids[:, :sink], cache=cache, use_cache=True)
+        if end > sink:
+            self._skip(input_ids[:, sink:end], cache, start=sink)
+        if end < length:  # the replayed tail: every layer, after the mapped positions
+            model.model(input_ids=input_ids[:, end:], cache=cache, use_cache=True)
         return cache
 
     def split_hidden(self, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
@@ -578,27 +662,40 @@ class CEDModeARuntime:
             handle.remove()
         return h_split["h"]
 
-    def _skip(self, input_ids: torch.Tensor, cache) -> None:
-        """Layers ``1..split`` on ``input_ids`` into ``cache``; the covered layers above get the mapped K/V."""
+    def _skip(self, input_ids: torch.Tensor, cache, start: int = 0) -> None:
+        """Layers ``1..split`` on ``input_ids`` into ``cache``; the covered layers above get the mapped K/V.
+
+        ``start``: the position of ``input_ids``' first token (the tokens ``cache`` already holds).
+        """
         model = self.model
         h = self.split_hidden(input_ids, cache)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
-        for layer, (k, v) in sorted(self.predicted_kv(h).items()):
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        positions = positions.expand(input_ids.shape[0], -1)
+        kv = self.predicted_kv(h)
+        if self.sink == "mean" and start == 0:
+            kv = {layer: tuple(torch.cat([c.to(x).expand(x.shape[0], 1, -1), x[:, 1:]], 1)
+                               for c, x in zip(self.parts.sink(layer), pair)) for layer, pair in kv.items()}
+        rotations = {}  # (cos, sin) per layer type: Gemma-3 rotates sliding and full layers with different theta
+        for layer, (k, v) in sorted(kv.items()):
             attn = attention(model, layer)
             shape = (*k.shape[:-1], -1, attn.head_dim)
             k = k.view(shape)
             if hasattr(attn, "k_norm"):
                 k = attn.k_norm(k)
             k = k.transpose(1, 2)
-            # Each layer its own rotation (Gemma-3 rotates sliding and full layers with different theta).
-            _, k = _rope_fn(attn)(k, k, *rotary(model, layer, h, positions))
+            kind = layer_type(model.config, layer)
+            if kind not in rotations:
+                rotations[kind] = rotary(model, layer, h, positions)
+            # The model's function rotates a query and a key; one head stands in for the query (dropped).
+            _, k = _rope_fn(attn)(k[:, :1], k, *rotations[kind])
             # The cache layer keeps what its kind keeps (a sliding-window layer: the last window - 1).
             cache.update(k, v.view(shape).transpose(1, 2), layer - 1)
 
     def continue_above_cut(self, cache, input_ids: torch.Tensor, h_split: torch.Tensor) -> torch.Tensor:
         """Final hidden states ``(B, C, hidden)`` (after the final norm) of ``input_ids`` ``(B, C)`` continuing ``cache``.
 
-        ``cache`` holds the skip-prefilled prompt (:meth:`prefill_with_grad`, no replay);
+        ``cache`` holds the skip-prefilled prompt (:meth:`prefill_with_grad`, no replay; the sink's
+        entries exact);
         ``h_split`` ``(B, C, hidden)`` is ``H_split`` at the continuation's positions.  Below the
         cut Mode A's continuation *is* the plain model's (those layers read the prompt's true
         cache), so the plain model's pass over the whole record gives ``h_split`` exactly and

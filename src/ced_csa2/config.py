@@ -514,6 +514,9 @@ class ModeAConfig(Section):
     # bounded replay: the last `replay` prefilled tokens also run through the layers above the cut
     # (their own K/V there; a non-attention layer's state from them); 0 = the seed's pure skip
     replay: int
+    # what the first position (the attention sink) holds above the cut: none (the maps' K/V, the seed's
+    # pure skip), exact (the first token through every layer), mean (tune_mode_a's constants, no compute)
+    sink: Literal["none", "exact", "mean"]
     # the maps Mode A runs with: main (the main branch's projector, extra projectors and adapters) or
     # trained (stage tune_mode_a: the same from the ridge start, trained through the skip, KL on the continuation)
     maps: Literal["main", "trained"]

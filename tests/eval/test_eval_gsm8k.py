@@ -201,7 +201,8 @@ def test_stage_end_to_end_two_groups(tmp_path, tiny_model):
     a = m["mode_a"]
     assert a["covered"] and "zero state" in a["note"]
     assert all(a[name]["n"] == len(PROBLEMS) for name in gsm8k.FILTERS)
-    runtime = CEDModeARuntime(model, LayerPlan(16, 20, (24, 28, 32)), geometry(model.config), parts)
+    runtime = CEDModeARuntime(model, LayerPlan(16, 20, (24, 28, 32)), geometry(model.config), parts,
+                              sink=params.mode_a.sink)
     total = 0.0
     for ids, c in pairs:  # independent: the runtime's own logits for each gold answer
         x = torch.tensor([ids])

@@ -76,7 +76,7 @@ def summary_inputs():
         "share_plain": {"ppl": 30.0, **delta("delta_pct", 50.0, 45.0, 55.0), "nll_per_token": 3.4, "tokens": 10}},
         "mode_a": {"covered": True, "prefix_fraction": 0.5, "records": 4, "baseline": {"ppl": 19.0},
                    "mode_a": {"ppl": 38.0}, **delta("delta_pct", 100.0, 90.0, 110.0), **delta("kl", 1.5, 1.25, 1.75),
-                   **delta("top1_pct", 50.0, 45.0, 55.0), "prefill_speedup_bound": 2.0, "replay": 0,
+                   **delta("top1_pct", 50.0, 45.0, 55.0), "prefill_speedup_bound": 2.0, "replay": 0, "sink": "mean",
                    "maps": "trained", "note": "zero state"}}
 
     def em(correct, lo, hi):
@@ -165,7 +165,7 @@ def test_mode_a_table_sets_the_skip_against_the_full_prefill():
     assert "held-out KL (8 records) 1.5000 → 0.7500" in lines[-1] and "16 AdamW steps" in lines[-1]
     assert rows["baseline (full prefill)"] == ["19.000", "–", "–", "–", "3.0 [1.0, 8.5]", "7.0 [3.4, 13.7]", "1.2500",
                                                "–", "1×"]
-    assert rows["mode_a (prefill skip, replay 0, maps trained through the skip (tune_mode_a))"] == ["38.000", "+100.00 [+90.00, +110.00]", "1.5000 [1.2500, 1.7500]",
+    assert rows["mode_a (prefill skip, sink: mean, replay 0, maps trained through the skip (tune_mode_a))"] == ["38.000", "+100.00 [+90.00, +110.00]", "1.5000 [1.2500, 1.7500]",
                                              "50.00 [45.00, 55.00]", "1.0 [0.2, 5.4]", "4.0 [1.6, 9.8]", "2.5000",
                                              "+1.2500 [+1.0000, +1.5000]", "≤ 2.00×"]
     assert "zero state" in lines[-3] and "4 eval records" in lines[-3]

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5", "dump.batch_size=4", "train_projector.epochs=1",
              "train_adapters.epochs=1", "train_adapters.batch_size=512", "eval_ppl.groups=[baseline,ced,csa2]",
-             "eval_ppl.batch_size=4", "mode_a.maps=main"]  # Mode A with the main branch's maps: no tune_mode_a
+             "eval_ppl.batch_size=4", "mode_a.maps=main", "mode_a.sink=none"]  # Mode A with the main branch's maps: no tune_mode_a
 
 
 def env() -> dict:
@@ -208,7 +208,8 @@ def test_distributed_perplexity_is_single_process_perplexity(repo):
 # repeats the prompt's last token for every problem, which would make equal texts vacuous.
 GSM8K_OVERRIDES = ["model=tiny_gemma3", "data=tiny", "plan=tiny_gemma3", "eval_gsm8k.groups=[baseline,ced_csa2]",
                    "eval_gsm8k.generate=[baseline,ced_csa2]", "eval_gsm8k.mode_a=generate",
-                   "eval_gsm8k.max_gen_toks=16", "eval_gsm8k.batch_size=4", "mode_a.maps=main"]
+                   "eval_gsm8k.max_gen_toks=16", "eval_gsm8k.batch_size=4", "mode_a.maps=main",
+                   "mode_a.sink=none"]
 GENERATE_BAR = re.compile(r"Running generate_until requests: 100%\|[^|\n]*\| (\d+)/\1 ")
 
 

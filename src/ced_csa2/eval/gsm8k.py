@@ -388,8 +388,8 @@ def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, ta
                 "note": f"plan {plan} does not cover every attention layer above the cut; Mode A not run"}, {}
     from .lm_eval_models import ModeALM
 
-    replay = params.mode_a.replay
-    lm = ModeALM(CEDModeARuntime(model, plan, geo, parts, replay=replay), tok,
+    replay, sink = params.mode_a.replay, params.mode_a.sink
+    lm = ModeALM(CEDModeARuntime(model, plan, geo, parts, replay=replay, sink=sink), tok,
                  block_tokens=params.eval_ppl.score_block_tokens)
     entry = {}
     if setting == "generate":
@@ -400,7 +400,8 @@ def mode_a_arm(params: Params, model, tok, plan, geo, parts: CEDParts | None, ta
     t0 = time.perf_counter()
     rows = mode_a_gold_rows(lm, pairs)
     log.info("Mode A gold NLL: %.1f s", time.perf_counter() - t0)
-    return {"covered": True, **entry, "replay": replay, "note": mode_a_note(replay)}, {"mode_a": rows}
+    return ({"covered": True, **entry, "replay": replay, "sink": sink, "note": mode_a_note(replay, sink)},
+            {"mode_a": rows})
 
 
 def run_protocol(params: Params, model, plan, n: int, lm_eval_version: str) -> dict:

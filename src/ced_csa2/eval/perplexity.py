@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 import torch
 from tqdm import tqdm
 
-from ..ced_runtime import (ZERO_STATE_NOTE, CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_hidden, plain_prefill,
+from ..ced_runtime import (CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_hidden, plain_prefill,
                            prompt_tokens)
 from ..config import Params
 from ..data.records import read_records, seeded_subset
@@ -106,7 +106,7 @@ def _ci(v: dict, key: str) -> str:
 
 def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fraction: float, seed: int,
                   timing_records: int = 8, timing_repeats: int = MIN_REPEATS, *, block_tokens: int = BLOCK_TOKENS,
-                  replay: int = 0) -> dict:
+                  replay: int = 0, sink: str = "none") -> dict:
     """Prefix-conditioned perplexity, KL and top-1 of the prefill skip against the plain prefill, and its speed-up.
 
     Each record's first ``fraction`` is the prompt and the rest is scored.  Both arms run the
@@ -122,8 +122,8 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     ``timing_repeats`` rounds, per-arm median).  ``plain_s``/``mode_a_s`` are the sums
     over the timed records of the per-record medians, ``speedup`` their ratio.  It is
     checked against ``bound`` = decoder-layer passes of the plain prefill / of Mode A's over
-    the timed prompts (:func:`prefill_bound`: ``n_layers / split`` without ``replay``,
-    :class:`~ced_csa2.ced_runtime.CEDModeARuntime`'s bounded replay); a speed-up above it is refused,
+    the timed prompts (:func:`prefill_bound`: ``n_layers / split`` without ``replay`` and ``sink``,
+    :class:`~ced_csa2.ced_runtime.CEDModeARuntime`'s bounded replay and exact sink); a speed-up above it is refused,
     never reported: ``speedup`` is ``None`` and ``refused`` holds the
     :class:`~ced_csa2.pipeline.timing.BoundExceeded` message (logged as an error), while the quality
     figures, which the timing cannot change, stand.
@@ -139,7 +139,7 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     -------
     dict
         Not covered: ``{"covered": False, "uncovered_attention_layers", "note"}``.  Covered:
-        ``{"covered": True, "prefix_fraction", "replay", "records", "baseline", "mode_a", "delta_pct",
+        ``{"covered": True, "prefix_fraction", "replay", "sink", "records", "baseline", "mode_a", "delta_pct",
         "delta_pct_ci95", "kl", "kl_ci95", "top1_pct", "top1_pct_ci95", "prefill_speedup_bound" (over all
         records), "note", "timing"}``
         with ``"timing"`` = ``{"records", "repeats", "plain_s", "mode_a_s", "speedup",
@@ -149,7 +149,7 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     if missing:
         return {"covered": False, "uncovered_attention_layers": missing,
                 "note": f"plan {plan} does not cover every attention layer above the cut; Mode A not run"}
-    runtime = CEDModeARuntime(model, plan, geo, parts, replay=replay)
+    runtime = CEDModeARuntime(model, plan, geo, parts, replay=replay, sink=sink)
     device = next(model.parameters()).device
     plain, skip = torch.zeros(len(ids), 4, dtype=torch.float64), torch.zeros(len(ids), 4, dtype=torch.float64)
     timed = set(seeded_subset(len(ids), timing_records, seed, TIMING_SAMPLE_STREAM))
@@ -177,40 +177,49 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     delta = paired_bootstrap(skip[:, :2].numpy(), plain[:, :2].numpy(), "delta_ppl_pct", seed=seed)
     prefilled = [prompt_tokens(len(row), fraction) - 1 for row in ids]
     timed = [int(t) for t in timed_lengths.tolist() if t]
-    timed_bound = prefill_bound(geo, plan, replay, timed or prefilled)
-    return {"covered": True, "prefix_fraction": fraction, "replay": replay, "records": len(ids), "baseline": base,
-            "mode_a": ced, "delta_pct": delta["value"], "delta_pct_ci95": delta["ci95"], **agreement(skip, seed),
-            "prefill_speedup_bound": prefill_bound(geo, plan, replay, prefilled), "note": mode_a_note(replay),
+    exact = runtime.exact_tokens
+    timed_bound = prefill_bound(geo, plan, replay, timed or prefilled, exact)
+    return {"covered": True, "prefix_fraction": fraction, "replay": replay, "sink": sink, "records": len(ids),
+            "baseline": base, "mode_a": ced, "delta_pct": delta["value"], "delta_pct_ci95": delta["ci95"],
+            **agreement(skip, seed), "prefill_speedup_bound": prefill_bound(geo, plan, replay, prefilled, exact),
+            "note": mode_a_note(replay, sink),
             "timing": _prefill_timing(seconds, timing_repeats, timed_bound)}
 
 
-def prefill_bound(geo, plan, replay: int = 0, prefilled: Sequence[int] = ()) -> float:
+def prefill_bound(geo, plan, replay: int = 0, prefilled: Sequence[int] = (), sink: int = 0) -> float:
     """Most Mode A's prefill can gain: decoder-layer x token passes of the plain prefill / of the skip.
 
-    ``n_layers / split`` without replay; with ``replay`` tokens the skip also runs the layers
-    above the cut on the last ``replay`` of each prompt's ``prefilled`` tokens, so the bound
-    is ``Σ n·T / Σ (split·T + (n - split)·min(replay, T))`` over them.  Every decoder layer
-    counts as the same work per token (the layers above and below the cut are alike on the
-    models run here; attention's share, quadratic in T, is left out).  It leaves out the
-    embedding (both arms), the maps and the cache writes of the layers above the cut (Mode A
-    only), so the reachable speed-up is lower.
+    ``n_layers / split`` without replay and exact sink; with them the skip also runs the layers
+    above the cut on the first ``sink`` (the exact sink's token) and the last ``replay`` of each
+    prompt's ``prefilled`` tokens,
+    so the bound is ``Σ n·T / Σ (split·T + (n - split)·min(sink + replay, T))`` over them.  Every
+    decoder layer counts as the same work per token (the layers above and below the cut are
+    alike on the models run here; attention's share, quadratic in T, is left out).  It leaves
+    out the embedding (both arms), the maps and the cache writes of the layers above the cut
+    (Mode A only), so the reachable speed-up is lower.
     """
     n, split = geo.n_layers, plan.split
-    if not replay:
+    if not replay and not sink:
         return n / split
     if not prefilled:
-        raise ValueError("prefill_bound: with replay the bound depends on the prefilled lengths; none given")
-    return sum(n * t for t in prefilled) / sum(split * t + (n - split) * min(replay, t) for t in prefilled)
+        raise ValueError("prefill_bound: with replay or sink the bound depends on the prefilled lengths; none given")
+    return sum(n * t for t in prefilled) / sum(split * t + (n - split) * min(sink + replay, t) for t in prefilled)
 
 
-def mode_a_note(replay: int) -> str:
-    """What a Mode A figure approximates, for its protocol: the zero state, or the replayed tail."""
-    if not replay:
-        return ZERO_STATE_NOTE
-    return (f"Mode A with bounded replay: prompt tokens run through layers 1..split; attention layers above the cut "
-            f"get K/V from the projector/adapters for all but the last {replay} prefilled tokens, which run through "
-            "every layer (their own K/V above the cut; non-attention layers above the cut build their state from "
-            "these tokens only, from zero).")
+def mode_a_note(replay: int, sink: str) -> str:
+    """What a Mode A figure approximates, for its protocol: the mapped positions, the sink, the replayed tail."""
+    exact = ["the first (the attention sink)"] if sink == "exact" else []
+    exact += [f"the last {replay}"] if replay else []
+    note = ("Mode A: prompt tokens run through layers 1..split; attention layers above the cut get K/V from the "
+            "projector/adapters")
+    if sink == "mean":
+        note += (" (the first position, the attention sink: constants, the mean of the training records' first "
+                 "positions)")
+    if not exact:
+        return (f"{note}; non-attention layers above the cut start from a zero state (an approximation; none on an "
+                "all-attention model).")
+    return (f"{note} for all prefilled tokens but {' and '.join(exact)}, which run through every layer (their own "
+            "K/V above the cut; non-attention layers above the cut build their state from these tokens only).")
 
 
 def _prefill_timing(seconds: torch.Tensor, repeats: int, bound: float) -> dict:

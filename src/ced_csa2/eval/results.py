@@ -90,7 +90,7 @@ def mode_a_table(ppl: dict, gsm: dict, train: dict) -> list[str]:
                else ["–"] * 2),
              f"{gsm['groups']['baseline']['gold_nll']['nll_per_token']:.4f}" if "baseline" in gsm["groups"] else "–",
              "–", "1×"],
-            [f"mode_a (prefill skip, replay {a['replay']}, {MODE_A_MAPS[a['maps']]})", f"{a['mode_a']['ppl']:.3f}", _delta(a, "delta_pct", "{:+.2f}"), *_agreement(a),
+            [f"mode_a (prefill skip, sink: {a['sink']}, replay {a['replay']}, {MODE_A_MAPS[a['maps']]})", f"{a['mode_a']['ppl']:.3f}", _delta(a, "delta_pct", "{:+.2f}"), *_agreement(a),
              *gen, f"{gold['nll_per_token']:.4f}" if gold else "–", _delta(gold, "delta", "{:+.4f}") if gold else "–",
              f"≤ {a['prefill_speedup_bound']:.2f}×"]]
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows),

@@ -76,10 +76,11 @@ def expected_meta(params: Params, plan: LayerPlan, geo: Geometry) -> dict[str, d
     -------
     dict
         ``{kind: {meta key: value}}`` for the kinds ``"projector"`` (``projector_k{s}v{s}.pt``),
-        ``"projectors"`` (``projectors_extra.pt``), ``"adapters"`` (``adapters.pt``) and
-        ``"xkv"`` (``xkv.pt``), keys in the order they are checked: ``model``; the layers the
-        file maps (``layer`` = ``plan.source``; ``layers`` = ``plan.extra_sources``; ``source``
-        and ``layers`` = ``plan.targets``; ``layers`` = ``[plan.source, *plan.targets]``);
+        ``"projectors"`` (``projectors_extra.pt``), ``"adapters"`` (``adapters.pt``),
+        ``"xkv"`` (``xkv.pt``) and ``"sink"`` (``mode_a/sink.pt``), keys in the order they are
+        checked: ``model``; the layers the file maps (``layer`` = ``plan.source``; ``layers`` =
+        ``plan.extra_sources``; ``source`` and ``layers`` = ``plan.targets``; ``layers`` =
+        ``[plan.source, *plan.targets]``; ``layers`` = ``plan.kv_layers``);
         ``hidden_size`` and ``kv_dim``; ``plan`` (``split``, ``source``,
         ``targets``, ``extra_sources`` as lists).  Writers store the same dicts
         (:func:`checkpoint_meta`), so a file always matches the plan it was made for.
@@ -89,7 +90,8 @@ def expected_meta(params: Params, plan: LayerPlan, geo: Geometry) -> dict[str, d
     return {"projector": {**model, "layer": plan.source, **fit},
             "projectors": {**model, "layers": list(plan.extra_sources), **fit},
             "adapters": {**model, "source": plan.source, "layers": list(plan.targets), **fit},
-            "xkv": {**model, "layers": [plan.source, *plan.targets], **fit}}
+            "xkv": {**model, "layers": [plan.source, *plan.targets], **fit},
+            "sink": {**model, "layers": list(plan.kv_layers), **fit}}
 
 
 def checkpoint_meta(params: Params, plan: LayerPlan, geo: Geometry, *sections,

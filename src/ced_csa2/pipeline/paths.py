@@ -87,6 +87,7 @@ OBJECTIVES_EVAL = METRICS / "objectives" / "eval.json"  # eval_objectives: every
 
 # tune_mode_a: the maps Mode A runs with under mode_a.maps: trained
 MODE_A_MODELS = MODELS / "mode_a"
+MODE_A_SINK = MODE_A_MODELS / "sink.pt"  # the attention sink's K/V above the cut (ced_runtime.SinkKV)
 MODE_A_METRICS = METRICS / "mode_a" / "train.json"
 MODE_A_CURVES = CURVES / "tune_mode_a.tsv"
 

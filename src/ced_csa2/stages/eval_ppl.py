@@ -13,7 +13,8 @@ scored once.
   whose argmax is the baseline's) on the same scored tokens, with paired CIs.
 * Mode A: prompt = first ``prefix_fraction`` of each record, scored on the rest, for the
   plain model and for the prefill skip (non-attention layers above the cut start from
-  a zero state; ``mode_a.replay`` tokens replayed through every layer) with the maps of
+  a zero state; the first ``mode_a.sink`` and the last ``mode_a.replay`` prompt tokens through
+  every layer) with the maps of
   ``mode_a.maps`` (``trained``: stage ``tune_mode_a``'s): prefix PPL, ΔPPL, KL and top-1
   against the plain prefill, and the prefill speed-up's bound (layer passes saved).  The speed-up itself is a timing of the
   machine (``eval_ppl.timing_records`` seeded prompts, each arm warmed up, arms alternated,
@@ -80,7 +81,7 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
         parts = load_mode_a_parts(workdir, params, plan, geo, device=device)
     mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, params.seed,
                            timing_records=cfg.timing_records, block_tokens=cfg.score_block_tokens,
-                           replay=params.mode_a.replay)
+                           replay=params.mode_a.replay, sink=params.mode_a.sink)
     if mode_a["covered"]:
         mode_a["maps"] = "given" if given is not None else params.mode_a.maps
     record_timing(groups_s=round(t1 - t0, 1), mode_a_s=round(time.perf_counter() - t1, 1),

@@ -9,8 +9,13 @@ continuation (:mod:`ced_csa2.train.mode_a_training` says how).  A plan that does
 attention layer above the cut has no Mode A: the ridge maps are written untrained and
 ``covered`` is false.
 
+With ``mode_a.sink: mean`` the first position's K/V above the cut are constants, the mean over
+the training records' first positions (:func:`~ced_csa2.train.mode_a_training.mean_sink`), fixed
+before the maps train under them.
+
 Writes ``models/mode_a/{projector_k{s}v{s}.pt, projectors_extra.pt, adapters.pt}`` (the
-main branch's formats, marked ``objective: mode_a``), ``metrics/mode_a/train.json``
+main branch's formats, marked ``objective: mode_a``), ``models/mode_a/sink.pt`` (``sink: mean``),
+``metrics/mode_a/train.json``
 (steps, tokens, held-out KL before/after, protocol) and the curves
 ``metrics/curves/tune_mode_a.tsv`` (series ``mode_a``: ``train_loss`` per optimizer step, ``val_kl``
 before and after).
@@ -23,18 +28,18 @@ from pathlib import Path
 
 import torch
 
-from ..ced_runtime import CEDModeARuntime
+from ..ced_runtime import CEDModeARuntime, save_sink
 from ..config import Params, provenance, to_dict
 from ..csa2 import save_adapters
 from ..maps.ridge import ridge_provenance
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import checkpoint_meta
-from ..pipeline.paths import MODE_A_CURVES, MODE_A_METRICS, MODE_A_MODELS, RIDGE_PATH, projector_path
+from ..pipeline.paths import MODE_A_CURVES, MODE_A_METRICS, MODE_A_MODELS, MODE_A_SINK, RIDGE_PATH, projector_path
 from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
 from ..projector import save_projector, save_projectors
-from ..train.mode_a_training import OBJECTIVE, input_stats, train, with_heads
+from ..train.mode_a_training import OBJECTIVE, input_stats, mean_sink, train, with_heads
 from ..train.objectives import online_records, ridge_parts
 from ..train.projector_training import ridge_projectors
 from ..train.training import Curves, write_curves
@@ -43,7 +48,7 @@ log = logging.getLogger(__name__)
 
 PROVENANCE = ("seed", "model", "plan", "split", "ridge", "data.name", "data.max_tokens", "data.revision",
               "train_adapters.width_mult", "train_adapters.activation", "train_adapters.input", "train.online",
-              "eval_ppl.prefix_fraction", "mode_a.train")  # of dvc.yaml's params for tune_mode_a
+              "eval_ppl.prefix_fraction", "mode_a.sink", "mode_a.train")  # of dvc.yaml's params for tune_mode_a
 
 
 def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
@@ -65,8 +70,10 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
                                 for rows in online_records(params, tok, workdir, params.mode_a.train.records))
         torch.manual_seed(params.seed)
         cfg = params.mode_a.train
+        if params.mode_a.sink == "mean":
+            parts.sink = mean_sink(model, plan, geo, train_rows)
         if cfg.head_width:
-            mean, std = input_stats(model, CEDModeARuntime(model, plan, geo, parts), train_rows,
+            mean, std = input_stats(model, CEDModeARuntime(model, plan, geo, parts, sink=params.mode_a.sink), train_rows,
                                     params.eval_ppl.prefix_fraction)
             heads = with_heads({plan.source: parts.projector, **parts.extra}, cfg.head_width,
                                params.train_adapters.activation, mean, std)
@@ -77,6 +84,7 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
                                "model_revision": params.model.revision, "data_revision": params.data.revision,
                                "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
                                "prefix_fraction": params.eval_ppl.prefix_fraction, "replay": 0,
+                               "sink": params.mode_a.sink,
                                "records": len(train_rows), "val_records": len(val_rows),
                                "projector_head": f"ridge + residual MLP {cfg.head_width}" if cfg.head_width else "linear",
                                **to_dict(params.mode_a.train),
@@ -90,6 +98,8 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
     save_projectors(out / "projectors_extra.pt", {l: p.cpu() for l, p in parts.extra.items()},
                     {**meta["projectors"], **mark})
     save_adapters(out / "adapters.pt", parts.adapters.cpu(), {**meta["adapters"], **mark})
+    if parts.sink is not None:
+        save_sink(workdir / MODE_A_SINK, parts.sink.cpu(), {**meta["sink"], **mark})
     write_curves(workdir / MODE_A_CURVES, curves, x="step")
     write_json(workdir / MODE_A_METRICS, metrics)
     return metrics

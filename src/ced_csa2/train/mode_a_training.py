@@ -7,8 +7,9 @@ closed-form ``proj_{l}`` maps, the adapters at their ridge bases with the MLPs a
 zero start) and are trained together *under Mode A itself*, as SwiftKV trains its
 single-input K/V: per record of ``train.online``'s sample (the ridge stage's train split,
 cropped to ``seq_len``) the prompt -- the first ``eval_ppl.prefix_fraction``, as
-``eval_ppl`` cuts it -- is prefilled by the skip (pure skip, no replay: the maps serve
-every mapped position whatever ``mode_a.replay`` keeps), the continuation runs through
+``eval_ppl`` cuts it -- is prefilled by the skip (the first position as ``mode_a.sink`` says,
+with ``mean`` the constants of :func:`mean_sink` over the training records; no replay: the maps
+serve every mapped position whatever ``mode_a.replay`` keeps), the continuation runs through
 every layer, and the loss is KL(plain ‖ Mode A) on the continuation's next-token
 distributions (:func:`ced_csa2.train.objectives.mode_a_kl`).  The plain model's pass over each
 record (its ``H_split`` and final hidden states on the continuation, :func:`teachers`) runs once
@@ -37,7 +38,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..ced_runtime import CEDModeARuntime, CEDParts, prompt_tokens
+from .. import kv_hooks
+from ..ced_runtime import CEDModeARuntime, CEDParts, SinkKV, prompt_tokens
 from ..config import Params
 from ..projector import KVProjector
 from ..pipeline.stage_runner import record_timing
@@ -86,14 +88,36 @@ def with_heads(projectors: dict[int, KVProjector], width: int, activation: str, 
 @torch.no_grad()
 def input_stats(model, runtime: CEDModeARuntime, rows: list[torch.Tensor], fraction: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and std ``(hidden,)`` of ``H_split`` over the prompts the skip maps (float64 sums)."""
+    """Per-channel mean and std ``(hidden,)`` of ``H_split`` over the positions the skip maps (float64 sums).
+
+    The first position is left out unless the maps serve it (``runtime.sink == "none"``).
+    """
     total, squares, n = 0.0, 0.0, 0
+    first = int(runtime.sink != "none")
     for row in rows:
-        h = runtime.split_hidden(row[:, :prompt_tokens(row.shape[1], fraction) - 1]).double().flatten(0, -2)
+        h = runtime.split_hidden(row[:, :prompt_tokens(row.shape[1], fraction) - 1])
+        h = h[:, first:].double().flatten(0, -2)
         total, squares, n = total + h.sum(0), squares + (h * h).sum(0), n + h.shape[0]
     mean = total / n
     std = (squares / n - mean * mean).clamp_min(0).sqrt()
     return mean.float(), std.float().clamp_min(1e-3)
+
+
+@torch.no_grad()
+def mean_sink(model, plan, geo, rows: list[torch.Tensor]) -> SinkKV:
+    """:class:`~ced_csa2.ced_runtime.SinkKV` of ``plan.kv_layers``: the mean K/V of the first position of ``rows``.
+
+    The first position's K/V depend on the first token only, so one forward over the first
+    tokens ``(R, 1)`` gives them all (float64 sums).
+    """
+    layers = plan.kv_layers
+    with kv_hooks.capture(model, layers) as store:
+        model.model(input_ids=torch.cat([row[:, :1] for row in rows]))
+    sink = SinkKV(layers, geo.kv_dim)
+    for i, layer in enumerate(layers):
+        sink.k[i] = store["k"][layer][:, 0].double().mean(0).float()
+        sink.v[i] = store["v"][layer][:, 0].double().mean(0).float()
+    return sink
 
 
 def length_groups(rows: list[torch.Tensor]) -> list[list[int]]:
@@ -122,9 +146,9 @@ def teachers(model, plan, rows: list[torch.Tensor], fraction: float, batch_size:
 
 def train(model, parts: CEDParts, plan, geo, train_rows: list[torch.Tensor], val_rows: list[torch.Tensor],
           params: Params) -> tuple[dict, Curves]:
-    """Train ``parts`` in place under the pure skip; returns ``(summary, curves)``."""
+    """Train ``parts`` in place under the skip (``mode_a.sink``, no replay); returns ``(summary, curves)``."""
     online, fraction = params.train.online, params.eval_ppl.prefix_fraction
-    runtime = CEDModeARuntime(model, plan, geo, parts)
+    runtime = CEDModeARuntime(model, plan, geo, parts, sink=params.mode_a.sink)
     per_epoch = -(-len(train_rows) // online.batch_size)
     steps = params.mode_a.train.epochs * per_epoch
     optimizer = optimizer_for(parts, params)
