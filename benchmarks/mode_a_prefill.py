@@ -1,15 +1,18 @@
 """Mode A's prefill speed-up on the params.yaml model, against the bound its layer count allows.
 
     python benchmarks/mode_a_prefill.py                                   # from the repository root
-    python benchmarks/mode_a_prefill.py --workdir /path/to/repro --models /path/to/models --repeats 5
+    python benchmarks/mode_a_prefill.py --workdir /path/to/repro --repeats 5
     python benchmarks/mode_a_prefill.py --dtypes float32 --lengths 512 --head-widths 0 64 384  # what heads cost
 
 The model is loaded as the pipeline loads it (``load_model_and_tokenizer(params.model,
 dtype=...)``), once per ``--dtypes`` entry; the plan is ``params.plan`` (it must cover every
-attention layer above the cut, as ``eval_ppl``'s Mode A requires).  The maps come from
-``--models`` (:func:`~ced_csa2.ced_runtime.load_parts`, float32 as in ``eval_ppl``) when
-they are there and match, else random maps of the right shapes (speed does not depend on
-the weights); the output says which.  ``--head-widths w ...`` adds, in the same paired run, one
+attention layer above the cut, as ``eval_ppl``'s Mode A requires).  The maps are the ones
+``eval_ppl`` runs Mode A with (:func:`~ced_csa2.ced_runtime.load_mode_a_parts` of ``--workdir``:
+``mode_a.maps``, with the sink's constants under ``mode_a.sink: mean``; or ``--models``, a
+folder of maps, through :func:`~ced_csa2.ced_runtime.load_parts`), float32 as in ``eval_ppl``,
+when they are there and match, else random maps of the right shapes (speed does not depend on
+the weights); the output says which.  Every arm runs with ``mode_a.sink`` (random arms: random
+constants).  ``--head-widths w ...`` adds, in the same paired run, one
 arm per width ``w``: random maps whose projectors carry a residual MLP of width ``w`` (0: linear),
 so the speed a ``mode_a.train.head_width`` costs is measured before any training.
 
@@ -36,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from ced_csa2.ced_runtime import CEDModeARuntime, CEDParts, load_parts, plain_prefill, prompt_tokens
+from ced_csa2.ced_runtime import (CEDModeARuntime, CEDParts, SinkKV, load_mode_a_parts, load_parts, plain_prefill,
+                                  prompt_tokens)
 from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.eval.perplexity import eval_ids, prefill_bound
@@ -56,7 +60,8 @@ def random_parts(geo, plan, head_width: int = 0) -> CEDParts:
 
     def projector():
         return KVProjector(geo.hidden_size, geo.kv_dim, mlp_width=head_width)
-    return CEDParts(projector(), CSA2Adapters(plan.targets, geo.kv_dim), {e: projector() for e in plan.extra_sources})
+    return CEDParts(projector(), CSA2Adapters(plan.targets, geo.kv_dim), {e: projector() for e in plan.extra_sources},
+                    sink=SinkKV(plan.kv_layers, geo.kv_dim))
 
 
 def median_prompt(params, tok, workdir: Path) -> tuple[int, str]:
@@ -84,7 +89,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     ap.add_argument("--workdir", type=Path, default=Path("."), help="where data/corpus/eval.jsonl is")
-    ap.add_argument("--models", type=Path, default=Path("models"), help="the trained maps' folder")
+    ap.add_argument("--models", type=Path, default=None,
+                    help="a folder of maps (default: the ones eval_ppl's Mode A reads from --workdir)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=5)
@@ -94,20 +100,23 @@ def main() -> None:
 
     params = load_params(args.params)
     plan, geo = load_plan(params.plan, params.model)
-    bound = prefill_bound(geo, plan)
     print(f"model {params.model.name}: {geo.n_layers} layers, Mode A runs {plan.split} "
-          f"(bound {bound:.3f}x; plan {plan})")
+          f"(bound {prefill_bound(geo, plan):.3f}x without an exact sink; plan {plan})")
     print(f"CPU: {cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"timing: {PROTOCOL.format(repeats=args.repeats)}")
     exceeded = []
     for dtype in args.dtypes:
         model, tok = load_model_and_tokenizer(params.model, dtype=getattr(torch, dtype))
         device = next(model.parameters()).device
+        where = args.models or args.workdir
         try:
-            parts, label, maps = (load_parts(args.models, params, plan, geo, device=device), "trained",
-                                  f"trained ({args.models})")
+            parts = (load_parts(args.models, params, plan, geo, device=device) if args.models
+                     else load_mode_a_parts(args.workdir, params, plan, geo, device=device))
+            if parts.sink is None:  # a folder of maps without the sink's constants: random ones (a timing)
+                parts.sink = random_parts(geo, plan).sink
+            label, maps = "trained", f"trained ({where}), sink {params.mode_a.sink}"
         except (OSError, ValueError):  # CheckpointError is a ValueError
-            parts, label, maps = random_parts(geo, plan), "random", f"random (no matching maps in {args.models})"
+            parts, label, maps = random_parts(geo, plan), "random", f"random (no matching maps in {where})"
         if dtype == args.dtypes[0]:
             prompt, origin = median_prompt(params, tok, args.workdir)
             lengths = [prompt, *args.lengths]
@@ -115,12 +124,14 @@ def main() -> None:
             print()
             print("| prompt tokens | dtype | maps | plain s | Mode A s | ratio | bound |")
             print("|---:|---|---|---:|---:|---:|---:|")
-        runtimes = {label: CEDModeARuntime(model, plan, geo, parts)}  # keyed by the table's "maps" column
-        runtimes.update({f"random, head {w}": CEDModeARuntime(model, plan, geo, random_parts(geo, plan, w))
+        sink = params.mode_a.sink
+        runtimes = {label: CEDModeARuntime(model, plan, geo, parts, sink=sink)}  # keyed by the table's "maps" column
+        runtimes.update({f"random, head {w}": CEDModeARuntime(model, plan, geo, random_parts(geo, plan, w), sink=sink)
                          for w in args.head_widths})
         timed_plain = torch.inference_mode()(plain_prefill)
         g = torch.Generator().manual_seed(0)
         for n in lengths:
+            bound = prefill_bound(geo, plan, prefilled=[n], sink=int(params.mode_a.sink == "exact"))
             ids = torch.randint(0, len(tok), (1, n), generator=g).to(device)
             # the arms bind this loop's model and prompt (both are deleted after the dtype's loop)
             arms = {"plain": lambda m=model, x=ids: timed_plain(m, x)}

@@ -1,0 +1,94 @@
+"""The attention sink in Mode B: a group whose first position keeps the plain model's K/V, or constants.
+
+A group replaces the K/V of some attention layers at every position (``ced``: the source's,
+projected from ``H_split``; ``csa2``: the targets', adapted from the source's; the FP4 groups:
+rounded).  The first position is the attention sink (StreamingLLM's term: the entry most heads
+attend to when nothing else matches); it carries the model's massive activations, which maps
+fitted over all positions do not reproduce, and every other position's attention leans on it.
+:class:`SinkGroup` keeps it: in each layer the group replaces, the first position's K/V are the
+plain model's (``exact``: the layer's own ``k_proj``/``v_proj`` output, which a cache would store
+for one token per layer) or the constants of :class:`~ced_csa2.ced_runtime.SinkKV` (``mean``:
+the mean over training records' first positions; nothing stored per sequence, nothing computed).
+Position 0 attends to itself only, so with ``exact`` its whole path is the plain model's.
+
+Teacher-forced passes only: every forward must start at position 0 (what
+:func:`ced_csa2.eval.scoring.multi_group_nll` runs); a cached decoding step would be taken for
+the first position.  Measured by ``studies/sink.py``.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+from ..ced_runtime import SinkKV
+from ..model_utils import attention
+
+SINK_MODES = ("exact", "mean")
+
+
+class SinkGroup:
+    """A Mode B group's runtime with its first position kept: one context, scored like a group.
+
+    Parameters
+    ----------
+    runtime
+        A :class:`~ced_csa2.ced_runtime.CEDModeBRuntime`; what it replaces is what the sink keeps.
+    mode
+        ``"exact"`` (the plain model's first-position K/V) or ``"mean"`` (``constants``).
+    constants
+        The sink's K/V per layer (``mode="mean"``); must hold every layer the group replaces.
+
+    It has what :func:`ced_csa2.eval.scoring.multi_group_nll` uses of a runtime (``extra=``).
+    """
+
+    def __init__(self, runtime, mode: str, constants: SinkKV | None = None):
+        if mode not in SINK_MODES:
+            raise ValueError(f"SinkGroup: mode must be one of {list(SINK_MODES)}, got {mode!r}")
+        if mode == "mean":
+            missing = [l for l in runtime.replaced_layers if constants is None or l not in constants.layers]
+            if missing:
+                raise ValueError(f"SinkGroup: group {runtime.group!r} replaces layers {missing}, for which the sink's "
+                                 "constants hold no K/V")
+        self.runtime, self.mode, self.constants, self.spec = runtime, mode, constants, runtime.spec
+        self._stack: ExitStack | None = None
+
+    @property
+    def replaced_layers(self) -> tuple[int, ...]:
+        return self.runtime.replaced_layers
+
+    def seed(self, **kwargs) -> None:
+        self.runtime.seed(**kwargs)
+
+    def __enter__(self) -> "SinkGroup":
+        with ExitStack() as stack:
+            stack.enter_context(self.runtime)
+            self._install(stack)
+            self._stack = stack.pop_all()
+        return self
+
+    def _install(self, stack: ExitStack) -> None:
+        """The hooks that keep the first position, removed by ``stack``."""
+        true_first: dict = {}
+        for layer in self.replaced_layers:
+            for i, kind in enumerate("kv"):
+                proj = getattr(attention(self.runtime.model, layer), f"{kind}_proj")
+                key = (layer, kind)
+
+                def stash(mod, inp, out, key=key):  # runs before the group's replacement: the true output
+                    true_first[key] = out[:, :1]
+
+                def keep(mod, inp, out, key=key, i=i, layer=layer):  # runs after it
+                    first = (true_first[key] if self.mode == "exact"
+                             else self.constants(layer)[i].to(out).expand(out.shape[0], 1, -1))
+                    out = out.clone()
+                    out[:, :1] = first
+                    return out
+
+                if self.mode == "exact":
+                    stack.callback(proj.register_forward_hook(stash, prepend=True).remove)
+                stack.callback(proj.register_forward_hook(keep).remove)
+
+    def __exit__(self, *exc) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
