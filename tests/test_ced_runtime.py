@@ -306,3 +306,23 @@ def test_fp32_maps_drive_a_bf16_model(group):
     plan = LayerPlan(2, 3, (5, 6))
     with torch.no_grad(), CEDModeBRuntime(model, plan, group, random_parts(geo, plan), kv_format="nvfp4"):
         assert model(torch.randint(0, 300, (1, 8))).logits.dtype == torch.bfloat16
+
+
+def test_the_sink_file_round_trips_and_is_refused_when_missing_or_made_for_another_plan(tmp_path):
+    from ced_csa2.ced_runtime import load_sink, save_sink
+    from ced_csa2.pipeline.checkpoint import CheckpointError
+
+    geo, plan = geometry(tiny_llama().config), LayerPlan(2, 3, (5, 6), (4,))
+    sink = SinkKV(plan.kv_layers, geo.kv_dim)
+    torch.nn.init.normal_(sink.k), torch.nn.init.normal_(sink.v)
+    meta = {"model": "tiny", "kv_dim": geo.kv_dim, "plan": {"split": 2}}
+    path = save_sink(tmp_path / "sink.pt", sink, meta)
+    back, got = load_sink(path, {"model": "tiny", "layers": list(plan.kv_layers), "kv_dim": geo.kv_dim})
+    for layer in plan.kv_layers:  # stored in FP16, as every map file
+        for a, b in zip(back(layer), sink(layer)):
+            torch.testing.assert_close(a, b.half().float())
+    assert got["layers"] == list(plan.kv_layers)
+    with pytest.raises(CheckpointError, match=r"sink.pt: 'layers' is \[3, 4, 5, 6\] in the checkpoint, expected \[3\]"):
+        load_sink(path, {"model": "tiny", "layers": [3]})
+    with pytest.raises(CheckpointError, match=r"nothing.pt: mode_a_sink checkpoint not found"):
+        load_sink(tmp_path / "nothing.pt", {})
