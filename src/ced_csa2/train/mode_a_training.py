@@ -132,7 +132,7 @@ def teachers(model, plan, rows: list[torch.Tensor], fraction: float, batch_size:
     """:func:`~ced_csa2.train.objectives.mode_a_teacher` of every row ``(1, T_i)``, kept on the CPU.
 
     ``batch_size`` records of one length per forward.  Kept per record:
-    ``2 * C * hidden`` floats (the embedded default's 384 records: ~113 MB).
+    ``2 * C * hidden`` floats (the embedded default's 64 records: ~19 MB).
     """
     out: list[ModeATeacher | None] = [None] * len(rows)
     for group in tqdm(length_groups(rows), desc="Mode A teacher", unit="length"):
