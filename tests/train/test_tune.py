@@ -264,3 +264,24 @@ def test_mode_a_kl_runs_only_the_layers_above_the_cut_and_is_the_whole_forwards_
     assert got.item() == pytest.approx(ref.item(), rel=0, abs=64 * eps)
     for g, r in zip(got_grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4 * float(r.abs().max()) + 1e-8)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_mean_sink_is_the_mean_of_each_rows_own_first_position(name, tiny_model):
+    """One forward over the first tokens gives, per layer, the mean of what each row's own forward puts at position 0."""
+    from conftest import tiny_llama
+    from tiny_maps import LLAMA_PLAN, QWEN_PLAN, true_kv
+
+    from ced_csa2.model_utils import geometry
+    from ced_csa2.train.mode_a_training import mean_sink
+
+    model, plan = (tiny_llama(), LLAMA_PLAN) if name == "llama" else (tiny_model[0], QWEN_PLAN)
+    geo = geometry(model.config)
+    rows = [torch.randint(0, 250, (1, n)) for n in (5, 9, 7)]
+    sink = mean_sink(model, plan, geo, rows)
+    own = [true_kv(model, row, plan.kv_layers) for row in rows]  # each row alone, all its positions
+    for layer in plan.kv_layers:
+        for i, got in enumerate(sink(layer)):
+            want = torch.stack([kv[layer][i][0, 0] for kv in own]).mean(0)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(sink(plan.source)[0], own[0][plan.source][0][0, 1], atol=1e-3)  # not position 1
