@@ -76,7 +76,7 @@ def main() -> None:
     model.requires_grad_(False)
     device = next(model.parameters()).device
     parts = random_parts(geo, plan, params.mode_a.train.head_width)
-    for m in (parts.projector, parts.adapters, *parts.extra.values()):
+    for m in parts.maps():
         m.to(device)
     runtime = CEDModeARuntime(model, plan, geo, parts)
     row = torch.randint(0, len(tok), (batch, seq_len), generator=torch.Generator().manual_seed(0)).to(device)

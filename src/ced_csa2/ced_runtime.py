@@ -56,6 +56,7 @@ from .runtime.groups import group as lookup_group
 
 if TYPE_CHECKING:
     from .config import Params
+    from .projector import ProjectorBank
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -77,6 +78,10 @@ class CEDParts:
         ``xkv({layer: k}, {layer: v}) -> {layer: (k̂, v̂)}`` over ``(source, *targets)``.
     sink
         The attention sink's K/V above the cut (:class:`SinkKV`; Mode A's ``sink="mean"``).
+    bank
+        Mode A's projectors as one :class:`~ced_csa2.projector.ProjectorBank` (``mode_a.train.rank > 0``):
+        the source's and the extra sources' maps through one shared basis, in place of
+        ``projector`` and ``extra``.
     """
 
     projector: Callable[[torch.Tensor], KV] | None = None
@@ -84,10 +89,27 @@ class CEDParts:
     extra: dict[int, Callable[[torch.Tensor], KV]] = field(default_factory=dict)
     xkv: XKVBasis | None = None
     sink: "SinkKV | None" = None
+    bank: "ProjectorBank | None" = None
 
     def project(self, layer: int, plan: LayerPlan, h: torch.Tensor) -> KV:
+        if self.bank is not None:
+            return _run(self.bank, lambda x: self.bank.project(layer, x), h)
         fn = self.projector if layer == plan.source else self.extra[layer]
         return _run(fn, fn, h)
+
+    def project_all(self, plan: LayerPlan, h: torch.Tensor) -> dict[int, KV]:
+        """``{layer: (K, V)}`` of every projected layer (source and extra sources) from ``H_split`` ``(..., hidden)``;
+        a bank computes its basis once for all of them."""
+        if self.bank is None:
+            return {layer: self.project(layer, plan, h) for layer in plan.projected}
+        w = next(self.bank.parameters())
+        return {layer: (k.to(h.device, h.dtype), v.to(h.device, h.dtype))
+                for layer, (k, v) in self.bank(h.to(w.device, w.dtype)).items()}
+
+    def maps(self) -> list[nn.Module]:
+        """The map modules held (projector, adapters, extra projectors, bank; not the xKV bases or the sink)."""
+        held = (self.projector, self.adapters, *self.extra.values(), self.bank)
+        return [m for m in held if isinstance(m, nn.Module)]
 
     def adapt(self, layer: int, k_src: torch.Tensor, v_src: torch.Tensor) -> KV:
         return _run(self.adapters, lambda k, v: self.adapters(layer, k, v), k_src, v_src)
@@ -126,6 +148,7 @@ class SinkKV(nn.Module):
 
 
 SINK_KIND = "mode_a_sink"
+BANK_FILE = "projector_bank.pt"  # Mode A's projectors as one bank (mode_a.train.rank > 0), in models/mode_a/
 
 
 def save_sink(path: Path | str, sink: SinkKV, meta: Mapping) -> Path:
@@ -154,7 +177,8 @@ def _run(owner, fn, *xs: torch.Tensor) -> KV:
 
 
 def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geometry, *, device=None, dtype=None,
-               also: Mapping | None = None, extra_sources: bool = True, low_rank: bool = False) -> CEDParts:
+               also: Mapping | None = None, extra_sources: bool = True, low_rank: bool = False,
+               bank: bool = False) -> CEDParts:
     """Load the maps of ``plan`` from ``models_dir``, each refused unless it was made for them.
 
     Parameters
@@ -173,6 +197,9 @@ def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geo
         for a folder that holds none (``tune@<objective>``).
     low_rank
         Also load ``xkv.pt``, the ``xkv`` group's cross-layer bases (stage ``fit_xkv``).
+    bank
+        Load the projectors as one ``projector_bank.pt`` (Mode A's maps at ``mode_a.train.rank > 0``)
+        instead of ``projector_k{s}v{s}.pt`` and ``projectors_extra.pt``.
 
     Raises
     ------
@@ -184,15 +211,20 @@ def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geo
         A file made with other params than ``params`` (its recorded provenance).
     """
     from .csa2 import load_adapters
-    from .projector import load_projector, load_projectors
+    from .projector import load_bank, load_projector, load_projectors
 
     models_dir = Path(models_dir)
     expect = {kind: {**want, **(also or {})} for kind, want in expected_meta(params, plan, geo).items()}
+    adapters = load_adapters(models_dir / "adapters.pt", device=device, dtype=dtype, expect=expect["adapters"])
+    check_meta_provenance(models_dir / "adapters.pt", adapters.meta, params)
+    if bank:
+        path = models_dir / BANK_FILE
+        projectors, meta = load_bank(path, expect=expect["bank"], device=device, dtype=dtype)
+        check_meta_provenance(path, meta, params)
+        return CEDParts(adapters=adapters, bank=projectors)
     path = models_dir / f"projector_k{plan.source}v{plan.source}.pt"
     projector, meta = load_projector(path, expect=expect["projector"], device=device, dtype=dtype)
     check_meta_provenance(path, meta, params)
-    adapters = load_adapters(models_dir / "adapters.pt", device=device, dtype=dtype, expect=expect["adapters"])
-    check_meta_provenance(models_dir / "adapters.pt", adapters.meta, params)
     extra = {}
     if plan.extra_sources and extra_sources:
         extra, meta = load_projectors(models_dir / "projectors_extra.pt", expect=expect["projectors"], device=device,
@@ -214,7 +246,7 @@ def load_mode_a_parts(workdir: Path | str, params: Params, plan: LayerPlan, geo:
         parts = load_parts(Path(workdir) / MODELS, params, plan, geo, device=device)
     else:
         parts = load_parts(Path(workdir) / MODE_A_MODELS, params, plan, geo, device=device,
-                           also={"objective": "mode_a"})
+                           also={"objective": "mode_a"}, bank=params.mode_a.train.rank > 0)
     if params.mode_a.sink == "mean":
         path = Path(workdir) / MODE_A_SINK
         parts.sink, meta = load_sink(path, expected_meta(params, plan, geo)["sink"], device=device)
@@ -611,7 +643,7 @@ class CEDModeARuntime:
     def predicted_kv(self, h: torch.Tensor) -> dict[int, KV]:
         """``{layer: (K, V)}`` for every covered layer, from ``H_split`` ``(B, T, hidden)``."""
         plan = self.plan
-        out = {layer: self.parts.project(layer, plan, h) for layer in plan.projected}
+        out = self.parts.project_all(plan, h)
         for t in plan.targets:
             out[t] = self.parts.adapt(t, *out[plan.source])
         return out

@@ -500,11 +500,17 @@ class ModeATrainConfig(Section):
     # (0 = linear projectors); trained at head_lr
     head_width: int
     head_lr: float
+    # width of one basis the projectors share (ced_csa2.projector.ProjectorBank: started at the reduced-rank
+    # regression of the ridge maps, trained at projector_lr; capped at the maps' own rank); 0 = one map per layer
+    rank: int
 
     def __post_init__(self):
         _check_finite(self, "mode_a.train")
         _check_positive(self, "mode_a.train", "records", "epochs", "projector_lr", "adapters_lr", "head_lr")
         _check(self.head_width >= 0, "mode_a.train.head_width", f"must be >= 0 (0 = linear), got {self.head_width}")
+        _check(self.rank >= 0, "mode_a.train.rank", f"must be >= 0 (0 = one map per layer), got {self.rank}")
+        _check(not (self.rank and self.head_width), "mode_a.train.rank",
+               f"a bank (rank {self.rank}) is linear: set head_width to 0 (got {self.head_width})")
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,19 @@ head is the linear map bit for bit.  Why standardised: ``H_split`` has outlier c
 weight by ~lr, so on raw inputs the MLP's output jumps by hundreds per step (measured: Mode A's
 training KL 0.83 -> 10.7 in one step at lr 3e-4).
 
+``ProjectorBank`` (Mode A's maps with ``mode_a.train.rank > 0``) serves several layers through one
+shared basis: ``Linear(hidden -> rank)``, then one ``Linear(rank -> 2 * kv_dim)`` per layer, all
+layers' heads in one matrix.  Why: Mode A computes every projected layer's K/V from the same
+``H_split``, and on the embedded default those maps were ~6% of the skip's time (12 layers x
+``576 x 384``: as many multiply-adds per token as ~0.75 of a decoder layer); at rank 128 they cost a
+quarter of that.  :func:`reduced_rank` starts it at the reduced-rank regression of the per-layer maps.
+
 Files hold FP16 weights and metadata (format and load-time checks in
 :mod:`ced_csa2.pipeline.checkpoint`): ``models/projector_k{l}v{l}.pt`` for the source layer
 (:func:`save_projector` / :func:`load_projector`), and ``models/projectors_extra.pt``
 for a covering plan's extra sources, several projectors in one file
-(:func:`save_projectors` / :func:`load_projectors`; empty for an ordinary plan).
+(:func:`save_projectors` / :func:`load_projectors`; empty for an ordinary plan), and
+``models/mode_a/projector_bank.pt`` for a bank (:func:`save_bank` / :func:`load_bank`).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from .pipeline.checkpoint import init_linear_from_ridge, load_checkpoint, load_s
 
 KIND = "projector"
 KIND_MANY = "projectors"  # one file of several single-layer projectors
+KIND_BANK = "projector_bank"  # one file of a ProjectorBank
 # What a projector file must say about itself besides its dims (added by save_projector):
 # see ced_csa2.pipeline.checkpoint.expected_meta / checkpoint_meta.
 REQUIRED_META = ("layer", "split", "plan", "model", "model_id", "params_hash")
@@ -175,3 +184,110 @@ def load_projectors(path: str | Path, *, expect: Mapping | None = None, device=N
     load_state(Path(path), module, state)
     module = module.to(device=device, dtype=dtype or torch.float32).eval()
     return {int(layer): p for layer, p in module.items()}, meta
+
+
+class ProjectorBank(nn.Module):
+    """``H_split -> {layer: (K_l, V_l)}`` for several layers through one shared rank-``rank`` basis.
+
+    ``heads(basis(h))`` holds every layer's ``K ‖ V``, the layers in ``layers`` order; layer ``l``'s
+    map is ``heads_l ∘ basis``, a linear map of rank at most ``rank``.
+
+    Parameters
+    ----------
+    hidden_size
+        Width of ``H_split``.
+    kv_dim
+        ``n_kv_heads * head_dim`` of every projected layer.
+    layers
+        The layers it projects.
+    rank
+        Width of the shared basis, at least 1 (a bank is cheaper than the per-layer maps it factors
+        while ``rank * (hidden + 2 * kv_dim * len(layers)) < hidden * 2 * kv_dim * len(layers)``).
+    device, dtype
+        Passed to the modules.
+    """
+
+    def __init__(self, hidden_size: int, kv_dim: int, layers, rank: int, *, device=None, dtype=None):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"ProjectorBank: rank must be >= 1, got {rank}")
+        self.hidden_size, self.kv_dim, self.layers, self.rank = hidden_size, kv_dim, tuple(layers), rank
+        self.basis = nn.Linear(hidden_size, rank, bias=False, device=device, dtype=dtype)
+        self.heads = nn.Linear(rank, len(self.layers) * 2 * kv_dim, device=device, dtype=dtype)
+
+    def forward(self, h: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """``h``: ``(..., hidden)`` -> ``{layer: (k, v)}``, each ``(..., kv_dim)`` (views of one output)."""
+        out = self.heads(self.basis(h)).split(2 * self.kv_dim, dim=-1)
+        return {layer: tuple(kv.split(self.kv_dim, dim=-1)) for layer, kv in zip(self.layers, out)}
+
+    def project(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` of ``layer`` alone (its rows of the heads): ``h`` ``(..., hidden)`` -> each ``(..., kv_dim)``."""
+        rows = slice(self.layers.index(layer) * 2 * self.kv_dim, (self.layers.index(layer) + 1) * 2 * self.kv_dim)
+        k, v = nn.functional.linear(self.basis(h), self.heads.weight[rows], self.heads.bias[rows]).split(self.kv_dim, -1)
+        return k, v
+
+
+@torch.no_grad()
+def reduced_rank(projectors: Mapping[int, KVProjector], mean: torch.Tensor, cov: torch.Tensor,
+                 rank: int) -> ProjectorBank:
+    """The bank of rank ``rank`` closest to the linear ``projectors`` on inputs of ``mean`` and ``cov``.
+
+    Reduced-rank regression of the maps' own predictions: with ``W`` ``(hidden, D)`` the maps side
+    by side (``D = 2 * kv_dim * len(projectors)``) and the inputs' covariance ``cov``, the rank-``r``
+    map ``W_r`` minimising ``E||(h - mean) (W - W_r) / s||²`` is ``W_s V_r V_rᵀ s`` with ``W_s = W / s``
+    and ``V_r`` the top ``r`` right singular vectors of ``cov^½ W_s``.  ``s`` scales each layer's K
+    and V block by the RMS of its predictions, so that every block counts alike (unscaled, the
+    layers with the largest values would take the basis).  The bias keeps the prediction at
+    ``mean`` the maps' own.
+
+    Parameters
+    ----------
+    projectors
+        ``{layer: linear KVProjector}`` of one ``hidden_size``/``kv_dim``, in the bank's layer order.
+    mean, cov
+        ``(hidden,)`` and ``(hidden, hidden)``: the first two moments of the ``H_split`` the bank
+        will read (:func:`ced_csa2.train.mode_a_training.input_moments`).
+    rank
+        The basis width, capped at ``min(hidden, D)``, where the bank reproduces the maps exactly.
+
+    Returns
+    -------
+    ProjectorBank
+        float32, on ``mean``'s device.
+    """
+    first = next(iter(projectors.values()))
+    if any(p.mlp is not None for p in projectors.values()):
+        raise ValueError("reduced_rank: a bank factors linear projectors; these have residual heads")
+    W = torch.cat([p.proj.weight.double().T for p in projectors.values()], 1)  # (hidden, D)
+    b = torch.cat([p.proj.bias.double() for p in projectors.values()])
+    mean, cov = mean.double(), cov.double()
+    # block RMS of the centred predictions: diag(Wᵀ cov W) averaged over each K or V block
+    s = ((W * (cov @ W)).sum(0).clamp_min(0).view(-1, first.kv_dim).mean(1).sqrt().clamp_min(1e-12)
+         .repeat_interleave(first.kv_dim))
+    evals, evecs = torch.linalg.eigh(cov)
+    root = evecs * evals.clamp_min(0).sqrt()  # cov = root rootᵀ
+    W_s = W / s
+    V = torch.linalg.svd(root.T @ W_s, full_matrices=False)[2][:rank].T  # (D, r), r = min(rank, hidden, D)
+    bank = ProjectorBank(first.hidden_size, first.kv_dim, projectors, V.shape[1], device=mean.device)
+    bank.basis.weight.copy_((W_s @ V).T)
+    bank.heads.weight.copy_(V * s[:, None])
+    bank.heads.bias.copy_(b + mean @ W - mean @ (W_s @ V) @ (V.T * s))
+    return bank.float()
+
+
+def save_bank(path: str | Path, bank: ProjectorBank, meta: Mapping) -> Path:
+    """Write ``bank`` (FP16 weights) and ``meta`` (:func:`~ced_csa2.pipeline.checkpoint.checkpoint_meta`'s
+    ``"bank"``) to ``path`` atomically; ``layers``, dims and ``rank`` are taken from the module."""
+    form = {"layers": list(bank.layers), "hidden_size": bank.hidden_size, "kv_dim": bank.kv_dim, "rank": bank.rank}
+    required = tuple(k for k in REQUIRED_META if k != "layer") + ("hidden_size", "kv_dim", "rank")
+    return save_checkpoint(path, KIND_BANK, bank, {**meta, **form}, required)
+
+
+def load_bank(path: str | Path, *, expect: Mapping | None = None, device=None,
+              dtype: torch.dtype | None = None) -> tuple[ProjectorBank, dict]:
+    """Load a file of :func:`save_bank`: ``(bank, meta)``, checked as :func:`load_projector` checks its file."""
+    state, meta = load_checkpoint(path, KIND_BANK, expect)
+    bank = ProjectorBank(meta["hidden_size"], meta["kv_dim"], meta["layers"], meta["rank"], device="meta")
+    bank.to_empty(device="cpu")
+    load_state(Path(path), bank, state)
+    return bank.to(device=device, dtype=dtype or torch.float32).eval(), meta

@@ -137,11 +137,12 @@ def test_attn_out_lowers_every_phase_s_held_out_loss(tmp_path, frozen):
         assert phase["val_after"]["loss"] < phase["val_before"]["loss"], (group, phase)
 
 
-@pytest.mark.parametrize("profile, head_width", [("qwen3_5", 0), ("gemma3", 0), ("qwen3_5", 16)])
-def test_mode_a_objective_lowers_its_held_out_kl(tmp_path, profile, head_width):
+@pytest.mark.parametrize("profile, head_width, rank", [("qwen3_5", 0, 0), ("gemma3", 0, 0), ("qwen3_5", 16, 0),
+                                                       ("gemma3", 0, 4)])
+def test_mode_a_objective_lowers_its_held_out_kl(tmp_path, profile, head_width, rank):
     """tune_mode_a trains every map Mode A reads through the skip itself: hybrid Qwen3.5 (zero DeltaNet
     state above the cut) and Gemma-3 (sliding and full layers, extra sources); with ``head_width`` the
-    projectors as ridge maps plus residual MLPs."""
+    projectors as ridge maps plus residual MLPs; with ``rank`` as one bank (source and extra sources)."""
     import yaml
     from conftest import TINY_GEMMA3_OVERRIDES, compose
 
@@ -155,7 +156,7 @@ def test_mode_a_objective_lowers_its_held_out_kl(tmp_path, profile, head_width):
         params, train=dataclasses.replace(params.train, online=dataclasses.replace(ONLINE, records=8, epochs=1)),
         mode_a=dataclasses.replace(params.mode_a, maps="trained", train=dataclasses.replace(
             params.mode_a.train, records=8, epochs=4, projector_lr=3e-3, adapters_lr=3e-3, head_width=head_width,
-            head_lr=3e-3)))
+            head_lr=3e-3, rank=rank)))
     model, tok = load_model_and_tokenizer(params.model, dtype=torch.float32)
     maps = write_inputs(tmp_path, params, tok)
     plan, geo = load_plan(params.plan, params.model)
@@ -172,7 +173,11 @@ def test_mode_a_objective_lowers_its_held_out_kl(tmp_path, profile, head_width):
     assert [s for s, _ in curves["mode_a", "train_loss"]] == list(range(1, 9))
     assert curves["mode_a", "val_kl"] == [(0, pytest.approx(m["val_before"]["kl"])), (8, pytest.approx(m["val_after"]["kl"]))]
     parts = load_mode_a_parts(tmp_path, params, plan, geo)  # what eval_ppl / eval_gsm8k run Mode A with
-    assert sorted(parts.extra) == sorted(plan.extra_sources)
+    if rank:
+        assert parts.projector is None and not parts.extra and parts.bank.layers == plan.projected
+        assert m["rank"] == parts.bank.rank == rank and m["protocol"]["projector_head"].startswith(f"bank of rank {rank}")
+        return
+    assert parts.bank is None and sorted(parts.extra) == sorted(plan.extra_sources)
     assert not torch.equal(parts.projector.proj.weight, maps[f"proj_{plan.source}"]["W"].T.half().float())
     assert m["protocol"]["projector_head"] == (f"ridge + residual MLP {head_width}" if head_width else "linear")
     for p in (parts.projector, *parts.extra.values()):
@@ -229,7 +234,7 @@ def test_mode_a_kl_runs_only_the_layers_above_the_cut_and_is_the_whole_forwards_
     model.requires_grad_(False)
     try:
         parts = random_parts(geo, plan, seed=3)
-        maps = [w for m in (parts.projector, parts.adapters, *parts.extra.values()) for w in m.parameters()]
+        maps = [w for m in parts.maps() for w in m.parameters()]
         runtime = CEDModeARuntime(model, plan, geo, parts)
         row = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(5))
         cut = prompt_tokens(row.shape[1], 0.5)

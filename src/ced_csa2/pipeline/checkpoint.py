@@ -77,10 +77,11 @@ def expected_meta(params: Params, plan: LayerPlan, geo: Geometry) -> dict[str, d
     dict
         ``{kind: {meta key: value}}`` for the kinds ``"projector"`` (``projector_k{s}v{s}.pt``),
         ``"projectors"`` (``projectors_extra.pt``), ``"adapters"`` (``adapters.pt``),
-        ``"xkv"`` (``xkv.pt``) and ``"sink"`` (``mode_a/sink.pt``), keys in the order they are
+        ``"xkv"`` (``xkv.pt``), ``"sink"`` (``mode_a/sink.pt``) and ``"bank"``
+        (``mode_a/projector_bank.pt``), keys in the order they are
         checked: ``model``; the layers the file maps (``layer`` = ``plan.source``; ``layers`` =
         ``plan.extra_sources``; ``source`` and ``layers`` = ``plan.targets``; ``layers`` =
-        ``[plan.source, *plan.targets]``; ``layers`` = ``plan.kv_layers``);
+        ``[plan.source, *plan.targets]``; ``layers`` = ``plan.kv_layers``; ``layers`` = ``plan.projected``);
         ``hidden_size`` and ``kv_dim``; ``plan`` (``split``, ``source``,
         ``targets``, ``extra_sources`` as lists).  Writers store the same dicts
         (:func:`checkpoint_meta`), so a file always matches the plan it was made for.
@@ -91,7 +92,8 @@ def expected_meta(params: Params, plan: LayerPlan, geo: Geometry) -> dict[str, d
             "projectors": {**model, "layers": list(plan.extra_sources), **fit},
             "adapters": {**model, "source": plan.source, "layers": list(plan.targets), **fit},
             "xkv": {**model, "layers": [plan.source, *plan.targets], **fit},
-            "sink": {**model, "layers": list(plan.kv_layers), **fit}}
+            "sink": {**model, "layers": list(plan.kv_layers), **fit},
+            "bank": {**model, "layers": list(plan.projected), **fit}}
 
 
 def checkpoint_meta(params: Params, plan: LayerPlan, geo: Geometry, *sections,

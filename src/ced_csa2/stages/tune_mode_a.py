@@ -3,7 +3,9 @@
     python -m ced_csa2.stages.tune_mode_a     # what `dvc repro tune_mode_a` runs
 
 From the ridge maps (``models/ridge.pt``; with ``mode_a.train.head_width > 0`` each projector also
-gets a zero-initialised residual MLP), the source's and the extra sources' projectors and the
+gets a zero-initialised residual MLP; with ``mode_a.train.rank > 0`` the projectors become one
+:class:`~ced_csa2.projector.ProjectorBank`, the reduced-rank regression of the ridge maps on the
+training prompts' ``H_split``), the source's and the extra sources' projectors and the
 targets' adapters are trained together under Mode A itself, KL(plain ‖ Mode A) on the
 continuation (:mod:`ced_csa2.train.mode_a_training` says how).  A plan that does not cover every
 attention layer above the cut has no Mode A: the ridge maps are written untrained and
@@ -14,7 +16,8 @@ the training records' first positions (:func:`~ced_csa2.train.mode_a_training.me
 before the maps train under them.
 
 Writes ``models/mode_a/{projector_k{s}v{s}.pt, projectors_extra.pt, adapters.pt}`` (the
-main branch's formats, marked ``objective: mode_a``), ``models/mode_a/sink.pt`` (``sink: mean``),
+main branch's formats, marked ``objective: mode_a``; with a bank ``projector_bank.pt`` in place of
+the two projector files), ``models/mode_a/sink.pt`` (``sink: mean``),
 ``metrics/mode_a/train.json``
 (steps, tokens, held-out KL before/after, protocol) and the curves
 ``metrics/curves/tune_mode_a.tsv`` (series ``mode_a``: ``train_loss`` per optimizer step, ``val_kl``
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..ced_runtime import CEDModeARuntime, save_sink
+from ..ced_runtime import BANK_FILE, CEDModeARuntime, save_sink
 from ..config import Params, provenance, to_dict
 from ..csa2 import save_adapters
 from ..maps.ridge import ridge_provenance
@@ -38,8 +41,8 @@ from ..pipeline.checkpoint import checkpoint_meta
 from ..pipeline.paths import MODE_A_CURVES, MODE_A_METRICS, MODE_A_MODELS, MODE_A_SINK, RIDGE_PATH, projector_path
 from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
-from ..projector import save_projector, save_projectors
-from ..train.mode_a_training import OBJECTIVE, input_stats, mean_sink, train, with_heads
+from ..projector import reduced_rank, save_bank, save_projector, save_projectors
+from ..train.mode_a_training import OBJECTIVE, input_moments, input_stats, mean_sink, train, with_heads
 from ..train.objectives import online_records, ridge_parts
 from ..train.projector_training import ridge_projectors
 from ..train.training import Curves, write_curves
@@ -64,7 +67,7 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
         model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device("auto"))
         model.requires_grad_(False)
         device = next(model.parameters()).device
-        for m in (parts.projector, parts.adapters, *parts.extra.values()):
+        for m in parts.maps():
             m.to(device)
         train_rows, val_rows = ([torch.tensor([r], device=device) for r in rows]
                                 for rows in online_records(params, tok, workdir, params.mode_a.train.records))
@@ -72,12 +75,21 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
         cfg = params.mode_a.train
         if params.mode_a.sink == "mean":
             parts.sink = mean_sink(model, plan, geo, train_rows)
+        skip, fraction = CEDModeARuntime(model, plan, geo, parts, sink=params.mode_a.sink), params.eval_ppl.prefix_fraction
         if cfg.head_width:
-            mean, std = input_stats(model, CEDModeARuntime(model, plan, geo, parts, sink=params.mode_a.sink), train_rows,
-                                    params.eval_ppl.prefix_fraction)
+            mean, std = input_stats(skip, train_rows, fraction)
             heads = with_heads({plan.source: parts.projector, **parts.extra}, cfg.head_width,
                                params.train_adapters.activation, mean, std)
             parts.projector, parts.extra = heads.pop(plan.source), heads
+        if cfg.rank:
+            mean, cov = input_moments(skip, train_rows, fraction)
+            parts.bank = reduced_rank({plan.source: parts.projector, **parts.extra}, mean, cov, cfg.rank)
+            parts.projector, parts.extra = None, {}
+            metrics["rank"] = parts.bank.rank
+            if parts.bank.rank < cfg.rank:
+                log.warning("mode_a.train.rank %d is above the maps' own rank: the bank has rank %d and reproduces "
+                            "the ridge maps exactly (at more multiply-adds than the maps themselves)",
+                            cfg.rank, parts.bank.rank)
         summary, curves = train(model, parts, plan, geo, train_rows, val_rows, params)
         metrics |= summary
         metrics["protocol"] = {"model": params.model.name, "data": params.data.name,
@@ -86,7 +98,7 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
                                "prefix_fraction": params.eval_ppl.prefix_fraction, "replay": 0,
                                "sink": params.mode_a.sink,
                                "records": len(train_rows), "val_records": len(val_rows),
-                               "projector_head": f"ridge + residual MLP {cfg.head_width}" if cfg.head_width else "linear",
+                               "projector_head": projector_form(cfg, parts),
                                **to_dict(params.mode_a.train),
                                **{k: v for k, v in to_dict(params.train.online).items()
                                   if k in ("seq_len", "batch_size", "warmup_fraction", "weight_decay")}}
@@ -94,15 +106,25 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
                            params.train.online, params.mode_a.train, provenance=made_from)
     out, mark = workdir / MODE_A_MODELS, {"objective": OBJECTIVE}
-    save_projector(out / projector_path(plan.source).name, parts.projector.cpu(), {**meta["projector"], **mark})
-    save_projectors(out / "projectors_extra.pt", {l: p.cpu() for l, p in parts.extra.items()},
-                    {**meta["projectors"], **mark})
+    if parts.bank is not None:
+        save_bank(out / BANK_FILE, parts.bank.cpu(), {**meta["bank"], **mark})
+    else:
+        save_projector(out / projector_path(plan.source).name, parts.projector.cpu(), {**meta["projector"], **mark})
+        save_projectors(out / "projectors_extra.pt", {l: p.cpu() for l, p in parts.extra.items()},
+                        {**meta["projectors"], **mark})
     save_adapters(out / "adapters.pt", parts.adapters.cpu(), {**meta["adapters"], **mark})
     if parts.sink is not None:
         save_sink(workdir / MODE_A_SINK, parts.sink.cpu(), {**meta["sink"], **mark})
     write_curves(workdir / MODE_A_CURVES, curves, x="step")
     write_json(workdir / MODE_A_METRICS, metrics)
     return metrics
+
+
+def projector_form(cfg, parts) -> str:
+    """The Mode A projectors' form, for the protocol."""
+    if parts.bank is not None:
+        return f"bank of rank {parts.bank.rank} (reduced-rank regression of the ridge maps, then trained)"
+    return f"ridge + residual MLP {cfg.head_width}" if cfg.head_width else "linear"
 
 
 def main() -> None:

@@ -60,8 +60,10 @@ def held_out_kl(model, runtime: CEDModeARuntime, rows: list[torch.Tensor], fract
 
 def optimizer_for(parts: CEDParts, params: Params) -> torch.optim.AdamW:
     cfg = params.mode_a.train
-    projectors = (parts.projector, *parts.extra.values())
-    groups = [{"params": [w for p in projectors for w in p.proj.parameters()], "lr": cfg.projector_lr},
+    projectors = [p for p in (parts.projector, *parts.extra.values()) if p is not None]
+    linear = [w for p in projectors for w in p.proj.parameters()]
+    linear += list(parts.bank.parameters()) if parts.bank is not None else []
+    groups = [{"params": linear, "lr": cfg.projector_lr},
               {"params": list(parts.adapters.parameters()), "lr": cfg.adapters_lr}]
     heads = [w for p in projectors for w in p.mlp_parameters()]
     if heads:
@@ -86,21 +88,28 @@ def with_heads(projectors: dict[int, KVProjector], width: int, activation: str, 
 
 
 @torch.no_grad()
-def input_stats(model, runtime: CEDModeARuntime, rows: list[torch.Tensor], fraction: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and std ``(hidden,)`` of ``H_split`` over the positions the skip maps (float64 sums).
+def input_moments(runtime: CEDModeARuntime, rows: list[torch.Tensor], fraction: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean ``(hidden,)`` and covariance ``(hidden, hidden)`` of ``H_split`` over the positions the skip maps
+    (float64 sums; float64 out).
 
     The first position is left out unless the maps serve it (``runtime.sink == "none"``).
     """
-    total, squares, n = 0.0, 0.0, 0
+    total, products, n = 0.0, 0.0, 0
     first = int(runtime.sink != "none")
     for row in rows:
         h = runtime.split_hidden(row[:, :prompt_tokens(row.shape[1], fraction) - 1])
         h = h[:, first:].double().flatten(0, -2)
-        total, squares, n = total + h.sum(0), squares + (h * h).sum(0), n + h.shape[0]
+        total, products, n = total + h.sum(0), products + h.T @ h, n + h.shape[0]
     mean = total / n
-    std = (squares / n - mean * mean).clamp_min(0).sqrt()
-    return mean.float(), std.float().clamp_min(1e-3)
+    return mean, products / n - torch.outer(mean, mean)
+
+
+def input_stats(runtime: CEDModeARuntime, rows: list[torch.Tensor], fraction: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and std ``(hidden,)`` of ``H_split`` over the positions the skip maps (:func:`input_moments`)."""
+    mean, cov = input_moments(runtime, rows, fraction)
+    return mean.float(), cov.diagonal().clamp_min(0).sqrt().float().clamp_min(1e-3)
 
 
 @torch.no_grad()
