@@ -3,6 +3,7 @@
     python benchmarks/mode_a_prefill.py                                   # from the repository root
     python benchmarks/mode_a_prefill.py --workdir /path/to/repro --repeats 5
     python benchmarks/mode_a_prefill.py --dtypes float32 --lengths 512 --head-widths 0 64 384  # what heads cost
+    python benchmarks/mode_a_prefill.py --dtypes float32 --lengths 512 --ranks 0 128 256      # what a bank saves
 
 The model is loaded as the pipeline loads it (``load_model_and_tokenizer(params.model,
 dtype=...)``), once per ``--dtypes`` entry; the plan is ``params.plan`` (it must cover every
@@ -14,7 +15,9 @@ when they are there and match, else random maps of the right shapes (speed does 
 the weights); the output says which.  Every arm runs with ``mode_a.sink`` (random arms: random
 constants).  ``--head-widths w ...`` adds, in the same paired run, one
 arm per width ``w``: random maps whose projectors carry a residual MLP of width ``w`` (0: linear),
-so the speed a ``mode_a.train.head_width`` costs is measured before any training.
+so the speed a ``mode_a.train.head_width`` costs is measured before any training; ``--ranks r ...``
+likewise one arm per ``r``: random maps whose projectors are one bank of rank ``r``
+(``mode_a.train.rank``; 0: one linear map per layer).
 
 Prompt lengths: the median prompt of ``eval_ppl``'s Mode A (``prefix_fraction`` of each
 eval record of ``--workdir``, minus the last token, which the continuation consumes)
@@ -48,20 +51,23 @@ from ced_csa2.model_utils import load_model_and_tokenizer
 from ced_csa2.pipeline.paths import EVAL_JSONL
 from ced_csa2.pipeline.timing import PROTOCOL, BoundExceeded, check_bound, paired_seconds
 from ced_csa2.plan import load_plan
-from ced_csa2.projector import KVProjector
+from ced_csa2.projector import KVProjector, ProjectorBank
 
 DEFAULT_PROMPT = 220  # the embedded default's median Mode A prompt, when its eval records are absent
 
 
-def random_parts(geo, plan, head_width: int = 0) -> CEDParts:
+def random_parts(geo, plan, head_width: int = 0, rank: int = 0) -> CEDParts:
     """Maps of ``plan``'s shapes, seeded (float32, as :func:`load_parts` builds them); projectors with a
-    residual MLP of ``head_width`` (0: linear)."""
+    residual MLP of ``head_width`` (0: linear), or one bank of rank ``rank`` (0: one map per layer)."""
     torch.manual_seed(0)
+    adapters, sink = CSA2Adapters(plan.targets, geo.kv_dim), SinkKV(plan.kv_layers, geo.kv_dim)
+    if rank:
+        return CEDParts(adapters=adapters, bank=ProjectorBank(geo.hidden_size, geo.kv_dim, plan.projected, rank),
+                        sink=sink)
 
     def projector():
         return KVProjector(geo.hidden_size, geo.kv_dim, mlp_width=head_width)
-    return CEDParts(projector(), CSA2Adapters(plan.targets, geo.kv_dim), {e: projector() for e in plan.extra_sources},
-                    sink=SinkKV(plan.kv_layers, geo.kv_dim))
+    return CEDParts(projector(), adapters, {e: projector() for e in plan.extra_sources}, sink=sink)
 
 
 def median_prompt(params, tok, workdir: Path) -> tuple[int, str]:
@@ -96,6 +102,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--head-widths", type=int, nargs="*", default=[],
                     help="also time random maps with residual heads of these widths (0 = linear)")
+    ap.add_argument("--ranks", type=int, nargs="*", default=[],
+                    help="also time random maps whose projectors are one bank of these ranks (0 = one map per layer)")
     args = ap.parse_args()
 
     params = load_params(args.params)
@@ -128,6 +136,8 @@ def main() -> None:
         runtimes = {label: CEDModeARuntime(model, plan, geo, parts, sink=sink)}  # keyed by the table's "maps" column
         runtimes.update({f"random, head {w}": CEDModeARuntime(model, plan, geo, random_parts(geo, plan, w), sink=sink)
                          for w in args.head_widths})
+        runtimes.update({f"random, rank {r}": CEDModeARuntime(model, plan, geo, random_parts(geo, plan, rank=r), sink=sink)
+                         for r in args.ranks})
         timed_plain = torch.inference_mode()(plain_prefill)
         g = torch.Generator().manual_seed(0)
         for n in lengths:
