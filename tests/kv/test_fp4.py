@@ -327,3 +327,31 @@ def test_formats_hold_group_and_scale_kind():
     assert (NVFP4().group, NVFP4().scale_kind) == (16, "e4m3")
     assert (MXFP4().group, MXFP4().scale_kind) == (32, "e8m0")
     assert NVFP4(group=32).entry_bytes(512) == fp4_entry_bytes(512, 32)
+
+
+def test_e2m1_round_is_the_decoded_code_on_a_float32_sweep():
+    # the values-only rounding of round_trip: e2m1_decode(codes) bit for bit, -0.0 included
+    g = torch.Generator().manual_seed(1)
+    sweep = torch.arange(0, 0x41000001, 257, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    sign = torch.where(torch.rand(sweep.shape, generator=g) < 0.5, -1.0, 1.0)
+    x = torch.cat([sweep * sign, torch.randn(100_000, generator=g) * 4, torch.tensor([math.inf, -math.inf, -0.0])])
+    want, got = e2m1_decode(e2m1_encode(x)), fp4._e2m1_round(x.clone())
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+@pytest.mark.parametrize("fmt", [NVFP4(), MXFP4()], ids=["nvfp4", "mxfp4"])
+def test_round_trip_is_dequantize_of_quantize_bit_for_bit(fmt, monkeypatch):
+    x = gaussian_blocks(40, 64, seed=9).view(5, 8, 64)
+    x[1, 2] = 0.0  # all-zero blocks: scale 0
+    x[2, 3, :16] = -x[2, 3, :16].abs() * 1e-30  # underflowing blocks, negatives rounding to -0.0
+    x[3, 4, :32] *= 1e4  # saturation
+    for y in (x, x.transpose(0, 1), x.to(torch.bfloat16)):
+        want = fmt.dequantize(fmt.quantize(y), dtype=y.dtype)
+        got = fmt.round_trip(y)
+        assert got.dtype == y.dtype and torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+    assert torch.equal(fmt.round_trip(x, torch.bfloat16), fmt.dequantize(fmt.quantize(x), torch.bfloat16))
+    monkeypatch.setattr(fp4, "_CHUNK_ELEMS", 3 * 64)  # chunking over rows does not change the result
+    assert torch.equal(fmt.round_trip(x), fmt.dequantize(fmt.quantize(x)))
+    x[0, 0, 0] = math.nan
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fmt.round_trip(x)

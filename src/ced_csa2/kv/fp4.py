@@ -91,6 +91,20 @@ def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     return codes | (torch.signbit(x).to(torch.uint8) << 3)
 
 
+def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """``e2m1_decode(_e2m1_codes(x))`` for float32 ``x``, bit for bit, without forming the codes.
+
+    :func:`_e2m1_codes` rounds ``a = min(|x|, 6)`` by adding ``M``; ``(a + M) − M`` is then
+    exactly the grid value ``k · spacing`` its code decodes to (both operands lie in
+    ``[M, 2M)``, so the subtraction is exact), and the code's sign bit is ``x``'s
+    (``-0.0`` for negatives that round to zero, as code 8 decodes).  Same float
+    operations, no integer codes: a round trip needs the values, not the bytes.
+    """
+    a = x.abs().clamp_(max=E2M1_MAX)
+    magic = (a.view(torch.int32) & 0x7F800000).clamp_(min=127 << 23).add_(22 << 23).view(torch.float32)  # M
+    return torch.copysign(a.add_(magic).sub_(magic), x)
+
+
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """Round values to the nearest E2M1 code.
 
@@ -376,6 +390,51 @@ class _BlockFP4:
             scales[start:start + rows] = sb
         lead = tuple(x.shape[:-1])
         return Packed(elements.view(*lead, d // 2), scales.view(*lead, d // g), x.shape, g, self.scale_kind)
+
+    def round_trip(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``dequantize(quantize(x), dtype)`` bit for bit, without packing and unpacking the codes.
+
+        What reading ``x`` back from storage gives, for the runtimes that only need the values
+        (Mode B's FP4 groups, on every layer of ``baseline_fp4``): the same scales and
+        element rounding, the element values taken straight from the rounding
+        (:func:`_e2m1_round`) instead of codes packed into bytes and decoded again.
+
+        Parameters
+        ----------
+        x : torch.Tensor, shape (..., D), floating
+            As for :meth:`quantize`.
+        dtype : torch.dtype, optional
+            Output dtype (default ``x``'s); the product is formed in float32 and then cast.
+
+        Returns
+        -------
+        torch.Tensor, shape (..., D), ``dtype``
+
+        Raises
+        ------
+        ValueError
+            As :meth:`quantize`.
+        """
+        if not x.is_floating_point():
+            raise TypeError(f"round_trip expects a floating tensor, got {x.dtype}")
+        if x.dim() == 0:
+            raise ValueError("round_trip expects a tensor of shape (..., D), got a scalar")
+        d, g = x.shape[-1], self.group
+        _check_shape(d, g)
+        flat = x.reshape(-1, d)
+        n = flat.shape[0]
+        out = torch.empty(n, d, dtype=dtype or x.dtype, device=x.device)
+        rows = max(1, _CHUNK_ELEMS // d)
+        for start in range(0, n, rows):
+            blocks = flat[start:start + rows].to(torch.float32).view(-1, d // g, g)
+            amax = blocks.abs().amax(dim=-1)
+            if not torch.isfinite(amax).all():
+                raise ValueError(f"{type(self).__name__}.round_trip: input holds NaN or Inf "
+                                 f"(rows {start}..{start + blocks.shape[0] - 1} of the flattened (N, D))")
+            scale = self._scale_values(self._scale_bytes(amax))  # the decoded scale: 0 for all-zero blocks
+            divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+            out[start:start + rows] = (_e2m1_round(blocks / divisor) * scale.unsqueeze(-1)).view(-1, d)
+        return out.view(x.shape)
 
     def dequantize(self, packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Decode packed entries: ``e2m1_value(code) · scale`` per channel.

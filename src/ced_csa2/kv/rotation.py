@@ -193,7 +193,8 @@ def fp4_round_trip(fmt, x: torch.Tensor, rotation: HeadRotation | None = None) -
     -------
     torch.Tensor, shape (..., kv_dim), ``x.dtype``
     """
+    # fmt.round_trip is dequantize(quantize(.)) bit for bit, without the packed bytes no one reads
     if rotation is None:
-        return fmt.dequantize(fmt.quantize(x), dtype=x.dtype)
+        return fmt.round_trip(x)
     y = rotation.rotate(x)
-    return rotation.unrotate(fmt.dequantize(fmt.quantize(y), dtype=y.dtype), dtype=x.dtype)
+    return rotation.unrotate(fmt.round_trip(y), dtype=x.dtype)
