@@ -13,6 +13,7 @@ from tiny_maps import (
     rows,
 )
 
+from ced_csa2.eval import scoring
 from ced_csa2.eval.scoring import (
     BLOCK_TOKENS,
     continuation_logprob,
@@ -167,3 +168,41 @@ def test_block_tokens_must_be_positive_and_the_default_is_the_configs():
     model = tiny_llama()
     with pytest.raises(ValueError, match="block_tokens must be positive"):
         sequence_nll(model, [[1, 2, 3]], [0], 1, block_tokens=0)
+
+
+def test_kl_through_the_head_weight_is_the_per_label_pass_over_the_logits(monkeypatch):
+    # fp32 linear head: each label's Σ p x is (pᵀ W)·h; the unoptimised pass over its logits (_dot) agrees
+    model = tiny_llama()
+    assert scoring._linear_head_weight(model) is model.get_output_embeddings().weight
+    g = torch.Generator().manual_seed(4)
+    B, T, H = 3, 11, model.config.hidden_size
+    base = 30 * torch.randn(B, T, H, generator=g)  # logits of tens, as a trained model's
+    hidden = {"base": base, "near": base + 0.3 * torch.randn(B, T, H, generator=g),
+              "far": base + 10 * torch.randn(B, T, H, generator=g)}
+    targets = torch.randint(0, model.config.vocab_size, (B, T), generator=g)
+    keep = torch.rand(B, T, generator=g) > 0.3
+
+    def score():
+        out = {k: torch.zeros(B, 4, dtype=torch.float64) for k in hidden}
+        score_hidden(model, out, 0, hidden, targets, keep, 5, reference="base")
+        return out
+
+    fused = score()
+    with torch.no_grad():
+        largest = max(head_logits(model, h).abs().max().item() for h in hidden.values())
+    monkeypatch.setattr(scoring, "_linear_head_weight", lambda model: None)
+    per_label = score()
+    for k in hidden:
+        assert torch.equal(fused[k][:, [0, 1, 3]], per_label[k][:, [0, 1, 3]])  # NLL, counts, top-1: same ops
+        # Σ p x summed over the vocabulary (or the hidden size) in fp32: a few units of the largest |logit| per token
+        n = fused[k][:, 1]
+        assert ((fused[k][:, 2] - per_label[k][:, 2]).abs() <= 8 * torch.finfo(torch.float32).eps * largest * n).all()
+        assert k == "base" or (fused[k][:, 2] > 1e-3).all()
+    assert (fused["base"][:, 2] == 0).all()  # the reference against itself: 0 exactly, on both paths
+
+
+def test_kl_falls_back_to_the_logits_for_softcapped_biased_or_bf16_heads():
+    model = tiny_llama()
+    model.config.final_logit_softcapping = 30.0
+    assert scoring._linear_head_weight(model) is None
+    assert scoring._linear_head_weight(tiny_llama().to(torch.bfloat16)) is None
