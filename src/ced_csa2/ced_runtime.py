@@ -146,6 +146,11 @@ class SinkKV(nn.Module):
         i = self.layers.index(layer)
         return self.k[i], self.v[i]
 
+    def stacked(self, layers) -> KV:
+        """``(k, v)`` of ``layers`` in that order, each ``(len(layers), kv_dim)``."""
+        i = [self.layers.index(layer) for layer in layers]
+        return self.k[i], self.v[i]
+
 
 SINK_KIND = "mode_a_sink"
 BANK_FILE = "projector_bank.pt"  # Mode A's projectors as one bank (mode_a.train.rank > 0), in models/mode_a/
@@ -704,24 +709,32 @@ class CEDModeARuntime:
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         positions = positions.expand(input_ids.shape[0], -1)
         kv = self.predicted_kv(h)
+        layers = sorted(kv)
+        # Every covered layer at once, (B, T, L, kv_dim): at prompt lengths a per-layer RoPE
+        # and sink splice cost more in dispatch than in arithmetic (the same elementwise
+        # operations, so the same bits).
+        k, v = (torch.stack([kv[layer][i] for layer in layers], 2) for i in (0, 1))
         if self.sink == "mean" and start == 0:
-            kv = {layer: tuple(torch.cat([c.to(x).expand(x.shape[0], 1, -1), x[:, 1:]], 1)
-                               for c, x in zip(self.parts.sink(layer), pair)) for layer, pair in kv.items()}
-        rotations = {}  # (cos, sin) per layer type: Gemma-3 rotates sliding and full layers with different theta
-        for layer, (k, v) in sorted(kv.items()):
-            attn = attention(model, layer)
-            shape = (*k.shape[:-1], -1, attn.head_dim)
-            k = k.view(shape)
-            if hasattr(attn, "k_norm"):
-                k = attn.k_norm(k)
-            k = k.transpose(1, 2)
-            kind = layer_type(model.config, layer)
-            if kind not in rotations:
-                rotations[kind] = rotary(model, layer, h, positions)
+            k[:, 0], v[:, 0] = self.parts.sink.stacked(layers)
+        batch, length = k.shape[:2]
+        head_dim = attention(model, layers[0]).head_dim
+        k, v = k.view(batch, length, len(layers), -1, head_dim), v.view(batch, length, len(layers), -1, head_dim)
+        norms = [getattr(attention(model, layer), "k_norm", None) for layer in layers]  # each its own weights
+        if any(n is not None for n in norms):
+            k = torch.stack([k[:, :, i] if n is None else n(k[:, :, i]) for i, n in enumerate(norms)], 2)
+        by_kind = {}  # Gemma-3 rotates sliding and full layers with different theta
+        for i, layer in enumerate(layers):
+            by_kind.setdefault(layer_type(model.config, layer), []).append(i)
+        for idx in by_kind.values():
+            first = layers[idx[0]]
+            keys = k if len(idx) == len(layers) else k[:, :, idx]
+            keys = keys.flatten(2, 3).transpose(1, 2)  # (B, n·heads, T, head_dim)
             # The model's function rotates a query and a key; one head stands in for the query (dropped).
-            _, k = _rope_fn(attn)(k[:, :1], k, *rotations[kind])
-            # The cache layer keeps what its kind keeps (a sliding-window layer: the last window - 1).
-            cache.update(k, v.view(shape).transpose(1, 2), layer - 1)
+            _, keys = _rope_fn(attention(model, first))(keys[:, :1], keys, *rotary(model, first, h, positions))
+            keys = keys.unflatten(1, (len(idx), -1))  # (B, n, heads, T, head_dim)
+            for j, i in enumerate(idx):
+                # The cache layer keeps what its kind keeps (a sliding-window layer: the last window - 1).
+                cache.update(keys[:, j], v[:, :, i].transpose(1, 2), layers[i] - 1)
 
     def continue_above_cut(self, cache, input_ids: torch.Tensor, h_split: torch.Tensor) -> torch.Tensor:
         """Final hidden states ``(B, C, hidden)`` (after the final norm) of ``input_ids`` ``(B, C)`` continuing ``cache``.
