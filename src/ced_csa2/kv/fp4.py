@@ -338,6 +338,28 @@ class _BlockFP4:
     def _scale_values(self, scale_bytes: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _rows(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """``x`` ``(..., D)``, checked for ``what`` (a floating tensor whose ``D`` fits the group), as ``(N, D)``."""
+        if not x.is_floating_point():
+            raise TypeError(f"{what} expects a floating tensor, got {x.dtype}")
+        if x.dim() == 0:
+            raise ValueError(f"{what} expects a tensor of shape (..., D), got a scalar")
+        _check_shape(x.shape[-1], self.group)
+        return x.reshape(-1, x.shape[-1])
+
+    def _blocks(self, flat: torch.Tensor, what: str):
+        """Chunks of ``flat`` ``(N, D)``: ``(start, blocks, amax)``, ``blocks`` ``(rows, D/G, G)`` float32 of the
+        rows from ``start`` and ``amax`` ``(rows, D/G)`` their block maxima (finite, else ValueError naming ``what``)."""
+        d, g = flat.shape[1], self.group
+        rows = max(1, _CHUNK_ELEMS // d)
+        for start in range(0, flat.shape[0], rows):
+            blocks = flat[start:start + rows].to(torch.float32).view(-1, d // g, g)
+            amax = blocks.abs().amax(dim=-1)
+            if not torch.isfinite(amax).all():
+                raise ValueError(f"{type(self).__name__}.{what}: input holds NaN or Inf "
+                                 f"(rows {start}..{start + blocks.shape[0] - 1} of the flattened (N, D))")
+            yield start, blocks, amax
+
     def entry_bytes(self, channels: int) -> int:
         """Bytes of one ``channels``-wide entry: ``fp4_entry_bytes(channels, group)``."""
         _check_shape(channels, self.group)
@@ -365,29 +387,17 @@ class _BlockFP4:
         ValueError
             If ``D`` does not fit ``G``, or ``x`` holds NaN or Inf.
         """
-        if not x.is_floating_point():
-            raise TypeError(f"quantize expects a floating tensor, got {x.dtype}")
-        if x.dim() == 0:
-            raise ValueError("quantize expects a tensor of shape (..., D), got a scalar")
-        d, g = x.shape[-1], self.group
-        _check_shape(d, g)
-        flat = x.reshape(-1, d)
-        n = flat.shape[0]
+        flat = self._rows(x, "quantize")
+        (n, d), g = flat.shape, self.group
         elements = torch.empty(n, d // 2, dtype=torch.uint8, device=x.device)
         scales = torch.empty(n, d // g, dtype=torch.uint8, device=x.device)
-        rows = max(1, _CHUNK_ELEMS // d)
-        for start in range(0, n, rows):
-            blocks = flat[start:start + rows].to(torch.float32).view(-1, d // g, g)
-            amax = blocks.abs().amax(dim=-1)
-            if not torch.isfinite(amax).all():
-                raise ValueError(f"{type(self).__name__}.quantize: input holds NaN or Inf "
-                                 f"(rows {start}..{start + blocks.shape[0] - 1} of the flattened (N, D))")
+        for start, blocks, amax in self._blocks(flat, "quantize"):
             sb = self._scale_bytes(amax)
             scale = self._scale_values(sb)
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero blocks: 0 / 1
             codes = _e2m1_codes(blocks / scale.unsqueeze(-1)).view(-1, d)
-            elements[start:start + rows] = pack_nibbles(codes)
-            scales[start:start + rows] = sb
+            end = start + codes.shape[0]
+            elements[start:end], scales[start:end] = pack_nibbles(codes), sb
         lead = tuple(x.shape[:-1])
         return Packed(elements.view(*lead, d // 2), scales.view(*lead, d // g), x.shape, g, self.scale_kind)
 
@@ -415,25 +425,13 @@ class _BlockFP4:
         ValueError
             As :meth:`quantize`.
         """
-        if not x.is_floating_point():
-            raise TypeError(f"round_trip expects a floating tensor, got {x.dtype}")
-        if x.dim() == 0:
-            raise ValueError("round_trip expects a tensor of shape (..., D), got a scalar")
-        d, g = x.shape[-1], self.group
-        _check_shape(d, g)
-        flat = x.reshape(-1, d)
-        n = flat.shape[0]
-        out = torch.empty(n, d, dtype=dtype or x.dtype, device=x.device)
-        rows = max(1, _CHUNK_ELEMS // d)
-        for start in range(0, n, rows):
-            blocks = flat[start:start + rows].to(torch.float32).view(-1, d // g, g)
-            amax = blocks.abs().amax(dim=-1)
-            if not torch.isfinite(amax).all():
-                raise ValueError(f"{type(self).__name__}.round_trip: input holds NaN or Inf "
-                                 f"(rows {start}..{start + blocks.shape[0] - 1} of the flattened (N, D))")
+        flat = self._rows(x, "round_trip")
+        out = torch.empty(flat.shape, dtype=dtype or x.dtype, device=x.device)
+        for start, blocks, amax in self._blocks(flat, "round_trip"):
             scale = self._scale_values(self._scale_bytes(amax))  # the decoded scale: 0 for all-zero blocks
             divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-            out[start:start + rows] = (_e2m1_round(blocks / divisor) * scale.unsqueeze(-1)).view(-1, d)
+            values = (_e2m1_round(blocks / divisor) * scale.unsqueeze(-1)).flatten(1)
+            out[start:start + values.shape[0]] = values
         return out.view(x.shape)
 
     def dequantize(self, packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
