@@ -137,12 +137,31 @@ def test_attn_out_lowers_every_phase_s_held_out_loss(tmp_path, frozen):
         assert phase["val_after"]["loss"] < phase["val_before"]["loss"], (group, phase)
 
 
-@pytest.mark.parametrize("profile, head_width, rank", [("qwen3_5", 0, 0), ("gemma3", 0, 0), ("qwen3_5", 16, 0),
-                                                       ("gemma3", 0, 4)])
+def llama_params(tmp_path):
+    """The tiny profile's params with a tiny Llama (all attention, SmolLM2's structure) saved to disk as
+    a user's model (``kind: local``), its covering plan: cut after 2, source 3, targets 5 and 6, extra 4."""
+    from conftest import tiny_llama
+
+    from ced_csa2 import assets
+    from ced_csa2.config import LocalModel
+    from ced_csa2.model_utils import tiny_tokenizer
+
+    folder = tmp_path / "llama"
+    tiny_llama().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    params = tiny_params(plan=dict(name="tiny_llama", split=2, source=3, targets=[5, 6], extra_sources=[4]))
+    model = dataclasses.replace(params.model, name="tiny_llama", kind="local", tiny=None,
+                                local=LocalModel(path=str(folder), sha256=assets.digest(folder)))
+    return dataclasses.replace(params, model=model)
+
+
+@pytest.mark.parametrize("profile, head_width, rank", [("qwen3_5", 0, 0), ("gemma3", 0, 0), ("llama", 0, 0),
+                                                       ("qwen3_5", 16, 0), ("gemma3", 0, 4)])
 def test_mode_a_objective_lowers_its_held_out_kl(tmp_path, profile, head_width, rank):
     """tune_mode_a trains every map Mode A reads through the skip itself: hybrid Qwen3.5 (zero DeltaNet
-    state above the cut) and Gemma-3 (sliding and full layers, extra sources); with ``head_width`` the
-    projectors as ridge maps plus residual MLPs; with ``rank`` as one bank (source and extra sources)."""
+    state above the cut), Gemma-3 (sliding and full layers, extra sources) and Llama (all attention,
+    SmolLM2's structure, loaded from disk); with ``head_width`` the projectors as ridge maps plus
+    residual MLPs; with ``rank`` as one bank (source and extra sources)."""
     import yaml
     from conftest import TINY_GEMMA3_OVERRIDES, compose
 
@@ -151,7 +170,8 @@ def test_mode_a_objective_lowers_its_held_out_kl(tmp_path, profile, head_width, 
     from ced_csa2.model_utils import load_model_and_tokenizer
     from ced_csa2.stages import tune_mode_a
 
-    params = tiny_params() if profile == "qwen3_5" else from_dict(Params, yaml.safe_load(compose(TINY_GEMMA3_OVERRIDES)))
+    params = {"qwen3_5": tiny_params, "llama": lambda: llama_params(tmp_path),
+              "gemma3": lambda: from_dict(Params, yaml.safe_load(compose(TINY_GEMMA3_OVERRIDES)))}[profile]()
     params = dataclasses.replace(
         params, train=dataclasses.replace(params.train, online=dataclasses.replace(ONLINE, records=8, epochs=1)),
         mode_a=dataclasses.replace(params.mode_a, maps="trained", train=dataclasses.replace(
