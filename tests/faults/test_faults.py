@@ -103,8 +103,8 @@ STAGE_CASES = [
      ["my_model has digest", f"not the pinned model.local.sha256 {ZEROS}"]),
     ("dump-missing", "ridge", lambda workdir: None, [str(DUMP_PATH), "not found"]),
     ("dump-corrupt", "ridge", write(str(DUMP_PATH), b"not an HDF5 file"), [str(DUMP_PATH), "corrupt"]),
-    ("checkpoint-corrupt", "eval_ppl", write("models/projector_k20v20.pt", b"garbage"),
-     ["models/projector_k20v20.pt", "corrupt"]),
+    ("checkpoint-corrupt", "eval_ppl", write("models/adapters.pt", b"garbage"),
+     ["models/adapters.pt", "corrupt"]),
 ]
 LOAD_TIME = {getattr(c, "values", c)[0] for c in STAGE_CASES} - {
     "plan-layer-absent", "dump-missing", "dump-corrupt", "checkpoint-corrupt"}

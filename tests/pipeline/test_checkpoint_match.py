@@ -68,11 +68,11 @@ MISMATCHES = {
     "adapters for another source": ({"plan": LayerPlan(16, 24, (28, 32)), "only": ("adapters",)},
                                     r"adapters\.pt: 'source' is 24 in the checkpoint, expected 20$"),
     "another model": ({"params": tiny_params(model={"name": "other_model"})},
-                      r"projector_k20v20\.pt: 'model' is 'other_model' in the checkpoint, expected 'tiny_qwen3_5'$"),
+                      r"adapters\.pt: 'model' is 'other_model' in the checkpoint, expected 'tiny_qwen3_5'$"),
     "another kv_dim": ({"geo": dataclasses.replace(GEO, head_dim=8)},
-                       r"projector_k20v20\.pt: 'kv_dim' is 16 in the checkpoint, expected 32$"),
+                       r"adapters\.pt: 'kv_dim' is 16 in the checkpoint, expected 32$"),
     "another hidden size": ({"geo": dataclasses.replace(GEO, hidden_size=48)},
-                            r"projector_k20v20\.pt: 'hidden_size' is 48 in the checkpoint, expected 64$"),
+                            r"adapters\.pt: 'hidden_size' is 48 in the checkpoint, expected 64$"),
 }
 
 
@@ -130,6 +130,7 @@ def test_eval_objectives_refuses_another_objective_s_or_another_layer_s_maps(tmp
     with pytest.raises(CheckpointError, match=r"adapters\.pt: 'objective' is 'distill' in the checkpoint, "
                                               r"expected 'ridge'"):
         ced_runtime.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")
+    save_maps(folder, also={"objective": "ridge"}, only=("adapters",))
     save_maps(folder, plan=LayerPlan(16, 24, (28, 32)), also={"objective": "ridge"}, only=("projector",))
     with pytest.raises(CheckpointError, match=r"projector_k20v20\.pt: 'layer' is 24 in the checkpoint, expected 20"):
         ced_runtime.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")
