@@ -10,6 +10,7 @@ from tiny_maps import (
 
 from ced_csa2.model_utils import geometry
 from ced_csa2.train.objectives import (
+    TeacherCache,
     attn_out_loss,
     distill_loss,
     kl_distill,
@@ -112,3 +113,29 @@ def test_phase_groups_are_checked():
     with pytest.raises(ValueError, match="training phase group must be one of"):
         substituted_layers(QWEN_PLAN, "share_plain")
     assert substituted_layers(QWEN_PLAN, "ced_csa2") == (QWEN_PLAN.source, *QWEN_PLAN.targets)
+
+
+@pytest.mark.parametrize("objective", ["distill", "attn_out"])
+def test_teacher_cache_gives_every_phase_its_own_pass_bit_for_bit_from_one_forward(frozen, objective):
+    model, _ = frozen
+    parts = random_parts(geometry(model.config), QWEN_PLAN)
+    batches = [batch(0), batch(1)]
+    forwards = []
+    handle = model.model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    try:
+        cache = TeacherCache(model, QWEN_PLAN, logits=objective == "distill")
+        for group in PHASES:
+            for ids, mask in batches:
+                cached = objective_loss(objective, model, parts, QWEN_PLAN, group, ids, mask, 2.0, 0.5,
+                                        teacher=cache(ids, mask))
+                n = len(forwards)
+                own = objective_loss(objective, model, parts, QWEN_PLAN, group, ids, mask, 2.0, 0.5)
+                forwards[n:] = []  # the uncached reference's own passes are not the cache's
+                assert torch.equal(cached, own), (group, objective)
+    finally:
+        handle.remove()
+    # one teacher pass per distinct batch (plus, for distill, the students' forwards: one per loss)
+    students = len(PHASES) * len(batches) if objective == "distill" else 0
+    assert len(forwards) == len(batches) + students
+    held = TeacherCache(model, QWEN_PLAN, logits=True)(*batches[0])
+    assert torch.equal(held["logits"], model(input_ids=batches[0][0], attention_mask=batches[0][1]).logits)

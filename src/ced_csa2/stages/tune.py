@@ -49,7 +49,7 @@ from ..pipeline.stage_runner import objective_arg, run_stage
 from ..plan import load_plan
 from ..train.objectives import PHASE_GROUPS, online_records, ridge_parts
 from ..train.training import Curves, write_curves
-from ..train.tuning import save_parts, train_phase
+from ..train.tuning import new_teachers, save_parts, train_phase
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +85,14 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
                  str(model.dtype).removeprefix("torch."), device)
         torch.manual_seed(params.seed)
         step = 0  # one optimizer-step counter across the phases
+        teachers = new_teachers(objective, model, plan)  # the frozen model's passes: one per batch for all phases
         # The joint phase starts from the ridge projector, not the ced phase's: the ced phase may
         # move the source K/V along what the source layer's attention cannot see (a shift
         # shared by all keys leaves its softmax unchanged), which the targets' adapters read.
         for group in PHASE_GROUPS:
             summary, phase_curves = train_phase(objective, model, served.get(group, parts), plan, group,
-                                                train_rows, val, params, tok.pad_token_id, device, first_step=step)
+                                                train_rows, val, params, tok.pad_token_id, device, first_step=step,
+                                                teachers=teachers)
             metrics["phases"][group] = summary
             curves |= phase_curves
             step += len(phase_curves.get((group, "train_loss"), []))

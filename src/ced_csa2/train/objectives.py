@@ -139,19 +139,53 @@ def teacher_pass(model: nn.Module, plan: LayerPlan, group: str, ids: torch.Tenso
                  logits: bool = True) -> dict:
     """One no-grad forward of the frozen model recording what the losses need.
 
-    Returns ``{"logits": (B, T, vocab), "kv": capture store, "attn": capture_attention store}``.
-    ``logits=False`` (``attn_out``'s training steps) ends the forward after the last
-    substituted layer -- nothing above it is needed -- and ``"logits"`` is ``None``.
+    Returns ``{"final": (B, T, hidden), "logits": (B, T, vocab), "kv": capture store, "attn":
+    capture_attention store}``: the final hidden state (after the final norm) and its LM head, the
+    model's own logits.  ``logits=False`` (``attn_out``'s training steps) ends the forward after
+    the last substituted layer -- nothing above it is needed -- and ``"final"``/``"logits"`` are ``None``.
     """
     layers = substituted_layers(plan, group)
-    out = None
+    out = {"final": None, "logits": None}
     with torch.no_grad(), ExitStack() as stack:
         kv = stack.enter_context(kv_hooks.capture(model, (plan.source, *plan.targets), [plan.split]))
         attn = stack.enter_context(capture_attention(model, layers))
         if not logits:
-            stack.enter_context(stop_after(model, max(layers)))
-        out = model(input_ids=ids, attention_mask=mask, use_cache=False)
-    return {"logits": out.logits if logits else None, "kv": kv, "attn": attn}
+            stack.enter_context(stop_after(model, max(layers)))  # the forward ends there: nothing below runs
+        out["final"] = final_hidden(model, input_ids=ids, attention_mask=mask, use_cache=False)
+        out["logits"] = head_logits(model, out["final"])  # as the model's forward ends
+    return {**out, "kv": kv, "attn": attn}
+
+
+class TeacherCache:
+    """The frozen model's teacher pass of each distinct batch, computed once and shared by every phase.
+
+    The teacher does not change while the maps train, and a branch's phases (``ced``, ``csa2``,
+    ``ced_csa2``) and its held-out checks see the same batches: one pass per batch recording what
+    every phase reads -- the attention of the source and every target (``ced_csa2``'s layers, a
+    superset of the others') -- instead of one per phase and step.  The same tensors as a pass of
+    the phase's own (the plain model's layers do not depend on what is recorded), so the losses
+    are bit for bit the uncached ones.  Logits are not kept (``(B, T, vocab)`` per batch): the
+    final hidden state is, and the LM head runs on it at each read, as the model's forward ends.
+
+    Parameters
+    ----------
+    logits
+        Whether reads need logits (``distill``, held-out KL); without, each pass ends after the top
+        substituted layer.
+    """
+
+    def __init__(self, model: nn.Module, plan: LayerPlan, logits: bool):
+        self.model, self.plan, self.logits = model, plan, logits
+        self._passes: dict[tuple, dict] = {}
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+        """:func:`teacher_pass`'s result for batch ``ids``/``mask`` ``(B, T)``, whatever the phase."""
+        key = (tuple(ids.shape), ids.cpu().numpy().tobytes(), mask.cpu().numpy().tobytes())
+        if key not in self._passes:
+            teacher = teacher_pass(self.model, self.plan, "ced_csa2", ids, mask, logits=self.logits)
+            self._passes[key] = {**teacher, "logits": None}
+        teacher = self._passes[key]
+        return {**teacher, "logits": head_logits(self.model, teacher["final"]) if self.logits else None}
 
 
 def kv_loss(parts: CEDParts, plan: LayerPlan, group: str, teacher: dict, mask: torch.Tensor) -> torch.Tensor:
@@ -204,9 +238,14 @@ def distill_loss(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str,
 
 
 def objective_loss(objective: str, model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str,
-                   ids: torch.Tensor, mask: torch.Tensor, temperature: float, kv_weight: float) -> torch.Tensor:
-    """The loss of ``objective`` (``attn_out`` | ``distill``) on one batch ``ids``/``mask`` ``(B, T)``."""
-    teacher = teacher_pass(model, plan, group, ids, mask, logits=objective == "distill")
+                   ids: torch.Tensor, mask: torch.Tensor, temperature: float, kv_weight: float,
+                   teacher: dict | None = None) -> torch.Tensor:
+    """The loss of ``objective`` (``attn_out`` | ``distill``) on one batch ``ids``/``mask`` ``(B, T)``.
+
+    ``teacher``: the batch's teacher pass when already made (:class:`TeacherCache`); else it runs here.
+    """
+    if teacher is None:
+        teacher = teacher_pass(model, plan, group, ids, mask, logits=objective == "distill")
     if objective == "attn_out":
         return attn_out_loss(model, parts, plan, group, teacher, mask)
     if objective == "distill":
