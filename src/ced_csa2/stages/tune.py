@@ -34,24 +34,17 @@ phase's first and last step.  ``ridge`` trains nothing: its table is the header 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
-import torch
-
-from ..config import Params, provenance, require_listed, to_dict
-from ..data.records import batches
+from ..config import Params, provenance, require_listed
 from ..maps.ridge import ridge_provenance
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import RIDGE_PATH, objective_curves, objective_metrics, objective_models
 from ..pipeline.stage_runner import objective_arg, run_stage
 from ..plan import load_plan
-from ..train.objectives import PHASE_GROUPS, online_records, ridge_parts
 from ..train.training import Curves, write_curves
-from ..train.tuning import new_teachers, save_parts, train_phase
-
-log = logging.getLogger(__name__)
+from ..train.tuning import ridge_served, save_parts, train_branch
 
 # of dvc.yaml's params for tune@<objective>: every objective's, and those of the objectives that train
 PROVENANCE = ("seed", "model", "plan", "split", "ridge", "train_adapters.width_mult", "train_adapters.activation",
@@ -64,47 +57,18 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
     workdir = Path(workdir)
     require_listed(params, objective)
     plan, geo = load_plan(params.plan, params.model)
-    # The maps of ced and csa2, and ced_csa2's own pair, each trained under the group it serves.
-    served = {"csa2": ridge_parts(params, plan, geo, workdir / RIDGE_PATH),
-              "ced_csa2": ridge_parts(params, plan, geo, workdir / RIDGE_PATH,
-                                      projected=params.train.ced_csa2_start == "projected")}
-    parts = served["csa2"]
+    served = ridge_served(params, plan, geo, workdir)
     metrics: dict = {"objective": objective, "init": "ridge", "phases": {}}
     curves: Curves = {}
     if objective != "ridge":
         model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device("auto"))
-        model.requires_grad_(False)
-        device = next(model.parameters()).device
-        for p in served.values():
-            p.projector.to(device)
-            p.adapters.to(device)
-        train_rows, val_rows = online_records(params, tok, workdir)
-        val = batches(val_rows, params.train.online.batch_size, tok.pad_token_id, device)
-        log.info("%s: %d train records (%d tokens), %d held-out records, model %s in %s on %s", objective,
-                 len(train_rows), sum(map(len, train_rows)), len(val_rows), params.model.name,
-                 str(model.dtype).removeprefix("torch."), device)
-        torch.manual_seed(params.seed)
-        step = 0  # one optimizer-step counter across the phases
-        teachers = new_teachers(objective, model, plan)  # the frozen model's passes: one per batch for all phases
-        # The joint phase starts from the ridge projector, not the ced phase's: the ced phase may
-        # move the source K/V along what the source layer's attention cannot see (a shift
-        # shared by all keys leaves its softmax unchanged), which the targets' adapters read.
-        for group in PHASE_GROUPS:
-            summary, phase_curves = train_phase(objective, model, served.get(group, parts), plan, group,
-                                                train_rows, val, params, tok.pad_token_id, device, first_step=step,
-                                                teachers=teachers)
-            metrics["phases"][group] = summary
-            curves |= phase_curves
-            step += len(phase_curves.get((group, "train_loss"), []))
-        metrics["protocol"] = {"model": params.model.name, "data": params.data.name,
-                               "model_revision": params.model.revision, "data_revision": params.data.revision,
-                               "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
-                               **to_dict(params.train.online)}
+        metrics["phases"], curves, metrics["protocol"] = train_branch(objective, params, plan, served, model, tok,
+                                                                      workdir)
     out = workdir / objective_models(objective)
     # The ridge export does not depend on the online budget or the data it reads: same params, same bytes.
     keys = PROVENANCE if objective == "ridge" else (*PROVENANCE, *ONLINE_PROVENANCE)
     made_from = {**ridge_provenance(workdir / RIDGE_PATH), **provenance(params, *keys)}
-    save_parts(out, objective, parts, params, plan, geo, made_from)
+    save_parts(out, objective, served["csa2"], params, plan, geo, made_from)
     save_parts(out / "ced_csa2", objective, served["ced_csa2"], params, plan, geo, made_from)
     # ridge trains nothing: its (declared) curve table is the header alone, not a flat line
     write_curves(workdir / objective_curves(objective), curves, x="step")

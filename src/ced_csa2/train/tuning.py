@@ -14,22 +14,25 @@ import torch
 from tqdm import tqdm
 
 from ..ced_runtime import CEDParts
-from ..config import Params
+from ..config import Params, to_dict
 from ..csa2 import save_adapters
 from ..data.records import batches
 from ..model_utils import Geometry
 from ..pipeline.checkpoint import checkpoint_meta
-from ..pipeline.paths import projector_path
+from ..pipeline.paths import RIDGE_PATH, projector_path
 from ..pipeline.stage_runner import record_timing
 from ..plan import LayerPlan
 from ..projector import save_projector
 from .objectives import (
+    PHASE_GROUPS,
     SAMPLE_STREAM,
     TeacherCache,
     attn_out_loss,
     distill_loss,
     kl_distill,
     objective_loss,
+    online_records,
+    ridge_parts,
     student_logits,
     substituted_layers,
 )
@@ -140,3 +143,56 @@ def save_parts(out: Path, objective: str, parts: CEDParts, params: Params, plan:
     save_projector(out / projector_path(plan.source).name, parts.projector.cpu(),
                    {**meta["projector"], "objective": objective})
     save_adapters(out / "adapters.pt", parts.adapters.cpu(), {**meta["adapters"], "objective": objective})
+
+
+def ridge_served(params: Params, plan: LayerPlan, geo: Geometry, workdir: Path) -> dict[str, CEDParts]:
+    """The maps of a branch at the ridge start, by the group they serve (seeded, float32).
+
+    ``"csa2"``: one projector and one set of adapters (fitted on the true source K/V, as ``csa2``
+    reads them), trained by the ``ced`` and ``csa2`` phases; ``"ced_csa2"``: its own pair, its
+    adapters from ``csa2``'s maps or (``train.ced_csa2_start: projected``) from those fitted on the
+    projected source.
+    """
+    ridge = workdir / RIDGE_PATH
+    return {"csa2": ridge_parts(params, plan, geo, ridge),
+            "ced_csa2": ridge_parts(params, plan, geo, ridge, projected=params.train.ced_csa2_start == "projected")}
+
+
+def train_branch(objective: str, params: Params, plan: LayerPlan, served: dict[str, CEDParts], model, tok,
+                 workdir: Path) -> tuple[dict, Curves, dict]:
+    """Train ``served`` (:func:`ridge_served`) in place through the phases ``ced``, ``csa2``, ``ced_csa2``.
+
+    On ``train.online.records`` records of the train split and ``val_records`` held-out ones
+    (:func:`~ced_csa2.train.objectives.online_records`), one teacher pass per batch for all
+    phases (:class:`~ced_csa2.train.objectives.TeacherCache`).  Returns ``(phases, curves,
+    protocol)``: each phase's summary (:func:`train_phase`), the curves of all phases (one step
+    counter across them) and what the run was measured on.
+    """
+    model.requires_grad_(False)
+    device = next(model.parameters()).device
+    for p in served.values():
+        p.projector.to(device)
+        p.adapters.to(device)
+    train_rows, val_rows = online_records(params, tok, workdir)
+    val = batches(val_rows, params.train.online.batch_size, tok.pad_token_id, device)
+    log.info("%s: %d train records (%d tokens), %d held-out records, model %s in %s on %s", objective,
+             len(train_rows), sum(map(len, train_rows)), len(val_rows), params.model.name,
+             str(model.dtype).removeprefix("torch."), device)
+    torch.manual_seed(params.seed)
+    phases: dict = {}
+    curves: Curves = {}
+    step = 0  # one optimizer-step counter across the phases
+    teachers = new_teachers(objective, model, plan)  # the frozen model's passes: one per batch for all phases
+    # The joint phase starts from the ridge projector, not the ced phase's: the ced phase may
+    # move the source K/V along what the source layer's attention cannot see (a shift
+    # shared by all keys leaves its softmax unchanged), which the targets' adapters read.
+    for group in PHASE_GROUPS:
+        phases[group], phase_curves = train_phase(objective, model, served.get(group, served["csa2"]), plan, group,
+                                                  train_rows, val, params, tok.pad_token_id, device, first_step=step,
+                                                  teachers=teachers)
+        curves |= phase_curves
+        step += len(phase_curves.get((group, "train_loss"), []))
+    protocol = {"model": params.model.name, "data": params.data.name, "model_revision": params.model.revision,
+                "data_revision": params.data.revision, "dtype": str(model.dtype).removeprefix("torch."),
+                "device": str(device), **to_dict(params.train.online)}
+    return phases, curves, protocol
