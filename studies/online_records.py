@@ -1,19 +1,21 @@
-"""How much an online objective gains from more training records, with and without the attention sink.
+"""What the online objectives gain from more training records, with and without the attention sink.
 
     dvc repro studies/dvc.yaml       # runs: python studies/online_records.py
 
-The ``attn_out`` branch (``tune@attn_out``) trains on ``train.online.records`` records (64 in the
-CPU budget: 16 steps per phase).  Here the same branch -- same recipe, same seed, same phases
-from the ridge start (:func:`ced_csa2.train.tuning.train_branch`) -- is trained at each record
-count of ``studies/online_records.yaml`` (one epoch: the steps grow with the records), and its
+An objective's branch (``tune@attn_out``; ``tune@distill`` in ``budget=cpu_full``) trains on
+``train.online.records`` records (64 in the CPU budget: 16 steps per phase).  Here the same branch --
+same recipe, same seed, same phases from the ridge start (:func:`ced_csa2.train.tuning.train_branch`)
+-- is trained for each objective and record count of ``studies/online_records.yaml`` (one epoch:
+the steps grow with the records), and its
 ``ced``, ``csa2`` and ``ced_csa2`` are scored on ``eval_ppl``'s records with its protocol
 (teacher-forced, one shared trunk, paired bootstrap 95% intervals over records against one
 baseline pass), each as the pipeline scores it (``sink: none``) and with the first position's
 K/V kept as ``tune_mode_a``'s constants (``sink: mean``, :class:`~ced_csa2.runtime.sink.SinkGroup`;
-``studies/sink.py`` measures why).  The row at 64 records is the pipeline's own branch.
+``studies/sink.py`` measures why).  The ``attn_out`` rows at 64 records are the pipeline's own branch.
 
-Writes ``studies/online_records/records.tsv`` (one row per record count, group and sink: ΔPPL,
-KL, top-1, the phase's held-out KL after training and steps, the branch's seconds: three phases, held-out checks) and ``records.md``.
+Writes ``studies/online_records/records.tsv`` (one row per branch, group and sink: ΔPPL, KL, top-1,
+the phase's held-out KL after training and steps, the branch's seconds: three phases and their
+held-out checks) and ``records.md``.
 Params: ``studies/online_records.yaml`` and the root ``params.yaml``.
 """
 
@@ -40,35 +42,63 @@ from ced_csa2.train.tuning import ridge_served, train_branch
 
 STUDY_PARAMS = Path("studies/online_records.yaml")
 OUT = Path("studies/online_records")
-OBJECTIVE = "attn_out"
+OBJECTIVES = ("attn_out", "distill")  # the objectives that train through the model
 log = logging.getLogger("online_records")
 
 
 @dataclass(frozen=True)
+class Branch:
+    objective: str
+    records: int
+
+
+@dataclass(frozen=True)
 class Study:
-    records: list[int]
+    branches: list[Branch]
 
 
 def load_study(path: Path = STUDY_PARAMS) -> Study:
     """The study's params, typed and checked (unknown or mistyped keys refused, naming them)."""
     study = from_dict(Study, yaml.safe_load(path.read_text()))
-    if not study.records or min(study.records) < 1:
-        raise ValueError(f"{path}: records must be positive and at least one, got {study.records}")
+    if not study.branches:
+        raise ValueError(f"{path}: branches must list at least one (objective, records)")
+    for i, b in enumerate(study.branches):
+        if b.objective not in OBJECTIVES or b.records < 1:
+            raise ValueError(f"{path}: branches[{i}] must train an objective of {list(OBJECTIVES)} on records >= 1, "
+                             f"got {b.objective!r} on {b.records}")
     return study
 
 
 def table(rows: list[dict], params) -> str:
-    """``records.md``: ΔPPL % [95% CI] per record count, group and sink."""
-    lines = [f"`{OBJECTIVE}` branch by training records ({params.model.name}, {params.model.dtype}; "
+    """``records.md``: ΔPPL % [95% CI] per branch (objective, records), group and sink."""
+    lines = [f"Online objectives by training records ({params.model.name}, {params.model.dtype}; "
              f"{rows[0]['eval_records']} eval records, {rows[0]['tokens']:,} scored tokens; not a Qwen3.5-4B result).",
-             "", "| records | steps / phase | group | held-out KL after | branch s | ΔPPL % (sink: none) | "
-             "ΔPPL % (sink: mean) |", "|---:|---:|---|---:|---:|---|---|"]
+             "", "| objective | records | steps / phase | group | held-out KL after | branch s | ΔPPL % (sink: none) | "
+             "ΔPPL % (sink: mean) |", "|---|---:|---:|---|---:|---:|---|---|"]
     for r in (r for r in rows if r["sink"] == "none"):
-        kept = next(x for x in rows if x["sink"] == "mean" and x["records"] == r["records"] and x["group"] == r["group"])
-        lines.append(f"| {r['records']} | {r['steps']} | {r['group']} | {r['val_kl']:.4f} | {r['branch_s']:.0f} | "
+        kept = next(x for x in rows if x["sink"] == "mean" and all(x[c] == r[c] for c in ("objective", "records", "group")))
+        lines.append(f"| {r['objective']} | {r['records']} | {r['steps']} | {r['group']} | {r['val_kl']:.4f} | {r['branch_s']:.0f} | "
                      f"{r['dppl_pct']:+.2f} [{r['dppl_ci_low']:+.2f}, {r['dppl_ci_high']:+.2f}] | "
                      f"{kept['dppl_pct']:+.2f} [{kept['dppl_ci_low']:+.2f}, {kept['dppl_ci_high']:+.2f}] |")
     return "\n".join(lines) + "\n"
+
+
+def label(branch: Branch, group: str, sink: str) -> str:
+    return f"{group}@{branch.objective}{branch.records}/{sink}"
+
+
+def row(key: tuple[Branch, str, str], score: dict, phase: dict, eval_records: int) -> dict:
+    """One TSV row: the arm ``(branch, group, sink)``, its training phase and its perplexity scores."""
+    branch, group, sink = key
+    log.info("%s: ΔPPL %+.2f%% [%+.2f, %+.2f], KL %.4f", label(*key), score["delta_pct"], *score["delta_pct_ci95"],
+             score["kl"])
+    return {"objective": branch.objective, "records": branch.records, "group": group, "sink": sink,
+            "steps": phase["steps"],
+            "branch_s": round(phase["branch_s"], 1), "val_kl": phase["val_after"]["kl"],
+            "dppl_pct": score["delta_pct"], "dppl_ci_low": score["delta_pct_ci95"][0],
+            "dppl_ci_high": score["delta_pct_ci95"][1], "kl": score["kl"], "kl_ci_low": score["kl_ci95"][0],
+            "kl_ci_high": score["kl_ci95"][1], "top1_pct": score["top1_pct"], "eval_records": eval_records,
+            "tokens": score["tokens"]}
 
 
 def main() -> None:
@@ -79,33 +109,24 @@ def main() -> None:
     ids = eval_ids(params, tok, Path("."))
     constants, meta = load_sink(MODE_A_SINK, expected_meta(params, plan, geo)["sink"])
     check_meta_provenance(MODE_A_SINK, meta, params)
-    runtimes, keys, trained = {}, {}, {}
-    for records in study.records:
-        p = replaced(params, train=replaced(params.train, online=replaced(params.train.online, records=records)))
+    arms = {}  # (branch, group, sink) -> (runtime, the phase that trained its maps)
+    for branch in study.branches:
+        online = replaced(params.train.online, records=branch.records)
+        p = replaced(params, train=replaced(params.train, online=online))
         served = ridge_served(p, plan, geo, Path("."))
         t0 = time.perf_counter()
-        phases, _, _ = train_branch(OBJECTIVE, p, plan, served, model, tok, Path("."))
+        phases, _, _ = train_branch(branch.objective, p, plan, served, model, tok, Path("."))
         seconds = time.perf_counter() - t0  # the branch: its three phases and their held-out checks
-        log.info("%d records: %.0f s of training", records, seconds)
+        log.info("%s on %d records: %.0f s of training", branch.objective, branch.records, seconds)
         for group in PHASE_GROUPS:
-            trained[records, group] = {**phases[group], "branch_s": seconds}
-            parts = served.get(group, served["csa2"])
-            for sink in ("none", "mean"):
-                runtime = CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format)
-                label = f"{group}@{records}/{sink}"
-                runtimes[label] = runtime if sink == "none" else SinkGroup(runtime, sink, constants)
-                keys[label] = (records, group, sink)
-    scores = groups_ppl(model, plan, ["baseline"], None, ids, params, tok.pad_token_id, extra=runtimes)
-    rows = []
-    for label, (records, group, sink) in keys.items():
-        s, phase = scores[label], trained[records, group]
-        rows.append({"records": records, "group": group, "sink": sink, "steps": phase["steps"],
-                     "branch_s": round(phase["branch_s"], 1), "val_kl": phase["val_after"]["kl"],
-                     "dppl_pct": s["delta_pct"], "dppl_ci_low": s["delta_pct_ci95"][0],
-                     "dppl_ci_high": s["delta_pct_ci95"][1], "kl": s["kl"], "kl_ci_low": s["kl_ci95"][0],
-                     "kl_ci_high": s["kl_ci95"][1], "top1_pct": s["top1_pct"], "eval_records": len(ids),
-                     "tokens": s["tokens"]})
-        log.info("%s: ΔPPL %+.2f%% [%+.2f, %+.2f], KL %.4f", label, s["delta_pct"], *s["delta_pct_ci95"], s["kl"])
+            phase = {**phases[group], "branch_s": seconds}
+            plain, kept = (CEDModeBRuntime(model, plan, group, served.get(group, served["csa2"]),
+                                           kv_format=params.kv_format) for _ in range(2))
+            arms[branch, group, "none"] = plain, phase
+            arms[branch, group, "mean"] = SinkGroup(kept, "mean", constants), phase
+    scores = groups_ppl(model, plan, ["baseline"], None, ids, params, tok.pad_token_id,
+                        extra={label(*key): runtime for key, (runtime, _) in arms.items()})
+    rows = [row(key, scores[label(*key)], phase, len(ids)) for key, (_, phase) in arms.items()]
     write_tsv(OUT / "records.tsv", rows)
     atomic_write_text(OUT / "records.md", table(rows, params))
 

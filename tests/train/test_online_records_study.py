@@ -12,31 +12,37 @@ from ced_csa2.config import load_params  # noqa: E402
 
 
 def test_the_committed_study_params_load():
-    assert study_mod.load_study(ROOT / "studies" / "online_records.yaml").records[0] == 64
+    study = study_mod.load_study(ROOT / "studies" / "online_records.yaml")
+    assert study.branches[0] == study_mod.Branch("attn_out", 64)  # the pipeline's own branch
+    assert {b.objective for b in study.branches} == set(study_mod.OBJECTIVES)
 
 
-@pytest.mark.parametrize("text", ["records: []\n", "records: [0, 64]\n"])
-def test_empty_or_nonpositive_records_are_refused(tmp_path, text):
+@pytest.mark.parametrize("text, match", [
+    ("branches: []\n", "at least one"),
+    ("branches: [{objective: attn_out, records: 0}]\n", r"branches\[0\] must train"),
+    ("branches: [{objective: ridge, records: 64}]\n", r"branches\[0\] must train .* got 'ridge'"),
+])
+def test_bad_branches_are_refused(tmp_path, text, match):
     path = tmp_path / "s.yaml"
     path.write_text(text)
-    with pytest.raises(ValueError, match="records must be positive"):
+    with pytest.raises(ValueError, match=match):
         study_mod.load_study(path)
 
 
 def test_an_unknown_key_is_refused(tmp_path):
     path = tmp_path / "s.yaml"
-    path.write_text("records: [64]\nepochs: 2\n")
+    path.write_text("branches: [{objective: attn_out, records: 64, epochs: 2}]\n")
     with pytest.raises(ValueError, match="epochs"):
         study_mod.load_study(path)
 
 
 def test_table_puts_each_group_s_sink_row_beside_it():
     def row(records, group, sink, dppl):
-        return {"records": records, "group": group, "sink": sink, "steps": records // 4, "branch_s": 1.0,
+        return {"objective": "attn_out", "records": records, "group": group, "sink": sink, "steps": records // 4, "branch_s": 1.0,
                 "val_kl": 0.1, "dppl_pct": dppl, "dppl_ci_low": dppl - 1, "dppl_ci_high": dppl + 1,
                 "eval_records": 32, "tokens": 1000}
     rows = [row(64, "ced", "none", 4.0), row(64, "ced", "mean", 2.0), row(512, "ced", "none", 3.0),
             row(512, "ced", "mean", 1.5)]
     md = study_mod.table(rows, load_params(ROOT / "params.yaml"))
-    assert "| 64 | 16 | ced | 0.1000 | 1 | +4.00 [+3.00, +5.00] | +2.00 [+1.00, +3.00] |" in md
-    assert "| 512 | 128 | ced | 0.1000 | 1 | +3.00 [+2.00, +4.00] | +1.50 [+0.50, +2.50] |" in md
+    assert "| attn_out | 64 | 16 | ced | 0.1000 | 1 | +4.00 [+3.00, +5.00] | +2.00 [+1.00, +3.00] |" in md
+    assert "| attn_out | 512 | 128 | ced | 0.1000 | 1 | +3.00 [+2.00, +4.00] | +1.50 [+0.50, +2.50] |" in md
