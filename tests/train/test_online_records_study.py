@@ -18,9 +18,11 @@ def test_the_committed_study_params_load():
 
 
 @pytest.mark.parametrize("text, match", [
-    ("branches: []\n", "at least one"),
-    ("branches: [{objective: attn_out, records: 0}]\n", r"branches\[0\] must train"),
-    ("branches: [{objective: ridge, records: 64}]\n", r"branches\[0\] must train .* got 'ridge'"),
+    ("head_lr: 3.0e-4\nbranches: []\n", "at least one"),
+    ("head_lr: 3.0e-4\nbranches: [{objective: attn_out, records: 0}]\n", r"branches\[0\] must train"),
+    ("head_lr: 3.0e-4\nbranches: [{objective: ridge, records: 64}]\n", r"branches\[0\] must train .* got 'ridge'"),
+    ("head_lr: 3.0e-4\nbranches: [{objective: distill, records: 8, head_width: -1}]\n", "head_width -1"),
+    ("head_lr: 0\nbranches: [{objective: distill, records: 8}]\n", "head_lr must be > 0, got 0"),
 ])
 def test_bad_branches_are_refused(tmp_path, text, match):
     path = tmp_path / "s.yaml"
@@ -31,18 +33,24 @@ def test_bad_branches_are_refused(tmp_path, text, match):
 
 def test_an_unknown_key_is_refused(tmp_path):
     path = tmp_path / "s.yaml"
-    path.write_text("branches: [{objective: attn_out, records: 64, epochs: 2}]\n")
+    path.write_text("head_lr: 3.0e-4\nbranches: [{objective: attn_out, records: 64, epochs: 2}]\n")
     with pytest.raises(ValueError, match="epochs"):
         study_mod.load_study(path)
 
 
 def test_table_puts_each_group_s_sink_row_beside_it():
-    def row(records, group, sink, dppl):
-        return {"objective": "attn_out", "records": records, "group": group, "sink": sink, "steps": records // 4, "branch_s": 1.0,
+    def row(records, group, sink, dppl, head_width=0):
+        return {"objective": "attn_out", "records": records, "head_width": head_width,
+                "projector_params": 1000 + head_width, "group": group, "sink": sink, "steps": records // 4, "branch_s": 1.0,
                 "val_kl": 0.1, "dppl_pct": dppl, "dppl_ci_low": dppl - 1, "dppl_ci_high": dppl + 1,
                 "eval_records": 32, "tokens": 1000}
     rows = [row(64, "ced", "none", 4.0), row(64, "ced", "mean", 2.0), row(512, "ced", "none", 3.0),
-            row(512, "ced", "mean", 1.5)]
+            row(512, "ced", "mean", 1.5), row(64, "ced", "none", 3.5, 8), row(64, "ced", "mean", 1.0, 8)]
     md = study_mod.table(rows, load_params(ROOT / "params.yaml"))
-    assert "| attn_out | 64 | 16 | ced | 0.1000 | 1 | +4.00 [+3.00, +5.00] | +2.00 [+1.00, +3.00] |" in md
-    assert "| attn_out | 512 | 128 | ced | 0.1000 | 1 | +3.00 [+2.00, +4.00] | +1.50 [+0.50, +2.50] |" in md
+    assert ("| attn_out | 64 | linear (1,000 p.) | 16 | ced | 0.1000 | 1 | +4.00 [+3.00, +5.00] | "
+            "+2.00 [+1.00, +3.00] |") in md
+    assert ("| attn_out | 512 | linear (1,000 p.) | 128 | ced | 0.1000 | 1 | +3.00 [+2.00, +4.00] | "
+            "+1.50 [+0.50, +2.50] |") in md
+    # a head branch pairs with its own sink row, not with the linear branch of the same records
+    assert ("| attn_out | 64 | ridge + MLP 8 (1,008 p.) | 16 | ced | 0.1000 | 1 | +3.50 [+2.50, +4.50] | "
+            "+1.00 [+0.00, +2.00] |") in md

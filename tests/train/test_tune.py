@@ -310,3 +310,45 @@ def test_mean_sink_is_the_mean_of_each_rows_own_first_position(name, tiny_model)
             want = torch.stack([kv[layer][i][0, 0] for kv in own]).mean(0)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(sink(plan.source)[0], own[0][plan.source][0][0, 1], atol=1e-3)  # not position 1
+
+
+def test_projector_heads_start_at_the_linear_map_and_training_lowers_the_ced_held_out_kl(tmp_path, frozen):
+    """with_projector_heads: each projector becomes its linear map plus a zero MLP (bit for bit), reading
+    ``H_split`` standardised by its stats over the records; a distill branch then trains the MLP."""
+    from ced_csa2 import kv_hooks
+    from ced_csa2.train.objectives import online_records
+    from ced_csa2.train.tuning import phase_optimizer, ridge_served, train_branch, with_projector_heads
+
+    model, tok = frozen
+    params = with_online(tiny_params())
+    write_inputs(tmp_path, params, tok)
+    plan, geo = load_plan(params.plan, params.model)
+    served = ridge_served(params, plan, geo, tmp_path)
+    linear = {group: torch.nn.Linear(geo.hidden_size, 2 * geo.kv_dim) for group in served}
+    for group, parts in served.items():
+        linear[group].load_state_dict(parts.projector.proj.state_dict())
+    rows, _ = online_records(params, tok, tmp_path)
+    with_projector_heads(served, model, plan, rows, tok.pad_token_id, 16, "gelu", ONLINE.batch_size)
+
+    hidden = []  # H_split at every position of the records, the independent way: one record at a time
+    with torch.no_grad(), kv_hooks.capture(model, hidden_layers=[plan.split]) as store:
+        for row in rows:
+            model.model(input_ids=torch.tensor([row]))
+            hidden.append(store["h"][plan.split][0])
+    h = torch.cat(hidden)
+    for group, parts in served.items():
+        head = parts.projector
+        assert head.mlp_width == 16
+        k, v = head(h)
+        assert torch.equal(torch.cat([k, v], -1), linear[group](h))  # the MLP adds exact zeros
+        # The stats are stored as FP16 (what a file would hold): equal to within FP16's rounding.
+        torch.testing.assert_close(head.h_mean, h.double().mean(0).float(), rtol=2 ** -11, atol=1e-6)
+        torch.testing.assert_close(head.h_std, h.double().std(0, correction=0).float().clamp_min(1e-3),
+                                   rtol=2 ** -11, atol=1e-6)
+    with pytest.raises(ValueError, match="no head_lr"):
+        phase_optimizer(served["csa2"], "ced", params.train.online)
+
+    phases, _, _ = train_branch("distill", params, plan, served, model, tok, tmp_path, head_lr=1e-2)
+    for group in ("ced", "ced_csa2"):
+        assert phases[group]["val_after"]["kl"] < phases[group]["val_before"]["kl"], phases[group]
+    assert served["csa2"].projector.mlp.down.weight.abs().sum() > 0  # the MLP left zero: it was trained

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .. import kv_hooks
 from ..ced_runtime import CEDParts
 from ..config import Params, to_dict
 from ..csa2 import save_adapters
@@ -36,6 +37,7 @@ from .objectives import (
     student_logits,
     substituted_layers,
 )
+from .mode_a_training import with_heads
 from .training import Curves, warmup_cosine
 
 log = logging.getLogger(__name__)
@@ -66,15 +68,20 @@ def new_teachers(objective: str, model, plan: LayerPlan) -> tuple[TeacherCache, 
     return TeacherCache(model, plan, logits=objective == "distill"), TeacherCache(model, plan, logits=True)
 
 
-def phase_optimizer(parts: CEDParts, group: str, cfg) -> torch.optim.AdamW:
+def phase_optimizer(parts: CEDParts, group: str, cfg, head_lr: float | None = None) -> torch.optim.AdamW:
     """AdamW over the maps a phase trains, each kind at its own learning rate.
 
-    ``ced``: the projector (``projector_lr``); ``csa2``: the adapters (``adapters_lr``);
-    ``ced_csa2``: both, jointly.
+    ``ced``: the projector (``projector_lr``; its residual MLP, if it has one, at ``head_lr``:
+    a zero-initialised MLP does not move at the linear map's 1e-6); ``csa2``: the adapters
+    (``adapters_lr``); ``ced_csa2``: both, jointly.
     """
     groups = []
     if group != "csa2":
-        groups.append({"params": list(parts.projector.parameters()), "lr": cfg.projector_lr})
+        groups.append({"params": list(parts.projector.proj.parameters()), "lr": cfg.projector_lr})
+        if heads := parts.projector.mlp_parameters():
+            if head_lr is None:
+                raise ValueError("phase_optimizer: the projector has a residual MLP but no head_lr was given")
+            groups.append({"params": heads, "lr": head_lr})
     if group != "ced":
         groups.append({"params": list(parts.adapters.parameters()), "lr": cfg.adapters_lr})
     return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
@@ -82,20 +89,22 @@ def phase_optimizer(parts: CEDParts, group: str, cfg) -> torch.optim.AdamW:
 
 def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str,
                 train_rows: list[list[int]], val: list[tuple], params: Params, pad_id: int, device,
-                first_step: int = 0, teachers: tuple[TeacherCache, TeacherCache] | None = None) -> tuple[dict, Curves]:
+                first_step: int = 0, teachers: tuple[TeacherCache, TeacherCache] | None = None,
+                head_lr: float | None = None) -> tuple[dict, Curves]:
     """Train the maps of ``parts`` that ``group`` substitutes; returns ``(summary, curves)``.
 
     ``curves`` are series ``group``'s ``train_loss`` (one point per optimizer step, numbered
     from ``first_step + 1``) and ``val_loss`` / ``val_kl`` (held out, at ``first_step`` before
     training and at the phase's last step after it).  ``teachers``: the teacher passes of the
     training and the held-out batches (:class:`~ced_csa2.train.objectives.TeacherCache`), shared
-    by a branch's phases; new ones when not given.
+    by a branch's phases; new ones when not given.  ``head_lr``: the projector's residual MLP's
+    learning rate (:func:`phase_optimizer`).
     """
     cfg = params.train.online
     n_batches = -(-len(train_rows) // cfg.batch_size)
     steps = cfg.epochs * n_batches
     train_teachers, val_teachers = teachers or new_teachers(objective, model, plan)
-    optimizer = phase_optimizer(parts, group, cfg)
+    optimizer = phase_optimizer(parts, group, cfg, head_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, cfg.warmup_fraction))
     before = held_out(objective, model, parts, plan, group, val, cfg.temperature, cfg.kv_weight, val_teachers)
     log.info("%s / %s phase (layers %s): held-out loss %.5f, KL %.5f before %d steps", objective, group,
@@ -158,15 +167,39 @@ def ridge_served(params: Params, plan: LayerPlan, geo: Geometry, workdir: Path) 
             "ced_csa2": ridge_parts(params, plan, geo, ridge, projected=params.train.ced_csa2_start == "projected")}
 
 
+def with_projector_heads(served: dict[str, CEDParts], model, plan: LayerPlan, rows: list[list[int]], pad_id: int,
+                         width: int, activation: str, batch_size: int) -> None:
+    """Give every projector of ``served`` a zero-initialised residual MLP of ``width`` (in place).
+
+    The MLP reads ``H_split`` standardised by its per-channel mean and std over every position of
+    ``rows`` (the branch's training records; float64 sums): the projector serves them all, the
+    first included.  The untrained head is its linear map bit for bit.
+    """
+    device = next(model.parameters()).device
+    total = squares = 0.0
+    n = 0
+    with torch.no_grad(), kv_hooks.capture(model, hidden_layers=[plan.split]) as store:
+        for ids, mask in batches(rows, batch_size, pad_id, device):
+            model.model(input_ids=ids, attention_mask=mask)
+            h = store["h"][plan.split][mask.bool()].double()
+            total, squares, n = total + h.sum(0), squares + (h * h).sum(0), n + h.shape[0]
+    mean = total / n
+    std = (squares / n - mean * mean).clamp_min(0).sqrt().clamp_min(1e-3)
+    for parts in served.values():
+        parts.projector = with_heads({plan.source: parts.projector}, width, activation, mean.float(),
+                                     std.float())[plan.source]
+
+
 def train_branch(objective: str, params: Params, plan: LayerPlan, served: dict[str, CEDParts], model, tok,
-                 workdir: Path) -> tuple[dict, Curves, dict]:
+                 workdir: Path, head_lr: float | None = None) -> tuple[dict, Curves, dict]:
     """Train ``served`` (:func:`ridge_served`) in place through the phases ``ced``, ``csa2``, ``ced_csa2``.
 
     On ``train.online.records`` records of the train split and ``val_records`` held-out ones
     (:func:`~ced_csa2.train.objectives.online_records`), one teacher pass per batch for all
     phases (:class:`~ced_csa2.train.objectives.TeacherCache`).  Returns ``(phases, curves,
     protocol)``: each phase's summary (:func:`train_phase`), the curves of all phases (one step
-    counter across them) and what the run was measured on.
+    counter across them) and what the run was measured on.  ``head_lr``: the learning rate of the
+    projectors' residual MLPs, where they have them (:func:`with_projector_heads`).
     """
     model.requires_grad_(False)
     device = next(model.parameters()).device
@@ -189,7 +222,7 @@ def train_branch(objective: str, params: Params, plan: LayerPlan, served: dict[s
     for group in PHASE_GROUPS:
         phases[group], phase_curves = train_phase(objective, model, served.get(group, served["csa2"]), plan, group,
                                                   train_rows, val, params, tok.pad_token_id, device, first_step=step,
-                                                  teachers=teachers)
+                                                  teachers=teachers, head_lr=head_lr)
         curves |= phase_curves
         step += len(phase_curves.get((group, "train_loss"), []))
     protocol = {"model": params.model.name, "data": params.data.name, "model_revision": params.model.revision,
