@@ -43,13 +43,14 @@ from ced_csa2.eval.perplexity import agreement, eval_ids
 from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_deltas
 from ced_csa2.kv.formats import FormatRuntime, KVFormat, StreamFormat
-from ced_csa2.model_utils import geometry, load_model_and_tokenizer, resolve_device
+from ced_csa2.model_utils import geometry, load_model_and_tokenizer, qwen3_5_4b_config, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.plan import load_plan
 
 STUDY_PARAMS = Path("studies/kv_formats.yaml")
 OUT = Path("studies/kv_formats")
+QWEN = geometry(qwen3_5_4b_config())  # the full profile's geometry: its formats' bytes by accounting
 REFERENCE = "nvfp4_rot"  # the pipeline's best 4-bit group (baseline_fp4_rot): every row is also paired against it
 log = logging.getLogger("kv_formats")
 
@@ -88,7 +89,8 @@ def run(params: Params, formats: dict[str, KVFormat], workdir: Path = Path("."),
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
     geo = geometry(model.config)
     for name, fmt in formats.items():  # a format that does not fit the model's widths: refused before scoring
-        fmt.bytes_per_token(geo.kv_dim)
+        fmt.bytes_per_token(geo.kv_dim, geo.head_dim)
+        fmt.bytes_per_token(QWEN.kv_dim, QWEN.head_dim)
     ids = eval_ids(params, tok, workdir)
     extra = {name: FormatRuntime(model, fmt, geo.attention_layers, geo.head_dim) for name, fmt in formats.items()}
     # batch 1: a block along tokens must see only its record's keys (padding would enter its scale)
@@ -101,9 +103,10 @@ def run(params: Params, formats: dict[str, KVFormat], workdir: Path = Path("."),
     rows = {"baseline": {"ppl": _ppl(sums["baseline"]), "bytes_per_token": bf16, "compression": 1.0}}
     for name, fmt in formats.items():
         v = nll[name]
-        stored = fmt.bytes_per_token(geo.kv_dim) * len(geo.attention_layers)
+        stored = fmt.bytes_per_token(geo.kv_dim, geo.head_dim) * len(geo.attention_layers)
         r = {"k": dataclasses.asdict(fmt.k), "v": dataclasses.asdict(fmt.v), "ppl": _ppl(sums[name]),
              "bytes_per_token": stored, "compression": bf16 / stored,
+             "qwen3_5_4b_compression": 2 * 2 * QWEN.kv_dim / fmt.bytes_per_token(QWEN.kv_dim, QWEN.head_dim),
              "delta_pct": deltas["baseline"][name]["value"], "delta_pct_ci95": deltas["baseline"][name]["ci95"],
              **agreement(v, params.seed)}
         if name != REFERENCE:
@@ -121,6 +124,8 @@ def run(params: Params, formats: dict[str, KVFormat], workdir: Path = Path("."),
             "bytes": f"stored K+V bytes per token over the {len(geo.attention_layers)} attention layers "
                      "(elements and scale bytes; token-axis scales per token of whole blocks); bf16 for the baseline",
             "intervals": "paired bootstrap 95% over records (seed params.seed)", "reference": REFERENCE,
+            "qwen3_5_4b": "compression against bf16 by accounting alone on Qwen3.5-4B's geometry (4 KV heads of 256, "
+                          "RoPE on the first 64 channels of each): no quality measured there",
             "command": "dvc repro studies/dvc.yaml (python studies/kv_formats.py)",
         },
         "formats": rows,
@@ -129,25 +134,27 @@ def run(params: Params, formats: dict[str, KVFormat], workdir: Path = Path("."),
 
 
 def _stream(s: dict) -> str:
+    exact = f" +{s['exact']} exact" if s.get("exact") else ""
     return (f"{s['element']} {s['group']} {'tokens' if s['axis'] == 'tokens' else 'ch'}"
-            f"{' rot' if s['rotate'] else ''}")
+            f"{' rot' if s['rotate'] else ''}{exact}")
 
 
 def markdown(m: dict) -> str:
     p = m["protocol"]
     lines = [f"Block-scaled KV formats (4- and 6-bit elements) on {p['model']} ({p['dtype']}): {p['records']} eval records, {p['tokens_scored']:,} "
              f"scored tokens; {p['where']}. {p['intervals']}; not a Qwen3.5-4B result.", "",
-             f"| format | K | V | bytes/token | compression | ΔPPL % [95% CI] | vs {p['reference']} [95% CI] | "
-             "KL nats/token | top-1 % |", "|---|---|---|---:|---:|---|---|---:|---:|"]
+             f"| format | K | V | bytes/token | compression | Qwen3.5-4B compression | ΔPPL % [95% CI] | "
+             f"vs {p['reference']} [95% CI] | KL nats/token | top-1 % |", "|---|---|---|---:|---:|---:|---|---|---:|---:|"]
     for name, r in m["formats"].items():
         if name == "baseline":
-            lines.append(f"| baseline (bf16) | | | {r['bytes_per_token']:,g} | 1.00× | – | – | – | – |")
+            lines.append(f"| baseline (bf16) | | | {r['bytes_per_token']:,g} | 1.00× | 1.00× | – | – | – | – |")
             continue
         lo, hi = r["delta_pct_ci95"]
         ref = ("–" if "delta_vs_reference_pct" not in r else
                "{:+.2f} [{:+.2f}, {:+.2f}]".format(r["delta_vs_reference_pct"], *r["delta_vs_reference_pct_ci95"]))
         lines.append(f"| {name} | {_stream(r['k'])} | {_stream(r['v'])} | {r['bytes_per_token']:,g} | "
-                     f"{r['compression']:.2f}× | {r['delta_pct']:+.2f} [{lo:+.2f}, {hi:+.2f}] | {ref} | "
+                     f"{r['compression']:.2f}× | {r['qwen3_5_4b_compression']:.2f}× | "
+                     f"{r['delta_pct']:+.2f} [{lo:+.2f}, {hi:+.2f}] | {ref} | "
                      f"{r['kl']:.4f} | {r['top1_pct']:.1f} |")
     return "\n".join(lines) + "\n"
 

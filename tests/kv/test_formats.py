@@ -102,3 +102,37 @@ def test_a_format_runtime_scores_exactly_as_the_fp4_groups_do():
     assert torch.equal(nll["plain"], nll["baseline_fp4"]) and torch.equal(nll["rot"], nll["baseline_fp4_rot"])
     assert not torch.equal(nll["k_tokens"], nll["baseline_fp4"]) and math.isfinite(nll["k_tokens"][:, 0].sum())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_exact_channels_keep_each_head_s_rotary_slice_and_quantise_the_rest_independently():
+    """Qwen3.5's layout: 4 heads of 256, RoPE on the first 64 of each; the rest rotated NVFP4 over 192 channels."""
+    torch.manual_seed(0)
+    heads, head_dim, exact = 4, 256, 64
+    x = torch.randn(2, 5, heads * head_dim) * 3
+    fmt = StreamFormat(rotate=True, exact=exact)
+    rot = layer_rotation(head_dim - exact, 8)
+    got = fmt.round_trip(x, rot, head_dim)
+    for h in range(heads):
+        whole = x[..., h * head_dim:(h + 1) * head_dim]
+        assert torch.equal(got[..., h * head_dim:h * head_dim + exact], whole[..., :exact])  # bit for bit
+    # the rest of every head, gathered by hand, through the format without exact channels
+    rest = torch.cat([x[..., h * head_dim + exact:(h + 1) * head_dim] for h in range(heads)], dim=-1)
+    want = fp4_round_trip(FORMATS["nvfp4"](16), rest, rot)
+    got_rest = torch.cat([got[..., h * head_dim + exact:(h + 1) * head_dim] for h in range(heads)], dim=-1)
+    assert torch.equal(got_rest, want)
+    # a whole head exact (full RoPE, SmolLM2: 64 of 64) is the identity
+    assert torch.equal(StreamFormat(exact=64).round_trip(x[..., :192], None, 64), x[..., :192])
+
+
+def test_exact_channels_cost_16_bits_each_and_the_format_the_rest():
+    # Qwen3.5-4B's K: 4 heads x (64 exact x 2 B + 192 x 4 bits + 192 / 16 E4M3 scales)
+    assert StreamFormat(exact=64).bytes_per_token(1024, 256) == 4 * (64 * 2 + 192 / 2 + 192 / 16)
+    assert StreamFormat(exact=64).bytes_per_token(192, 64) == 192 * 2  # a whole head exact: bf16 bytes
+    both = KVFormat(StreamFormat(element="fp6", group=32, exact=64), StreamFormat(element="mxfp4", group=32))
+    assert both.bytes_per_token(1024, 256) == 4 * (128 + 192 * 6 / 8 + 192 / 32) + 1024 / 2 + 1024 / 32
+    with pytest.raises(ValueError, match="head width"):
+        StreamFormat(exact=64).bytes_per_token(1024)
+    with pytest.raises(ValueError, match="head width"):
+        StreamFormat(exact=300).round_trip(torch.randn(1, 2, 512), None, 256)
+    with pytest.raises(ValueError, match="exact must be an int >= 0"):
+        StreamFormat(exact=-1)

@@ -36,12 +36,26 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
     params = tiny_params()
     study_corpus(tmp_path, records=3)
     nvfp4 = StreamFormat()
+    geo = geometry(model.config)
+    rope = geo.head_dim // 4  # the tiny Qwen3.5's partial RoPE, as Qwen3.5-4B's: a quarter of each head
     formats = {"nvfp4_rot": KVFormat(StreamFormat(rotate=True), StreamFormat(rotate=True)),
-               "k_channel": KVFormat(StreamFormat(axis="tokens"), nvfp4)}
+               "k_channel": KVFormat(StreamFormat(axis="tokens"), nvfp4),
+               "k_rope": KVFormat(StreamFormat(rotate=True, exact=rope, group=4), nvfp4),  # tiny heads: groups of 4
+               "all_exact": KVFormat(StreamFormat(exact=geo.head_dim), StreamFormat(exact=geo.head_dim))}
     m = study_mod.run(params, formats, tmp_path, model_and_tok=(model, tok))
     rows = m["formats"]
-    geo = geometry(model.config)
-    assert list(rows) == ["baseline", "nvfp4_rot", "k_channel"]
+    assert list(rows) == ["baseline", "nvfp4_rot", "k_channel", "k_rope", "all_exact"]
+    # every channel exact: the runtime reads back what the layers wrote, and pays bf16's bytes
+    assert rows["all_exact"]["kl"] == 0 and rows["all_exact"]["delta_pct"] == 0
+    assert rows["all_exact"]["bytes_per_token"] == rows["baseline"]["bytes_per_token"]
+    heads, rest = geo.n_kv_heads, geo.head_dim - rope
+    k_bytes = heads * (2 * rope + rest / 2 + rest / 4)
+    assert rows["k_rope"]["bytes_per_token"] == len(geo.attention_layers) * (k_bytes + geo.kv_dim / 2 + geo.kv_dim / 16)
+    # on Qwen3.5-4B by accounting (4 heads of 256, the same exact channels): K per head 2 bytes per exact
+    # channel, the rest 4 bits + a scale per 4; V 512 + 64; against 2 x 2 x 1024 in bf16
+    qwen_k = 4 * (2 * rope + (256 - rope) / 2 + (256 - rope) / 4)
+    assert rows["k_rope"]["qwen3_5_4b_compression"] == pytest.approx(4096 / (qwen_k + 576))
+    assert "| k_rope | nvfp4 4 ch rot +%d exact | nvfp4 16 ch |" % rope in study_mod.markdown(m)
     n = len(geo.attention_layers)
     assert rows["baseline"]["bytes_per_token"] == 4 * geo.kv_dim * n
     assert rows["k_channel"]["bytes_per_token"] == n * 2 * (geo.kv_dim / 2 + geo.kv_dim / 16)

@@ -20,7 +20,10 @@ more bits for keys), the block width ``group`` and the block's ``axis``:
 Either way a stored token costs ``D · bits / 8`` element bytes plus ``D/group`` scale bytes
 (:meth:`StreamFormat.bytes_per_token`), so the axis changes the quality, not the bytes.
 ``rotate`` applies the layer's randomised Hadamard rotation per head first (as the
-``*_fp4_rot`` groups do).
+``*_fp4_rot`` groups do).  ``exact`` keeps the first ``exact`` channels of every head as they
+are, counted at 16 bits: on a partial-RoPE model (Qwen3.5: RoPE turns the first 64 of each
+head's 256 key channels) the slice that carries position stays lossless and the block format
+holds the rest (rotated over the rest, when ``rotate``).
 
 Teacher forcing and the token axis.  :meth:`StreamFormat.round_trip` quantises a whole
 sequence at once, so every key is read from its full block -- as every query after the
@@ -64,12 +67,15 @@ class StreamFormat:
         :data:`AXES`: what a block runs along.
     rotate
         Rotate each head by the layer's randomised Hadamard matrix before quantising.
+    exact
+        Channels at the start of every head kept as they are, 16 bits each (0: none).
     """
 
     element: str = "nvfp4"
     group: int = 16
     axis: str = "channels"
     rotate: bool = False
+    exact: int = 0
 
     def __post_init__(self):
         if self.element not in ELEMENTS:
@@ -78,13 +84,30 @@ class StreamFormat:
             raise ValueError(f"axis {self.axis!r}: choose one of {list(AXES)}")
         if not isinstance(self.group, int) or self.group < 1:
             raise ValueError(f"group must be a positive int, got {self.group!r}")
+        if not isinstance(self.exact, int) or self.exact < 0:
+            raise ValueError(f"exact must be an int >= 0 (channels per head), got {self.exact!r}")
 
-    def bytes_per_token(self, kv_dim: int) -> float:
+    def _split(self, kv_dim: int, head_dim: int | None) -> tuple[int, int]:
+        """``(n_heads, exact)``: the heads of ``kv_dim`` and the exact channels of each (checked)."""
+        if not self.exact:
+            return 1, 0
+        if head_dim is None or kv_dim % head_dim or self.exact > head_dim:
+            raise ValueError(f"{self}: exact channels need the head width ({head_dim}) of kv_dim {kv_dim}, "
+                             f"at least {self.exact} wide")
+        return kv_dim // head_dim, self.exact
+
+    def bytes_per_token(self, kv_dim: int, head_dim: int | None = None) -> float:
         """Stored bytes per token of one ``kv_dim``-wide stream: ``kv_dim · bits / 8 + kv_dim/group``.
 
         On the token axis a scale is shared by ``group`` tokens; the figure is per token of
-        whole blocks (a partial last block costs its scales in full).
+        whole blocks (a partial last block costs its scales in full).  With :attr:`exact`
+        (``head_dim`` needed): ``2 · exact`` bytes per head plus the format's bytes of the rest.
         """
+        heads, exact = self._split(kv_dim, head_dim)
+        rest = kv_dim - heads * exact
+        return 2 * heads * exact + (self._format_bytes(rest) if rest else 0.0)
+
+    def _format_bytes(self, kv_dim: int) -> float:
         bits = ELEMENT_BITS[self.element]
         pack = 8 // math.gcd(8, bits)  # values per whole number of bytes: 2 (4-bit), 4 (6-bit)
         packed_axis = kv_dim if self.axis == "channels" else self.group
@@ -93,7 +116,8 @@ class StreamFormat:
                              f"groups of {self.group}")
         return kv_dim * bits / 8 + kv_dim / self.group
 
-    def round_trip(self, x: torch.Tensor, rotation: HeadRotation | None = None) -> torch.Tensor:
+    def round_trip(self, x: torch.Tensor, rotation: HeadRotation | None = None, head_dim: int | None = None
+                   ) -> torch.Tensor:
         """What reading ``x`` back from this format gives.
 
         Parameters
@@ -101,12 +125,24 @@ class StreamFormat:
         x : torch.Tensor, shape (B, T, kv_dim), floating
             One stream of one layer at the injection point, tokens along ``T``.
         rotation
-            The layer's rotation; required when :attr:`rotate`.
+            The layer's rotation (of ``head_dim - exact`` channels); required when :attr:`rotate`.
+        head_dim
+            Each head's width; required when :attr:`exact`.
 
         Returns
         -------
-        torch.Tensor, shape (B, T, kv_dim), ``x.dtype``
+        torch.Tensor, shape (B, T, kv_dim), ``x.dtype``: the exact channels bit for bit.
         """
+        heads, exact = self._split(x.shape[-1], head_dim)
+        if not exact:
+            return self._rest_round_trip(x, rotation)
+        if exact == head_dim:
+            return x.clone()
+        per_head = x.unflatten(-1, (heads, head_dim))
+        rest = self._rest_round_trip(per_head[..., exact:].flatten(-2), rotation).unflatten(-1, (heads, -1))
+        return torch.cat([per_head[..., :exact], rest], dim=-1).flatten(-2)
+
+    def _rest_round_trip(self, x: torch.Tensor, rotation: HeadRotation | None) -> torch.Tensor:
         if self.rotate and rotation is None:
             raise ValueError(f"{self}: a rotated format needs the layer's rotation")
         fmt = ELEMENTS[self.element](self.group)
@@ -128,9 +164,9 @@ class KVFormat:
     k: StreamFormat
     v: StreamFormat
 
-    def bytes_per_token(self, kv_dim: int) -> float:
-        """Stored bytes per token of one layer: K's plus V's."""
-        return self.k.bytes_per_token(kv_dim) + self.v.bytes_per_token(kv_dim)
+    def bytes_per_token(self, kv_dim: int, head_dim: int | None = None) -> float:
+        """Stored bytes per token of one layer: K's plus V's (``head_dim``: needed by a stream's ``exact``)."""
+        return self.k.bytes_per_token(kv_dim, head_dim) + self.v.bytes_per_token(kv_dim, head_dim)
 
 
 class FormatRuntime:
@@ -146,9 +182,11 @@ class FormatRuntime:
         self.model, self.fmt, self.spec = model, fmt, GROUPS["baseline_fp4"]
         self.replaced_layers = tuple(attention_layers)
         streams = {"k": fmt.k, "v": fmt.v}
-        rotations = {layer: layer_rotation(head_dim, layer) for layer in self.replaced_layers}
-        self._replacements = {(layer, kind): lambda out, s=streams[kind], r=rotations[layer]: s.round_trip(out, r)
-                              for layer in self.replaced_layers for kind in "kv"}
+        # A stream with exact channels rotates the rest of each head only (the layer's seed all the same).
+        rotations = {(layer, kind): layer_rotation(head_dim - s.exact, layer) if s.exact < head_dim else None
+                     for layer in self.replaced_layers for kind, s in streams.items()}
+        self._replacements = {(layer, kind): lambda out, s=streams[kind], r=rotations[layer, kind]: s.round_trip(
+            out, r, head_dim) for layer in self.replaced_layers for kind in "kv"}
         self._hooks = None
 
     def seed(self, **kwargs) -> None:
