@@ -86,7 +86,8 @@ def table(rows: list[dict], params) -> str:
     for r in (r for r in rows if r["sink"] == "none"):
         kept = next(x for x in rows if x["sink"] == "mean"
                     and all(x[c] == r[c] for c in ("objective", "records", "head_width", "group")))
-        projector = (f"ridge + MLP {r['head_width']} ({r['projector_params']:,} p.)" if r["head_width"]
+        projector = ("– (reads the true K/V)" if not r["projector_params"] else
+                     f"ridge + MLP {r['head_width']} ({r['projector_params']:,} p.)" if r["head_width"]
                      else f"linear ({r['projector_params']:,} p.)")
         lines.append(f"| {r['objective']} | {r['records']} | {projector} | {r['steps']} | {r['group']} | {r['val_kl']:.4f} | "
                      f"{r['branch_s']:.0f} | "

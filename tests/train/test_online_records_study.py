@@ -51,6 +51,9 @@ def test_table_puts_each_group_s_sink_row_beside_it():
             "+2.00 [+1.00, +3.00] |") in md
     assert ("| attn_out | 512 | linear (1,000 p.) | 128 | ced | 0.1000 | 1 | +3.00 [+2.00, +4.00] | "
             "+1.50 [+0.50, +2.50] |") in md
+    csa2 = study_mod.table([{**row(64, "csa2", sink, 5.0), "projector_params": 0} for sink in ("none", "mean")],
+                           load_params(ROOT / "params.yaml"))
+    assert "| attn_out | 64 | – (reads the true K/V) | 16 | csa2 |" in csa2
     # a head branch pairs with its own sink row, not with the linear branch of the same records
     assert ("| attn_out | 64 | ridge + MLP 8 (1,008 p.) | 16 | ced | 0.1000 | 1 | +3.50 [+2.50, +4.50] | "
             "+1.00 [+0.00, +2.00] |") in md
