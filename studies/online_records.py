@@ -18,7 +18,7 @@ zero-initialised residual MLP on the standardised ``H_split``,
 ``head_lr``: a map that is not linear, trained by the model's own signal.
 
 Writes ``studies/online_records/records.tsv`` (one row per branch, group and sink: ΔPPL, KL, top-1,
-the phase's held-out KL after training and steps, the branch's seconds: three phases and their
+the phase's held-out KL before and after training, its steps, the branch's seconds: three phases and their
 held-out checks) and ``records.md``.
 Params: ``studies/online_records.yaml`` and the root ``params.yaml``.
 """
@@ -81,7 +81,7 @@ def table(rows: list[dict], params) -> str:
     """``records.md``: ΔPPL % [95% CI] per branch (objective, records), group and sink."""
     lines = [f"Online objectives by training records ({params.model.name}, {params.model.dtype}; "
              f"{rows[0]['eval_records']} eval records, {rows[0]['tokens']:,} scored tokens; not a Qwen3.5-4B result).",
-             "", "| objective | records | projector | steps / phase | group | held-out KL after | branch s | "
+             "", "| objective | records | projector | steps / phase | group | held-out KL before → after | branch s | "
              "ΔPPL % (sink: none) | ΔPPL % (sink: mean) |", "|---|---:|---|---:|---|---:|---:|---|---|"]
     for r in (r for r in rows if r["sink"] == "none"):
         kept = next(x for x in rows if x["sink"] == "mean"
@@ -89,7 +89,8 @@ def table(rows: list[dict], params) -> str:
         projector = ("– (reads the true K/V)" if not r["projector_params"] else
                      f"ridge + MLP {r['head_width']} ({r['projector_params']:,} p.)" if r["head_width"]
                      else f"linear ({r['projector_params']:,} p.)")
-        lines.append(f"| {r['objective']} | {r['records']} | {projector} | {r['steps']} | {r['group']} | {r['val_kl']:.4f} | "
+        lines.append(f"| {r['objective']} | {r['records']} | {projector} | {r['steps']} | {r['group']} | "
+                     f"{r['val_kl_before']:.4f} → {r['val_kl']:.4f} | "
                      f"{r['branch_s']:.0f} | "
                      f"{r['dppl_pct']:+.2f} [{r['dppl_ci_low']:+.2f}, {r['dppl_ci_high']:+.2f}] | "
                      f"{kept['dppl_pct']:+.2f} [{kept['dppl_ci_low']:+.2f}, {kept['dppl_ci_high']:+.2f}] |")
@@ -113,7 +114,8 @@ def row(key: tuple[Branch, str, str], score: dict, phase: dict, eval_records: in
     return {"objective": branch.objective, "records": branch.records, "head_width": branch.head_width,
             "projector_params": phase["projector_params"] if group != "csa2" else 0, "group": group, "sink": sink,
             "steps": phase["steps"],
-            "branch_s": round(phase["branch_s"], 1), "val_kl": phase["val_after"]["kl"],
+            "branch_s": round(phase["branch_s"], 1), "val_kl_before": phase["val_before"]["kl"],
+            "val_kl": phase["val_after"]["kl"],
             "dppl_pct": score["delta_pct"], "dppl_ci_low": score["delta_pct_ci95"][0],
             "dppl_ci_high": score["delta_pct_ci95"][1], "kl": score["kl"], "kl_ci_low": score["kl_ci95"][0],
             "kl_ci_high": score["kl_ci95"][1], "top1_pct": score["top1_pct"], "eval_records": eval_records,
