@@ -22,6 +22,8 @@ leaves its cache's hooks: microseconds against a step).  Caches:
 * ``... k{k}+w{window} indexed`` -- the same with the trained lightning indexer of ``--indexer``
   (``studies/indexer/attention_rot.pt``; random weights of the narrow shape when absent: the timing depends on
   shapes only): its MXFP4 keys in the store, the source reading its selection too;
+  the sparse caches also hold the targets' adapted entries of the last step (reused where the next
+  step reads the same positions), counted in their bytes and accounting;
 * ``baseline / fp4-{format}`` -- :class:`~ced_csa2.runtime.shared_kv.FP4KVCache`: every layer's
   K/V in FP4, no sharing (the cost of FP4 alone).
 
@@ -100,10 +102,10 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, spars
                                                                                                   parts, s),
                lambda cache: cache.feed())
         for reads in sparse:
-            yield (f"{group} / shared-{storage} k{reads.k}+w{reads.window}", (group, storage),
+            yield (f"{group} / shared-{storage} k{reads.k}+w{reads.window}", (group, storage, None, reads),
                    lambda s=storage, r=reads: SparseSharedKVCache(model, plan, group, parts, s, reads=r),
                    lambda cache: cache.feed())
-            yield (f"{group} / shared-{storage} k{reads.k}+w{reads.window} indexed", (group, storage, indexer),
+            yield (f"{group} / shared-{storage} k{reads.k}+w{reads.window} indexed", (group, storage, indexer, reads),
                    lambda s=storage, r=reads: SparseSharedKVCache(model, plan, group, parts, s, reads=r,
                                                                   indexer=indexer),
                    lambda cache: cache.feed())
@@ -176,12 +178,15 @@ def main() -> None:
             runs[label], accounting[label] = Decoder(model, make_cache(), ctx), acc
             runs[label].prefill(ids)
         seconds = paired_seconds({label: d.step for label, d in runs.items()}, args.steps, device=args.device).seconds
-        for label, (acc_group, acc_storage, *with_indexer) in accounting.items():
+        for label, (acc_group, acc_storage, *sparse_parts) in accounting.items():
             cache, ms = runs[label].cache, 1e3 * seconds[label]
             held = kv_held_bytes(cache)
             per_token = bytes_per_token(accounted_copies(geo, plan, acc_group, acc_storage, dtype_bytes))
-            per_token += key_bytes(with_indexer[0].key_width) if with_indexer else 0
             accounted = per_token * args.batch * cache.get_seq_length()
+            if sparse_parts:  # the indexer's keys per position; the last step's adapted entries (flat)
+                reader, reads = sparse_parts
+                accounted += key_bytes(reader.key_width) * args.batch * cache.get_seq_length() if reader else 0
+                accounted += reads.adapted_bytes(len(plan.targets), geo.kv_dim, dtype_bytes, args.batch)
             ref_ms, ref_bytes = ref_ms or ms, ref_bytes or held
             print(f"{context:>7}  {label:<34} {ms:>8.2f} {ms / ref_ms:>6.2f} {held / 2**20:>9.2f} "
                   f"{held / accounted:>14.4f} {held / ref_bytes:>8.3f}")

@@ -158,7 +158,7 @@ def test_selection_counts_the_oracle_s_top_k_and_the_attention_it_keeps_among_th
     indexer = it.new_indexer(model, geo, 3, IndexerConfig(heads=2), seed=1)
     s, k, window = held[3], 5, 4
     got = it.selection(indexer, s, [k], window)
-    fractions, kept, oracle_kept = [], [], []
+    fractions, fractions_attention, kept, oracle_kept, best_kept = [], [], [], [], []
     for i in range(s.k.shape[0]):
         # The scores and their top-k over whole masked rows, as selection ranks them: ReLU makes exact-zero ties
         # whose order topk leaves to the layout.  The counting below is independent.  Keys read back from MXFP4.
@@ -173,13 +173,22 @@ def test_selection_counts_the_oracle_s_top_k_and_the_attention_it_keeps_among_th
             assert max(a | b) <= row - window
             fractions.append(len(a & b) / k)
             p = s.target[i, r, :row - window + 1].double()
+            c = set(p.argsort(descending=True)[:k].tolist())  # the attention's own top-k of the older entries
+            fractions_attention.append(len(a & c) / k)
             kept.append(float(p[sorted(a)].sum() / p.sum()))
             oracle_kept.append(float(p[sorted(b)].sum() / p.sum()))
+            best_kept.append(float(p[sorted(c)].sum() / p.sum()))
     assert got["recall"][k] == pytest.approx(np.mean(fractions), abs=1e-6)  # float32 fractions
+    assert got["recall_attention"][k] == pytest.approx(np.mean(fractions_attention), abs=1e-6)
     assert got["mass"][k] == pytest.approx(np.mean(kept), abs=1e-5)
     assert 0 < got["recall"][k] < 1 and 0 < got["mass"][k] < 1
     oracle = it.selection(None, s, [k], window)
     assert oracle["recall"][k] == 1 and oracle["mass"][k] == pytest.approx(np.mean(oracle_kept), abs=1e-5)
+    best = it.selection(None, s, [k], window, by_attention=True)
+    assert best["recall_attention"][k] == 1 and best["mass"][k] == pytest.approx(np.mean(best_kept), abs=1e-5)
+    assert best["mass"][k] >= max(oracle["mass"][k], got["mass"][k])  # no selection keeps more attention
+    with pytest.raises(ValueError, match="by_attention"):
+        it.selection(indexer, s, [k], window, by_attention=True)
 
 
 def test_init_from_attention_starts_at_the_oracle_and_lifted_offsets_keep_its_order(llama_samples):

@@ -40,6 +40,10 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
     held = it.attention_samples(model, geo, [layer], seqs, 16, 48, seed=None)[layer]
     assert it.held_out_kl(saved, held, 4) == pytest.approx(v["after"]["kl"], rel=1e-6)
     assert "| narrow | trained |" in study_mod.markdown(m)
+    # The two references: each has recall 1 against itself; the attention top-k keeps the most attention.
+    assert m["oracle"]["recall"] == {4: 1.0, 8: 1.0} and m["attention_top_k"]["recall_attention"] == {4: 1.0, 8: 1.0}
+    for k in (4, 8):
+        assert m["attention_top_k"]["mass"][k] >= max(m["oracle"]["mass"][k], v["after"]["mass"][k])
 
 
 def test_every_layer_trains_the_named_variant_for_each_sparse_layer(tiny_model, tmp_path):
@@ -58,7 +62,7 @@ def test_every_layer_trains_the_named_variant_for_each_sparse_layer(tiny_model, 
         saved = load_indexer(tmp_path / "studies" / "indexer" / "layers" / f"{la}.pt",
                              _rope_fn(attention(model, la)), expect={"layer": la})
         assert saved.meta["recipe"]["heads"] == 2
-        assert 0 < m["every_layer"][la]["oracle_mass"][4] <= 1
+        assert 0 < m["every_layer"][la]["oracle_mass"][4] <= m["every_layer"][la]["attention_top_k_mass"][4] <= 1
     assert f"| {layers[-1]} |" in study_mod.markdown(m)
     with pytest.raises(ValueError, match="every_layer names variant 'x'"):
         path = tmp_path / "s.yaml"

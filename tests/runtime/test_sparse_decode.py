@@ -94,11 +94,58 @@ def test_each_target_reads_the_window_and_the_source_s_top_k_adapted_at_those_po
     assert untouched(model)
 
 
-def test_sparse_generation_holds_the_dense_store_s_bytes(setup):
+def adapted(plan, model, prompt, reads) -> int:
+    """The last sparse step's adapted K and V kept for the next: (k + window) entries per target, float32."""
+    return prompt.shape[0] * len(plan.targets) * (reads.k + reads.window) * 2 * geometry(model.config).kv_dim * 4
+
+
+def test_sparse_generation_holds_the_dense_store_s_bytes_and_one_step_s_adapted_entries(setup):
     model, plan, parts, prompt = setup
+    reads = SparseDecode(k=2, window=3)
     dense = shared_kv_generate(model, plan, "csa2", parts, prompt, NEW)
-    sparse = sparse_generate(model, plan, "csa2", parts, prompt, SparseDecode(k=2, window=3))
-    assert sparse.cache.held_bytes() == dense.cache.held_bytes()
+    sparse = sparse_generate(model, plan, "csa2", parts, prompt, reads)
+    extra = adapted(plan, model, prompt, reads)
+    assert sparse.cache.held_bytes() == dense.cache.held_bytes() + extra
+    assert reads.adapted_bytes(len(plan.targets), geometry(model.config).kv_dim, 4, prompt.shape[0]) == extra
+
+
+def test_entries_adapted_at_the_last_step_are_reused_and_only_new_positions_run_the_adapter(setup):
+    """Generation with the reuse equals generation that adapts every read entry at every step (the carried
+    entries dropped before each step), to float32's matmul-blocking tolerance; after the first sparse step
+    the adapters run on fewer rows than are read."""
+    model, plan, parts, prompt = setup
+    reads = SparseDecode(k=3, window=2)
+    rows = []
+    adapt = parts.adapt
+
+    def counting(layer, k, v):
+        rows.append(k.shape[0] * k.shape[1])
+        return adapt(layer, k, v)
+
+    def generate(reuse: bool):
+        cache = SparseSharedKVCache(model, plan, "csa2", parts, reads=reads)
+        x, out = prompt, []
+        with torch.no_grad(), cache.feed():
+            for _ in range(NEW):
+                if not reuse:
+                    cache._store.adapted.clear()
+                rows.clear()
+                logits = model(input_ids=x, cache=cache, use_cache=True).logits[:, -1]
+                x = logits.argmax(-1, keepdim=True)
+                out.append((logits, list(rows)))
+        return out
+
+    parts.adapt = counting
+    try:
+        reused, fresh = generate(True), generate(False)
+    finally:
+        parts.adapt = adapt
+    read = prompt.shape[0] * (reads.k + reads.window)
+    for step, ((logits, n_reused), (logits_fresh, n_fresh)) in enumerate(zip(reused, fresh)):
+        torch.testing.assert_close(logits, logits_fresh, rtol=1e-5, atol=1e-5)
+        if step >= 2:  # the second sparse step on: some entries carried over (the window moved by one)
+            assert n_fresh == [read] * len(plan.targets) and all(n < read for n in n_reused)
+    assert untouched(model)
 
 
 def test_refusals():
@@ -176,5 +223,6 @@ def test_with_an_indexer_every_reader_reads_the_window_and_the_indexer_s_top_k(s
     dense_bytes = SharedKVCache(model, plan, "csa2", parts)
     with dense_bytes.feed(), torch.no_grad():
         model(input_ids=torch.cat([prompt, prompt[:, :1]], 1), cache=dense_bytes, use_cache=True)
-    assert cache.held_bytes() == dense_bytes.held_bytes() + prompt.shape[0] * n * key_bytes(indexer.key_width)
+    assert cache.held_bytes() == (dense_bytes.held_bytes() + prompt.shape[0] * n * key_bytes(indexer.key_width)
+                                  + adapted(plan, model, prompt, reads))
     assert untouched(model)

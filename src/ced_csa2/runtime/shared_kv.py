@@ -88,6 +88,12 @@ def _check_fp4_width(fmt, kv_dim: int) -> None:
 class TokenStore:
     """Entries ``(B, T, D)`` of one stream (K or V), grown along ``T``, dense or FP4-packed.
 
+    Appending writes into spare capacity reserved ``GROW`` positions at a time, so a decode
+    step copies one entry, not the whole stream (``torch.cat`` per step, as transformers'
+    ``DynamicCache`` does, copies all ``T`` entries: at 8,192 positions most of a
+    SmolLM2 step's cache time).  :attr:`data` and :attr:`nbytes` are the entries written;
+    the reserve (< ``GROW`` positions) is allocator slack, like a vector's.
+
     Parameters
     ----------
     fmt
@@ -95,13 +101,28 @@ class TokenStore:
         ``None`` to keep plain tensors in the dtype they arrive in.
     """
 
+    GROW = 256
+
     def __init__(self, fmt=None):
         self.fmt = fmt
-        self.data: torch.Tensor | Packed | None = None
+        self._buffers: tuple[torch.Tensor, ...] = ()  # dense: (entries,); packed: (elements, scales); capacity along dim 1
+        self._n = 0
+        self._batch_shape: torch.Size | None = None  # (B, ·, D) of the entries, for Packed views
         self.dtype: torch.dtype | None = None  # dtype of the entries written (and read back)
 
     def __len__(self) -> int:
-        return 0 if self.data is None else self.data.shape[1]
+        return self._n
+
+    @property
+    def data(self) -> torch.Tensor | Packed | None:
+        """The entries written, ``(B, T, D)`` (a view of the buffers), or ``None`` when empty."""
+        if not self._buffers:
+            return None
+        views = [b[:, :self._n] for b in self._buffers]
+        if self.fmt is None:
+            return views[0]
+        b, _, d = self._batch_shape
+        return Packed(*views, torch.Size((b, self._n, d)), self.fmt.group, self.fmt.scale_kind)
 
     @property
     def nbytes(self) -> int:
@@ -110,18 +131,22 @@ class TokenStore:
 
     def append(self, x: torch.Tensor) -> None:
         """Add entries ``x`` ``(B, q, D)`` at the end (always a copy: never a view of ``x``)."""
-        if self.data is None:
-            self.dtype = x.dtype
-        if self.fmt is None:
-            self.data = x.clone() if self.data is None else torch.cat((self.data, x), dim=1)
-            return
-        new = self.fmt.quantize(x)
-        if self.data is not None:
-            old = self.data
-            shape = torch.Size((old.shape[0], old.shape[1] + new.shape[1], old.shape[2]))
-            new = Packed(torch.cat((old.elements, new.elements), dim=1), torch.cat((old.scales, new.scales), dim=1),
-                         shape, old.group, old.scale_kind)
-        self.data = new
+        if not self._buffers:
+            self.dtype, self._batch_shape = x.dtype, x.shape
+        parts = (x,) if self.fmt is None else (lambda p: (p.elements, p.scales))(self.fmt.quantize(x))
+        end = self._n + x.shape[1]
+        if not self._buffers or end > self._buffers[0].shape[1]:
+            capacity = -(-end // self.GROW) * self.GROW
+            grown = []
+            for i, part in enumerate(parts):
+                buf = part.new_empty((part.shape[0], capacity, *part.shape[2:]))
+                if self._buffers:
+                    buf[:, :self._n] = self._buffers[i][:, :self._n]
+                grown.append(buf)
+            self._buffers = tuple(grown)
+        for buf, part in zip(self._buffers, parts):
+            buf[:, self._n:end] = part
+        self._n = end
 
     def read(self, at: torch.Tensor | None = None) -> torch.Tensor:
         """Entries in the written dtype (dequantised when packed): all ``(B, T, D)``, or those at ``at``.
@@ -129,9 +154,9 @@ class TokenStore:
         ``at`` ``(B, n)`` indexes each row's entries (``(B, n, D)`` out); packed rows are gathered
         first and only those dequantised, so a sparse read costs ``n``, not ``T``, entries.
         """
-        if self.data is None:
-            raise RuntimeError("read from an empty TokenStore")
         d = self.data
+        if d is None:
+            raise RuntimeError("read from an empty TokenStore")
         if at is not None:
             if self.fmt is None:
                 return _rows(d, at)
@@ -141,17 +166,13 @@ class TokenStore:
 
     def keep_last(self, n: int) -> None:
         """Forget all but the last ``n`` entries (a sliding window moving on); a copy, so memory is freed."""
-        d = self.data
-        if d is None or len(self) <= n:
+        if len(self) <= n:
             return
-        if self.fmt is None:
-            self.data = d[:, -n:].clone()
-        else:
-            self.data = Packed(d.elements[:, -n:].clone(), d.scales[:, -n:].clone(),
-                               torch.Size((d.shape[0], n, d.shape[2])), d.group, d.scale_kind)
+        self._buffers = tuple(b[:, self._n - n:self._n].clone() for b in self._buffers)
+        self._n = n
 
     def clear(self) -> None:
-        self.data = self.dtype = None
+        self._buffers, self._n, self._batch_shape, self.dtype = (), 0, None, None
 
 
 def _rows(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
@@ -314,7 +335,7 @@ class _SharedStore:
             self._step = {}
         k, v, cos, sin = self._entries(layer, new, self._step)
         if layer != self.plan.source and GROUPS[self.group].adapters:
-            k, v = self.parts.adapt(layer, k, v)
+            k, v = self._adapt(layer, k, v)
         if layer == max(self.plan.targets):
             self._step = None  # a transient: not kept between decode steps
             source_window = self.geo.window(self.plan.source)
@@ -322,6 +343,10 @@ class _SharedStore:
                 self.k.keep_last(source_window - 1)
                 self.v.keep_last(source_window - 1)
         return self._norm_rope(self.attn[layer], k, v, cos, sin)
+
+    def _adapt(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KV:
+        """Target ``layer``'s K and V ``(B, T', kv_dim)`` from the stored entries it reads (its adapter)."""
+        return self.parts.adapt(layer, k, v)
 
     def _entries(self, layer: int, new: int, step: dict):
         """The stored K and V ``(B, T', kv_dim)`` ``layer`` reads and their RoPE ``cos``/``sin`` ``(B, T', rot)``."""

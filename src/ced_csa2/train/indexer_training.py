@@ -208,34 +208,47 @@ def held_out_kl(indexer: LightningIndexer, samples: LayerSamples, window: int) -
 
 
 @torch.no_grad()
-def selection(indexer: LightningIndexer | None, samples: LayerSamples, ks: Sequence[int],
-              window: int) -> dict[str, dict[int, float]]:
+def selection(indexer: LightningIndexer | None, samples: LayerSamples, ks: Sequence[int], window: int, *,
+              by_attention: bool = False) -> dict[str, dict[int, float]]:
     """How well a top-``k`` selection among the entries older than the ``window`` does, per ``k``.
 
-    * ``recall`` -- mean ``|top-k(indexer) ∩ top-k(oracle)| / k`` over the rows;
+    * ``recall`` -- mean ``|top-k(indexer) ∩ top-k(oracle)| / k`` over the rows, the oracle
+      being the exact logits summed over heads (:func:`~ced_csa2.runtime.sparse_attention.index_scores`,
+      the layer-modes study's selector);
+    * ``recall_attention`` -- the same against the top-``k`` of the attention itself (head-averaged,
+      ``samples.target``): the entries that hold the most of what the layer attends to, which
+      the logit sum does not rank alike (docs/results.md, the indexer study), and the
+      distribution the indexer is trained to imitate (:func:`fit`);
     * ``mass`` -- mean share of the row's attention over those entries (``samples.target``,
       renormalised over them) that the selection holds: what a sparse read keeps of what
-      the layer would attend to.
+      the layer would attend to (the attention top-``k`` holds the most any selection can).
 
     The indexer reads its keys as stored (MXFP4, ``LightningIndexer.stored_keys``); ``indexer=None``
-    scores the oracle itself (the exact logits summed over heads: recall 1).  Rows with fewer
-    than ``k`` such entries are left out of that ``k``'s means.
+    scores the logit-sum oracle itself (``recall`` 1), or with ``by_attention`` the attention
+    top-``k`` (``recall_attention`` 1).  Rows with fewer than ``k`` such entries are left out of
+    that ``k``'s means.
     """
+    if by_attention and indexer is not None:
+        raise ValueError("selection: by_attention scores the attention's own top-k, not an indexer")
     hits = {k: [] for k in ks}
+    hits_attention = {k: [] for k in ks}
     mass = {k: [] for k in ks}
     t = samples.k.shape[1]
     for i in range(samples.k.shape[0]):
         rows = samples.rows[i]
         older = torch.arange(t)[None] <= rows[:, None] - window  # (R, T)
         oracle = samples.oracle[i].masked_fill(~older, float("-inf"))
-        if indexer is None:
+        target = samples.target[i] * older
+        target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
+        by_mass = target.masked_fill(~older, -1.0)  # older entries first, then by their attention
+        if by_attention:
+            mine = by_mass
+        elif indexer is None:
             mine = oracle
         else:
             keys = indexer.stored_keys(samples.k[i:i + 1], samples.cos, samples.sin)
             q, w = indexer.queries(samples.x[i:i + 1], samples.cos[0, rows][None], samples.sin[0, rows][None])
             mine = LightningIndexer.scores(q, w, keys)[0].masked_fill(~older, float("-inf"))
-        target = samples.target[i] * older
-        target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
         n_older = older.sum(-1)
         for k in ks:
             ok = n_older >= k
@@ -243,8 +256,8 @@ def selection(indexer: LightningIndexer | None, samples: LayerSamples, ks: Seque
                 continue
             picked = torch.zeros(int(ok.sum()), t, dtype=torch.bool)
             picked.scatter_(1, mine[ok].topk(k, -1).indices, True)
-            both = picked.gather(1, oracle[ok].topk(k, -1).indices).sum(-1)
-            hits[k].extend((both.float() / k).tolist())
+            hits[k].extend((picked.gather(1, oracle[ok].topk(k, -1).indices).sum(-1).float() / k).tolist())
+            hits_attention[k].extend((picked.gather(1, by_mass[ok].topk(k, -1).indices).sum(-1).float() / k).tolist())
             mass[k].extend((target[ok] * picked).sum(-1).tolist())
     mean = lambda d: {k: float(np.mean(v)) if v else None for k, v in d.items()}  # noqa: E731
-    return {"recall": mean(hits), "mass": mean(mass)}
+    return {"recall": mean(hits), "recall_attention": mean(hits_attention), "mass": mean(mass)}
