@@ -89,10 +89,9 @@ class TokenStore:
     """Entries ``(B, T, D)`` of one stream (K or V), grown along ``T``, dense or FP4-packed.
 
     Appending writes into spare capacity reserved ``GROW`` positions at a time, so a decode
-    step copies one entry, not the whole stream (``torch.cat`` per step, as transformers'
-    ``DynamicCache`` does, copies all ``T`` entries: at 8,192 positions most of a
-    SmolLM2 step's cache time).  :attr:`data` and :attr:`nbytes` are the entries written;
-    the reserve (< ``GROW`` positions) is allocator slack, like a vector's.
+    step copies its one new entry (transformers' ``DynamicCache`` concatenates: a copy of all
+    ``T`` entries per layer and step).  :attr:`data` and :attr:`nbytes` are the entries
+    written; the reserve (< ``GROW`` positions) is allocator slack, like a vector's.
 
     Parameters
     ----------
@@ -133,7 +132,11 @@ class TokenStore:
         """Add entries ``x`` ``(B, q, D)`` at the end (always a copy: never a view of ``x``)."""
         if not self._buffers:
             self.dtype, self._batch_shape = x.dtype, x.shape
-        parts = (x,) if self.fmt is None else (lambda p: (p.elements, p.scales))(self.fmt.quantize(x))
+        if self.fmt is None:
+            parts = (x,)
+        else:
+            packed = self.fmt.quantize(x)
+            parts = (packed.elements, packed.scales)
         end = self._n + x.shape[1]
         if not self._buffers or end > self._buffers[0].shape[1]:
             capacity = -(-end // self.GROW) * self.GROW
