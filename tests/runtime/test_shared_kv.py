@@ -160,6 +160,29 @@ def test_a_token_store_read_at_positions_is_those_rows_of_the_whole_read(storage
     assert torch.equal(store.read(at), torch.stack([whole[b, at[b]] for b in range(2)]))
 
 
+@pytest.mark.parametrize("storage", ["bf16", "mxfp4"])
+def test_a_token_store_growing_past_its_reserve_holds_every_entry_once(storage):
+    """Appends that cross the reserved capacity (a prefill, then one entry a step past 2 x GROW), then a
+    sliding window's cut and more appends: the entries read back are those written, in order; the bytes
+    are the entries', not the reserve's."""
+    fmt = FORMATS[storage]() if storage in FORMATS else None
+    store, grow = TokenStore(fmt), TokenStore.GROW
+    x = torch.randn(2, 2 * grow + 7, 32)
+    store.append(x[:, :grow - 3])
+    for t in range(grow - 3, x.shape[1]):
+        store.append(x[:, t:t + 1])
+    expected = x if fmt is None else fmt.dequantize(fmt.quantize(x))
+    assert len(store) == x.shape[1] and torch.equal(store.read(), expected)
+    entry = 32 * 4 if fmt is None else fp4_entry_bytes(32, fmt.group)
+    assert store.nbytes == 2 * x.shape[1] * entry
+    store.keep_last(5)
+    store.append(x[:, :3])
+    assert torch.equal(store.read(), torch.cat([expected[:, -5:], expected[:, :3]], dim=1))
+    assert store.nbytes == 2 * 8 * entry
+    store.clear()
+    assert len(store) == 0 and store.nbytes == 0 and store.data is None
+
+
 def test_fp4_layer_returns_the_fp4_round_trip_of_what_it_was_given():
     fmt = FORMATS["nvfp4"]()
     layer = FP4Layer(fmt)
