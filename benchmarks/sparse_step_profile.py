@@ -16,7 +16,8 @@ both caches are prefilled with the same ``--context`` random tokens.  Then:
      (transformers' ``DynamicLayer.update``, which concatenates: a copy of every entry);
    * the sparse cache's store (:mod:`ced_csa2.runtime.sparse_decode`): its writes, and its reads
      split into the indexer's selection, the adapters, k_norm + RoPE and the rest (gathering,
-     bookkeeping).
+     bookkeeping); and how many entries went through the adapters (the others were reused from
+     the step before).
 
 The last line is the saving the sparse reads can reach: what the ordinary cache spends on the
 shared layers' attention and cache updates (its per-layer mean times their number), against
@@ -55,6 +56,8 @@ class Timers:
     def __init__(self):
         self.step: dict[str, float] = defaultdict(float)
         self.steps: list[dict[str, float]] = []
+        self.adapted = 0  # entries through an adapter this step (all targets)
+        self.adapted_per_step: list[int] = []
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
@@ -68,6 +71,8 @@ class Timers:
     def end_step(self) -> None:
         self.steps.append(dict(self.step))
         self.step.clear()
+        self.adapted_per_step.append(self.adapted)
+        self.adapted = 0
 
     def median_ms(self, name: str) -> float:
         return 1e3 * statistics.median(s.get(name, 0.0) for s in self.steps)
@@ -99,6 +104,12 @@ def instrumented(model, layer: int, cache, timers: Timers) -> Iterator[None]:
             patch(store, "_indexed", "store read: indexer")
             patch(store, "_norm_rope", "store read: k_norm + RoPE")
             patch(store.parts, "adapt", "store read: adapters")
+            adapt = store.parts.adapt
+
+            def counted(layer, k, v):
+                timers.adapted += k.shape[0] * k.shape[1]
+                return adapt(layer, k, v)
+            store.parts.adapt = counted  # the timed adapter, its entries counted (removed with it)
         with AttentionCalls(attention(model, layer), "timing the attention calls").routed(attend):
             yield
     finally:
@@ -149,6 +160,10 @@ def main() -> None:
     for name, t in timers.items():
         parts_ms = {label: t.median_ms(label) for label in sorted({k for s in t.steps for k in s})}
         print(f"  {name:<8} " + ", ".join(f"{label} {ms:.2f}" for label, ms in parts_ms.items()))
+    read = len(plan.targets) * (reads.k + reads.window)
+    adapted = statistics.median(sparse.adapted_per_step)
+    print(f"  the targets adapted a median {adapted:.0f} of the {read} entries they read a step "
+          f"({adapted / read:.0%}; the rest reused from the step before)")
     per_layer = (ordinary.median_ms("attention") + ordinary.median_ms("ordinary layers' cache update")) / n_layers
     own = sparse.median_ms("store: read") + sparse.median_ms("store: write")
     print(f"the {shared} shared layers' reads can save {shared * per_layer:.2f} ms a step (the ordinary cache's "
