@@ -151,8 +151,8 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None) 
             "model": params.model.hf_id or params.model.name, "layer": layer, "window": study.window, "k": study.k,
             "dtype": "float32 (trained in fp32; saved in fp16 and scored from the saved file, keys through MXFP4)",
             "oracle": "the layer's attention logits summed over its heads",
-            "attention_top_k": "the top-k of the layer's head-averaged attention itself (the most attention any "
-                               "selection keeps; what the indexer is trained to imitate)",
+            "attention_top_k": "the top-k of the layer's head-averaged attention itself: the most attention any "
+                               "selection keeps, and what the indexer is trained to imitate",
             "mass": "share of the layer's head-averaged attention over the entries older than the window "
                     "that the top-k holds (mean over query rows)",
             "train": {**dataclasses.asdict(study.train), "data": str(TRAIN_JSONL),
