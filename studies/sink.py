@@ -16,9 +16,11 @@ paired bootstrap 95% intervals over records against one baseline pass):
   on one token);
 * ``mean``: the first position's K/V are ``tune_mode_a``'s constants (``models/mode_a/sink.pt``:
   the mean over 64 training records' first positions; nothing stored or computed per sequence);
-  only where the constants cover every replaced layer (not the every-layer FP4 baseline).
+  only where the constants cover every replaced layer (not the every-layer FP4 baseline);
+* ``exact`` over the first four positions: StreamingLLM's number of sink tokens (one record of the
+  embedded corpus carries a massive activation at position 1).
 
-Writes ``studies/sink/sink.tsv`` (one row per group, maps and sink) and ``sink.png``.
+Writes ``studies/sink/sink.tsv`` (one row per group, maps, sink and positions kept) and ``sink.png``.
 """
 
 from __future__ import annotations
@@ -35,11 +37,14 @@ from ced_csa2.pipeline.checkpoint import check_meta_provenance, expected_meta
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.paths import MODE_A_SINK, MODELS
 from ced_csa2.plan import load_plan
-from ced_csa2.runtime.sink import SINK_MODES, SinkGroup
+from ced_csa2.runtime.sink import SinkGroup
 
 OUT = Path("studies/sink")
 GROUPS = {"main": ("ced", "csa2", "ced_csa2", "baseline_fp4_rot", "csa2_fp4_rot", "ced_csa2_fp4_rot"),
           "attn_out": ("ced", "csa2", "ced_csa2")}
+STREAMING_SINKS = 4  # StreamingLLM (Xiao et al., 2024) keeps the first four tokens
+# (sink, positions kept): the group as the pipeline scores it, then each way of keeping the sink
+SETTINGS = (("none", 0), ("exact", 1), ("mean", 1), ("exact", STREAMING_SINKS))
 log = logging.getLogger("sink")
 
 
@@ -52,13 +57,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
     labels = list(dict.fromkeys(f"{r['group']}\n({r['maps']})" for r in rows))
     fig, ax = plt.subplots(figsize=(11, 4))
-    for j, (sink, marker) in enumerate(zip(("none", *SINK_MODES), "osD")):
-        mine = [r for r in rows if r["sink"] == sink]
-        x = [labels.index(f"{r['group']}\n({r['maps']})") + (j - 1) * 0.2 for r in mine]
+    for j, ((sink, positions), marker) in enumerate(zip(SETTINGS, "osD^")):
+        mine = [r for r in rows if (r["sink"], r["positions"]) == (sink, positions)]
+        x = [labels.index(f"{r['group']}\n({r['maps']})") + (j - 1.5) * 0.18 for r in mine]
         y = [r["dppl_pct"] for r in mine]
         ax.errorbar(x, y, yerr=[[r["dppl_pct"] - r["dppl_ci_low"] for r in mine],
                                 [r["dppl_ci_high"] - r["dppl_pct"] for r in mine]],
-                    fmt=marker, capsize=3, label=f"sink: {sink}")
+                    fmt=marker, capsize=3, label=f"sink: {sink}" + (f", {positions} positions" if positions > 1 else ""))
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("ΔPPL % vs baseline [95% CI]")
     ax.axhline(0, color="gray", linewidth=0.5)
@@ -81,18 +86,18 @@ def main() -> None:
     for name, groups in GROUPS.items():
         for group in groups:
             parts = maps[name] if name == "main" else maps[name][group]
-            for sink in ("none", *SINK_MODES):
+            for sink, positions in SETTINGS:
                 runtime = CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format)
                 if sink == "mean" and not set(runtime.replaced_layers) <= set(constants.layers):
                     continue
-                label = f"{group}@{name}/{sink}"
-                runtimes[label] = runtime if sink == "none" else SinkGroup(runtime, sink, constants)
-                keys[label] = (group, name, sink)
+                label = f"{group}@{name}/{sink}" + (str(positions) if positions > 1 else "")
+                runtimes[label] = runtime if sink == "none" else SinkGroup(runtime, sink, constants, positions)
+                keys[label] = (group, name, sink, positions)
     scores = groups_ppl(model, plan, ["baseline"], None, ids, params, tok.pad_token_id, extra=runtimes)
     rows = []
-    for label, (group, name, sink) in keys.items():
+    for label, (group, name, sink, positions) in keys.items():
         s = scores[label]
-        rows.append({"group": group, "maps": name, "sink": sink, "dppl_pct": s["delta_pct"],
+        rows.append({"group": group, "maps": name, "sink": sink, "positions": positions, "dppl_pct": s["delta_pct"],
                      "dppl_ci_low": s["delta_pct_ci95"][0], "dppl_ci_high": s["delta_pct_ci95"][1],
                      "kl": s["kl"], "kl_ci_low": s["kl_ci95"][0], "kl_ci_high": s["kl_ci95"][1],
                      "top1_pct": s["top1_pct"], "records": len(ids), "tokens": s["tokens"]})

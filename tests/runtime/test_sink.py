@@ -26,19 +26,24 @@ def logits(model, runtime, x):
         return model(x).logits
 
 
+@pytest.mark.parametrize("positions", [1, 4])
 @pytest.mark.parametrize("group", GROUPS)
-def test_the_exact_sink_is_the_plain_model_at_the_first_position_and_changes_the_rest(setup, group):
+def test_the_exact_sink_is_the_plain_model_at_the_first_positions_and_changes_the_rest(setup, group, positions):
     model, plan, geo, x = setup
     parts = random_parts(geo, plan)
     with torch.no_grad():
         plain = model(x).logits
-    kept = logits(model, SinkGroup(CEDModeBRuntime(model, plan, group, parts, kv_format="nvfp4"), "exact"), x)
+    kept = logits(model, SinkGroup(CEDModeBRuntime(model, plan, group, parts, kv_format="nvfp4"), "exact",
+                                   positions=positions), x)
     bare = logits(model, CEDModeBRuntime(model, plan, group, parts, kv_format="nvfp4"), x)
-    # Position 0 reads only itself: every layer's first entry is the plain model's, so its whole path is.
-    torch.testing.assert_close(kept[:, 0], plain[:, 0], atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(bare[:, 0], plain[:, 0], atol=1e-3)
-    assert not torch.allclose(kept[:, 1:], bare[:, 1:], atol=1e-3)  # the others read it
-    assert not torch.allclose(kept[:, 1:], plain[:, 1:], atol=1e-3)  # and their own entries stay replaced
+    # The first positions read only each other: every layer's entries there are the plain model's, so their
+    # whole path is; each one of them is replaced without the sink.
+    n = positions
+    torch.testing.assert_close(kept[:, :n], plain[:, :n], atol=1e-5, rtol=1e-5)
+    for t in range(n):
+        assert not torch.allclose(bare[:, t], plain[:, t], atol=1e-3)
+    assert not torch.allclose(kept[:, n:], bare[:, n:], atol=1e-3)  # the others read them
+    assert not torch.allclose(kept[:, n:], plain[:, n:], atol=1e-3)  # and their own entries stay replaced
 
 
 def test_the_mean_sink_with_the_first_tokens_own_kv_is_the_exact_sink(setup):
@@ -75,3 +80,7 @@ def test_refusals(setup):
         SinkGroup(runtime, "first")
     with pytest.raises(ValueError, match=r"replaces layers \[.*\], for which the sink's constants hold no K/V"):
         SinkGroup(runtime, "mean", SinkKV((plan.source,), geo.kv_dim))
+    with pytest.raises(ValueError, match="positions must be >= 1"):
+        SinkGroup(runtime, "exact", positions=0)
+    with pytest.raises(ValueError, match="'mean' holds constants for position 0 only"):
+        SinkGroup(runtime, "mean", SinkKV(plan.kv_layers, geo.kv_dim), positions=4)

@@ -10,6 +10,10 @@ plain model's (``exact``: the layer's own ``k_proj``/``v_proj`` output, which a 
 for one token per layer) or the constants of :class:`~ced_csa2.ced_runtime.SinkKV` (``mean``:
 the mean over training records' first positions; nothing stored per sequence, nothing computed).
 Position 0 attends to itself only, so with ``exact`` its whole path is the plain model's.
+``exact`` may keep more than the first position: StreamingLLM keeps four initial tokens as sinks
+(Xiao et al., 2024), because a model may park attention on any of the first few (on the embedded
+default one record carries a massive activation at position 1).  ``mean`` has constants for
+position 0 only.
 
 Teacher-forced passes only: every forward must start at position 0 (what
 :func:`ced_csa2.eval.scoring.multi_group_nll` runs); a cached decoding step would be taken for
@@ -37,19 +41,25 @@ class SinkGroup:
         ``"exact"`` (the plain model's first-position K/V) or ``"mean"`` (``constants``).
     constants
         The sink's K/V per layer (``mode="mean"``); must hold every layer the group replaces.
+    positions
+        How many initial positions keep their K/V (``exact`` only; ``mean`` keeps position 0).
 
     It has what :func:`ced_csa2.eval.scoring.multi_group_nll` uses of a runtime (``extra=``).
     """
 
-    def __init__(self, runtime, mode: str, constants: SinkKV | None = None):
+    def __init__(self, runtime, mode: str, constants: SinkKV | None = None, positions: int = 1):
         if mode not in SINK_MODES:
             raise ValueError(f"SinkGroup: mode must be one of {list(SINK_MODES)}, got {mode!r}")
+        if positions < 1 or (mode == "mean" and positions != 1):
+            raise ValueError(f"SinkGroup: positions must be >= 1 ('mean' holds constants for position 0 only), "
+                             f"got {positions} with mode {mode!r}")
         if mode == "mean":
             missing = [l for l in runtime.replaced_layers if constants is None or l not in constants.layers]
             if missing:
                 raise ValueError(f"SinkGroup: group {runtime.group!r} replaces layers {missing}, for which the sink's "
                                  "constants hold no K/V")
         self.runtime, self.mode, self.constants, self.spec = runtime, mode, constants, runtime.spec
+        self.positions = positions
         self._stack: ExitStack | None = None
 
     @property
@@ -67,21 +77,22 @@ class SinkGroup:
         return self
 
     def _install(self, stack: ExitStack) -> None:
-        """The hooks that keep the first position, removed by ``stack``."""
+        """The hooks that keep the first ``positions`` positions, removed by ``stack``."""
         true_first: dict = {}
+        n = self.positions
         for layer in self.replaced_layers:
             for i, kind in enumerate("kv"):
                 proj = getattr(attention(self.runtime.model, layer), f"{kind}_proj")
                 key = (layer, kind)
 
                 def stash(mod, inp, out, key=key):  # runs before the group's replacement: the true output
-                    true_first[key] = out[:, :1]
+                    true_first[key] = out[:, :n]
 
                 def keep(mod, inp, out, key=key, i=i, layer=layer):  # runs after it
                     first = (true_first[key] if self.mode == "exact"
                              else self.constants(layer)[i].to(out).expand(out.shape[0], 1, -1))
                     out = out.clone()
-                    out[:, :1] = first
+                    out[:, :n] = first
                     return out
 
                 if self.mode == "exact":
