@@ -6,6 +6,8 @@ from ced_csa2.eval.results import (
     HEADLINE,
     frontier,
     frontier_table,
+    goals,
+    goals_table,
     group_rows,
     groups_table,
     mode_a_table,
@@ -197,3 +199,28 @@ def test_the_frontier_marks_the_rows_no_other_row_beats_on_both_bytes_and_qualit
     table = frontier_table(points)
     assert table[2] == "| 30 | 3.30× | **d** | +9.00 [+8.00, +10.00] | ✓ |"
     assert table[-2] == "| 100 | 1.00× | **baseline** | – | ✓ |"
+
+
+def test_each_goal_takes_the_best_qualifying_row_and_says_whether_it_meets_its_limit():
+    def row(d, compression=None):
+        return {"dppl_pct": d, "dppl_pct_lo": d - 1, "dppl_pct_hi": d + 1,
+                **({"kv_compression": compression} if compression else {})}
+
+    rows = {"baseline": {"ppl": 20.0, "kv_compression": 1.0},
+            "ced": row(4.7, 1.0), "ced@x": row(1.9), "ced@y": row(2.5),   # a recipe meets ced's +2%
+            "csa2": row(6.0, 1.25), "csa2@x": row(4.5),                  # none meets +4%
+            "ced_csa2": row(15.0, 1.25),
+            "xced_csa2": row(0.5, 1.25),                                  # another group, not a ced_csa2 recipe
+            "baseline_fp4": row(1.5, 2.9),                                # 4-bit but under 3x: not a candidate
+            "csa2_fp4": row(3.0, 3.2), "baseline_fp4_rot": row(2.0, 3.5),  # at the limit: met
+            "xkv": row(0.1, 4.0)}                                         # not 4-bit
+    met = {g["goal"]: g for g in goals(rows)}
+    assert [(g["best"], g["dppl_pct"], g["met"]) for g in met.values()] == [
+        ("ced@x", 1.9, True), ("csa2@x", 4.5, False), ("ced_csa2", 15.0, False), ("baseline_fp4_rot", 2.0, True)]
+    assert list(met) == ["`ced` ≤ +2%", "`csa2` ≤ +4%", "`ced_csa2` ≤ +9%", "4-bit KV ≤ +2% at ≥ 3×"]
+    table = goals_table(list(met.values()))
+    assert table[2] == "| `ced` ≤ +2% | ced@x | +1.90 [+0.90, +2.90] | yes |"
+    assert table[3].endswith("| no |")
+    none = goals({"baseline": {"ppl": 20.0}, "baseline_fp4": row(1.0, 2.0)})
+    assert [g["best"] for g in none] == [None] * 4 and not any(g["met"] for g in none)
+    assert goals_table(none)[-1] == "| 4-bit KV ≤ +2% at ≥ 3× | none qualifies | – | no |"

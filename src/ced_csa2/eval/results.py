@@ -386,6 +386,41 @@ def frontier_table(points: list[dict]) -> list[str]:
     return lines
 
 
+# Quality goals beyond the seed (issue 29), ΔPPL % vs baseline: a group's own row or one of its recipes.
+GROUP_GOALS = {"ced": 2.0, "csa2": 4.0, "ced_csa2": 9.0}
+KV_4BIT_GOAL = (2.0, 3.0)  # ΔPPL % at most, at a compression of at least (x), by a group storing 4-bit KV
+
+
+def goals(rows: dict[str, dict[str, float]]) -> list[dict]:
+    """The quality goals against this run's rows of :func:`group_rows`: the best row for each, and whether it meets it.
+
+    Each: ``goal`` (its wording), ``best`` (the row's name, ``None`` when no row qualifies), ``dppl_pct``
+    with ``_lo``/``_hi``, ``met``.  A group's goal takes its own row and its ``<group>@<objective>``
+    recipes; the 4-bit goal takes the ``*_fp4*`` groups that compress at least ``KV_4BIT_GOAL[1]``x.
+    """
+    out = []
+    candidates = [(f"`{group}` ≤ +{limit:g}%", limit, [n for n in rows if n.split("@")[0] == group])
+                  for group, limit in GROUP_GOALS.items()]
+    limit, ratio = KV_4BIT_GOAL
+    candidates.append((f"4-bit KV ≤ +{limit:g}% at ≥ {ratio:g}×", limit,
+                       [n for n, r in rows.items() if "_fp4" in n and r.get("kv_compression", 0) >= ratio]))
+    for goal, limit, names in candidates:
+        best = min(names, key=lambda n: rows[n]["dppl_pct"], default=None)
+        r = rows[best] if best else {}
+        out.append({"goal": goal, "best": best, **{k: r.get(k) for k in ("dppl_pct", "dppl_pct_lo", "dppl_pct_hi")},
+                    "met": best is not None and r["dppl_pct"] <= limit})
+    return out
+
+
+def goals_table(met: list[dict]) -> list[str]:
+    """:func:`goals` as a Markdown table."""
+    lines = ["| goal | best row of this run | ΔPPL % [95% CI] | met? |", "|---|---|---|---|"]
+    for g in met:
+        d = "–" if g["best"] is None else f"{g['dppl_pct']:+.2f} [{g['dppl_pct_lo']:+.2f}, {g['dppl_pct_hi']:+.2f}]"
+        lines.append(f"| {g['goal']} | {g['best'] or 'none qualifies'} | {d} | {'yes' if g['met'] else 'no'} |")
+    return lines
+
+
 def plots(out: Path, ppl: dict, adapters: dict, storage: dict, points: list[dict]) -> list[Path]:
     """The report's three figures under ``out``: ΔPPL with intervals and compression, adapter fit, and the
     bytes–quality frontier (``points``: :func:`frontier`)."""
@@ -522,6 +557,12 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
         "most as large: at each byte budget, the row of the front at or below it is the one to pick. Point "
         "estimates decide; the intervals say how sure the pick is.", "",
         *frontier_table(points), "",
+        "## Quality goals beyond the seed", "",
+        "The goals of a retrofit worth using, against this run's rows (each group's own row and its recipes; "
+        "4-bit: the FP4 groups). Branches outside the default that meet them (more training records, "
+        "`distill`, the attention sink kept, K in FP6) are studies, each with its command and measured time: "
+        "docs/results.md, \"Beyond the seed\".", "",
+        *goals_table(goals(rows)), "",
         "![PPL by group](ppl_by_group.png) ![adapter cosine](adapter_cosine.png) ![bytes vs PPL](bytes_vs_ppl.png)", "",
     ])
     return text, rows, (ppl, adapters, storage, points)
