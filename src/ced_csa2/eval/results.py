@@ -386,7 +386,7 @@ def frontier_table(points: list[dict]) -> list[str]:
     return lines
 
 
-# Quality goals beyond the seed (issue 29), ΔPPL % vs baseline: a group's own row or one of its recipes.
+# Quality goals beyond the seed's contract, ΔPPL % vs baseline: a group's own row or one of its recipes.
 GROUP_GOALS = {"ced": 2.0, "csa2": 4.0, "ced_csa2": 9.0}
 KV_4BIT_GOAL = (2.0, 3.0)  # ΔPPL % at most, at a compression of at least (x), by a group storing 4-bit KV
 
@@ -558,7 +558,7 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
         "estimates decide; the intervals say how sure the pick is.", "",
         *frontier_table(points), "",
         "## Quality goals beyond the seed", "",
-        "The goals of a retrofit worth using, against this run's rows (each group's own row and its recipes; "
+        "Goals beyond the seed's contract, against this run's rows (each group's own row and its recipes; "
         "4-bit: the FP4 groups). Branches outside the default that meet them (more training records, "
         "`distill`, the attention sink kept, K in FP6) are studies, each with its command and measured time: "
         "docs/results.md, \"Beyond the seed\".", "",
