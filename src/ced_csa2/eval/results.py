@@ -13,7 +13,7 @@ from ..maps.ridge import adapter_map
 from ..pipeline.atomic_files import read_json
 from ..pipeline.figures import write_png
 from ..pipeline.paths import METRICS, OBJECTIVES_EVAL, SEED_INIT
-from ..runtime.groups import GROUP_NAMES
+from ..runtime.groups import GROUP_NAMES, GROUPS
 
 BASES = ("decoder_attention", "all_attention", "all_attention_amortised_32k")
 
@@ -396,14 +396,16 @@ def goals(rows: dict[str, dict[str, float]]) -> list[dict]:
 
     Each: ``goal`` (its wording), ``best`` (the row's name, ``None`` when no row qualifies), ``dppl_pct``
     with ``_lo``/``_hi``, ``met``.  A group's goal takes its own row and its ``<group>@<objective>``
-    recipes; the 4-bit goal takes the ``*_fp4*`` groups that compress at least ``KV_4BIT_GOAL[1]``x.
+    recipes; the 4-bit goal takes the groups that store FP4 entries (``Group.is_fp4``) and compress
+    at least ``KV_4BIT_GOAL[1]``x.
     """
     out = []
     candidates = [(f"`{group}` ≤ +{limit:g}%", limit, [n for n in rows if n.split("@")[0] == group])
                   for group, limit in GROUP_GOALS.items()]
     limit, ratio = KV_4BIT_GOAL
     candidates.append((f"4-bit KV ≤ +{limit:g}% at ≥ {ratio:g}×", limit,
-                       [n for n, r in rows.items() if "_fp4" in n and r.get("kv_compression", 0) >= ratio]))
+                       [n for n, r in rows.items() if n in GROUPS and GROUPS[n].is_fp4
+                        and r.get("kv_compression", 0) >= ratio]))
     for goal, limit, names in candidates:
         best = min(names, key=lambda n: rows[n]["dppl_pct"], default=None)
         r = rows[best] if best else {}
