@@ -27,7 +27,10 @@ leaves its cache's hooks: microseconds against a step).  Caches:
 * ``baseline / fp4-{format}`` -- :class:`~ced_csa2.runtime.shared_kv.FP4KVCache`: every layer's
   K/V in FP4, no sharing (the cost of FP4 alone).
 
-Columns: ms per decode step and its ratio to the reference; the K/V bytes the cache
+Columns: ms per decode step (median) and its ratio to the reference's; the ratio of the
+summed step times with its 95% interval over the rounds (paired bootstrap: a round's steps of
+every cache are resampled together, :func:`~ced_csa2.eval.stats.ratio_bootstrap`), which says
+whether a ratio near 1 is above or below it; the K/V bytes the cache
 actually holds after the run (:func:`~ced_csa2.runtime.shared_kv.kv_held_bytes`), their ratio to
 the :mod:`ced_csa2.kv.kv_bytes` accounting (``all_attention`` basis, ``T + steps`` cached
 positions) and to the reference's bytes.  Maps: the trained ones in ``--models-dir`` when
@@ -42,12 +45,14 @@ import argparse
 import contextlib
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
 from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn, load_parts
 from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
+from ced_csa2.eval.stats import ratio_bootstrap
 from ced_csa2.kv.kv_bytes import bytes_per_token
 from ced_csa2.maps.indexer import IndexerConfig, LightningIndexer, key_bytes, load_indexer
 from ced_csa2.model_utils import attention, geometry, load_model_and_tokenizer
@@ -165,7 +170,7 @@ def main() -> None:
           f"{plan.split} source {plan.source} targets {list(plan.targets)}; batch {args.batch}; {note}; {indexer_note}")
     print(f"'bf16' storage = the model dtype ({dtype}); median of {args.steps} decode steps after one warm-up, "
           "the caches' steps alternated")
-    header = (f"{'context':>7}  {'cache':<34} {'ms/step':>8} {'x ref':>6} {'held MiB':>9} "
+    header = (f"{'context':>7}  {'cache':<34} {'ms/step':>8} {'x ref':>6} {'sum x ref [95% CI]':>20} {'held MiB':>9} "
               f"{'held/accounted':>14} {'held/ref':>8}")
     print(header)
     gen = torch.Generator().manual_seed(args.seed)
@@ -177,7 +182,8 @@ def main() -> None:
                                                    sparse, indexer):
             runs[label], accounting[label] = Decoder(model, make_cache(), ctx), acc
             runs[label].prefill(ids)
-        seconds = paired_seconds({label: d.step for label, d in runs.items()}, args.steps, device=args.device).seconds
+        paired = paired_seconds({label: d.step for label, d in runs.items()}, args.steps, device=args.device)
+        seconds, ref_label = paired.seconds, next(iter(runs))
         for label, (acc_group, acc_storage, *sparse_parts) in accounting.items():
             cache, ms = runs[label].cache, 1e3 * seconds[label]
             held = kv_held_bytes(cache)
@@ -188,7 +194,10 @@ def main() -> None:
                 accounted += key_bytes(reader.key_width) * args.batch * cache.get_seq_length() if reader else 0
                 accounted += reads.adapted_bytes(len(plan.targets), geo.kv_dim, dtype_bytes, args.batch)
             ref_ms, ref_bytes = ref_ms or ms, ref_bytes or held
-            print(f"{context:>7}  {label:<34} {ms:>8.2f} {ms / ref_ms:>6.2f} {held / 2**20:>9.2f} "
+            summed = ratio_bootstrap(np.array(paired.runs[label]), np.array(paired.runs[ref_label]), seed=args.seed)
+            low, high = summed["ci95"]
+            print(f"{context:>7}  {label:<34} {ms:>8.2f} {ms / ref_ms:>6.2f} "
+                  f"{summed['value']:>6.3f} [{low:.3f}, {high:.3f}] {held / 2**20:>9.2f} "
                   f"{held / accounted:>14.4f} {held / ref_bytes:>8.3f}")
             del cache
         del runs
