@@ -174,4 +174,31 @@ def test_validation_errors_name_the_key(tmp_path):
                          eval=HubSplit("c", "test", 7), n_eval=5)
     with pytest.raises(ValueError, match=r"data.eval.n=7 disagrees with data.n_eval=5"):
         corpus.prepare(wikitext, tok, tmp_path)
+    twice = with_data(wikitext, eval=HubSplit("c", "test", 0), train=[HubSplit("c", "train", 1)] * 2)
+    with pytest.raises(ValueError, match=r"data.train lists \['c/train'\] more than once"):
+        corpus.prepare(twice, tok, tmp_path)
+    no_math = with_data(params, math=dataclasses.replace(params.data.math, n=0))
+    with pytest.raises(ValueError, match=r"data.math.n=0: the tiny math set is generated"):
+        corpus.prepare(no_math, tok, tmp_path)
     assert not (tmp_path / paths.TRAIN_JSONL).exists()
+
+
+def test_tiny_eval_records_do_not_move_with_n_train(tmp_path):
+    params, tok = tiny_params(), byte_tokenizer()
+    corpus.prepare(params, tok, tmp_path / "a")
+    corpus.prepare(with_data(params, n_train=params.data.n_train + 3), tok, tmp_path / "b")
+    eval_a, eval_b = ((tmp_path / d / paths.EVAL_JSONL).read_bytes() for d in "ab")
+    train_a, train_b = (read_jsonl(tmp_path / d / paths.TRAIN_JSONL) for d in "ab")
+    assert eval_a == eval_b and len(train_b) == len(train_a) + 3 and train_b[:len(train_a)] == train_a
+
+
+def test_texts_with_unicode_line_breaks_stay_on_their_records_line(tmp_path):
+    """JSON leaves U+0085/U+2028/U+2029 raw without ensure_ascii; str.splitlines would break a record at them."""
+    from ced_csa2.data.records import read_records
+
+    rows = [{"id": "r0", "source": "s", "text": "one\u2028two\x85three\u2029four", "n_tokens": 70},
+            {"id": "r1", "source": "s", "text": "plain é text", "n_tokens": 70}]
+    path = tmp_path / "records.jsonl"
+    path.write_text(corpus._jsonl(rows), encoding="utf-8")
+    assert read_records(path) == rows
+    assert "é" in path.read_text(encoding="utf-8")  # other non-ASCII text is written as it is

@@ -129,6 +129,8 @@ def test_wikitext_lines_and_gsm8k_hub_with_local_data(monkeypatch):
     got = readers.gsm8k_hub("gsm8k", "main", "test", 2, revision="0123abc")
     assert revisions == [None, "0123abc"]  # the pinned commit reaches the hub call
     assert [(p["id"], p["target"]) for p in got] == [("gsm8k-test-0", "1"), ("gsm8k-test-1", "2000")]
+    with pytest.raises(ValueError, match=r"data.math.n=4, but gsm8k test has 3 problems"):
+        readers.gsm8k_hub("gsm8k", "main", "test", 4)  # not quietly 3 under a label that says 4
 
 
 def test_tiny_generators_are_deterministic():

@@ -136,11 +136,41 @@ def test_chat_template_and_multiturn_shape_generation_and_gold_pairs_alike(tmp_p
     assert PROBLEMS[0]["question"] in prompt.rsplit("<|user|>", 1)[1]
 
 
-def _with_template(tok):
+def test_gold_pairs_tokenise_as_lm_eval_loglikelihood_requests(tmp_path, tiny_model):
+    """The answer follows the delimiter without a chat template, and directly the assistant's turn with one;
+    a prompt's trailing whitespace (the template's newline) moves into the continuation, as lm-eval's requests do."""
+    _, tok = tiny_model
+    data = write_problems(tmp_path)
+    newline = _with_template(tok, CHAT_TEMPLATE.replace("<|assistant|>{% endif %}", "<|assistant|>\n{% endif %}"))
+    with gsm8k.local_task(data, 0) as manager:
+        plain = gsm8k.prompt_pairs(tok, manager, tiny_params())
+        chat = gsm8k.prompt_pairs(newline, manager, tiny_params(eval_gsm8k={"apply_chat_template": True}))
+    for (ids, cut), (chat_ids, chat_cut), problem in zip(plain, chat, PROBLEMS, strict=True):
+        assert tok.decode(ids[:cut]).endswith("Answer:") and tok.decode(ids[cut:]) == " " + problem["answer"]
+        assert newline.decode(chat_ids[:chat_cut]).endswith("<|assistant|>")
+        assert newline.decode(chat_ids[chat_cut:]) == "\n" + problem["answer"]
+
+
+def test_gold_pairs_of_another_math_set_or_size_are_refused(tmp_path, tiny_model):
+    _, tok = tiny_model
+    write_problems(tmp_path)
+    params = tiny_params()
+    pairs = gold_pairs.run(params, tmp_path)
+    path = tmp_path / paths.GOLD_PATH
+    assert gsm8k.load_gold_pairs(path, params, len(PROBLEMS)) == pairs
+    with pytest.raises(ValueError, match=r"gsm8k_gold.json holds 4 gold pairs for a math set of 5 problems"):
+        gsm8k.load_gold_pairs(path, params, len(PROBLEMS) + 1)
+    other = dataclasses.replace(params, data=dataclasses.replace(
+        params.data, math=dataclasses.replace(params.data.math, label="GSM8K-other")))
+    with pytest.raises(ValueError, match=r"gsm8k_gold.json was written for .*'math_set'"):
+        gsm8k.load_gold_pairs(path, other)
+
+
+def _with_template(tok, template=CHAT_TEMPLATE):
     import copy
 
     out = copy.deepcopy(tok)
-    out.chat_template = CHAT_TEMPLATE
+    out.chat_template = template
     return out
 
 

@@ -10,6 +10,7 @@ from ced_csa2.eval.results import (
     goals_table,
     group_rows,
     groups_table,
+    headline_table,
     mode_a_table,
     objective_table,
     summary,
@@ -33,7 +34,8 @@ def metrics(tokens=1000):
                                   "groups": {"ced": {"ppl": 22.0, **delta("delta_pct", 10.0, 8.0, 12.0),
                                                      "gold_nll": {"nll_per_token": 1.75,
                                                                   **delta("delta", 0.25, 0.125, 0.5)}}}}}}
-    return ppl, gsm, run, run, tuned, seed_init
+    adapters = {**run, "run": {**run["run"], "steps": 3}}
+    return ppl, gsm, run, adapters, tuned, seed_init
 
 
 def delta(key, value, lo, hi):
@@ -56,10 +58,11 @@ def test_rows_per_group_and_objective():
     assert rows[("share_plain", "— (no maps)")] == ["30.000", "+50.00 [+40.00, +61.00]", "–", "–", "–", "–", "–",
                                                     "–"]
     assert rows[("ced", "kv_mse (seed)")] == ["25.000", "+25.00 [+20.50, +30.25]", "0.5000 [0.2500, 0.7500]",
-                                              "80.00 [75.50, 85.00]", "2.0000", "+0.5000 [+0.2500, +0.7500]", "20",
+                                              "80.00 [75.50, 85.00]", "2.0000", "+0.5000 [+0.2500, +0.7500]", "10",
                                               "(dumped rows)"]
+    # each row counts the steps and tokens of the maps its group reads: ced's projector, ced's own phase
     assert rows[("ced", "distill")] == ["22.000", "+10.00 [+8.00, +12.00]", "–", "–", "1.7500",
-                                        "+0.2500 [+0.1250, +0.5000]", "10", "600"]
+                                        "+0.2500 [+0.1250, +0.5000]", "4", "400"]
 
 
 def test_objective_scored_on_other_tokens_is_refused():
@@ -224,3 +227,14 @@ def test_each_goal_takes_the_best_qualifying_row_and_says_whether_it_meets_its_l
     none = goals({"baseline": {"ppl": 20.0}, "baseline_fp4": row(1.0, 2.0)})
     assert [g["best"] for g in none] == [None] * 4 and not any(g["met"] for g in none)
     assert goals_table(none)[-1] == "| 4-bit KV ≤ +2% at ≥ 3× | none qualifies | – | no |"
+
+
+def test_the_headline_names_mode_a_s_own_reference():
+    """Mode A's ΔPPL and KL are against the plain prefill on the second halves, not the baseline row's PPL."""
+    lines = headline_table({"baseline": {"ppl": 20.0, "gold_nll": 1.5},
+                            "mode_a": {"dppl_pct": 4.0, "kl": 0.06, "dgold_nll": 0.2},
+                            "csa2": {"dppl_pct": 6.0, "kl": 0.07, "dgold_nll": 0.1}})
+    assert lines[2:] == ["| baseline | 20.000 | – | 1.5000 |",
+                         "| mode_a (ΔPPL, KL: against the plain prefill, on each record's second half) | +4.00 | 0.0600 "
+                         "| +0.2000 |",
+                         "| csa2 | +6.00 | 0.0700 | +0.1000 |"]

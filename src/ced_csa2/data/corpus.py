@@ -173,7 +173,11 @@ def _long_lines(data: DataConfig, config: str, split: str, n: int, budget: Token
 
 
 def tiny_records(data: DataConfig, budget: TokenBudget) -> tuple[list[Record], list[Record]]:
-    """Synthetic records: the first ``n_train`` for training, the next ``n_eval`` for eval."""
+    """Synthetic records: the first ``n_eval`` for eval, the next ``n_train`` for training.
+
+    Eval first, so that the eval records do not move with ``data.n_train`` (the seeded paragraphs
+    of a longer draw begin with those of a shorter one: :func:`~ced_csa2.data.readers.tiny_corpus`).
+    """
     records = []
     for i, paragraph in enumerate(readers.tiny_corpus(data.seed, data.n_train + data.n_eval)):
         text, n = budget.truncate(paragraph)
@@ -182,7 +186,7 @@ def tiny_records(data: DataConfig, budget: TokenBudget) -> tuple[list[Record], l
     if len(records) < data.n_train + data.n_eval:
         raise ValueError(f"only {len(records)} tiny records reach data.min_tokens={data.min_tokens} "
                          f"(need data.n_train + data.n_eval = {data.n_train + data.n_eval})")
-    return records[: data.n_train], records[data.n_train:]
+    return records[data.n_eval:data.n_eval + data.n_train], records[:data.n_eval]
 
 
 def _sample(records: list[Record], n: int, seed: int, purpose: str) -> list[Record]:
@@ -224,6 +228,12 @@ def validate(data: DataConfig, budget: TokenBudget) -> None:
     if budget.n_special >= data.min_tokens:
         raise ValueError(f"data.min_tokens={data.min_tokens} is not above the {budget.n_special} special "
                          "tokens the tokenizer adds to every text")
+    splits = [(s.config, s.split) for s in data.train]
+    repeated = sorted({f"{c}/{split}" for c, split in splits if splits.count((c, split)) > 1})
+    if data.kind == "wikitext" and repeated:
+        raise ValueError(f"data.train lists {repeated} more than once (each line would be a training record twice)")
+    if data.math.kind == "tiny" and data.math.n < 1:
+        raise ValueError(f"data.math.n={data.math.n}: the tiny math set is generated, so it needs n >= 1 problems")
     if data.kind == "wikitext" and data.eval.n not in (0, data.n_eval):
         raise ValueError(f"data.eval.n={data.eval.n} disagrees with data.n_eval={data.n_eval} "
                          "(prepare samples data.n_eval eval records; set data.eval.n to 0 or the same value)")
@@ -242,8 +252,14 @@ def split_stats(records: list[Record]) -> dict:
     }
 
 
+# Line breaks to str.splitlines() (which data.records.read_lines uses) that JSON leaves unescaped when
+# ensure_ascii is off: escaped, so that a text holding one stays on its record's line.
+_LINE_BREAKS = {c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
+
+
 def _jsonl(rows: list[dict]) -> str:
-    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    lines = (json.dumps(row, ensure_ascii=False) for row in rows)
+    return "".join(line.translate(str.maketrans(_LINE_BREAKS)) + "\n" for line in lines)
 
 
 def prepare(params: Params, tokenizer, out_dir: Path) -> dict:

@@ -253,7 +253,9 @@ def wikitext_lines(hub_id: str, config: str, split: str, revision: str | None = 
 def gsm8k_hub(hub_id: str, config: str | None, split: str, n: int, revision: str | None = None) -> list[dict]:
     """Return the first ``n`` problems (0 = all) of a GSM8K-format hub split at ``revision`` (``None``: default branch)."""
     ds = _load_hub(hub_id, config, split, revision)
-    rows = ds.select(range(min(n, len(ds)))) if n else ds
+    if n > len(ds):
+        raise ValueError(f"data.math.n={n}, but {hub_id} {split} has {len(ds)} problems")
+    rows = ds.select(range(n)) if n else ds
     return [math_problem(f"gsm8k-{split}-{i}", row["question"], row["answer"], f"{hub_id}:{split}[{i}]")
             for i, row in enumerate(rows)]
 

@@ -206,21 +206,30 @@ def generations_sha256(results: dict) -> str:
     return hashlib.sha256(json.dumps([s["resps"][0][0] for s in samples]).encode()).hexdigest()
 
 
-def gold_pairs(lm, results: dict) -> list[tuple[list[int], int]]:
+def gold_pairs(lm, results: dict, apply_chat_template: bool) -> list[tuple[list[int], int]]:
     """``(tokens of context + gold continuation, length of the context)`` per problem.
 
     The context is the exact prompt lm-eval generated from (logged with the sample); the
-    continuation is ``target_delimiter + answer``.  Tokenised like lm-eval's
-    loglikelihood requests: encode the whole text, and the context alone to find the cut.
+    continuation is ``target_delimiter + answer``, the delimiter dropped under a chat template
+    (whose prompt ends in the assistant's turn) as lm-eval builds its loglikelihood requests.
+    Tokenised by lm-eval's own ``_encode_pair``: trailing whitespace of the context moved into
+    the continuation, the whole text encoded, and the context alone to find the cut.
     """
-    delimiter = results["configs"][TASK]["target_delimiter"]
+    config = results["configs"][TASK]
+    delimiter = config["target_delimiter"]
+    if apply_chat_template and not _keeps_delimiter(config.get("gen_prefix")):
+        delimiter = ""
     samples = [s for s in results["samples"][TASK] if s["filter"] == FILTERS[0]]
     pairs = []
     for s in sorted(samples, key=lambda s: s["doc_id"]):
-        context = s["arguments"][0][0]
-        whole = lm.tok_encode(context + delimiter + s["doc"]["answer"])
-        pairs.append((whole, len(lm.tok_encode(context))))
+        context, continuation = lm._encode_pair(s["arguments"][0][0], delimiter + s["doc"]["answer"])
+        pairs.append((context + continuation, len(context)))
     return pairs
+
+
+def _keeps_delimiter(gen_prefix: str | None) -> bool:
+    """lm-eval keeps a chat-templated request's target delimiter only after a generation prefix without trailing space."""
+    return bool(gen_prefix) and gen_prefix == gen_prefix.rstrip()
 
 
 def gold_nll(model, pairs: list[tuple[list[int], int]], batch_size: int, pad_id: int, *,
@@ -287,7 +296,7 @@ def evaluate_lm(lm, task_manager, params: Params, label: str) -> tuple[dict, lis
     n = len(results["samples"][TASK]) // len(FILTERS)
     log.info("%s: generation %.1f s (%.2f s/problem)", label, seconds, seconds / n)
     return ({**accuracy(results), "generations_sha256": generations_sha256(results), "seconds": round(seconds, 1)},
-            gold_pairs(lm, results))
+            gold_pairs(lm, results, params.eval_gsm8k.apply_chat_template))
 
 
 def prompt_pairs(tokenizer, task_manager, params: Params) -> list[tuple[list[int], int]]:
@@ -305,6 +314,7 @@ def prompt_pairs(tokenizer, task_manager, params: Params) -> list[tuple[list[int
             TemplateLM.__init__(self)  # not HFLM's: that one needs the model
             # What HFLM.tok_encode reads, as HFLM(pretrained=model, tokenizer=tokenizer) sets it.
             self.tokenizer, self.add_bos_token, self.custom_prefix_token_id = tokenizer, None, None
+            self.backend = "causal"  # what _encode_pair reads: encode the whole text, then cut
             self.chat_template_args = {}  # HFLM.apply_chat_template's extra arguments (none)
 
         def generate_until(self, requests, disable_tqdm=False):
@@ -314,7 +324,7 @@ def prompt_pairs(tokenizer, task_manager, params: Params) -> list[tuple[list[int
             return {}  # HFLM's describes the model
 
     lm = PromptsOnly()
-    return gold_pairs(lm, _simple_evaluate(lm, task_manager, params))
+    return gold_pairs(lm, _simple_evaluate(lm, task_manager, params), params.eval_gsm8k.apply_chat_template)
 
 
 def prompt_protocol(params: Params) -> dict:
@@ -464,14 +474,18 @@ def write_gold_pairs(path: Path, params: Params, pairs: list[tuple[list[int], in
                       "pairs": pairs})
 
 
-def load_gold_pairs(path: Path, params: Params) -> list[tuple[list[int], int]]:
-    """The gold pairs the ``gold_pairs`` stage wrote, checked against the current model and prompt settings."""
+def load_gold_pairs(path: Path, params: Params, n: int | None = None) -> list[tuple[list[int], int]]:
+    """The gold pairs the ``gold_pairs`` stage wrote, checked against the current model, math set and prompt
+    settings, and (given ``n``) against the number of problems of ``data/gsm8k.jsonl``."""
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run `dvc repro gold_pairs` first")
     data = json.loads(path.read_text())
-    want = {"model": params.model.name, **prompt_protocol(params)}
+    want = {"model": params.model.name, "math_set": params.data.math.label, **prompt_protocol(params)}
     got = {k: data.get(k) for k in want}
     if got != want:
         raise ValueError(f"{path} was written for {got}, but params.yaml has {want}; rerun `dvc repro gold_pairs`")
+    if n is not None and len(data["pairs"]) != n:
+        raise ValueError(f"{path} holds {len(data['pairs'])} gold pairs for a math set of {n} problems; "
+                         "rerun `dvc repro gold_pairs`")
     return [(ids, cut) for ids, cut in data["pairs"]]
 

@@ -70,7 +70,7 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     cfg = params.eval_gsm8k
     data_file = workdir / GSM8K_JSONL
     n = count_problems(data_file)
-    pairs = load_gold_pairs(workdir / GOLD_PATH, params)
+    pairs = load_gold_pairs(workdir / GOLD_PATH, params, n)
     plan, geo = load_plan(params.plan, params.model)
     model, tok = model_and_tok or load_model_and_tokenizer(
         params.model, device=distributed.local_device(resolve_device(cfg.device)))
