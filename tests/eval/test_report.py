@@ -4,6 +4,7 @@ import pytest
 
 from ced_csa2.eval.results import (
     HEADLINE,
+    check_gold_protocols,
     frontier,
     frontier_table,
     goals,
@@ -238,3 +239,13 @@ def test_the_headline_names_mode_a_s_own_reference():
                          "| mode_a (ΔPPL, KL: against the plain prefill, on each record's second half) | +4.00 | 0.0600 "
                          "| +0.2000 |",
                          "| csa2 | +6.00 | 0.0700 | +0.1000 |"]
+
+
+def test_objectives_scored_on_other_gold_pairs_are_refused():
+    gsm = {"protocol": {"n": 100, "math_set": "GSM8K-100", "num_fewshot": 0, "apply_chat_template": False,
+                        "fewshot_as_multiturn": False}}
+    check_gold_protocols({"gold_protocol": {**gsm["protocol"], "source": "data/gsm8k_gold.json"}}, gsm)
+    stale = {"gold_protocol": {**gsm["protocol"], "n": 37, "num_fewshot": 2}}
+    with pytest.raises(ValueError, match=r"eval.json scored gold NLL with n=37, num_fewshot=2, metrics/gsm8k.json "
+                                         r"with n=100, num_fewshot=0: rerun the pipeline"):
+        check_gold_protocols(stale, gsm)

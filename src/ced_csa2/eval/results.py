@@ -12,7 +12,7 @@ from ..config import Params
 from ..maps.ridge import adapter_map
 from ..pipeline.atomic_files import read_json
 from ..pipeline.figures import write_png
-from ..pipeline.paths import METRICS, OBJECTIVES_EVAL, SEED_INIT
+from ..pipeline.paths import GSM8K_METRICS, METRICS, OBJECTIVES_EVAL, SEED_INIT
 from ..runtime.groups import GROUP_NAMES, GROUPS
 
 BASES = ("decoder_attention", "all_attention", "all_attention_amortised_32k")
@@ -513,6 +513,19 @@ def plots(out: Path, ppl: dict, adapters: dict, storage: dict, points: list[dict
     return paths
 
 
+GOLD_PROTOCOL = ("n", "math_set", "num_fewshot", "apply_chat_template", "fewshot_as_multiturn")
+
+
+def check_gold_protocols(evals: dict, gsm: dict) -> None:
+    """Refuse objectives whose gold NLL was scored on other gold pairs than ``metrics/gsm8k.json``'s (a stale file)."""
+    differ = {k: (evals["gold_protocol"].get(k), gsm["protocol"].get(k)) for k in GOLD_PROTOCOL
+              if evals["gold_protocol"].get(k) != gsm["protocol"].get(k)}
+    if differ:
+        raise ValueError(f"{OBJECTIVES_EVAL} scored gold NLL with {', '.join(f'{k}={a!r}' for k, (a, _) in differ.items())}"
+                         f", {GSM8K_METRICS} with {', '.join(f'{k}={b!r}' for k, (_, b) in differ.items())}: "
+                         "rerun the pipeline")
+
+
 def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, dict, dict, list]]:
     """``reports/results.md``'s text, :func:`group_rows` and the figures' inputs (ppl, adapters, storage and
     the :func:`frontier`) from the detailed results under ``workdir``."""
@@ -525,6 +538,7 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
         missing = missing or [SEED_INIT]
         raise ValueError(f"{workdir / OBJECTIVES_EVAL} has no scores for objectives {missing}: "
                          "run `dvc repro eval_objectives`")
+    check_gold_protocols(evals, gsm)
     objectives = {o: {"train": _load(workdir, Path("objectives") / o / "train"),
                       "eval": {"protocol": evals["protocol"], **evals["objectives"][o]}} for o in params.train.objectives}
     groups = params.train.eval_groups
