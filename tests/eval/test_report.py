@@ -35,6 +35,8 @@ def metrics(tokens=1000):
                                   "groups": {"ced": {"ppl": 22.0, **delta("delta_pct", 10.0, 8.0, 12.0),
                                                      "gold_nll": {"nll_per_token": 1.75,
                                                                   **delta("delta", 0.25, 0.125, 0.5)}}}}}}
+    tuned["ridge"] = {"train": {"phases": {}}, "eval": {"protocol": {"tokens_scored": tokens},  # untrained: no phase
+                                                         "groups": {"ced": tuned["distill"]["eval"]["groups"]["ced"]}}}
     adapters = {**run, "run": {**run["run"], "steps": 3}}
     return ppl, gsm, run, adapters, tuned, seed_init
 
@@ -52,7 +54,7 @@ def cells(lines):
 def test_rows_per_group_and_objective():
     rows = cells(objective_table(*metrics(), groups=["ced"]))
     assert list(rows) == [("baseline", "— (no maps)"), ("share_plain", "— (no maps)"), ("ced", "kv_mse (seed)"),
-                          ("ced", "kv_mse, random init (seed read literally)"), ("ced", "distill")]
+                          ("ced", "kv_mse, random init (seed read literally)"), ("ced", "distill"), ("ced", "ridge")]
     assert rows[("ced", "kv_mse, random init (seed read literally)")] == [
         "40.000", "+100.00 [+90.00, +110.00]", "–", "–", "3.0000", "+1.5000 [+1.2500, +1.7500]", "7", "(dumped rows)"]
     assert rows[("baseline", "— (no maps)")] == ["20.000", "–", "–", "–", "1.5000", "–", "–", "–"]
@@ -64,6 +66,7 @@ def test_rows_per_group_and_objective():
     # each row counts the steps and tokens of the maps its group reads: ced's projector, ced's own phase
     assert rows[("ced", "distill")] == ["22.000", "+10.00 [+8.00, +12.00]", "–", "–", "1.7500",
                                         "+0.2500 [+0.1250, +0.5000]", "4", "400"]
+    assert rows[("ced", "ridge")][-2:] == ["0", "0"]
 
 
 def test_objective_scored_on_other_tokens_is_refused():

@@ -172,7 +172,8 @@ def objective_table(ppl: dict, gsm: dict, projector: dict, adapters: dict, objec
             row(group, "kv_mse, random init (seed read literally)", seed_init[group], seed_init[group]["gold_nll"],
                 f"{projector[SEED_INIT]['run']['steps']:,}", "(dumped rows)")
         for name, o in objectives.items():
-            phase = o["train"]["phases"][group]  # each group's maps are trained in its own phase, from ridge
+            # each group's maps are trained in its own phase, from ridge (``ridge`` itself: no phase, untrained)
+            phase = o["train"]["phases"].get(group, {"steps": 0, "tokens": 0})
             g = o["eval"]["groups"][group]
             row(group, name, g, g["gold_nll"], f"{phase['steps']:,}", f"{phase['tokens']:,}")
     return lines
