@@ -256,6 +256,8 @@ def group_rows(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict],
 
 
 HEADLINE = ("dppl_pct", "kl", "dgold_nll")  # per compressed group; the baseline's own: ppl, gold_nll
+# Rows whose ΔPPL and KL are not against the baseline's PPL of the headline's first row.
+HEADLINE_LABELS = {"mode_a": "mode_a (ΔPPL, KL: against the plain prefill, on each record's second half)"}
 
 
 def summary(rows: dict[str, dict[str, float]]) -> dict:
@@ -285,9 +287,6 @@ def headline_table(summary: dict[str, dict[str, float]]) -> list[str]:
         lines.append(f"| {HEADLINE_LABELS.get(group, group)} | " + " | ".join(cells) + " |")
     return lines
 
-
-# Rows whose ΔPPL and KL are not against the baseline's PPL of the table's first row.
-HEADLINE_LABELS = {"mode_a": "mode_a (ΔPPL, KL: against the plain prefill, on each record's second half)"}
 
 
 def groups_table(rows: dict[str, dict[str, float]]) -> list[dict]:
