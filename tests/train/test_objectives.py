@@ -1,5 +1,7 @@
 """attn_out and distill losses: exact zeros where they must vanish, gradients only into the maps."""
 
+import math
+
 import pytest
 import torch
 from tiny_maps import (
@@ -8,12 +10,14 @@ from tiny_maps import (
     random_parts,
 )
 
+from ced_csa2.eval.scoring import head_logits
 from ced_csa2.model_utils import geometry
 from ced_csa2.train.objectives import (
     TeacherCache,
     attn_out_loss,
     distill_loss,
     kl_distill,
+    kl_from_hidden,
     kv_loss,
     objective_loss,
     substituted_layers,
@@ -42,6 +46,35 @@ def test_kl_distill_is_temperature_scaled_kl():
     want = T * T * kl[mask.bool()].mean()
     assert kl_distill(s, t, mask, T).item() == pytest.approx(want.item(), rel=1e-6)
     assert kl_distill(t, t, mask, T).item() == 0.0
+
+
+@pytest.mark.parametrize("block_tokens", [1, 5, 17, 1000])
+def test_blockwise_kl_is_the_whole_batch_kl_without_vocabulary_wide_batches(frozen, block_tokens):
+    model, _ = frozen
+    ids, mask = batch()
+    with torch.no_grad():
+        teacher = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        student = teacher + torch.randn(teacher.shape, generator=torch.Generator().manual_seed(1))
+    rows = []  # rows the LM head is run on, per call
+    handle = model.get_output_embeddings().register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[:-1]))
+    try:
+        for temperature in (1.0, 2.0):
+            whole = kl_from_hidden(model, student, teacher, mask, temperature)
+            rows.clear()
+            blocks = kl_from_hidden(model, student, teacher, mask, temperature, block_tokens)
+            # float32 log-probabilities (|log p| up to ~log V) differenced per token: only the LM head's
+            # row count and the summation order differ, a few float32 ulps of log V per token
+            tol = 4 * torch.finfo(torch.float32).eps * math.log(model.config.vocab_size)
+            assert blocks.item() == pytest.approx(whole.item(), abs=tol)
+            assert whole.item() > 100 * tol
+            real = int(mask.sum())
+            assert all(len(r) == 1 and r[0] <= block_tokens for r in rows)  # (block, hidden), never (B, T, hidden)
+            assert sum(r[0] for r in rows) == 2 * real  # student and teacher, the real positions only
+            assert kl_from_hidden(model, teacher, teacher, mask, temperature, block_tokens).item() == 0.0
+    finally:
+        handle.remove()
+    with pytest.raises(ValueError, match="block_tokens must be positive"):
+        kl_from_hidden(model, student, teacher, mask, 1.0, 0)
 
 
 @pytest.mark.parametrize("group", ["ced", "csa2"])
@@ -101,12 +134,13 @@ def test_attn_out_teacher_stops_after_the_last_substituted_layer(frozen, group):
     ids, mask = batch()
     parts = random_parts(geometry(model.config), QWEN_PLAN)
     full = teacher_pass(model, QWEN_PLAN, group, ids, mask)
-    short = teacher_pass(model, QWEN_PLAN, group, ids, mask, logits=False)
-    assert short["logits"] is None and full["logits"] is not None
+    short = teacher_pass(model, QWEN_PLAN, group, ids, mask, final=False)
+    assert short["final"] is None and full["final"] is not None
     assert torch.equal(attn_out_loss(model, parts, QWEN_PLAN, group, short, mask),
                        attn_out_loss(model, parts, QWEN_PLAN, group, full, mask))
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-    assert model(ids).logits.shape[-1] == full["logits"].shape[-1]  # the model runs to the end again
+    # the model runs to the end again, and the full pass's final state is the model's own
+    assert torch.equal(head_logits(model, full["final"]), model(input_ids=ids, attention_mask=mask).logits)
 
 
 def test_phase_groups_are_checked():
@@ -123,7 +157,7 @@ def test_teacher_cache_gives_every_phase_its_own_pass_bit_for_bit_from_one_forwa
     forwards = []
     handle = model.model.register_forward_pre_hook(lambda *a: forwards.append(1))
     try:
-        cache = TeacherCache(model, QWEN_PLAN, logits=objective == "distill")
+        cache = TeacherCache(model, QWEN_PLAN, final=objective == "distill")
         for group in PHASES:
             for ids, mask in batches:
                 cached = objective_loss(objective, model, parts, QWEN_PLAN, group, ids, mask, 2.0, 0.5,
@@ -137,5 +171,6 @@ def test_teacher_cache_gives_every_phase_its_own_pass_bit_for_bit_from_one_forwa
     # one teacher pass per distinct batch (plus, for distill, the students' forwards: one per loss)
     students = len(PHASES) * len(batches) if objective == "distill" else 0
     assert len(forwards) == len(batches) + students
-    held = TeacherCache(model, QWEN_PLAN, logits=True)(*batches[0])
-    assert torch.equal(held["logits"], model(input_ids=batches[0][0], attention_mask=batches[0][1]).logits)
+    held = TeacherCache(model, QWEN_PLAN, final=True)(*batches[0])
+    assert torch.equal(head_logits(model, held["final"]),
+                       model(input_ids=batches[0][0], attention_mask=batches[0][1]).logits)

@@ -96,6 +96,31 @@ def kl_distill(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
     return temperature ** 2 * (per_token * m).sum() / m.sum()
 
 
+def kl_from_hidden(model: nn.Module, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+                   temperature: float, block_tokens: int | None = None) -> torch.Tensor:
+    """:func:`kl_distill` of the LM-head logits (:func:`~ced_csa2.eval.scoring.head_logits`) of two final hidden states.
+
+    ``student``, ``teacher``: ``(B, T, hidden)`` (after the final norm); ``mask``: ``(B, T)``.
+    ``block_tokens=None`` forms the ``(B, T, vocab)`` logits at once (what a training step's gradient
+    needs).  An integer runs the LM head on that many real positions at a time and sums the blocks'
+    KL, so the vocabulary-wide tensors are ``(block_tokens, vocab)``: the held-out checks, whose
+    batches of Gemma-3's 262,144-token vocabulary are 1 GiB of logits each.  The same
+    value to float rounding (each block's LM head runs on fewer rows, the sum in another order).
+    """
+    if block_tokens is None:
+        return kl_distill(head_logits(model, student), head_logits(model, teacher), mask, temperature)
+    if block_tokens <= 0:
+        raise ValueError(f"kl_from_hidden: block_tokens must be positive, got {block_tokens}")
+    keep = mask.bool()
+    s, t = student[keep], teacher[keep]  # (N, hidden): the real positions only
+    total = torch.zeros((), dtype=torch.float64, device=s.device)
+    for lo in range(0, len(s), block_tokens):
+        rows = slice(lo, lo + block_tokens)
+        ones = torch.ones(len(s[rows]), device=s.device)
+        total += kl_distill(head_logits(model, s[rows]), head_logits(model, t[rows]), ones, temperature).double() * len(ones)
+    return (total / len(s)).float()
+
+
 @contextmanager
 def capture_attention(model: nn.Module, layers: tuple[int, ...]) -> Iterator[dict]:
     """Record ``(args, kwargs, output)`` of each listed layer's attention module, always unhooked.
@@ -136,24 +161,24 @@ def stop_after(model: nn.Module, layer: int) -> Iterator[None]:
 
 
 def teacher_pass(model: nn.Module, plan: LayerPlan, group: str, ids: torch.Tensor, mask: torch.Tensor,
-                 logits: bool = True) -> dict:
+                 final: bool = True) -> dict:
     """One no-grad forward of the frozen model recording what the losses need.
 
-    Returns ``{"final": (B, T, hidden), "logits": (B, T, vocab), "kv": capture store, "attn":
-    capture_attention store}``: the final hidden state (after the final norm) and its LM head, the
-    model's own logits.  ``logits=False`` (``attn_out``'s training steps) ends the forward after
-    the last substituted layer -- nothing above it is needed -- and ``"final"``/``"logits"`` are ``None``.
+    Returns ``{"final": (B, T, hidden), "kv": capture store, "attn": capture_attention store}``:
+    the final hidden state (after the final norm), whose LM head
+    (:func:`~ced_csa2.eval.scoring.head_logits`) gives the model's own logits.  ``final=False``
+    (``attn_out``'s training steps) ends the forward after the last substituted layer -- nothing
+    above it is needed -- and ``"final"`` is ``None``.
     """
     layers = substituted_layers(plan, group)
-    out = {"final": None, "logits": None}
+    out = None
     with torch.no_grad(), ExitStack() as stack:
         kv = stack.enter_context(kv_hooks.capture(model, (plan.source, *plan.targets), [plan.split]))
         attn = stack.enter_context(capture_attention(model, layers))
-        if not logits:
+        if not final:
             stack.enter_context(stop_after(model, max(layers)))  # the forward ends there: nothing below runs
-        out["final"] = final_hidden(model, input_ids=ids, attention_mask=mask, use_cache=False)
-        out["logits"] = head_logits(model, out["final"])  # as the model's forward ends
-    return {**out, "kv": kv, "attn": attn}
+        out = final_hidden(model, input_ids=ids, attention_mask=mask, use_cache=False)
+    return {"final": out, "kv": kv, "attn": attn}
 
 
 class TeacherCache:
@@ -164,28 +189,26 @@ class TeacherCache:
     every phase reads -- the attention of the source and every target (``ced_csa2``'s layers, a
     superset of the others') -- instead of one per phase and step.  The same tensors as a pass of
     the phase's own (the plain model's layers do not depend on what is recorded), so the losses
-    are bit for bit the uncached ones.  Logits are not kept (``(B, T, vocab)`` per batch): the
-    final hidden state is, and the LM head runs on it at each read, as the model's forward ends.
+    are bit for bit the uncached ones.  Logits are never kept (``(B, T, vocab)`` per batch): the
+    final hidden state is, and the reader runs the LM head on it (:func:`kl_from_hidden`).
 
     Parameters
     ----------
-    logits
-        Whether reads need logits (``distill``, held-out KL); without, each pass ends after the top
-        substituted layer.
+    final
+        Whether reads need the final hidden state (``distill``, held-out KL); without, each pass
+        ends after the top substituted layer.
     """
 
-    def __init__(self, model: nn.Module, plan: LayerPlan, logits: bool):
-        self.model, self.plan, self.logits = model, plan, logits
+    def __init__(self, model: nn.Module, plan: LayerPlan, final: bool):
+        self.model, self.plan, self.final = model, plan, final
         self._passes: dict[tuple, dict] = {}
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
         """:func:`teacher_pass`'s result for batch ``ids``/``mask`` ``(B, T)``, whatever the phase."""
         key = (tuple(ids.shape), ids.cpu().numpy().tobytes(), mask.cpu().numpy().tobytes())
         if key not in self._passes:
-            teacher = teacher_pass(self.model, self.plan, "ced_csa2", ids, mask, logits=self.logits)
-            self._passes[key] = {**teacher, "logits": None}
-        teacher = self._passes[key]
-        return {**teacher, "logits": head_logits(self.model, teacher["final"]) if self.logits else None}
+            self._passes[key] = teacher_pass(self.model, self.plan, "ced_csa2", ids, mask, final=self.final)
+        return self._passes[key]
 
 
 def kv_loss(parts: CEDParts, plan: LayerPlan, group: str, teacher: dict, mask: torch.Tensor) -> torch.Tensor:
@@ -213,25 +236,26 @@ def attn_out_loss(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str
     return total
 
 
-def student_logits(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str, ids: torch.Tensor,
-                   mask: torch.Tensor) -> torch.Tensor:
-    """Logits ``(B, T, vocab)`` of the model with the ``group`` substitution active."""
+def student_final(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str, ids: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """Final hidden states ``(B, T, hidden)`` (after the final norm) with the ``group`` substitution active."""
     with CEDModeBRuntime(model, plan, group, parts, kv_format=None):  # ced / csa2: no FP4
-        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        return final_hidden(model, input_ids=ids, attention_mask=mask, use_cache=False)
 
 
 def distill_loss(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str, teacher: dict,
                  ids: torch.Tensor, mask: torch.Tensor, temperature: float, kv_weight: float = 0.0,
-                 student: torch.Tensor | None = None) -> torch.Tensor:
-    """KL of the student (``group`` substitution active) to the teacher's logits, ``+ kv_weight *`` :func:`kv_loss`.
+                 student: torch.Tensor | None = None, block_tokens: int | None = None) -> torch.Tensor:
+    """KL of the student (``group`` substitution active) to the teacher, ``+ kv_weight *`` :func:`kv_loss`.
 
-    ``student``: its logits when already computed.  ``group="baseline"`` (no
-    substitution) gives a student identical to the teacher: the loss is exactly zero and
+    ``student``: its final hidden states (:func:`student_final`) when already computed;
+    ``block_tokens``: as for :func:`kl_from_hidden` (``None`` in training).  ``group="baseline"``
+    (no substitution) gives a student identical to the teacher: the loss is exactly zero and
     depends on no parameter.
     """
     if student is None:
-        student = student_logits(model, parts, plan, group, ids, mask)
-    loss = kl_distill(student, teacher["logits"], mask, temperature)
+        student = student_final(model, parts, plan, group, ids, mask)
+    loss = kl_from_hidden(model, student, teacher["final"], mask, temperature, block_tokens)
     if kv_weight and group != "baseline":
         loss = loss + kv_weight * kv_loss(parts, plan, group, teacher, mask)
     return loss
@@ -245,7 +269,7 @@ def objective_loss(objective: str, model: nn.Module, parts: CEDParts, plan: Laye
     ``teacher``: the batch's teacher pass when already made (:class:`TeacherCache`); else it runs here.
     """
     if teacher is None:
-        teacher = teacher_pass(model, plan, group, ids, mask, logits=objective == "distill")
+        teacher = teacher_pass(model, plan, group, ids, mask, final=objective == "distill")
     if objective == "attn_out":
         return attn_out_loss(model, parts, plan, group, teacher, mask)
     if objective == "distill":
@@ -314,8 +338,7 @@ def mode_a_kl(model: nn.Module, runtime: CEDModeARuntime, row: torch.Tensor, fra
         teacher = mode_a_teacher(model, runtime.plan, row, fraction)
     cache = runtime.prefill_with_grad(prompt[:, :-1])
     hidden = runtime.continue_above_cut(cache, torch.cat([prompt[:, -1:], cont[:, :-1]], 1), teacher.h_split)
-    return kl_distill(head_logits(model, hidden), head_logits(model, teacher.final),
-                      torch.ones(cont.shape, device=row.device), 1.0)
+    return kl_from_hidden(model, hidden, teacher.final, torch.ones(cont.shape, device=row.device), 1.0)
 
 
 SAMPLE_STREAM = 5  # numpy seed-sequence tag (loader.py uses 0-3, training.py 4)

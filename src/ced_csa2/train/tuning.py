@@ -30,11 +30,11 @@ from .objectives import (
     TeacherCache,
     attn_out_loss,
     distill_loss,
-    kl_distill,
+    kl_from_hidden,
     objective_loss,
     online_records,
     ridge_parts,
-    student_logits,
+    student_final,
     substituted_layers,
 )
 from .mode_a_training import with_heads
@@ -44,28 +44,31 @@ log = logging.getLogger(__name__)
 
 
 def held_out(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str, val: list[tuple],
-             temperature: float, kv_weight: float, teachers: TeacherCache) -> dict:
+             temperature: float, kv_weight: float, teachers: TeacherCache, block_tokens: int) -> dict:
     """Mean objective loss and KL (T = 1) of the ``group`` substitution over held-out batches.
 
-    ``teachers``: the held-out batches' teacher passes, with logits (one per batch for every phase).
+    ``teachers``: the held-out batches' teacher passes, to the final hidden state (one per batch for
+    every phase).  The KLs run the LM head on ``block_tokens`` positions at a time
+    (:func:`~ced_csa2.train.objectives.kl_from_hidden`): no ``(B, T, vocab)`` tensor.
     """
     loss = kl = 0.0
     with torch.no_grad():
         for ids, mask in val:
             teacher = teachers(ids, mask)
-            student = student_logits(model, parts, plan, group, ids, mask)
-            kl += kl_distill(student, teacher["logits"], mask, 1.0).item()
+            student = student_final(model, parts, plan, group, ids, mask)
+            kl += kl_from_hidden(model, student, teacher["final"], mask, 1.0, block_tokens).item()
             if objective == "attn_out":
                 loss += attn_out_loss(model, parts, plan, group, teacher, mask).item()
             else:
                 loss += distill_loss(model, parts, plan, group, teacher, ids, mask, temperature, kv_weight,
-                                     student=student).item()
+                                     student=student, block_tokens=block_tokens).item()
     return {"loss": loss / len(val), "kl": kl / len(val)}
 
 
 def new_teachers(objective: str, model, plan: LayerPlan) -> tuple[TeacherCache, TeacherCache]:
-    """Empty teacher caches for one branch: its training batches (logits only for ``distill``) and held-out ones."""
-    return TeacherCache(model, plan, logits=objective == "distill"), TeacherCache(model, plan, logits=True)
+    """Empty teacher caches for one branch: its training batches (to the final hidden state for ``distill``
+    only) and held-out ones."""
+    return TeacherCache(model, plan, final=objective == "distill"), TeacherCache(model, plan, final=True)
 
 
 def phase_optimizer(parts: CEDParts, group: str, cfg, head_lr: float | None = None) -> torch.optim.AdamW:
@@ -106,7 +109,8 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     train_teachers, val_teachers = teachers or new_teachers(objective, model, plan)
     optimizer = phase_optimizer(parts, group, cfg, head_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, cfg.warmup_fraction))
-    before = held_out(objective, model, parts, plan, group, val, cfg.temperature, cfg.kv_weight, val_teachers)
+    before = held_out(objective, model, parts, plan, group, val, cfg.temperature, cfg.kv_weight, val_teachers,
+                      params.eval_ppl.score_block_tokens)
     log.info("%s / %s phase (layers %s): held-out loss %.5f, KL %.5f before %d steps", objective, group,
              list(substituted_layers(plan, group)), before["loss"], before["kl"], steps)
     losses, tokens, t0 = [], 0, time.perf_counter()
@@ -126,7 +130,8 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
             bar.set_postfix(loss=f"{loss.item():.4g}")
     bar.close()
     seconds = time.perf_counter() - t0
-    after = held_out(objective, model, parts, plan, group, val, cfg.temperature, cfg.kv_weight, val_teachers)
+    after = held_out(objective, model, parts, plan, group, val, cfg.temperature, cfg.kv_weight, val_teachers,
+                      params.eval_ppl.score_block_tokens)
     log.info("%s / %s phase: held-out loss %.5f -> %.5f, KL %.5f -> %.5f (%.0f s, %.1f tok/s)", objective, group,
              before["loss"], after["loss"], before["kl"], after["kl"], seconds, tokens / seconds)
     record_timing(**{f"{group}_phase": {"wall_s": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2)}})
