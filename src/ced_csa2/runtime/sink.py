@@ -31,14 +31,14 @@ SINK_MODES = ("exact", "mean")
 
 
 class SinkGroup:
-    """A Mode B group's runtime with its first position kept: one context, scored like a group.
+    """A Mode B group's runtime with its initial ``positions`` kept: one context, scored like a group.
 
     Parameters
     ----------
     runtime
         A :class:`~ced_csa2.ced_runtime.CEDModeBRuntime`; what it replaces is what the sink keeps.
     mode
-        ``"exact"`` (the plain model's first-position K/V) or ``"mean"`` (``constants``).
+        ``"exact"`` (the plain model's K/V at the kept positions) or ``"mean"`` (``constants``, position 0).
     constants
         The sink's K/V per layer (``mode="mean"``); must hold every layer the group replaces.
     positions

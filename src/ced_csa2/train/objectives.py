@@ -117,7 +117,8 @@ def kl_from_hidden(model: nn.Module, student: torch.Tensor, teacher: torch.Tenso
     for lo in range(0, len(s), block_tokens):
         rows = slice(lo, lo + block_tokens)
         ones = torch.ones(len(s[rows]), device=s.device)
-        total += kl_distill(head_logits(model, s[rows]), head_logits(model, t[rows]), ones, temperature).double() * len(ones)
+        block = kl_distill(head_logits(model, s[rows]), head_logits(model, t[rows]), ones, temperature)
+        total += block.double() * len(ones)
     return (total / len(s)).float()
 
 
