@@ -523,7 +523,14 @@ def est_tune(s: Setup, objective: str) -> StageEstimate:
     work = tokens * layers * (8 * geo.hidden_size + 4 * s.model.intermediate) * s.b
     if objective == "distill":
         work += 2 * logits_bytes(s, tokens)
-    host, device = peaks(s, model=True, device_work=work)
+    # the held-out KL: the teacher's and the student's logits of one block of positions at a time
+    block = min(s.params.eval_ppl.score_block_tokens, tokens)
+    work = max(work, 2 * logits_bytes(s, block))
+    # the teacher passes, kept on the host for every phase (TeacherCache): per token H_split and, for the source
+    # and each target, its K/V and its attention's input and output (~27 KB a token on SmolLM2 in float32)
+    readers = 1 + len(s.plan.targets)
+    kept = (records + val) * seq * (geo.hidden_size + readers * 2 * (geo.kv_dim + geo.hidden_size)) * s.b
+    host, device = peaks(s, model=True, device_work=work, host_work=kept)
     return StageEstimate(name, f"{records:,} records x {seq} tokens", host=host, device=device,
                          steps=len(PHASE_GROUPS) * steps_per_phase, seconds=(train + checks) / s.rates.model_flops,
                          note=f"{len(PHASE_GROUPS)} phases, batch {cfg.batch_size}")

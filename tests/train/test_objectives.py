@@ -19,6 +19,7 @@ from ced_csa2.train.objectives import (
     kl_distill,
     kl_from_hidden,
     kv_loss,
+    map_tensors,
     objective_loss,
     substituted_layers,
     teacher_pass,
@@ -174,3 +175,19 @@ def test_teacher_cache_gives_every_phase_its_own_pass_bit_for_bit_from_one_forwa
     held = TeacherCache(model, QWEN_PLAN, final=True)(*batches[0])
     assert torch.equal(head_logits(model, held["final"]),
                        model(input_ids=batches[0][0], attention_mask=batches[0][1]).logits)
+
+
+def test_map_tensors_keeps_the_tree_and_reaches_every_tensor():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "cos sin")
+    marker = object()
+    tree = {"final": torch.ones(2), "kv": {"k": {3: torch.zeros(1)}}, "attn": {3: [(torch.ones(1),),
+            {"position_embeddings": Pair(torch.ones(1), torch.zeros(1)), "mask": None, "other": marker}, None]}}
+    seen = []
+    out = map_tensors(tree, lambda t: seen.append(t) or t + 1)
+    assert len(seen) == 5
+    assert isinstance(out["attn"][3][1]["position_embeddings"], Pair)
+    assert out["attn"][3][1]["mask"] is None and out["attn"][3][1]["other"] is marker
+    assert isinstance(out["attn"][3][0], tuple) and isinstance(out["attn"][3], list)
+    assert torch.equal(out["kv"]["k"][3], torch.ones(1)) and torch.equal(out["final"], torch.full((2,), 2.0))

@@ -193,6 +193,11 @@ class TeacherCache:
     are bit for bit the uncached ones.  Logits are never kept (``(B, T, vocab)`` per batch): the
     final hidden state is, and the reader runs the LM head on it (:func:`kl_from_hidden`).
 
+    The passes are kept on the host and moved to the model's device at each read, as
+    ``tune_mode_a`` keeps its teachers: ~27 KB a token on SmolLM2 in float32, ~60 KB on Qwen3.5-4B
+    in bf16, so the full profile's 2,048 records would hold ~30 GiB beside the model on its GPU.
+    On a CPU the move is no copy.
+
     Parameters
     ----------
     final
@@ -208,8 +213,38 @@ class TeacherCache:
         """:func:`teacher_pass`'s result for batch ``ids``/``mask`` ``(B, T)``, whatever the phase."""
         key = (tuple(ids.shape), ids.cpu().numpy().tobytes(), mask.cpu().numpy().tobytes())
         if key not in self._passes:
-            self._passes[key] = teacher_pass(self.model, self.plan, "ced_csa2", ids, mask, final=self.final)
-        return self._passes[key]
+            self._passes[key] = map_tensors(teacher_pass(self.model, self.plan, "ced_csa2", ids, mask,
+                                                         final=self.final), _Offloaded.of)
+        return map_tensors(self._passes[key], _Offloaded.back, leaf=_Offloaded)
+
+
+@dataclass(frozen=True)
+class _Offloaded:
+    """A tensor kept on the host, and the device it came from (under ``device_map: auto`` layers differ)."""
+
+    tensor: torch.Tensor
+    device: torch.device
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> _Offloaded:
+        return _Offloaded(tensor.cpu(), tensor.device)  # on a CPU: the tensor itself, no copy
+
+    def back(self) -> torch.Tensor:
+        return self.tensor.to(self.device)
+
+
+def map_tensors(tree, fn, leaf: type = torch.Tensor):
+    """``tree`` (dicts, lists, tuples and named tuples, to any depth) with ``fn`` applied to every ``leaf``;
+    anything else (``None``, numbers, other objects) as it is."""
+    if isinstance(tree, leaf):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {key: map_tensors(value, fn, leaf) for key, value in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(map_tensors(value, fn, leaf) for value in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_tensors(value, fn, leaf) for value in tree)
+    return tree
 
 
 def kv_loss(parts: CEDParts, plan: LayerPlan, group: str, teacher: dict, mask: torch.Tensor) -> torch.Tensor:
