@@ -1,10 +1,14 @@
 """The report's tables, groups.tsv and summary.json: one row per (group, objective), each change with its CI, protocol checked."""
 
+from pathlib import Path
+
 import pytest
 
 from ced_csa2.eval.results import (
     HEADLINE,
-    check_gold_protocols,
+    GOLD_PROTOCOL,
+    RUN_PROTOCOL,
+    check_same_protocol,
     frontier,
     frontier_table,
     goals,
@@ -247,8 +251,25 @@ def test_the_headline_names_mode_a_s_own_reference():
 def test_objectives_scored_on_other_gold_pairs_are_refused():
     gsm = {"protocol": {"n": 100, "math_set": "GSM8K-100", "num_fewshot": 0, "apply_chat_template": False,
                         "fewshot_as_multiturn": False}}
-    check_gold_protocols({"gold_protocol": {**gsm["protocol"], "source": "data/gsm8k_gold.json"}}, gsm)
-    stale = {"gold_protocol": {**gsm["protocol"], "n": 37, "num_fewshot": 2}}
+    gold = (Path("metrics/gsm8k.json"), gsm["protocol"])
+    evals = Path("metrics/objectives/eval.json")
+    check_same_protocol(GOLD_PROTOCOL, gold, (evals, {**gsm["protocol"], "source": "data/gsm8k_gold.json"}),
+                        measured="scored gold NLL")
+    stale = {**gsm["protocol"], "n": 37, "num_fewshot": 2}
     with pytest.raises(ValueError, match=r"eval.json scored gold NLL with n=37, num_fewshot=2, metrics/gsm8k.json "
                                          r"with n=100, num_fewshot=0: rerun the pipeline"):
-        check_gold_protocols(stale, gsm)
+        check_same_protocol(GOLD_PROTOCOL, gold, (evals, stale), measured="scored gold NLL")
+
+
+def test_result_files_of_another_run_are_refused():
+    """metrics/ppl.json, gsm8k.json and objectives/eval.json must come from one model, dtype and plan."""
+    run = {"model": "smollm2_135m", "model_revision": None, "dtype": "float32",
+           "plan": {"split": 15, "source": 18, "targets": [22, 26, 30]}, "kv_format": "nvfp4", "device": "cpu"}
+    ppl, gsm, evals = Path("metrics/ppl.json"), Path("metrics/gsm8k.json"), Path("metrics/objectives/eval.json")
+    check_same_protocol(RUN_PROTOCOL, (ppl, run), (gsm, {**run, "device": "cuda:0"}), (evals, run))
+    with pytest.raises(ValueError, match=r"gsm8k.json was measured with dtype='bfloat16', metrics/ppl.json with "
+                                         r"dtype='float32': rerun the pipeline"):
+        check_same_protocol(RUN_PROTOCOL, (ppl, run), (gsm, {**run, "dtype": "bfloat16"}), (evals, run))
+    with pytest.raises(ValueError, match=r"eval.json was measured with plan=\{'split': 9"):
+        check_same_protocol(RUN_PROTOCOL, (ppl, run), (gsm, run), (evals, {**run, "plan": {"split": 9, "source": 12,
+                                                                                          "targets": [14]}}))

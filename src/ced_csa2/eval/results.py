@@ -12,7 +12,7 @@ from ..config import Params
 from ..maps.ridge import adapter_map
 from ..pipeline.atomic_files import read_json
 from ..pipeline.figures import write_png
-from ..pipeline.paths import GSM8K_METRICS, METRICS, OBJECTIVES_EVAL, SEED_INIT
+from ..pipeline.paths import GSM8K_METRICS, METRICS, OBJECTIVES_EVAL, PPL_METRICS, SEED_INIT
 from ..runtime.groups import GROUP_NAMES, GROUPS
 
 BASES = ("decoder_attention", "all_attention", "all_attention_amortised_32k")
@@ -514,16 +514,23 @@ def plots(out: Path, ppl: dict, adapters: dict, storage: dict, points: list[dict
 
 
 GOLD_PROTOCOL = ("n", "math_set", "num_fewshot", "apply_chat_template", "fewshot_as_multiturn")
+# what every result file of one run shares: the model, its numerics and the plan the maps were made for
+RUN_PROTOCOL = ("model", "model_revision", "dtype", "plan", "kv_format")
 
 
-def check_gold_protocols(evals: dict, gsm: dict) -> None:
-    """Refuse objectives whose gold NLL was scored on other gold pairs than ``metrics/gsm8k.json``'s (a stale file)."""
-    differ = {k: (evals["gold_protocol"].get(k), gsm["protocol"].get(k)) for k in GOLD_PROTOCOL
-              if evals["gold_protocol"].get(k) != gsm["protocol"].get(k)}
-    if differ:
-        raise ValueError(f"{OBJECTIVES_EVAL} scored gold NLL with {', '.join(f'{k}={a!r}' for k, (a, _) in differ.items())}"
-                         f", {GSM8K_METRICS} with {', '.join(f'{k}={b!r}' for k, (_, b) in differ.items())}: "
-                         "rerun the pipeline")
+def check_same_protocol(keys: tuple[str, ...], reference: tuple[Path, dict], *others: tuple[Path, dict],
+                        measured: str = "was measured") -> None:
+    """Refuse result files whose protocols differ from ``reference``'s on ``keys`` (a stale file of another run).
+
+    Each argument is ``(file, its protocol)``; the error names both files and the values that differ.
+    """
+    name, protocol = reference
+    for other, theirs in others:
+        differ = {k: (theirs.get(k), protocol.get(k)) for k in keys if theirs.get(k) != protocol.get(k)}
+        if differ:
+            raise ValueError(f"{other} {measured} with {', '.join(f'{k}={a!r}' for k, (a, _) in differ.items())}, "
+                             f"{name} with {', '.join(f'{k}={b!r}' for k, (_, b) in differ.items())}: "
+                             "rerun the pipeline")
 
 
 def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, dict, dict, list]]:
@@ -538,7 +545,10 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
         missing = missing or [SEED_INIT]
         raise ValueError(f"{workdir / OBJECTIVES_EVAL} has no scores for objectives {missing}: "
                          "run `dvc repro eval_objectives`")
-    check_gold_protocols(evals, gsm)
+    check_same_protocol(RUN_PROTOCOL, (PPL_METRICS, ppl["protocol"]), (GSM8K_METRICS, gsm["protocol"]),
+                        (OBJECTIVES_EVAL, evals["protocol"]))
+    check_same_protocol(GOLD_PROTOCOL, (GSM8K_METRICS, gsm["protocol"]), (OBJECTIVES_EVAL, evals["gold_protocol"]),
+                        measured="scored gold NLL")
     objectives = {o: {"train": _load(workdir, Path("objectives") / o / "train"),
                       "eval": {"protocol": evals["protocol"], **evals["objectives"][o]}} for o in params.train.objectives}
     groups = params.train.eval_groups
