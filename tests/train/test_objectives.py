@@ -14,6 +14,7 @@ from ced_csa2.eval.scoring import head_logits
 from ced_csa2.model_utils import geometry
 from ced_csa2.train.objectives import (
     TeacherCache,
+    _Offloaded,
     attn_out_loss,
     distill_loss,
     kl_distill,
@@ -76,6 +77,8 @@ def test_blockwise_kl_is_the_whole_batch_kl_without_vocabulary_wide_batches(froz
         handle.remove()
     with pytest.raises(ValueError, match="block_tokens must be positive"):
         kl_from_hidden(model, student, teacher, mask, 1.0, 0)
+    with pytest.raises(ValueError, match="the mask holds no real position"):
+        kl_from_hidden(model, student, teacher, torch.zeros_like(mask), 1.0, block_tokens)
 
 
 @pytest.mark.parametrize("group", ["ced", "csa2"])
@@ -172,6 +175,11 @@ def test_teacher_cache_gives_every_phase_its_own_pass_bit_for_bit_from_one_forwa
     # one teacher pass per distinct batch (plus, for distill, the students' forwards: one per loss)
     students = len(PHASES) * len(batches) if objective == "distill" else 0
     assert len(forwards) == len(batches) + students
+    # kept on the host, each tensor with the device it came from (moved back at every read)
+    leaves = []
+    map_tensors(cache._passes, leaves.append, leaf=_Offloaded)
+    map_tensors(cache._passes, lambda t: pytest.fail("a teacher tensor kept unwrapped"))
+    assert leaves and all(o.tensor.device.type == "cpu" and o.device == ids.device for o in leaves)
     held = TeacherCache(model, QWEN_PLAN, final=True)(*batches[0])
     assert torch.equal(head_logits(model, held["final"]),
                        model(input_ids=batches[0][0], attention_mask=batches[0][1]).logits)

@@ -2,8 +2,8 @@
 
 K/V MSE (the seed's objective) weighs every K/V direction equally; attention does not.
 Both objectives here look at what the substituted K/V do instead, and both are computed
-online from one teacher forward pass of the frozen model -- queries, attention outputs
-and logits are recomputed per batch, never stored.
+online from one teacher forward pass of the frozen model per batch (kept for a branch's
+phases by :class:`TeacherCache`); logits are recomputed from final hidden states, never stored.
 
 * ``attn_out``: for every layer the group substitutes, the layer's own attention module
   is re-run on its *true* input (true queries) with the substituted K/V, and compared
@@ -111,8 +111,10 @@ def kl_from_hidden(model: nn.Module, student: torch.Tensor, teacher: torch.Tenso
         return kl_distill(head_logits(model, student), head_logits(model, teacher), mask, temperature)
     if block_tokens <= 0:
         raise ValueError(f"kl_from_hidden: block_tokens must be positive, got {block_tokens}")
-    keep = mask.bool()
-    s, t = student[keep], teacher[keep]  # (N, hidden): the real positions only
+    keep = mask.bool().to(student.device)
+    s, t = student[keep], teacher[keep.to(teacher.device)]  # (N, hidden): the real positions only
+    if not len(s):
+        raise ValueError("kl_from_hidden: the mask holds no real position")
     total = torch.zeros((), dtype=torch.float64, device=s.device)
     for lo in range(0, len(s), block_tokens):
         rows = slice(lo, lo + block_tokens)
