@@ -30,7 +30,7 @@ def test_tiny_pipeline_runs_on_cuda_in_bf16(tmp_path):
         assert read(repo, rel)["run"]["device"] == "cuda", rel
     ppl, gsm = read(repo, "metrics/ppl.json"), read(repo, "metrics/gsm8k.json")
     for protocol in (ppl["protocol"], gsm["protocol"], read(repo, "metrics/objectives/attn_out/train.json")["protocol"],
-                     read(repo, "metrics/objectives/attn_out/eval.json")["protocol"]):
+                     read(repo, "metrics/objectives/eval.json")["protocol"]):
         assert protocol["device"].startswith("cuda") and protocol["dtype"] == "bfloat16", protocol
     assert all(math.isfinite(g["ppl"]) for g in ppl["groups"].values())
     assert all(math.isfinite(g["gold_nll"]["nll_per_token"]) for g in gsm["groups"].values())

@@ -86,8 +86,8 @@ class Rates:
 # end most answers sooner: a step here is an upper-bound step); reads 1.27 s/GB from disk with CRC checks
 # (benchmarks/dump_verify.py); writes ~1 GB/s (docs/costs.md, the DVC cache copy).  Checked against all eleven
 # measured stages: 16.8 min predicted for 16.8 measured, each within 16% but the three shortest (< 8 s; fixed
-# costs, up to 1.8x).  Host peaks: from 48% low (tune@attn_out) to 15% high (the per-objective eval stage); most come out
-# low, by the libraries (lm-eval, h5py, ...) this model does not count.
+# costs, up to 1.8x).  Host peaks, against the fresh-clone run of 2026-12-05 (docs/costs.md): every one comes out
+# low, from 16% (tune@attn_out) to 49% (eval_gsm8k), by the libraries (lm-eval, h5py, ...) this model does not count.
 _CPU = Rates(model_flops=2.1e11, map_flops=2.1e11, f64_flops=8.7e10, logits=2.6e8, decode_step_s=0.092, read_bytes=1 / 1.27e-9,
              write_bytes=1e9, basis="measured on this project's 2-core CPU, fp32 (benchmarks/results/repro_e2e.md)")
 RATES = {
@@ -527,9 +527,12 @@ def est_tune(s: Setup, objective: str) -> StageEstimate:
     block = min(s.params.eval_ppl.score_block_tokens, tokens)
     work = max(work, 2 * logits_bytes(s, block))
     # the teacher passes, kept on the host for every phase (TeacherCache): per token H_split and, for the source
-    # and each target, its K/V and its attention's input and output (~27 KB a token on SmolLM2 in float32)
+    # and each target, its K/V, its attention's input and output and RoPE's cos/sin (~28 KB a token on SmolLM2
+    # in float32); the final hidden state of the held-out passes (and of the training ones for distill)
     readers = 1 + len(s.plan.targets)
-    kept = (records + val) * seq * (geo.hidden_size + readers * 2 * (geo.kv_dim + geo.hidden_size)) * s.b
+    per_token = geo.hidden_size + readers * 2 * (geo.kv_dim + geo.hidden_size + geo.head_dim)
+    finals = val + (records if objective == "distill" else 0)
+    kept = ((records + val) * per_token + finals * geo.hidden_size) * seq * s.b
     host, device = peaks(s, model=True, device_work=work, host_work=kept)
     return StageEstimate(name, f"{records:,} records x {seq} tokens", host=host, device=device,
                          steps=len(PHASE_GROUPS) * steps_per_phase, seconds=(train + checks) / s.rates.model_flops,
