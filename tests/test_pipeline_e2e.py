@@ -77,6 +77,26 @@ def test_full_pipeline_writes_every_metric_and_the_report(repo, reproduced):
     assert stages_run(sh(repo, "dvc", "repro")) == set()
 
 
+def test_the_report_refuses_results_of_another_run(repo, reproduced, tmp_path):
+    """metrics/gsm8k.json left from a bf16 run beside this run's float32 results: refused, naming both files."""
+    import shutil
+
+    from ced_csa2.config import load_params
+    from ced_csa2.eval.results import build_report
+
+    shutil.copytree(repo / "metrics", tmp_path / "metrics")
+    params = load_params(repo / "params.yaml")
+    build_report(params, tmp_path)  # as reproduced: accepted
+    gsm = tmp_path / "metrics/gsm8k.json"
+    stale = json.loads(gsm.read_text())
+    dtype = stale["protocol"]["dtype"]
+    stale["protocol"]["dtype"] = "bfloat16" if dtype != "bfloat16" else "float32"
+    gsm.write_text(json.dumps(stale))
+    with pytest.raises(ValueError, match=rf"gsm8k.json was measured with dtype=.*, metrics/ppl.json with "
+                                         rf"dtype='{dtype}': rerun the pipeline"):
+        build_report(params, tmp_path)
+
+
 def test_groups_table_and_summary_are_the_detailed_results(repo, reproduced):
     params = yaml.safe_load((repo / "params.yaml").read_text())
     summary = json.loads((repo / "metrics/summary.json").read_text())
