@@ -18,12 +18,13 @@ leaves its cache's hooks: microseconds against a step).  Caches:
 * ``{group} / shared-{storage} k{k}+w{window}`` --
   :class:`~ced_csa2.runtime.sparse_decode.SparseSharedKVCache`: the same store, the targets reading
   only the newest ``window`` positions and the source's top-``k`` (oracle indexer) at each step,
-  their adapters run on those entries only (``--sparse K:WINDOW ...``);
+  their adapters run on those entries only (``--sparse K:WINDOW[:KEEP] ...``; ``KEEP``: the entries
+  each target keeps between steps, default ``K + WINDOW``, label ``keep{n}``);
 * ``... k{k}+w{window} indexed`` -- the same with the trained lightning indexer of ``--indexer``
   (``studies/indexer/attention_rot.pt``; random weights of the narrow shape when absent: the timing depends on
   shapes only): its MXFP4 keys in the store, the source reading its selection too;
-  the sparse caches also hold the targets' adapted entries of the last step (reused where the next
-  step reads the same positions), counted in their bytes and accounting;
+  the sparse caches also hold the entries each target keeps between steps (adapted, reused where a
+  later step reads the same positions), counted in their bytes and accounting;
 * ``baseline / fp4-{format}`` -- :class:`~ced_csa2.runtime.shared_kv.FP4KVCache`: every layer's
   K/V in FP4, no sharing (the cost of FP4 alone).
 
@@ -107,10 +108,12 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, spars
                                                                                                   parts, s),
                lambda cache: cache.feed())
         for reads in sparse:
-            yield (f"{group} / shared-{storage} k{reads.k}+w{reads.window}", (group, storage, None, reads),
+            name = f"{group} / shared-{storage} k{reads.k}+w{reads.window}" + (
+                f" keep{reads.keep}" if reads.keep is not None else "")
+            yield (name, (group, storage, None, reads),
                    lambda s=storage, r=reads: SparseSharedKVCache(model, plan, group, parts, s, reads=r),
                    lambda cache: cache.feed())
-            yield (f"{group} / shared-{storage} k{reads.k}+w{reads.window} indexed", (group, storage, indexer, reads),
+            yield (f"{name} indexed", (group, storage, indexer, reads),
                    lambda s=storage, r=reads: SparseSharedKVCache(model, plan, group, parts, s, reads=r,
                                                                   indexer=indexer),
                    lambda cache: cache.feed())
@@ -147,7 +150,7 @@ def main() -> None:
     ap.add_argument("--group", default="csa2", choices=SHARED_GROUPS)
     ap.add_argument("--storages", nargs="+", default=list(STORAGES), choices=STORAGES)
     ap.add_argument("--fp4-baselines", nargs="*", default=["nvfp4", "mxfp4"], choices=STORAGES[1:])
-    ap.add_argument("--sparse", nargs="*", default=["128:64"], metavar="K:WINDOW",
+    ap.add_argument("--sparse", nargs="*", default=["128:64"], metavar="K:WINDOW[:KEEP]",
                     help="sparse decode reads of the shared stores (none: dense stores only)")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--models-dir", type=Path, default=Path("models"))
@@ -170,7 +173,7 @@ def main() -> None:
           f"{plan.split} source {plan.source} targets {list(plan.targets)}; batch {args.batch}; {note}; {indexer_note}")
     print(f"'bf16' storage = the model dtype ({dtype}); median of {args.steps} decode steps after one warm-up, "
           "the caches' steps alternated")
-    header = (f"{'context':>7}  {'cache':<34} {'ms/step':>8} {'x ref':>6} {'sum x ref [95% CI]':>20} {'held MiB':>9} "
+    header = (f"{'context':>7}  {'cache':<44} {'ms/step':>8} {'x ref':>6} {'sum x ref [95% CI]':>20} {'held MiB':>9} "
               f"{'held/accounted':>14} {'held/ref':>8}")
     print(header)
     gen = torch.Generator().manual_seed(args.seed)
@@ -196,7 +199,7 @@ def main() -> None:
             ref_ms, ref_bytes = ref_ms or ms, ref_bytes or held
             summed = ratio_bootstrap(np.array(paired.runs[label]), np.array(paired.runs[ref_label]), seed=args.seed)
             low, high = summed["ci95"]
-            print(f"{context:>7}  {label:<34} {ms:>8.2f} {ms / ref_ms:>6.2f} "
+            print(f"{context:>7}  {label:<44} {ms:>8.2f} {ms / ref_ms:>6.2f} "
                   f"{summed['value']:>6.3f} [{low:.3f}, {high:.3f}] {held / 2**20:>9.2f} "
                   f"{held / accounted:>14.4f} {held / ref_bytes:>8.3f}")
             del cache

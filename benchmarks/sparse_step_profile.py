@@ -121,7 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=8192, help="prefilled positions")
     ap.add_argument("--steps", type=int, default=9, help="timed decode steps per cache, and instrumented ones")
-    ap.add_argument("--sparse", default="128:64", metavar="K:WINDOW")
+    ap.add_argument("--sparse", default="128:64", metavar="K:WINDOW[:KEEP]")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--models-dir", type=Path, default=Path("models"))
     ap.add_argument("--indexer", type=Path, default=Path("studies/indexer/attention_rot.pt"))
@@ -136,7 +136,7 @@ def main() -> None:
     parts, note = maps(args.models_dir, plan, geo, params, model)
     indexer, indexer_note = indexer_for(args.indexer, model, plan, geo, params)
     print(f"{params.model.name} {next(model.parameters()).dtype}, {torch.get_num_threads()} threads; {note}; "
-          f"{indexer_note}; window {reads.window} + top-{reads.k}")
+          f"{indexer_note}; window {reads.window} + top-{reads.k}, each target keeping {reads.kept} entries")
     ids = torch.randint(0, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(args.seed))
     runs = {"ordinary": Decoder(model, DynamicCache(config=model.config), lambda cache: contextlib.nullcontext()),
             "sparse": Decoder(model, SparseSharedKVCache(model, plan, "csa2", parts, reads=reads, indexer=indexer),
@@ -163,7 +163,7 @@ def main() -> None:
     read = len(plan.targets) * (reads.k + reads.window)
     adapted = statistics.median(sparse.adapted_per_step)
     print(f"  the targets adapted a median {adapted:.0f} of the {read} entries they read a step "
-          f"({adapted / read:.0%}; the rest reused from the step before)")
+          f"({adapted / read:.0%}; the rest kept from earlier steps)")
     per_layer = (ordinary.median_ms("attention") + ordinary.median_ms("ordinary layers' cache update")) / n_layers
     own = sparse.median_ms("store: read") + sparse.median_ms("store: write")
     print(f"the {shared} shared layers' reads can save {shared * per_layer:.2f} ms a step (the ordinary cache's "

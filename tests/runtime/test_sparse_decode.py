@@ -10,7 +10,7 @@ from ced_csa2.model_utils import attention, geometry
 from ced_csa2.plan import LayerPlan
 from ced_csa2.runtime.attention_calls import AttentionCalls
 from ced_csa2.runtime.shared_kv import SharedKVCache, greedy_generate, shared_kv_generate
-from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
+from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache, _Kept
 
 PROMPT, NEW = 11, 6  # up to 16 cached positions
 
@@ -94,27 +94,53 @@ def test_each_target_reads_the_window_and_the_source_s_top_k_adapted_at_those_po
     assert untouched(model)
 
 
-def adapted(plan, model, prompt, reads) -> int:
-    """The last sparse step's adapted K and V kept for the next: (k + window) entries per target, float32."""
-    return prompt.shape[0] * len(plan.targets) * (reads.k + reads.window) * 2 * geometry(model.config).kv_dim * 4
+def adapted(plan, model, prompt, kept: int) -> int:
+    """The targets' K and V kept between steps: ``kept`` entries per target, float32."""
+    return prompt.shape[0] * len(plan.targets) * kept * 2 * geometry(model.config).kv_dim * 4
 
 
-def test_sparse_generation_holds_the_dense_store_s_bytes_and_one_step_s_adapted_entries(setup):
+@pytest.mark.parametrize("keep, kept", [(None, 5), (9, 9)])
+def test_sparse_generation_holds_the_dense_store_s_bytes_and_the_kept_entries(setup, keep, kept):
     model, plan, parts, prompt = setup
-    reads = SparseDecode(k=2, window=3)
+    reads = SparseDecode(k=2, window=3, keep=keep)
     dense = shared_kv_generate(model, plan, "csa2", parts, prompt, NEW)
     sparse = sparse_generate(model, plan, "csa2", parts, prompt, reads)
-    extra = adapted(plan, model, prompt, reads)
+    extra = adapted(plan, model, prompt, kept)
     assert sparse.cache.held_bytes() == dense.cache.held_bytes() + extra
     assert reads.adapted_bytes(len(plan.targets), geometry(model.config).kv_dim, 4, prompt.shape[0]) == extra
 
 
-def test_entries_adapted_at_the_last_step_are_reused_and_only_new_positions_run_the_adapter(setup):
-    """Generation with the reuse equals generation that adapts every read entry at every step (the carried
+def test_a_target_keeps_the_most_recently_read_entries_and_rebuilds_only_the_others():
+    """Slot by slot, with ``keep`` 3 and two entries read a step: each step rebuilds exactly the positions
+    not kept, the longest unread entry makes room, and every read returns each position's own entry."""
+    attn = torch.nn.Module()
+    attn.head_dim = 2
+    kept = _Kept.empty(1, 3, attn, torch.zeros(1, 1, 4))  # 2 KV heads of width 2
+    reads = [[0, 1], [1, 2], [2, 3], [1, 3], [0, 3], [2, 3]]
+    # the evicted: none (an empty slot takes 2), then 0, none (both kept), 2, then 1 (read at step 3)
+    rebuilt = [[0, 1], [2], [3], [], [0], [2]]
+    for step, (read, expect) in enumerate(zip(reads, rebuilt)):
+        at, calls = torch.tensor([read]), []
+
+        def rebuild(miss, at=at, calls=calls):
+            positions = at[miss].float()
+            calls.extend(at[miss].tolist())
+            k = positions[:, None, None].expand(-1, 2, 2)  # (misses, n_kv, head_dim): the position's value
+            return k.transpose(0, 1)[None], -k.transpose(0, 1)[None]
+
+        k, v = kept.read(at, step, rebuild)
+        assert calls == expect, f"step {step}"
+        assert torch.equal(k, at.float()[:, None, :, None].expand(-1, 2, -1, 2)) and torch.equal(v, -k)
+    assert sorted(kept.positions[0].tolist()) == [0, 2, 3]
+
+
+@pytest.mark.parametrize("keep", [None, 8])
+def test_kept_entries_are_reused_and_only_other_positions_run_the_adapter(setup, keep):
+    """Generation with the reuse equals generation that adapts every read entry at every step (the kept
     entries dropped before each step), to float32's matmul-blocking tolerance; after the first sparse step
     the adapters run on fewer rows than are read."""
     model, plan, parts, prompt = setup
-    reads = SparseDecode(k=3, window=2)
+    reads = SparseDecode(k=3, window=2, keep=keep)
     rows = []
     adapt = parts.adapt
 
@@ -156,6 +182,8 @@ def test_refusals():
         SparseSharedKVCache(model, plan, "csa2", parts, reads=SparseDecode(k=4, window=2))
     with pytest.raises(ValueError, match="window >= 1"):
         SparseDecode(k=4, window=0)
+    with pytest.raises(ValueError, match=r"at least the k \+ window = 6 entries"):
+        SparseDecode(k=4, window=2, keep=5)
 
 
 # ----------------------------------------------------------------------------- a trained indexer
@@ -224,5 +252,5 @@ def test_with_an_indexer_every_reader_reads_the_window_and_the_indexer_s_top_k(s
     with dense_bytes.feed(), torch.no_grad():
         model(input_ids=torch.cat([prompt, prompt[:, :1]], 1), cache=dense_bytes, use_cache=True)
     assert cache.held_bytes() == (dense_bytes.held_bytes() + prompt.shape[0] * n * key_bytes(indexer.key_width)
-                                  + adapted(plan, model, prompt, reads))
+                                  + adapted(plan, model, prompt, reads.kept))
     assert untouched(model)

@@ -336,20 +336,21 @@ class _SharedStore:
         """
         if self._step is None:
             self._step = {}
-        k, v, cos, sin = self._entries(layer, new, self._step)
-        if layer != self.plan.source and GROUPS[self.group].adapters:
-            k, v = self._adapt(layer, k, v)
+        out = self._rebuilt(layer, *self._entries(layer, new, self._step))
         if layer == max(self.plan.targets):
             self._step = None  # a transient: not kept between decode steps
             source_window = self.geo.window(self.plan.source)
             if source_window is not None:  # no reader's window reaches further back (plan validation)
                 self.k.keep_last(source_window - 1)
                 self.v.keep_last(source_window - 1)
-        return self._norm_rope(self.attn[layer], k, v, cos, sin)
+        return out
 
-    def _adapt(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KV:
-        """Target ``layer``'s K and V ``(B, T', kv_dim)`` from the stored entries it reads (its adapter)."""
-        return self.parts.adapt(layer, k, v)
+    def _rebuilt(self, layer: int, k: torch.Tensor, v: torch.Tensor, cos, sin) -> KV:
+        """``layer``'s K and V as its attention reads them, ``(B, n_kv, T', head_dim)`` each, from the stored
+        entries ``(B, T', kv_dim)`` at the positions of ``cos``/``sin``: a target's adapter, then k_norm and RoPE."""
+        if layer != self.plan.source and GROUPS[self.group].adapters:
+            k, v = self.parts.adapt(layer, k, v)
+        return self._norm_rope(self.attn[layer], k, v, cos, sin)
 
     def _entries(self, layer: int, new: int, step: dict):
         """The stored K and V ``(B, T', kv_dim)`` ``layer`` reads and their RoPE ``cos``/``sin`` ``(B, T', rot)``."""

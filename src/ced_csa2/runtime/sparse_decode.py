@@ -24,8 +24,9 @@ selects, and what the source itself reads, depends on the indexer:
 
 Prefill (more than one new position) is the dense store's (the indexer keys of the prompt
 are written then).  While ``k + window`` covers the context the step is the dense one, bit
-for bit.  A target keeps its adapted entries of the last step and runs its adapter only on
-the positions the step newly reads (the window moves by one; on the embedded default about
+for bit.  A target keeps its entries of the last step as its attention read them (adapted,
+normed, rotated) and runs its adapter, k_norm and RoPE only on the positions the step newly
+reads (the window moves by one; on the embedded default about
 half of the top-128 changes between steps).  The bytes held are the dense store's plus the
 indexer keys plus those ``k + window`` adapted entries per target
 (:meth:`SparseDecode.adapted_bytes`, flat in the context).
@@ -45,26 +46,43 @@ import torch
 from ..maps.indexer import LightningIndexer, key_format
 from ..model_utils import attention, rotary
 from .attention_calls import AttentionCalls
+from .groups import GROUPS
 from .shared_kv import SharedKVCache, TokenStore, _SharedStore
 from .sparse_attention import index_scores
 
 
 @dataclass(frozen=True)
 class SparseDecode:
-    """What a target reads at a decode step: the source's ``k`` best older entries and the newest ``window``."""
+    """What a target reads at a decode step: the source's ``k`` best older entries and the newest ``window``.
+
+    ``keep``: how many entries each target keeps between steps as its attention read them
+    (adapted, normed, rotated), the most recently read first (:meth:`_SparseStore._rebuilt`);
+    at least ``k + window`` (the default: the last step's), a constant, so the bytes stay
+    flat in the context.  More keeps more of the entries a selection drops and takes back a
+    few steps later, which then skip the adapter.
+    """
 
     k: int
     window: int
+    keep: int | None = None
 
     def __post_init__(self):
         if self.k < 0 or self.window < 1:
             raise ValueError(f"sparse decode reads k >= 0 selected entries and a window >= 1 (the new position "
                              f"itself); got k={self.k}, window={self.window}")
+        if self.keep is not None and self.keep < self.k + self.window:
+            raise ValueError(f"sparse decode keeps at least the k + window = {self.k + self.window} entries a step "
+                             f"reads; got keep={self.keep}")
+
+    @property
+    def kept(self) -> int:
+        """Entries per target kept between steps: ``keep``, or ``k + window``."""
+        return self.k + self.window if self.keep is None else self.keep
 
     def adapted_bytes(self, targets: int, kv_dim: int, dtype_bytes: int, batch: int = 1) -> int:
-        """Bytes of the targets' adapted K and V that a sparse step keeps for the next
-        (:meth:`_SparseStore._adapt`): ``k + window`` entries per target, flat in the context."""
-        return batch * targets * (self.k + self.window) * 2 * kv_dim * dtype_bytes
+        """Bytes of the targets' K and V kept between steps (:meth:`_SparseStore._rebuilt`): :attr:`kept`
+        entries per target, flat in the context."""
+        return batch * targets * self.kept * 2 * kv_dim * dtype_bytes
 
 
 def select(scores: torch.Tensor, n: int, reads: SparseDecode) -> torch.Tensor:
@@ -78,6 +96,50 @@ def select(scores: torch.Tensor, n: int, reads: SparseDecode) -> torch.Tensor:
     return torch.cat([top, recent], dim=-1)
 
 
+@dataclass
+class _Kept:
+    """``n`` entries of one target as its attention read them at recent steps, per batch row, in no order.
+
+    ``positions`` ``(B, n)`` (-1: an empty slot), ``last_read`` ``(B, n)`` (the step that last
+    read each, as a count of cached positions; -1: never), ``k``/``v`` ``(B, n_kv, n, head_dim)``.
+    """
+
+    positions: torch.Tensor
+    last_read: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch: int, n: int, attn, like: torch.Tensor) -> _Kept:
+        heads = like.new_zeros((batch, like.shape[-1] // attn.head_dim, n, attn.head_dim))
+        slots = torch.full((batch, n), -1, dtype=torch.long, device=like.device)
+        return cls(slots, slots.clone(), heads, heads.clone())
+
+    def read(self, at: torch.Tensor, step: int, rebuild) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``(B, n_kv, len(at), head_dim)`` at positions ``at`` ``(B, len(at))``; those not kept from
+        ``rebuild(miss)`` (``miss`` ``(B, len(at))`` bool; it returns the missed entries of every row in row
+        order, ``(1, n_kv, misses, head_dim)`` each), which then replace the longest unread entries."""
+        held = at[:, :, None] == self.positions[:, None, :]  # (B, len(at), n): at most one slot per position
+        miss, slot = ~held.any(-1), held.to(torch.uint8).argmax(-1)
+        rows = slot[:, None, :, None].expand(-1, self.k.shape[1], -1, self.k.shape[-1])
+        k_out, v_out = self.k.gather(2, rows), self.v.gather(2, rows)
+        self.last_read.masked_fill_(held.any(1), step)
+        if miss.any():  # one call over every row's new positions (an adapter, k_norm and RoPE map rows alone)
+            new_k, new_v = rebuild(miss)
+            new_k, new_v = new_k[0].transpose(0, 1), new_v[0].transpose(0, 1)  # (misses, n_kv, head_dim)
+            k_out.transpose(1, 2)[miss] = new_k
+            v_out.transpose(1, 2)[miss] = new_v
+            start = 0
+            for b, m in enumerate(miss.sum(-1).tolist()):  # the m longest unread slots (never one read now)
+                if m:
+                    free = self.last_read[b].topk(m, largest=False).indices
+                    self.positions[b, free], self.last_read[b, free] = at[b, miss[b]], step
+                    self.k[b].transpose(0, 1)[free] = new_k[start:start + m]
+                    self.v[b].transpose(0, 1)[free] = new_v[start:start + m]
+                    start += m
+        return k_out, v_out
+
+
 class _SparseStore(_SharedStore):
     """The shared store, read at the selected positions only at a sparse decode step; with an indexer, its keys too."""
 
@@ -89,14 +151,13 @@ class _SparseStore(_SharedStore):
         # (B, k + window) positions of this forward's sparse step: set by the source (its indexer, or the
         # oracle at its attention call); None: every reader reads every position.
         self.selection: torch.Tensor | None = None
-        # target -> (positions (B, n), K, V): its adapted entries at the last sparse step, reused where
-        # the next step reads the same positions (_adapt).
-        self.adapted: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # target -> the entries it read at recent sparse steps, adapted, normed and rotated (_rebuilt)
+        self.adapted: dict[int, _Kept] = {}
 
     @property
     def nbytes(self) -> int:
-        """The dense store's bytes, plus the indexer keys and the targets' adapted entries of the last step."""
-        adapted = sum(k.nbytes + v.nbytes for _, k, v in self.adapted.values())
+        """The dense store's bytes, plus the indexer keys and the entries the targets keep between steps."""
+        adapted = sum(kept.k.nbytes + kept.v.nbytes for kept in self.adapted.values())
         return super().nbytes + adapted + (self.index_keys.nbytes if self.index_keys is not None else 0)
 
     def covered(self) -> bool:
@@ -126,33 +187,27 @@ class _SparseStore(_SharedStore):
         k, v, rope = step["selected"]
         return (k, v, *rope(layer))
 
-    def _adapt(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """The target's adapter on the selected entries it did not adapt at the last step.
+    def _rebuilt(self, layer: int, k: torch.Tensor, v: torch.Tensor, cos, sin):
+        """A target's K and V at the selected positions, rebuilt only where it does not keep them from earlier steps.
 
         Consecutive steps read mostly the same positions (the window shifts by one, and the
-        top-``k`` changes in part), and an adapter maps each stored entry alone, so an entry
-        adapted at the last step is taken from there: only the new positions run the adapter.
-        What is kept is the last step's ``k + window`` adapted entries per target (counted in
-        :attr:`nbytes`), not a cache that grows with the context.
+        top-``k`` changes in part).  What a target's attention reads of an entry (its adapter,
+        k_norm and RoPE: :meth:`_SharedStore._rebuilt`) depends on that entry and its position
+        alone, so an entry it kept is taken from there: only the other positions run the
+        adapter, k_norm and RoPE.  Each target keeps ``reads.kept`` entries (counted in
+        :attr:`nbytes`), the most recently read: the new ones replace the longest unread.
         """
         at = self.selection
+        if layer == self.plan.source or not GROUPS[self.group].adapters:
+            return super()._rebuilt(layer, k, v, cos, sin)
         if at is None:  # a dense step: every position, nothing carried
             self.adapted.clear()
-            return super()._adapt(layer, k, v)
-        last = self.adapted.get(layer)
-        if last is None:
-            k_out, v_out = super()._adapt(layer, k, v)
-        else:
-            last_at, last_k, last_v = last
-            i = torch.searchsorted(last_at, at).clamp_max(last_at.shape[1] - 1)  # both ascending per row
-            miss = last_at.gather(1, i) != at
-            k_out = last_k.gather(1, i[..., None].expand(-1, -1, last_k.shape[-1]))
-            v_out = last_v.gather(1, i[..., None].expand(-1, -1, last_v.shape[-1]))
-            if miss.any():  # one adapter call over every row's new positions (an adapter maps rows alone)
-                new_k, new_v = super()._adapt(layer, k[miss][None], v[miss][None])
-                k_out[miss], v_out[miss] = new_k[0], new_v[0]
-        self.adapted[layer] = (at, k_out, v_out)
-        return k_out, v_out
+            return super()._rebuilt(layer, k, v, cos, sin)
+        kept = self.adapted.get(layer)
+        if kept is None:
+            kept = self.adapted[layer] = _Kept.empty(at.shape[0], self.reads.kept, self.attn[layer], k)
+        return kept.read(at, self.seen, lambda miss: super(_SparseStore, self)._rebuilt(
+            layer, *(x[miss][None] for x in (k, v, cos, sin))))
 
     @torch.no_grad()
     def _indexed(self) -> torch.Tensor:
