@@ -194,7 +194,8 @@ def markdown(m: dict) -> str:
     for name, v in m["variants"].items():
         for when in ("before", "after"):
             r = v[when]
-            start = v["recipe"]["init"] if when == "before" else "trained"
+            anchor = f", anchor {v['recipe']['anchor']:g}" if v["recipe"]["anchor"] else ""
+            start = v["recipe"]["init"] if when == "before" else f"trained{anchor}"
             lines.append(f"| {name} | {start} | {v['key_bytes_per_token']} | {v['parameters']:,} | "
                          + (f"{v['fit_seconds']:.0f}" if when == "after" else "") + f" | {r['kl']:.3f} | {cells(r)}")
     if m["every_layer"]:

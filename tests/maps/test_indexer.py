@@ -1,5 +1,8 @@
 """The lightning indexer: its score and loss against independent formulas, and training that imitates attention."""
 
+import copy
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -236,3 +239,56 @@ def test_init_from_attention_refuses_a_gated_normed_attention(tiny_model):
     cfg = IndexerConfig(heads=geo.n_kv_heads, key_heads=geo.n_kv_heads, offset=True, init="attention")
     with pytest.raises(ValueError, match="plain q/k projections"):
         it.new_indexer(model, geo, geo.attention_layers[0], cfg, seed=0)
+
+
+def _oracle_start(model, geo, held, layer=3, **recipe):
+    cfg = IndexerConfig(heads=geo.n_kv_heads, key_heads=geo.n_kv_heads, offset=True, init="attention", **recipe)
+    indexer = it.new_indexer(model, geo, layer, cfg, seed=0)
+    it.lift_offsets(indexer, held[layer], 4)
+    return indexer, cfg
+
+
+def test_the_anchor_adds_its_weight_times_the_kl_from_the_start(llama_samples):
+    model, geo, _, held, _ = llama_samples
+    start, _ = _oracle_start(model, geo, held)
+    moved = copy.deepcopy(start)
+    with torch.no_grad():
+        moved.q.weight.add_(0.5 * torch.randn(moved.q.weight.shape, generator=torch.Generator().manual_seed(1)))
+    s, idx, window = held[3], torch.tensor([0, 1]), 4
+    plain = it._batch_loss(moved, s, idx, window)
+    # Independently: KL(start's softmax ‖ moved's) over each row's entries older than the window, mean over rows.
+    with torch.no_grad():
+        kls = []
+        for i in idx.tolist():
+            rows = s.rows[i]
+            older = torch.arange(s.k.shape[1])[None] <= rows[:, None] - window
+            p, q = (LightningIndexer.scores(*ix.queries(s.x[i:i + 1], s.cos[:, rows], s.sin[:, rows]),
+                                            ix.keys(s.k[i:i + 1], s.cos, s.sin))[0].double()
+                    .masked_fill(~older, float("-inf")).log_softmax(-1) for ix in (start, moved))
+            kls.append(torch.where(older, p.exp() * (p - q), 0.0).sum(-1))
+        want = float(torch.cat(kls).mean())
+    assert want > 1e-3  # the perturbation moved the distribution: the check below can fail
+    anchored = it._batch_loss(moved, s, idx, window, start=start, anchor=3.0)
+    assert float(anchored - plain) == pytest.approx(3.0 * want, rel=1e-4)  # float32 sums over ~90 entries
+    assert float(it._batch_loss(moved, s, idx, window, start=moved, anchor=3.0)) == pytest.approx(float(plain), abs=1e-6)
+
+
+def test_an_anchored_indexer_stays_nearer_its_start(llama_samples):
+    """The trust region: with the anchor, the trained scores' distribution stays nearer the start's (held out)."""
+    model, geo, train, held, _ = llama_samples
+    everything = torch.arange(held[3].k.shape[0])
+    from_start, attention_kl = {}, {}
+    for anchor in (0.0, 30.0):
+        cfg = dataclasses.replace(CFG, anchor=anchor)  # a random start, which training moves far (test above)
+        indexer = it.new_indexer(model, geo, 3, cfg, seed=0)
+        start = copy.deepcopy(indexer)
+        it.fit(indexer, train[3], cfg, 4, seed=0)
+        with torch.no_grad():
+            attention_kl[anchor] = float(it._batch_loss(indexer, held[3], everything, 4))
+            # KL(start ‖ trained): the anchor term at weight 1 (its formula is checked above)
+            from_start[anchor] = float(it._batch_loss(indexer, held[3], everything, 4, start=start, anchor=1.0)) \
+                - attention_kl[anchor]
+    assert 0 < from_start[30.0] < 0.5 * from_start[0.0], (from_start, attention_kl)
+    assert attention_kl[30.0] > attention_kl[0.0]  # what the trust region costs: less of the attention imitated
+    with pytest.raises(ValueError, match="anchor >= 0"):
+        IndexerConfig(anchor=-1.0)

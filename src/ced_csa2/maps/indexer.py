@@ -63,7 +63,9 @@ class IndexerConfig:
     heads wide, with or without a per-head ``offset`` inside the ReLU (V4.1 has none), keys
     stored as they are (V4.1) or Hadamard-rotated (``rotate_keys``: V4), started at random or
     at the oracle (``init``, which needs the offset); AdamW at ``lr`` (no weight decay), 5%
-    warm-up then cosine, ``steps`` steps of ``batch`` sequences.
+    warm-up then cosine, ``steps`` steps of ``batch`` sequences.  ``anchor`` weighs a trust
+    region around the start: ``anchor · KL(start ‖ indexer)`` added to the loss
+    (:func:`~ced_csa2.train.indexer_training.fit`; 0, V4.1's loss, imitates the attention alone).
     """
 
     heads: int = 4
@@ -74,10 +76,12 @@ class IndexerConfig:
     steps: int = 300
     lr: float = 3e-3
     batch: int = 4  # sequences per step
+    anchor: float = 0.0  # weight of KL(start ‖ indexer) in the loss
 
     def __post_init__(self):
-        if min(self.heads, self.key_heads, self.steps, self.batch) < 1 or not self.lr > 0:
-            raise ValueError(f"indexer: heads, key_heads, steps and batch must be >= 1 and lr > 0, got {self}")
+        if min(self.heads, self.key_heads, self.steps, self.batch) < 1 or not self.lr > 0 or not self.anchor >= 0:
+            raise ValueError(f"indexer: heads, key_heads, steps and batch must be >= 1, lr > 0 and anchor >= 0, "
+                             f"got {self}")
         if self.init not in ("random", "attention"):
             raise ValueError(f"indexer.init must be 'random' or 'attention', got {self.init!r}")
         if self.init == "attention" and not self.offset:

@@ -20,6 +20,7 @@ and the oracle's top-``k`` outside the local window (what the sparse reads selec
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -163,34 +164,49 @@ def lift_offsets(indexer: LightningIndexer, samples: LayerSamples, window: int) 
 
 
 def _batch_loss(indexer: LightningIndexer, s: LayerSamples, idx: torch.Tensor, window: int,
-                stored: bool = False) -> torch.Tensor:
+                stored: bool = False, start: LightningIndexer | None = None, anchor: float = 0.0) -> torch.Tensor:
     """KL over the entries older than the local ``window`` (the window is always read: only those are ranked).
 
     ``stored``: the keys as a decode step reads them (MXFP4, ``LightningIndexer.stored_keys``);
-    training takes them unrounded.
+    training takes them unrounded.  With a ``start`` indexer, ``anchor · KL(start ‖ indexer)``
+    over the same entries is added: the trust region of :func:`fit`.
     """
     rows = s.rows[idx]
-    keys = (indexer.stored_keys if stored else indexer.keys)(s.k[idx], s.cos, s.sin)
-    queries, weights = indexer.queries(s.x[idx], s.cos[0, rows], s.sin[0, rows])
     older = torch.arange(s.k.shape[1])[None, None] <= rows[..., None] - window
+
+    def scores(ix: LightningIndexer) -> torch.Tensor:
+        keys = (ix.stored_keys if stored else ix.keys)(s.k[idx], s.cos, s.sin)
+        return LightningIndexer.scores(*ix.queries(s.x[idx], s.cos[0, rows], s.sin[0, rows]), keys)
+
     target = s.target[idx] * older
     target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
-    return indexer_loss(LightningIndexer.scores(queries, weights, keys), target, older)
+    own = scores(indexer)
+    loss = indexer_loss(own, target, older)
+    if start is not None and anchor:
+        with torch.no_grad():
+            reference = scores(start).masked_fill(~older, float("-inf")).softmax(-1).masked_fill(~older, 0.0)
+        loss = loss + anchor * indexer_loss(own, reference, older)
+    return loss
 
 
 def fit(indexer: LightningIndexer, samples: LayerSamples, cfg: IndexerConfig, window: int, seed: int) -> list[float]:
     """Train ``indexer`` in place on ``samples`` for ``cfg.steps`` AdamW steps; the per-step training loss.
 
     The loss is KL(attention ‖ softmax of the scores) over each row's entries older than ``window``,
-    the attention renormalised over them (:func:`_batch_loss`).
+    the attention renormalised over them (:func:`_batch_loss`).  ``cfg.anchor`` adds that weight
+    times KL(start ‖ indexer), the start a frozen copy of ``indexer`` as it comes in: a trust
+    region.  From the oracle start the two terms pull apart -- the oracle's top-``k`` (the logit
+    sum) is not the attention's (docs/results.md, the indexer study) -- and the weight sets
+    where the trained indexer lands between them.
     """
     gen = torch.Generator().manual_seed(seed)
+    start = copy.deepcopy(indexer).requires_grad_(False) if cfg.anchor else None
     opt = torch.optim.AdamW(indexer.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(cfg.steps, 0.05))
     n, losses = samples.k.shape[0], []
     for _ in tqdm(range(cfg.steps), desc="indexer fit", unit="step"):
         idx = torch.randperm(n, generator=gen)[:cfg.batch]
-        loss = _batch_loss(indexer, samples, idx, window)
+        loss = _batch_loss(indexer, samples, idx, window, start=start, anchor=cfg.anchor)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
