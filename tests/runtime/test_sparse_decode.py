@@ -10,7 +10,7 @@ from ced_csa2.model_utils import attention, geometry
 from ced_csa2.plan import LayerPlan
 from ced_csa2.runtime.attention_calls import AttentionCalls
 from ced_csa2.runtime.shared_kv import SharedKVCache, greedy_generate, shared_kv_generate
-from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache, _Kept
+from ced_csa2.runtime.sparse_decode import KeyScan, SparseDecode, SparseSharedKVCache, _Kept
 
 PROMPT, NEW = 11, 6  # up to 16 cached positions
 
@@ -254,3 +254,22 @@ def test_with_an_indexer_every_reader_reads_the_window_and_the_indexer_s_top_k(s
     assert cache.held_bytes() == (dense_bytes.held_bytes() + prompt.shape[0] * n * key_bytes(indexer.key_width)
                                   + adapted(plan, model, prompt, reads.kept))
     assert untouched(model)
+
+
+@pytest.mark.parametrize("width", [16, 192])
+def test_the_key_scan_decodes_mxfp4_bit_for_bit_as_the_format_does(width):
+    """Blocks spanning 2^-140 .. 2^40 (subnormal and clamped scales), all-zero blocks, a batch of 2, a prefix."""
+    from ced_csa2.maps.indexer import key_format
+
+    torch.manual_seed(0)
+    fmt = key_format(width)
+    x = torch.randn(2, 300, width) * torch.exp2(torch.randint(-140, 40, (2, 300, 1)).float())
+    x[:, ::7] = 0
+    packed = fmt.quantize(x)
+    decoded = KeyScan()(packed, 257)
+    expected = fmt.dequantize(packed)[:, :257]
+    assert decoded.dtype == torch.float32 and decoded.shape == (2, 257, width)
+    assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32))  # bits, -0.0 included
+    nan = fmt.quantize(x[:, :2])
+    nan.scales[0, 0, 0] = 255  # E8M0's NaN: decodes to NaN, never to a number
+    assert KeyScan()(nan, 2)[0, 0, :fmt.group].isnan().all()

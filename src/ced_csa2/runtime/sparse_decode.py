@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv.fp4 import Packed, e2m1_decode, e8m0_scale_values, unpack_nibbles
 from ..maps.indexer import LightningIndexer, key_format
 from ..model_utils import attention, rotary
 from .attention_calls import AttentionCalls
@@ -96,6 +97,37 @@ def select(scores: torch.Tensor, n: int, reads: SparseDecode) -> torch.Tensor:
     return torch.cat([top, recent], dim=-1)
 
 
+class KeyScan:
+    """The indexer keys of an MXFP4 store decoded for a scan: :meth:`MXFP4.dequantize`, bit for bit, in one lookup per byte.
+
+    The format's own decode looks up each element byte's two values, then multiplies them by
+    their block's scale in a second pass.  Here one table holds that product for every
+    (scale byte, element byte) pair -- 256 × 256 pairs of float32, 512 KiB, built once per
+    store by the same float32 multiply -- so a byte and its block's scale give both channels
+    in one gather.  The trained indexer scans every older key at every decode step; at 8,192
+    keys of 192 channels this decode took ~1.5 ms against the format's ~4.0 ms on the
+    2-core Xeon (median of 40, alone), the largest part of the scan (docs/results.md).
+    Scale byte 255 (NaN in E8M0, never written) decodes to NaN.
+    """
+
+    def __init__(self, device: torch.device | None = None):
+        pairs = e2m1_decode(unpack_nibbles(torch.arange(256, dtype=torch.uint8))).view(256, 2)  # byte -> (low, high)
+        scales = torch.cat((e8m0_scale_values(torch.arange(255, dtype=torch.uint8)), torch.tensor([torch.nan])))
+        # (scale << 8 | byte) -> the byte's two channels, as one int64 per pair so that a gather moves both
+        self.table = (scales[:, None, None] * pairs).view(torch.int64).reshape(-1).to(device)
+
+    def __call__(self, packed: Packed, n: int) -> torch.Tensor:
+        """The first ``n`` entries of ``packed`` ``(B, T, D)`` (E8M0 scales), float32 ``(B, n, D)``."""
+        if packed.scale_kind != "e8m0":
+            raise ValueError(f"KeyScan decodes MXFP4 (E8M0 scales), got {packed.scale_kind} scales")
+        b, _, d = packed.shape
+        g = packed.group
+        elements = packed.elements[:, :n].reshape(b, n, d // g, g // 2)
+        scales = packed.scales[:, :n].to(torch.int32) << 8
+        index = (scales.unsqueeze(-1) + elements).reshape(-1)  # int32: the gather's cheaper index type
+        return self.table.index_select(0, index).view(torch.float32).view(b, n, d)
+
+
 @dataclass
 class _Kept:
     """``n`` entries of one target as its attention read them at recent steps, per batch row, in no order.
@@ -147,6 +179,7 @@ class _SparseStore(_SharedStore):
         super().__init__(*args)
         self.reads, self.indexer = reads, indexer
         self.index_keys = TokenStore(key_format(indexer.key_width)) if indexer is not None else None
+        self.scan = KeyScan(next(indexer.parameters()).device) if indexer is not None else None
         self.x: torch.Tensor | None = None  # the source's attention input of this forward (the indexer's queries)
         # (B, k + window) positions of this forward's sparse step: set by the source (its indexer, or the
         # oracle at its attention call); None: every reader reads every position.
@@ -215,7 +248,7 @@ class _SparseStore(_SharedStore):
         n, older = self.seen, self.seen - self.reads.window
         at = torch.full((self.x.shape[0], 1), n - 1, device=self.x.device)
         queries, weights = self.indexer.queries(self.x, *rotary(self.model, self.plan.source, self.x, at))
-        keys = self.index_keys.read()[:, :older]
+        keys = self.scan(self.index_keys.data, older).to(self.index_keys.dtype)
         return select(LightningIndexer.scores(queries, weights, keys)[:, 0], n, self.reads)
 
     def clear(self) -> None:
