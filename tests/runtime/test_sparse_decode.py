@@ -110,28 +110,34 @@ def test_sparse_generation_holds_the_dense_store_s_bytes_and_the_kept_entries(se
     assert reads.adapted_bytes(len(plan.targets), geometry(model.config).kv_dim, 4, prompt.shape[0]) == extra
 
 
-def test_a_target_keeps_the_most_recently_read_entries_and_rebuilds_only_the_others():
-    """Slot by slot, with ``keep`` 3 and two entries read a step: each step rebuilds exactly the positions
-    not kept, the longest unread entry makes room, and every read returns each position's own entry."""
+def test_the_targets_keep_the_most_recently_read_entries_in_one_table_and_rebuild_only_the_others():
+    """Slot by slot, with ``keep`` 3 and two entries read a step, two targets on one table: each step
+    places the positions once, each target rebuilds exactly the positions not kept, the longest unread
+    entry makes room, and every read returns that target's own entry of each position."""
     attn = torch.nn.Module()
     attn.head_dim = 2
-    kept = _Kept.empty(1, 3, attn, torch.zeros(1, 1, 4))  # 2 KV heads of width 2
+    kept = _Kept(1, 3, torch.device("cpu"))
+    like = torch.zeros(1, 1, 4)  # 2 KV heads of width 2
     reads = [[0, 1], [1, 2], [2, 3], [1, 3], [0, 3], [2, 3]]
     # the evicted: none (an empty slot takes 2), then 0, none (both kept), 2, then 1 (read at step 3)
     rebuilt = [[0, 1], [2], [3], [], [0], [2]]
     for step, (read, expect) in enumerate(zip(reads, rebuilt)):
-        at, calls = torch.tensor([read]), []
+        at = torch.tensor([read])
+        slots = kept.place(at, step)
+        for layer, sign in ((5, 1.0), (7, -2.0)):  # each target's entry: its own multiple of the position
+            calls = []
 
-        def rebuild(miss, at=at, calls=calls):
-            positions = at[miss].float()
-            calls.extend(at[miss].tolist())
-            k = positions[:, None, None].expand(-1, 2, 2)  # (misses, n_kv, head_dim): the position's value
-            return k.transpose(0, 1)[None], -k.transpose(0, 1)[None]
+            def rebuild(missed, sign=sign, calls=calls):
+                positions = at.flatten()[missed].float()
+                calls.extend(at.flatten()[missed].tolist())
+                k = sign * positions[:, None, None].expand(-1, 2, 2)  # (misses, n_kv, head_dim)
+                return k.transpose(0, 1)[None], -k.transpose(0, 1)[None]
 
-        k, v = kept.read(at, step, rebuild)
-        assert calls == expect, f"step {step}"
-        assert torch.equal(k, at.float()[:, None, :, None].expand(-1, 2, -1, 2)) and torch.equal(v, -k)
+            k, v = kept.read(layer, slots, attn, like, rebuild)
+            assert calls == expect, f"step {step}, layer {layer}"
+            assert torch.equal(k, sign * at.float()[:, None, :, None].expand(-1, 2, -1, 2)) and torch.equal(v, -k)
     assert sorted(kept.positions[0].tolist()) == [0, 2, 3]
+    assert kept.nbytes == 2 * 2 * 3 * 2 * 2 * 4  # 2 targets x K, V x 3 slots x 2 heads x 2 channels x float32
 
 
 @pytest.mark.parametrize("keep", [None, 8])
@@ -154,7 +160,7 @@ def test_kept_entries_are_reused_and_only_other_positions_run_the_adapter(setup,
         with torch.no_grad(), cache.feed():
             for _ in range(NEW):
                 if not reuse:
-                    cache._store.adapted.clear()
+                    cache._store.adapted = None
                 rows.clear()
                 logits = model(input_ids=x, cache=cache, use_cache=True).logits[:, -1]
                 x = logits.argmax(-1, keepdim=True)
@@ -273,3 +279,24 @@ def test_the_key_scan_decodes_mxfp4_bit_for_bit_as_the_format_does(width):
     nan = fmt.quantize(x[:, :2])
     nan.scales[0, 0, 0] = 255  # E8M0's NaN: decodes to NaN, never to a number
     assert KeyScan()(nan, 2)[0, 0, :fmt.group].isnan().all()
+
+
+def test_the_key_scan_scores_block_by_block_what_the_whole_decode_scores():
+    """Blocks of 64 over 257 keys (a short last block): every position's score is the score of the whole
+    decode's key, each block is handed the keys it covers, and the blocks reuse one buffer."""
+    from ced_csa2.maps.indexer import key_format
+
+    torch.manual_seed(0)
+    fmt = key_format(32)
+    packed = fmt.quantize(torch.randn(2, 300, 32))
+    scan, seen = KeyScan(), []
+    scan.BLOCK = 64
+    weights = torch.randn(32)
+
+    def score(keys):
+        seen.append((keys.shape[1], keys.data_ptr()))
+        return keys @ weights
+
+    scores = scan.scores(packed, 257, score)
+    assert torch.equal(scores, KeyScan()(packed, 257) @ weights)
+    assert [m for m, _ in seen] == [64, 64, 64, 64, 1] and len({ptr for _, ptr in seen}) == 1

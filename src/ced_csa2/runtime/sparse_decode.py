@@ -37,7 +37,7 @@ or target (SmolLM2 and Qwen3.5-4B have none in their plans).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -48,7 +48,7 @@ from ..maps.indexer import LightningIndexer, key_format
 from ..model_utils import attention, rotary
 from .attention_calls import AttentionCalls
 from .groups import GROUPS
-from .shared_kv import SharedKVCache, TokenStore, _SharedStore
+from .shared_kv import KV, SharedKVCache, TokenStore, _SharedStore
 from .sparse_attention import index_scores
 
 
@@ -104,71 +104,129 @@ class KeyScan:
     their block's scale in a second pass.  Here one table holds that product for every
     (scale byte, element byte) pair -- 256 × 256 pairs of float32, 512 KiB, built once per
     store by the same float32 multiply -- so a byte and its block's scale give both channels
-    in one gather.  The trained indexer scans every older key at every decode step; at 8,192
-    keys of 192 channels this decode took ~1.5 ms against the format's ~4.0 ms on the
-    2-core Xeon (median of 40, alone), the largest part of the scan (docs/results.md).
-    Scale byte 255 (NaN in E8M0, never written) decodes to NaN.
+    in one gather.  Scale byte 255 (NaN in E8M0, never written) decodes to NaN.
+
+    :meth:`scores` decodes :attr:`BLOCK` positions at a time into buffers it keeps: the trained
+    indexer scans every older key at every decode step, and a fresh buffer for all of them
+    (6 MiB at 8,192 keys of 192 channels) costs more in page faults than the decode itself
+    (``benchmarks/indexer_scan.py``, docs/results.md).
     """
+
+    BLOCK = 2048  # positions per decoded block: 1.5 MiB of float32 keys at 192 channels, reused
 
     def __init__(self, device: torch.device | None = None):
         pairs = e2m1_decode(unpack_nibbles(torch.arange(256, dtype=torch.uint8))).view(256, 2)  # byte -> (low, high)
         scales = torch.cat((e8m0_scale_values(torch.arange(255, dtype=torch.uint8)), torch.tensor([torch.nan])))
         # (scale << 8 | byte) -> the byte's two channels, as one int64 per pair so that a gather moves both
         self.table = (scales[:, None, None] * pairs).view(torch.int64).reshape(-1).to(device)
+        self._index = self._pairs = torch.empty(0, dtype=torch.int64, device=device)  # scores' reused buffers
 
-    def __call__(self, packed: Packed, n: int) -> torch.Tensor:
-        """The first ``n`` entries of ``packed`` ``(B, T, D)`` (E8M0 scales), float32 ``(B, n, D)``."""
+    def _decode(self, packed: Packed, start: int, end: int, reuse: bool) -> torch.Tensor:
+        """Entries ``start .. end - 1`` of ``packed`` ``(B, T, D)``, float32 ``(B, end - start, D)``; with ``reuse``
+        a view of this scan's buffers, overwritten by the next call."""
         if packed.scale_kind != "e8m0":
             raise ValueError(f"KeyScan decodes MXFP4 (E8M0 scales), got {packed.scale_kind} scales")
         b, _, d = packed.shape
-        g = packed.group
-        elements = packed.elements[:, :n].reshape(b, n, d // g, g // 2)
-        scales = packed.scales[:, :n].to(torch.int32) << 8
-        index = (scales.unsqueeze(-1) + elements).reshape(-1)  # int32: the gather's cheaper index type
-        return self.table.index_select(0, index).view(torch.float32).view(b, n, d)
+        g, m = packed.group, end - start
+        shape, size = (b, m, d // g, g // 2), b * m * d // 2
+        index = pairs = None
+        if reuse:
+            if self._pairs.numel() < size:
+                self._index = torch.empty(b * self.BLOCK * d // 2, dtype=torch.int32, device=self.table.device)
+                self._pairs = torch.empty(b * self.BLOCK * d // 2, dtype=torch.int64, device=self.table.device)
+            index, pairs = self._index[:size].view(shape), self._pairs[:size]
+        scale_bytes = packed.scales[:, start:end].to(torch.int32) << 8
+        # int32: the gather's cheaper index type
+        index = torch.add(scale_bytes.unsqueeze(-1), packed.elements[:, start:end].reshape(shape), out=index)
+        return torch.index_select(self.table, 0, index.reshape(-1), out=pairs).view(torch.float32).view(b, m, d)
+
+    def __call__(self, packed: Packed, n: int) -> torch.Tensor:
+        """The first ``n`` entries of ``packed`` ``(B, T, D)`` (E8M0 scales), float32 ``(B, n, D)``."""
+        return self._decode(packed, 0, n, reuse=False)
+
+    def scores(self, packed: Packed, n: int, score: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``score`` of the first ``n`` entries of ``packed``, ``(B, n)`` float32, decoded :attr:`BLOCK` at a time.
+
+        ``score`` maps decoded keys ``(B, m, D)`` (a view of a reused buffer) to ``(B, m)``.
+        """
+        out = torch.empty(packed.shape[0], n, device=self.table.device)
+        for start in range(0, n, self.BLOCK):
+            end = min(start + self.BLOCK, n)
+            out[:, start:end] = score(self._decode(packed, start, end, reuse=True))
+        return out
 
 
-@dataclass
-class _Kept:
-    """``n`` entries of one target as its attention read them at recent steps, per batch row, in no order.
+@dataclass(frozen=True)
+class _Slots:
+    """Where the entries of one step's read sit in a :class:`_Kept` table.
 
-    ``positions`` ``(B, n)`` (-1: an empty slot), ``last_read`` ``(B, n)`` (the step that last
-    read each, as a count of cached positions; -1: never), ``k``/``v`` ``(B, n_kv, n, head_dim)``.
+    ``slot`` ``(B, m)``: the slot of each read position held (0 where missed); ``miss``
+    ``(B, m)`` bool; ``missed`` ``(misses,)``: the missed entries' flat indices into ``(B·m)``,
+    row-major; ``free``: ``(rows, slots)``, each ``(misses,)``, where those are kept from now on.
     """
 
-    positions: torch.Tensor
-    last_read: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    slot: torch.Tensor
+    miss: torch.Tensor
+    missed: torch.Tensor
+    free: tuple[torch.Tensor, torch.Tensor]
 
-    @classmethod
-    def empty(cls, batch: int, n: int, attn, like: torch.Tensor) -> _Kept:
-        heads = like.new_zeros((batch, like.shape[-1] // attn.head_dim, n, attn.head_dim))
-        slots = torch.full((batch, n), -1, dtype=torch.long, device=like.device)
-        return cls(slots, slots.clone(), heads, heads.clone())
 
-    def read(self, at: torch.Tensor, step: int, rebuild) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``(B, n_kv, len(at), head_dim)`` at positions ``at`` ``(B, len(at))``; those not kept from
-        ``rebuild(miss)`` (``miss`` ``(B, len(at))`` bool; it returns the missed entries of every row in row
-        order, ``(1, n_kv, misses, head_dim)`` each), which then replace the longest unread entries."""
-        held = at[:, :, None] == self.positions[:, None, :]  # (B, len(at), n): at most one slot per position
+class _Kept:
+    """The entries the targets read at recent steps, as each target's attention read them: one slot table for all.
+
+    Every target reads the same positions at a step, so which positions are kept, and in which
+    slot, is the same for all of them: :meth:`place` does that bookkeeping once per step, and
+    each target's :meth:`read` only gathers its own entries and rebuilds the missed ones.
+    ``positions`` ``(B, n)`` (-1: an empty slot) and ``last_read`` ``(B, n)`` (the step that last
+    read each, as a count of cached positions; -1: never); per target ``k``/``v``
+    ``(B, n_kv, n, head_dim)``.
+    """
+
+    def __init__(self, batch: int, n: int, device: torch.device):
+        self.positions = torch.full((batch, n), -1, dtype=torch.long, device=device)
+        self.last_read = self.positions.clone()
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (*self.k.values(), *self.v.values()))
+
+    def place(self, at: torch.Tensor, step: int) -> _Slots:
+        """The slots of positions ``at`` ``(B, m)`` read at ``step``; the missed ones take the longest unread slots
+        (never one read now), whose entries every target then replaces in its :meth:`read`."""
+        held = at[:, :, None] == self.positions[:, None, :]  # (B, m, n): at most one slot per position
         miss, slot = ~held.any(-1), held.to(torch.uint8).argmax(-1)
-        rows = slot[:, None, :, None].expand(-1, self.k.shape[1], -1, self.k.shape[-1])
-        k_out, v_out = self.k.gather(2, rows), self.v.gather(2, rows)
         self.last_read.masked_fill_(held.any(1), step)
-        if miss.any():  # one call over every row's new positions (an adapter, k_norm and RoPE map rows alone)
-            new_k, new_v = rebuild(miss)
+        rows, slots = [], []
+        for b, m in enumerate(miss.sum(-1).tolist()):
+            if m:
+                free = self.last_read[b].topk(m, largest=False).indices
+                self.positions[b, free], self.last_read[b, free] = at[b, miss[b]], step
+                rows.append(torch.full_like(free, b))
+                slots.append(free)
+        free = (torch.cat(rows), torch.cat(slots)) if rows else (slot.new_empty(0),) * 2
+        return _Slots(slot, miss, miss.flatten().nonzero().squeeze(1), free)
+
+    def read(self, layer: int, slots: _Slots, attn, like: torch.Tensor, rebuild) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s K and V ``(B, n_kv, m, head_dim)`` at the positions :meth:`place` gave ``slots`` for; the
+        missed ones from ``rebuild(slots.missed)`` (``(1, n_kv, misses, head_dim)`` each, in row order), which
+        are kept in their free slots.  ``attn`` (its ``head_dim``) and the stored entries ``like``
+        ``(B, m, kv_dim)`` shape a target's table at its first read."""
+        if layer not in self.k:
+            b, n = self.positions.shape
+            self.k[layer] = like.new_zeros((b, like.shape[-1] // attn.head_dim, n, attn.head_dim))
+            self.v[layer] = self.k[layer].clone()
+        k, v = self.k[layer], self.v[layer]
+        index = slots.slot[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+        k_out, v_out = k.gather(2, index), v.gather(2, index)
+        if slots.missed.numel():  # one call over every row's new positions (an adapter, k_norm and RoPE map rows alone)
+            new_k, new_v = rebuild(slots.missed)
             new_k, new_v = new_k[0].transpose(0, 1), new_v[0].transpose(0, 1)  # (misses, n_kv, head_dim)
-            k_out.transpose(1, 2)[miss] = new_k
-            v_out.transpose(1, 2)[miss] = new_v
-            start = 0
-            for b, m in enumerate(miss.sum(-1).tolist()):  # the m longest unread slots (never one read now)
-                if m:
-                    free = self.last_read[b].topk(m, largest=False).indices
-                    self.positions[b, free], self.last_read[b, free] = at[b, miss[b]], step
-                    self.k[b].transpose(0, 1)[free] = new_k[start:start + m]
-                    self.v[b].transpose(0, 1)[free] = new_v[start:start + m]
-                    start += m
+            k_out.transpose(1, 2)[slots.miss] = new_k
+            v_out.transpose(1, 2)[slots.miss] = new_v
+            k.transpose(1, 2)[slots.free] = new_k
+            v.transpose(1, 2)[slots.free] = new_v
         return k_out, v_out
 
 
@@ -184,13 +242,14 @@ class _SparseStore(_SharedStore):
         # (B, k + window) positions of this forward's sparse step: set by the source (its indexer, or the
         # oracle at its attention call); None: every reader reads every position.
         self.selection: torch.Tensor | None = None
-        # target -> the entries it read at recent sparse steps, adapted, normed and rotated (_rebuilt)
-        self.adapted: dict[int, _Kept] = {}
+        # the entries the targets read at recent sparse steps, adapted, normed and rotated (_rebuilt); None
+        # until the first sparse step, and again after a dense one
+        self.adapted: _Kept | None = None
 
     @property
     def nbytes(self) -> int:
         """The dense store's bytes, plus the indexer keys and the entries the targets keep between steps."""
-        adapted = sum(kept.k.nbytes + kept.v.nbytes for kept in self.adapted.values())
+        adapted = self.adapted.nbytes if self.adapted is not None else 0
         return super().nbytes + adapted + (self.index_keys.nbytes if self.index_keys is not None else 0)
 
     def covered(self) -> bool:
@@ -228,19 +287,26 @@ class _SparseStore(_SharedStore):
         k_norm and RoPE: :meth:`_SharedStore._rebuilt`) depends on that entry and its position
         alone, so an entry it kept is taken from there: only the other positions run the
         adapter, k_norm and RoPE.  Each target keeps ``reads.kept`` entries (counted in
-        :attr:`nbytes`), the most recently read: the new ones replace the longest unread.
+        :attr:`nbytes`), the most recently read: the new ones replace the longest unread.  The
+        targets read the same positions, so one :class:`_Kept` table places them for all (at the
+        first target of each forward).
         """
         at = self.selection
         if layer == self.plan.source or not GROUPS[self.group].adapters:
             return super()._rebuilt(layer, k, v, cos, sin)
         if at is None:  # a dense step: every position, nothing carried
-            self.adapted.clear()
+            self.adapted = None
             return super()._rebuilt(layer, k, v, cos, sin)
-        kept = self.adapted.get(layer)
-        if kept is None:
-            kept = self.adapted[layer] = _Kept.empty(at.shape[0], self.reads.kept, self.attn[layer], k)
-        return kept.read(at, self.seen, lambda miss: super(_SparseStore, self)._rebuilt(
-            layer, *(x[miss][None] for x in (k, v, cos, sin))))
+        if self.adapted is None:
+            self.adapted = _Kept(at.shape[0], self.reads.kept, at.device)
+        if "slots" not in self._step:  # the first target of this forward places the step's positions for all
+            self._step["slots"] = self.adapted.place(at, self.seen)
+        slots = self._step["slots"]
+
+        def rebuild(missed: torch.Tensor) -> KV:
+            return super(_SparseStore, self)._rebuilt(layer, *(x.flatten(0, 1).index_select(0, missed)[None]
+                                                               for x in (k, v, cos, sin)))
+        return self.adapted.read(layer, slots, self.attn[layer], k, rebuild)
 
     @torch.no_grad()
     def _indexed(self) -> torch.Tensor:
@@ -248,12 +314,13 @@ class _SparseStore(_SharedStore):
         n, older = self.seen, self.seen - self.reads.window
         at = torch.full((self.x.shape[0], 1), n - 1, device=self.x.device)
         queries, weights = self.indexer.queries(self.x, *rotary(self.model, self.plan.source, self.x, at))
-        keys = self.scan(self.index_keys.data, older).to(self.index_keys.dtype)
-        return select(LightningIndexer.scores(queries, weights, keys)[:, 0], n, self.reads)
+        scores = self.scan.scores(self.index_keys.data, older,
+                                  lambda keys: LightningIndexer.scores(queries, weights, keys)[:, 0])
+        return select(scores, n, self.reads)
 
     def clear(self) -> None:
         super().clear()
-        self.adapted.clear()
+        self.adapted = None
         if self.index_keys is not None:
             self.index_keys.clear()
 
