@@ -13,10 +13,12 @@ The keys are stored in MXFP4, so each step first decodes all of them.  Arms, per
   table of every scale byte × element byte product), the decode the store uses;
 * ``scan, format`` / ``scan, table``: the decode plus
   :meth:`~ced_csa2.maps.indexer.LightningIndexer.scores` and the top-``k``: the indexer's whole
-  selection minus its queries.
+  selection minus its queries;
+* ``scan, blocks``: the same by :meth:`KeyScan.scores`, which decodes and scores
+  ``KeyScan.BLOCK`` keys at a time in buffers it reuses: the scan the store runs.
 
 Random keys and queries of the shapes given (the timing depends on shapes only); the two
-decodes are checked bit for bit first.  All arms through
+decodes are checked bit for bit first, and the three scans for the same selection.  All arms through
 :func:`ced_csa2.pipeline.timing.paired_seconds` (one untimed call of each, then ``--repeats``
 rounds, the order rotated, per-arm median); ratios are against ``format decode`` of the same
 run.  Not part of the tests; timings never enter metrics.
@@ -56,13 +58,20 @@ def main() -> None:
         if not torch.equal(scan(packed, n).view(torch.int32), reference.view(torch.int32)):
             raise SystemExit("KeyScan does not decode as MXFP4.dequantize: no timing of a wrong decode")
 
-        def selected(keys: torch.Tensor) -> torch.Tensor:
-            return LightningIndexer.scores(queries, weights, keys)[:, 0].topk(min(args.k, n), dim=-1).indices
+        def score(keys: torch.Tensor) -> torch.Tensor:
+            return LightningIndexer.scores(queries, weights, keys)[:, 0]
+
+        def top(scores: torch.Tensor) -> torch.Tensor:
+            return scores.topk(min(args.k, n), dim=-1).indices
 
         arms = {"format decode": lambda: fmt.dequantize(packed),
                 "table decode": lambda: scan(packed, n),
-                "scan, format": lambda: selected(fmt.dequantize(packed)),
-                "scan, table": lambda: selected(scan(packed, n))}
+                "scan, format": lambda: top(score(fmt.dequantize(packed))),
+                "scan, table": lambda: top(score(scan(packed, n))),
+                "scan, blocks": lambda: top(scan.scores(packed, n, score))}
+        picks = [arms[arm]().sort(-1).values for arm in ("scan, format", "scan, table", "scan, blocks")]
+        if not all(torch.equal(p, picks[0]) for p in picks):
+            raise SystemExit("the scans select differently: no timing of a wrong scan")
         seconds = paired_seconds(arms, args.repeats).seconds
         for arm, s in seconds.items():
             print(f"{n:>7} {arm:<14} {1e3 * s:>8.3f} {s / seconds['format decode']:>16.3f}")
