@@ -52,9 +52,44 @@ def test_rotated_keys_leave_the_float_scores_and_change_only_what_fp4_stores():
         sp = LightningIndexer.scores(*plain.queries(x, cos, sin), kp)
         sr = LightningIndexer.scores(*rotated.queries(x, cos, sin), kr)
     torch.testing.assert_close(sr, sp, rtol=1e-5, atol=1e-5)
-    r = rotated.rotation.matrix.float()
+    r = rotated.rotations[0].matrix.float()
     torch.testing.assert_close(kr.view(1, 6, 2, 8), kp.view(1, 6, 2, 8) @ r.T, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(kr, kp)
+
+
+def test_key_copies_are_stored_side_by_side_each_under_its_own_rotation_and_score_as_one_key():
+    """Two copies: the float scores are the one-copy indexer's, each copy is the plain key turned by its
+    own matrix, the stored width doubles, and MXFP4 rounds the copies differently, so their mean scores
+    closer to the float keys than one copy does (an outlier channel makes the rounding coarse)."""
+    from ced_csa2.maps.indexer import key_format
+
+    torch.manual_seed(0)
+    rope = lambda q, k, cos, sin: (q * cos + torch.roll(q, 1, -1) * sin, k)  # noqa: E731
+    plain = LightningIndexer(16, 8, 8, 2, rope, key_heads=2, offset=True)
+    one = LightningIndexer(16, 8, 8, 2, rope, key_heads=2, offset=True, rotate_keys=True)
+    two = LightningIndexer(16, 8, 8, 2, rope, key_heads=2, offset=True, rotate_keys=True, key_copies=2)
+    one.load_state_dict(plain.state_dict())
+    two.load_state_dict(plain.state_dict())
+    assert (one.key_width, two.key_width) == (16, 32)
+    x, k = torch.randn(1, 64, 16), torch.randn(1, 64, 8) * torch.tensor([20.0] + [1.0] * 7)
+    cos, sin = torch.rand(1, 64, 8), torch.rand(1, 64, 8)
+    with torch.no_grad():
+        kp, k2 = plain.keys(k, cos, sin), two.keys(k, cos, sin)
+        s_float = LightningIndexer.scores(*plain.queries(x, cos, sin), kp)
+        torch.testing.assert_close(LightningIndexer.scores(*two.queries(x, cos, sin), k2), s_float,
+                                   rtol=1e-5, atol=1e-5)
+        for c, half in enumerate(k2.split(16, -1)):
+            r = two.rotations[c].matrix.float()
+            torch.testing.assert_close(half.view(1, 64, 2, 8), kp.view(1, 64, 2, 8) @ r.T, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(*k2.split(16, -1))
+        errors = []
+        for ix in (one, two):
+            fmt = key_format(ix.key_width)
+            stored = fmt.dequantize(fmt.quantize(ix.keys(k, cos, sin)))
+            errors.append((LightningIndexer.scores(*ix.queries(x, cos, sin), stored) - s_float).abs().mean())
+    assert errors[1] < errors[0]
+    with pytest.raises(ValueError, match="key_copies 2 needs rotate_keys"):
+        LightningIndexer(16, 8, 8, 2, rope, key_heads=2, key_copies=2)
 
 
 def test_loss_is_the_kl_from_the_target_over_the_visible_entries():

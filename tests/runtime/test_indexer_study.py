@@ -26,7 +26,9 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
     model, tok = tiny_model
     study_corpus(tmp_path, ("train", "eval"))
     study = study_mod.Study(train=study_mod.Sequences(96, 3, 32, 8), held_out=study_mod.Sequences(96, 1, 16, 48),
-                            window=4, k=[4, 8], variants={"narrow": IndexerConfig(heads=2, steps=20, batch=2)})
+                            window=4, k=[4, 8], variants={"narrow": IndexerConfig(heads=2, steps=20, batch=2),
+                                                    "copies": IndexerConfig(heads=2, steps=20, batch=2, rotate_keys=True,
+                                                                            key_copies=2)})
     m = study_mod.run(tiny_params(), study, tmp_path, model_and_tok=(model, tok))
     v = m["variants"]["narrow"]
     assert m["protocol"]["train"]["query_rows"] == 3 * 32 and m["protocol"]["held_out"]["query_rows"] == 16
@@ -40,6 +42,12 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
     held = it.attention_samples(model, geo, [layer], seqs, 16, 48, seed=None)[layer]
     assert it.held_out_kl(saved, held, 4) == pytest.approx(v["after"]["kl"], rel=1e-6)
     assert "| narrow | trained |" in study_mod.markdown(m)
+    # Two stored copies: twice the key's width and bytes, and the saved file reloads with both.
+    copies = m["variants"]["copies"]
+    assert copies["key_width"] == 2 * v["key_width"] and copies["key_bytes_per_token"] == key_bytes(2 * v["key_width"])
+    reloaded = load_indexer(tmp_path / "studies" / "indexer" / "copies.pt", _rope_fn(attention(model, layer)),
+                            expect={"layer": layer})
+    assert reloaded.key_copies == 2 and it.held_out_kl(reloaded, held, 4) == pytest.approx(copies["after"]["kl"], rel=1e-6)
     # The two references: each has recall 1 against itself; the attention top-k keeps the most attention.
     assert m["oracle"]["recall"] == {4: 1.0, 8: 1.0} and m["attention_top_k"]["recall_attention"] == {4: 1.0, 8: 1.0}
     for k in (4, 8):

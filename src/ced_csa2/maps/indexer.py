@@ -77,9 +77,13 @@ class IndexerConfig:
     lr: float = 3e-3
     batch: int = 4  # sequences per step
     anchor: float = 0.0  # weight of KL(start ‖ indexer) in the loss
+    key_copies: int = 1  # LightningIndexer's stored copies of each key, each under its own rotation
 
     def __post_init__(self):
-        if min(self.heads, self.key_heads, self.steps, self.batch) < 1 or not self.lr > 0 or not self.anchor >= 0:
+        if self.key_copies > 1 and not self.rotate_keys:
+            raise ValueError(f"indexer.key_copies {self.key_copies} needs rotate_keys: true (each copy is "
+                             "stored under its own rotation; unrotated copies would round alike)")
+        if min(self.heads, self.key_heads, self.key_copies, self.steps, self.batch) < 1 or not self.lr > 0 or not self.anchor >= 0:
             raise ValueError(f"indexer: heads, key_heads, steps and batch must be >= 1, lr > 0 and anchor >= 0, "
                              f"got {self}")
         if self.init not in ("random", "attention"):
@@ -119,13 +123,20 @@ class LightningIndexer(nn.Module):
     rotate_keys
         Turn keys and queries by a fixed Hadamard matrix per ``head_dim`` slice after RoPE
         (seed ``ROTATION_SEED``: weights derived from a seed, not stored).
+    key_copies
+        Store each key this many times, copy ``c`` turned by the randomised Hadamard matrix of
+        seed ``ROTATION_SEED + c`` (needs ``rotate_keys``), the queries likewise and scaled by
+        ``1 / key_copies``: every float score is unchanged, while MXFP4 rounds the copies
+        differently, so their average scores closer to the float keys (docs/results.md).
     """
 
     def __init__(self, hidden: int, kv_dim: int, head_dim: int, heads: int, rope: Callable, *, key_heads: int = 1,
-                 offset: bool = False, rotate_keys: bool = False, device=None, dtype=None):
+                 offset: bool = False, rotate_keys: bool = False, key_copies: int = 1, device=None, dtype=None):
         super().__init__()
+        if key_copies > 1 and not rotate_keys:
+            raise ValueError(f"key_copies {key_copies} needs rotate_keys (each copy under its own rotation)")
         self.heads, self.key_heads, self.head_dim, self._rope = heads, key_heads, head_dim, rope
-        self.rotation = HeadRotation(head_dim, ROTATION_SEED) if rotate_keys else None
+        self.rotations = [HeadRotation(head_dim, ROTATION_SEED + c) for c in range(key_copies)] if rotate_keys else []
         kw = {"device": device, "dtype": dtype}
         self.q = nn.Linear(hidden, heads * key_heads * head_dim, bias=False, **kw)
         self.k = nn.Linear(kv_dim, key_heads * head_dim, bias=False, **kw)
@@ -141,8 +152,13 @@ class LightningIndexer(nn.Module):
             nn.init.zeros_(self.b.bias)
 
     @property
+    def key_copies(self) -> int:
+        return max(1, len(self.rotations))
+
+    @property
     def key_width(self) -> int:
-        return self.key_heads * self.head_dim
+        """Channels of a stored key: every copy of its ``key_heads · head_dim``."""
+        return self.key_copies * self.key_heads * self.head_dim
 
     @property
     def has_offset(self) -> bool:
@@ -175,19 +191,22 @@ class LightningIndexer(nn.Module):
         for g in range(n_kv_heads):
             rows = slice((g * n_kv_heads + g) * d, (g * n_kv_heads + g + 1) * d)  # head g, key slice g
             self.q.weight[rows] = wq[g]
-        self.k.weight.copy_(torch.eye(self.key_width))
+        self.k.weight.copy_(torch.eye(self.k.out_features))
         self.w.weight.zero_()
         self.w.bias.fill_(attn.scaling / n_heads)
         return self
 
-    def _rotated(self, x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``(B, T, heads · key_width)`` -> ``(B, heads, T, key_width)``, each ``head_dim`` slice rotated (RoPE, then ``rotation``)."""
+    def _rotated(self, x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, scale: float = 1.0
+                 ) -> torch.Tensor:
+        """``(B, T, heads · key_heads · head_dim)`` -> ``(B, heads, T, key_width)``: each ``head_dim`` slice
+        rotated (RoPE, then each copy's rotation), the copies side by side, times ``scale``."""
         b, t, _ = x.shape
         x = x.view(b, t, heads * self.key_heads, self.head_dim).transpose(1, 2)
         x = self._rope(x, x[:, :1], cos, sin)[0]
-        if self.rotation is not None:
-            x = self.rotation.rotate(x).to(x.dtype)
-        return x.view(b, heads, self.key_heads, t, self.head_dim).transpose(2, 3).reshape(b, heads, t, -1)
+        copies = [r.rotate(x).to(x.dtype) for r in self.rotations] or [x]
+        x = torch.cat([c.view(b, heads, self.key_heads, t, self.head_dim).transpose(2, 3).reshape(b, heads, t, -1)
+                       for c in copies], -1)
+        return x * scale if scale != 1.0 else x
 
     def keys(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Indexer keys ``(B, T, key_width)`` of pre-RoPE ``K`` ``(B, T, kv_dim)`` at the positions of ``cos``/``sin``."""
@@ -204,7 +223,7 @@ class LightningIndexer(nn.Module):
         With the offset, each query ends in one more channel, ``b_h(t)``: what it meets in the key
         is the constant 1 that :meth:`keys` does not return (so no store holds it).
         """
-        q = self._rotated(self.q(x), self.heads, cos, sin)
+        q = self._rotated(self.q(x), self.heads, cos, sin, 1.0 / self.key_copies)  # the copies' mean score
         if self.b is not None:
             q = torch.cat((q, self.b(x).transpose(1, 2)[..., None].to(q.dtype)), -1)
         return q, self.w(x).transpose(1, 2)
@@ -240,7 +259,7 @@ def save_indexer(path: str | Path, indexer: LightningIndexer, meta: Mapping) -> 
     """Write ``indexer`` (FP16) with ``meta`` (:data:`REQUIRED_META`) atomically; its shapes go into the meta."""
     shapes = {"hidden_size": indexer.q.in_features, "kv_dim": indexer.k.in_features, "head_dim": indexer.head_dim,
               "heads": indexer.heads, "key_heads": indexer.key_heads, "offset": indexer.has_offset,
-              "rotate_keys": indexer.rotation is not None}
+              "rotate_keys": bool(indexer.rotations), "key_copies": indexer.key_copies}
     return save_checkpoint(path, KIND, indexer, {**meta, **shapes}, REQUIRED_META)
 
 
@@ -252,7 +271,8 @@ def load_indexer(path: str | Path, rope: Callable, *, expect: Mapping) -> Lightn
     """
     state, meta = load_checkpoint(path, KIND, expect)
     indexer = LightningIndexer(meta["hidden_size"], meta["kv_dim"], meta["head_dim"], meta["heads"], rope,
-                               key_heads=meta["key_heads"], offset=meta["offset"], rotate_keys=meta["rotate_keys"])
+                               key_heads=meta["key_heads"], offset=meta["offset"], rotate_keys=meta["rotate_keys"],
+                               key_copies=meta.get("key_copies", 1))
     load_state(Path(path), indexer, state)
     indexer.eval().requires_grad_(False)
     indexer.meta = meta

@@ -133,7 +133,8 @@ def new_indexer(model: nn.Module, geo: Geometry, layer: int, cfg: IndexerConfig,
     torch.manual_seed(seed)
     attn = attention(model, layer)
     indexer = LightningIndexer(geo.hidden_size, geo.kv_dim, geo.head_dim, cfg.heads, _rope_fn(attn),
-                               key_heads=cfg.key_heads, offset=cfg.offset, rotate_keys=cfg.rotate_keys)
+                               key_heads=cfg.key_heads, offset=cfg.offset, rotate_keys=cfg.rotate_keys,
+                               key_copies=cfg.key_copies)
     if cfg.init == "attention":
         indexer.init_from_attention(attn, model.config.num_attention_heads, geo.n_kv_heads)
     return indexer
