@@ -20,9 +20,9 @@ leaves its cache's hooks: microseconds against a step).  Caches:
   only the newest ``window`` positions and the source's top-``k`` (oracle indexer) at each step,
   their adapters run on those entries only (``--sparse K:WINDOW[:KEEP] ...``; ``KEEP``: the entries
   each target keeps between steps, default ``K + WINDOW``, label ``keep{n}``);
-* ``... k{k}+w{window} indexed`` -- the same with the trained lightning indexer of ``--indexer``
-  (``studies/indexer/attention_rot.pt``; random weights of the narrow shape when absent: the timing depends on
-  shapes only): its MXFP4 keys in the store, the source reading its selection too;
+* ``... k{k}+w{window} indexed {name}`` -- the same with each trained lightning indexer of ``--indexers``
+  (default ``studies/indexer/attention_rot.pt``; random weights of the narrow shape when absent: the timing
+  depends on shapes only): its MXFP4 keys in the store, the source reading its selection too;
   the sparse caches also hold the entries each target keeps between steps (adapted, reused where a
   later step reads the same positions), counted in their bytes and accounting;
 * ``baseline / fp4-{format}`` -- :class:`~ced_csa2.runtime.shared_kv.FP4KVCache`: every layer's
@@ -96,7 +96,7 @@ def indexer_for(path: Path, model, plan: LayerPlan, geo, params) -> tuple[Lightn
 
 
 def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, sparse: list[SparseDecode],
-          indexer: LightningIndexer):
+          indexers: dict[str, LightningIndexer]):
     """``(label, accounting (group, storage), make_cache, context)`` for each cache to compare."""
     config = model.config
     yield ("baseline / dynamic", ("baseline", "bf16"), lambda: DynamicCache(config=config),
@@ -113,10 +113,11 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, spars
             yield (name, (group, storage, None, reads),
                    lambda s=storage, r=reads: SparseSharedKVCache(model, plan, group, parts, s, reads=r),
                    lambda cache: cache.feed())
-            yield (f"{name} indexed", (group, storage, indexer, reads),
-                   lambda s=storage, r=reads: SparseSharedKVCache(model, plan, group, parts, s, reads=r,
-                                                                  indexer=indexer),
-                   lambda cache: cache.feed())
+            for indexer_name, indexer in indexers.items():
+                yield (f"{name} indexed {indexer_name}", (group, storage, indexer, reads),
+                       lambda s=storage, r=reads, i=indexer: SparseSharedKVCache(model, plan, group, parts, s,
+                                                                                 reads=r, indexer=i),
+                       lambda cache: cache.feed())
     for fmt in fp4_formats:
         yield (f"baseline / fp4-{fmt}", ("baseline", fmt), lambda f=fmt: FP4KVCache(config, f),
                lambda cache: contextlib.nullcontext())
@@ -154,7 +155,8 @@ def main() -> None:
                     help="sparse decode reads of the shared stores (none: dense stores only)")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--models-dir", type=Path, default=Path("models"))
-    ap.add_argument("--indexer", type=Path, default=Path("studies/indexer/attention_rot.pt"))
+    ap.add_argument("--indexers", type=Path, nargs="+", default=[Path("studies/indexer/attention_rot.pt")],
+                    help="trained indexers, each timed in its own sparse arms (labelled by file stem)")
     ap.add_argument("--dtype", default=None, help="model dtype (default: params.model.dtype)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -166,14 +168,17 @@ def main() -> None:
     geo = geometry(model.config)
     plan = LayerPlan.from_config(params.plan).validate(geo)
     parts, note = maps(args.models_dir, plan, geo, params, model)
-    indexer, indexer_note = indexer_for(args.indexer, model, plan, geo, params)
+    indexers, indexer_notes = {}, []
+    for path in args.indexers:
+        indexers[path.stem], indexer_note = indexer_for(path, model, plan, geo, params)
+        indexer_notes.append(indexer_note)
     dtype = next(model.parameters()).dtype
     dtype_bytes = torch.finfo(dtype).bits // 8
     print(f"{params.model.name} {dtype} on {args.device} ({torch.get_num_threads()} threads); plan split "
-          f"{plan.split} source {plan.source} targets {list(plan.targets)}; batch {args.batch}; {note}; {indexer_note}")
+          f"{plan.split} source {plan.source} targets {list(plan.targets)}; batch {args.batch}; {note}; {'; '.join(indexer_notes)}")
     print(f"'bf16' storage = the model dtype ({dtype}); median of {args.steps} decode steps after one warm-up, "
           "the caches' steps alternated")
-    header = (f"{'context':>7}  {'cache':<44} {'ms/step':>8} {'x ref':>6} {'sum x ref [95% CI]':>20} {'held MiB':>9} "
+    header = (f"{'context':>7}  {'cache':<60} {'ms/step':>8} {'x ref':>6} {'sum x ref [95% CI]':>20} {'held MiB':>9} "
               f"{'held/accounted':>14} {'held/ref':>8}")
     print(header)
     gen = torch.Generator().manual_seed(args.seed)
@@ -182,7 +187,7 @@ def main() -> None:
         ref_ms = ref_bytes = None
         runs, accounting = {}, {}
         for label, acc, make_cache, ctx in cases(model, plan, args.group, parts, args.storages, args.fp4_baselines,
-                                                   sparse, indexer):
+                                                   sparse, indexers):
             runs[label], accounting[label] = Decoder(model, make_cache(), ctx), acc
             runs[label].prefill(ids)
         paired = paired_seconds({label: d.step for label, d in runs.items()}, args.steps, device=args.device)
@@ -199,7 +204,7 @@ def main() -> None:
             ref_ms, ref_bytes = ref_ms or ms, ref_bytes or held
             summed = ratio_bootstrap(np.array(paired.runs[label]), np.array(paired.runs[ref_label]), seed=args.seed)
             low, high = summed["ci95"]
-            print(f"{context:>7}  {label:<44} {ms:>8.2f} {ms / ref_ms:>6.2f} "
+            print(f"{context:>7}  {label:<60} {ms:>8.2f} {ms / ref_ms:>6.2f} "
                   f"{summed['value']:>6.3f} [{low:.3f}, {high:.3f}] {held / 2**20:>9.2f} "
                   f"{held / accounted:>14.4f} {held / ref_bytes:>8.3f}")
             del cache
