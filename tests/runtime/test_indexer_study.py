@@ -1,5 +1,5 @@
 """studies/indexer.py end to end on the tiny Qwen3.5: checkpoints, figures from the saved files, refusals."""
-
+import re
 import sys
 
 import pytest
@@ -74,8 +74,7 @@ def test_every_layer_trains_the_named_variant_for_each_sparse_layer(tiny_model, 
     assert f"| {layers[-1]} |" in study_mod.markdown(m)
     with pytest.raises(ValueError, match="every_layer names variant 'x'"):
         path = tmp_path / "s.yaml"
-        path.write_text((ROOT / "studies" / "indexer.yaml").read_text().replace("every_layer: attention_rot",
-                                                                                 "every_layer: x"))
+        path.write_text(re.sub(r"(?m)^every_layer: \S+$", "every_layer: x", (ROOT / "studies" / "indexer.yaml").read_text()))
         study_mod.load_study(path)
 
 
