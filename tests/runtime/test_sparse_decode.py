@@ -218,11 +218,14 @@ def test_with_an_indexer_reads_that_cover_the_context_give_the_dense_store_s_gen
     assert untouched(model)
 
 
-@pytest.mark.parametrize("options", [{}, {"offset": True, "rotate_keys": True}], ids=["v4_1", "offset_rotated"])
+@pytest.mark.parametrize("options", [{}, {"offset": True, "rotate_keys": True},
+                                     {"offset": True, "rotate_keys": True, "key_copies": 2}],
+                         ids=["v4_1", "offset_rotated", "two_copies"])
 def test_with_an_indexer_every_reader_reads_the_window_and_the_indexer_s_top_k(setup, options):
     """The source too reads its selection; the selection is the indexer's, recomputed here from the
     source's k_proj inputs and outputs, its keys through an MXFP4 round trip as the store keeps them
-    (rotated keys: the store holds them rotated; an offset: the query's last channel, not stored)."""
+    (rotated keys: the store holds them rotated; an offset: the query's last channel, not stored; two
+    copies: side by side, every copy's bytes held)."""
     from ced_csa2.maps.indexer import key_bytes, key_format
     from ced_csa2.model_utils import rotary
 
