@@ -162,16 +162,19 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     sparse = [SparseDecode(*map(int, spec.split(":"))) for spec in args.sparse]
+    stems = [path.stem for path in args.indexers]
+    if len(set(stems)) < len(stems):  # the arms are labelled by stem: two files of one stem would share a row
+        ap.error(f"--indexers: two files share a name {sorted({s for s in stems if stems.count(s) > 1})}; "
+                 "each indexer's arms are labelled by its file stem")
 
     params = load_params(args.params)
     model, _ = load_model_and_tokenizer(params.model, dtype=args.dtype, device=args.device)
     geo = geometry(model.config)
     plan = LayerPlan.from_config(params.plan).validate(geo)
     parts, note = maps(args.models_dir, plan, geo, params, model)
-    indexers, indexer_notes = {}, []
-    for path in args.indexers:
-        indexers[path.stem], indexer_note = indexer_for(path, model, plan, geo, params)
-        indexer_notes.append(indexer_note)
+    loaded = {path.stem: indexer_for(path, model, plan, geo, params) for path in args.indexers}
+    indexers = {name: indexer for name, (indexer, _) in loaded.items()}
+    indexer_notes = [note for _, note in loaded.values()]
     dtype = next(model.parameters()).dtype
     dtype_bytes = torch.finfo(dtype).bits // 8
     print(f"{params.model.name} {dtype} on {args.device} ({torch.get_num_threads()} threads); plan split "
