@@ -18,7 +18,9 @@ take their tolerance from the dtype in effect (:func:`trainer_amp_dtype`, :func:
 
 import dataclasses
 import itertools
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -172,6 +174,38 @@ def read_curves(path) -> tuple[str, dict[tuple[str, str], list[tuple[int, float]
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+HEADLINE_BLOCK = re.compile(r"<!-- headline: metrics/summary.json -->\n(.*?)\n<!-- /headline -->", re.S)
+
+
+def staged_summary(root: Path) -> tuple[dict, str]:
+    """``(summary, where)``: ``metrics/summary.json`` as git's index holds it in ``root`` (what is committed,
+    or what the next commit will hold once staged), or the workspace file outside a git checkout.
+
+    ``make repro`` rewrites the workspace file with the figures of the CPU it ran on (within the
+    tolerances README states); the README documents the committed figures, so that is what it is
+    checked against -- a user's own run must not turn the suite red.
+    """
+    shown = subprocess.run(["git", "show", ":metrics/summary.json"], cwd=root, capture_output=True, text=True)
+    if shown.returncode == 0:
+        return json.loads(shown.stdout), "git's index"
+    return json.loads((root / "metrics/summary.json").read_text()), "the workspace"
+
+
+def readme_headline_problem(root: Path) -> str | None:
+    """Why ``root``'s README headline is not :func:`~ced_csa2.eval.results.headline_table` of its committed
+    ``metrics/summary.json`` (:func:`staged_summary`), or ``None`` when it is."""
+    from ced_csa2.eval.results import headline_table
+
+    block = HEADLINE_BLOCK.search((root / "README.md").read_text())
+    if not block:
+        return "README has no headline block"
+    summary, where = staged_summary(root)
+    expected = "\n".join(headline_table(summary))
+    if block.group(1) != expected:
+        return f"README's headline is stale against metrics/summary.json in {where}; it should read:\n{expected}"
+    return None
 
 
 def project_copy(dst: Path) -> Path:

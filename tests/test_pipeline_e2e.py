@@ -9,13 +9,14 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import AMP_OVERRIDES, E2E_OVERRIDES, ROOT, project_copy, read_curves, sh
+from conftest import AMP_OVERRIDES, E2E_OVERRIDES, ROOT, project_copy, read_curves, readme_headline_problem, sh
 
 from ced_csa2.diff import parse_table
 
@@ -79,8 +80,6 @@ def test_full_pipeline_writes_every_metric_and_the_report(repo, reproduced):
 
 def test_the_report_refuses_results_of_another_run(repo, reproduced, tmp_path):
     """metrics/gsm8k.json left from a bf16 run beside this run's float32 results: refused, naming both files."""
-    import shutil
-
     from ced_csa2.config import load_params
     from ced_csa2.eval.results import build_report
 
@@ -144,6 +143,28 @@ def test_groups_table_and_summary_are_the_detailed_results(repo, reproduced):
     assert numbers(files["metrics/summary.json"]["data"]) == numbers(summary) <= 3 * len(summary)
     ignored = sh(repo, "git", "check-ignore", "metrics/ppl.json", "metrics/ridge.json", "reports/results.md")
     assert len(ignored.split()) == 3
+
+
+def test_the_readme_order_repro_then_test_passes_whatever_the_figures(repo, reproduced, tmp_path):
+    """README's two commands in README's order: `make repro` rewrites metrics/summary.json with this CPU's
+    figures (here the tiny profile's: nothing like the committed ones), then `make test` checks README's
+    headline -- against the committed file, so it passes whatever the run gave."""
+    committed = subprocess.run(["git", "show", ":metrics/summary.json"], cwd=ROOT, capture_output=True,
+                               check=True).stdout
+    clone = tmp_path / "clone"
+    (clone / "metrics").mkdir(parents=True)
+    shutil.copy2(ROOT / "README.md", clone / "README.md")
+    (clone / "metrics/summary.json").write_bytes(committed)
+    sh(clone, "git", "init", "-q")
+    sh(clone, "git", "add", "README.md", "metrics/summary.json")
+    sh(clone, "git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "as committed")
+    assert readme_headline_problem(clone) is None
+    shutil.copy2(repo / "metrics/summary.json", clone / "metrics/summary.json")  # what `make repro` wrote here
+    assert sh(clone, "git", "status", "--porcelain").split() == ["M", "metrics/summary.json"]
+    assert readme_headline_problem(clone) is None
+    # A figure that differs in what is committed is still caught: the check reads the committed file.
+    sh(clone, "git", "add", "metrics/summary.json")
+    assert "README's headline is stale against metrics/summary.json in git's index" in readme_headline_problem(clone)
 
 
 def test_curves_one_table_per_stage_and_plots_render(repo, reproduced):
