@@ -539,6 +539,7 @@ class EvalPPLConfig(Section):
     prefix_fraction: float  # Mode A: prompt = this fraction of each record, scored on the rest
     device: str
     records: int  # a seeded sample of this many eval records (0 = all); eval_objectives scores the same
+    domain_records: int  # a seeded sample of this many records of each data.domains set (0 = all)
     timing_records: int  # Mode A prefill speed-up timed on a seeded sample of this many records (0 = all)
     # scored positions per LM-head block in every teacher-forced scoring (eval_ppl, eval_gsm8k's gold NLL,
     # eval_objectives): bounds the vocabulary-wide tensors to (score_block_tokens, vocab)
@@ -550,6 +551,8 @@ class EvalPPLConfig(Section):
         _check(bool(self.groups), "eval_ppl.groups", f"must list at least one group of {list(RUNTIME_GROUPS)}")
         _check(self.records == 0 or self.records >= 2, "eval_ppl.records",
                f"must be 0 (all) or at least 2 (intervals are bootstrapped over records), got {self.records}")
+        _check(self.domain_records == 0 or self.domain_records >= 2, "eval_ppl.domain_records",
+               f"must be 0 (all) or at least 2 (intervals are bootstrapped over records), got {self.domain_records}")
         _check(self.timing_records >= 0, "eval_ppl.timing_records", f"must be >= 0 (0 = all), got {self.timing_records}")
         _check_finite(self, "eval_ppl")
         _check_device(self.device, "eval_ppl.device")

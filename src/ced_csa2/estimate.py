@@ -56,7 +56,7 @@ from .eval.perplexity import EVAL_SAMPLE_STREAM
 from .kv.kv_bytes import adapter_params_per_target, projector_params
 from .maps.ridge import map_groups
 from .model_utils import QWEN3_5_4B_ID, Geometry, geometry, load_config, qwen3_5_4b_config, resolve_dtype
-from .pipeline.paths import EVAL_JSONL, GOLD_PATH, PREPARE_METRICS, TRAIN_JSONL
+from .pipeline.paths import EVAL_JSONL, GOLD_PATH, PREPARE_METRICS, TRAIN_JSONL, domain_jsonl
 from .plan import LayerPlan
 from .runtime.groups import GROUPS
 from .train.objectives import PHASE_GROUPS
@@ -206,6 +206,22 @@ def eval_lengths(params: Params, workdir: Path) -> Lengths:
     return Lengths(np.full(n, params.data.max_tokens), False, "upper bound")
 
 
+def domain_lengths(params: Params, workdir: Path) -> Lengths:
+    """Tokens per scored record of every other domain (``eval_ppl.domain_records`` of each ``data.domains`` set),
+    exact where its prepared file is there, else ``data.max_tokens`` per record (an upper bound)."""
+    counts, exact = [], prepared_for(params, workdir)
+    for domain in params.data.domains:
+        path = workdir / domain_jsonl(domain.name)
+        if exact and path.is_file():
+            tokens = [r["n_tokens"] for r in read_records(path)]
+            counts += [tokens[i] for i in seeded_subset(len(tokens), params.eval_ppl.domain_records, params.seed,
+                                                        EVAL_SAMPLE_STREAM)]
+        else:
+            exact = False
+            counts += [params.data.max_tokens] * min(params.eval_ppl.domain_records or domain.n, domain.n)
+    return Lengths(np.array(counts, dtype=np.int64), exact, "exact: data/corpus/domains" if exact else "upper bound")
+
+
 def gold_lengths(params: Params, workdir: Path) -> tuple[Lengths, int]:
     """Tokens of each GSM8K gold pair (prompt + answer) and the mean prompt length."""
     path = workdir / GOLD_PATH
@@ -230,6 +246,7 @@ class Setup:
     rates: Rates
     dump: Lengths
     eval: Lengths
+    domains: Lengths  # eval_ppl's records of the other domains
     gold: Lengths
     prompt_tokens: int
     workdir: Path
@@ -463,11 +480,13 @@ def scoring_bytes(s: Setup, batch_tokens: int, groups) -> int:
 def est_eval_ppl(s: Setup) -> StageEstimate:
     cfg = s.params.eval_ppl
     # Mode A: the plain and the skipped prefill of every prompt, each continued through the rest of the record
-    seconds = scoring_seconds(s, cfg.groups, s.eval.total, passes=2 if mode_a_covered(s) else 0)
-    host, device = peaks(s, model=True, device_work=scoring_bytes(s, cfg.batch_size * int(s.eval.tokens.max()),
-                                                                   cfg.groups))
-    return StageEstimate("eval_ppl", f"{s.eval.total:,} tokens", host=host, device=device, seconds=seconds,
-                         note=f"{len(cfg.groups)} groups{' + Mode A' if mode_a_covered(s) else ''}")
+    tokens = s.eval.total + s.domains.total  # the fitting domain's held-out records, then every other domain's
+    seconds = scoring_seconds(s, cfg.groups, tokens, passes=2 if mode_a_covered(s) else 0)
+    longest = max(int(s.eval.tokens.max()), int(s.domains.tokens.max(initial=0)))
+    host, device = peaks(s, model=True, device_work=scoring_bytes(s, cfg.batch_size * longest, cfg.groups))
+    domains = f", {len(s.params.data.domains)} other domains" if s.params.data.domains else ""
+    return StageEstimate("eval_ppl", f"{tokens:,} tokens", host=host, device=device, seconds=seconds,
+                         note=f"{len(cfg.groups)} groups{' + Mode A' if mode_a_covered(s) else ''}{domains}")
 
 
 def generation_seconds(s: Setup, problems: int, batch: int, new_tokens: int) -> float:
@@ -597,7 +616,8 @@ def setup(params: Params, device: str, workdir: Path = Path(".")) -> Setup:
     plan = LayerPlan.from_config(params.plan).validate(model.geo)
     gold, prompt = gold_lengths(params, workdir)
     return Setup(params, model, plan, device, resolve_dtype(params.model.dtype, torch.device(device)), RATES[device],
-                 dump_lengths(params, workdir), eval_lengths(params, workdir), gold, prompt, workdir)
+                 dump_lengths(params, workdir), eval_lengths(params, workdir), domain_lengths(params, workdir), gold,
+                 prompt, workdir)
 
 
 # ----------------------------------------------------------------------------- output

@@ -9,6 +9,8 @@ from ced_csa2.eval.results import (
     GOLD_PROTOCOL,
     RUN_PROTOCOL,
     check_same_protocol,
+    domains_protocol,
+    domains_table,
     frontier,
     frontier_table,
     goals,
@@ -158,9 +160,10 @@ def test_summary_is_a_screen_of_changes_and_groups_table_has_the_rest():
     s = summary(rows)
     # the DVC metrics: the baseline's own figures, then only the changes; no interval, no objective row
     assert s == {"baseline": {"ppl": 20.0, "gold_nll": 1.25},
-                 "csa2": {k: rows["csa2"][k] for k in HEADLINE},
+                 "csa2": {k: rows["csa2"][k] for k in HEADLINE if k in rows["csa2"]},
                  "share_plain": {"dppl_pct": 50.0, "dgold_nll": 0.75},  # share_plain has no KL in its input
-                 "mode_a": {k: rows["mode_a"][k] for k in HEADLINE}}
+                 "mode_a": {k: rows["mode_a"][k] for k in HEADLINE if k in rows["mode_a"]}}
+    assert not any("worst_domain_dppl_pct" in r for r in s.values())  # no other domain scored here
     table = groups_table(rows)
     assert [r["group"] for r in table] == list(rows)
     assert all(list(r) == list(table[0]) for r in table)  # one column set: a TSV
@@ -242,10 +245,52 @@ def test_the_headline_names_mode_a_s_own_reference():
     lines = headline_table({"baseline": {"ppl": 20.0, "gold_nll": 1.5},
                             "mode_a": {"dppl_pct": 4.0, "kl": 0.06, "dgold_nll": 0.2},
                             "csa2": {"dppl_pct": 6.0, "kl": 0.07, "dgold_nll": 0.1}})
-    assert lines[2:] == ["| baseline | 20.000 | – | 1.5000 |",
+    assert lines[2:] == ["| baseline | 20.000 | – | 1.5000 | – |",
                          "| mode_a (ΔPPL, KL: against the plain prefill, on each record's second half) | +4.00 | 0.0600 "
-                         "| +0.2000 |",
-                         "| csa2 | +6.00 | 0.0700 | +0.1000 |"]
+                         "| +0.2000 | – |",
+                         "| csa2 | +6.00 | 0.0700 | +0.1000 | – |"]
+
+
+def with_domains(ppl: dict) -> dict:
+    """``ppl`` with two other domains: ``ced`` worst on ``fiction``, Mode A on ``math``."""
+    a = {"covered": True, "mode_a": {"ppl": 12.0}, **delta("delta_pct", 4.0, 3.0, 5.0)}
+    return {**ppl, "protocol": {**ppl["protocol"], "data": "wiki", "records": 32},
+            "mode_a": a,
+            "domains": {
+                "fiction": {"protocol": {"records": 12, "tokens_scored": 5000},
+                            "groups": {"baseline": {"ppl": 30.0},
+                                       "ced": {"ppl": 40.0, **delta("delta_pct", 33.0, 30.0, 36.0)}},
+                            "mode_a": {**a, **delta("delta_pct", 5.0, 4.0, 6.0)}},
+                "math": {"protocol": {"records": 12, "tokens_scored": 4000},
+                         "groups": {"baseline": {"ppl": 5.0},
+                                    "ced": {"ppl": 6.0, **delta("delta_pct", 20.0, 18.0, 22.0)}},
+                         "mode_a": {**a, **delta("delta_pct", 8.0, 7.0, 9.0)}}}}
+
+
+def test_each_domain_s_figures_and_the_worst_domain_reach_groups_tsv_the_summary_and_the_report():
+    ppl, gsm, run, adapters, tuned, seed_init = metrics()
+    ppl = with_domains(ppl)
+    storage = {"active_model": {"kv": {"bf16": {"decoder_attention": {}}}}}
+    rows = group_rows(ppl, gsm, storage, {}, ["ced"])
+    assert {k: rows["ced"][k] for k in ("fiction_dppl_pct", "fiction_dppl_pct_lo", "fiction_dppl_pct_hi",
+                                         "math_dppl_pct", "fiction_ppl", "worst_domain_dppl_pct", "worst_domain")} == {
+        "fiction_dppl_pct": 33.0, "fiction_dppl_pct_lo": 30.0, "fiction_dppl_pct_hi": 36.0, "math_dppl_pct": 20.0,
+        "fiction_ppl": 40.0, "worst_domain_dppl_pct": 33.0, "worst_domain": "fiction"}
+    assert (rows["mode_a"]["worst_domain"], rows["mode_a"]["math_ppl"]) == ("math", 12.0)
+    assert rows["baseline"]["fiction_ppl"] == 30.0 and "worst_domain" not in rows["baseline"]
+    head = summary(rows)
+    assert head["ced"]["worst_domain_dppl_pct"] == 33.0 and head["mode_a"]["worst_domain_dppl_pct"] == 8.0
+    assert all(isinstance(v, float) for r in head.values() for v in r.values())  # DVC metrics: numbers only
+    assert headline_table(head)[4] == "| ced | +25.00 | 0.5000 | +0.5000 | +33.00 |"
+    table = domains_table(rows, ppl)
+    assert table[0] == ("| group | wiki (held out, fitted on) | fiction | math | worst ÷ held out "
+                        "| GSM8K gold solutions |")
+    ced = next(line for line in table if line.startswith("| ced |"))
+    # gold: exp(0.5) - 1 = 64.87%, its interval through the same monotone map
+    assert ced == ("| ced | +25.00 [+20.50, +30.25] | +33.00 [+30.00, +36.00] | +20.00 [+18.00, +22.00] "
+                   "| 1.32× (fiction) | +64.87 [+28.40, +111.70] |")
+    assert "`fiction` 12 records (5,000 scored tokens)" in domains_protocol(ppl)
+    assert domains_table(rows, {k: v for k, v in ppl.items() if k != "domains"}) == []
 
 
 def test_objectives_scored_on_other_gold_pairs_are_refused():

@@ -21,7 +21,7 @@ from ..ced_runtime import (CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_
 from ..config import Params
 from ..data.records import read_records, seeded_subset
 from ..pipeline import distributed
-from ..pipeline.paths import EVAL_JSONL
+from ..pipeline.paths import EVAL_JSONL, domain_jsonl
 from ..pipeline.timing import MIN_REPEATS, PROTOCOL, BoundExceeded, check_bound, paired_seconds
 from .scoring import BLOCK_TOKENS, multi_group_nll, score_hidden, sequence_nll
 from .stats import paired_bootstrap, paired_deltas, ratio_bootstrap
@@ -105,7 +105,7 @@ def _ci(v: dict, key: str) -> str:
 
 
 def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fraction: float, seed: int,
-                  timing_records: int = 8, timing_repeats: int = MIN_REPEATS, *, block_tokens: int = BLOCK_TOKENS,
+                  timing_records: int | None = 8, timing_repeats: int = MIN_REPEATS, *, block_tokens: int = BLOCK_TOKENS,
                   replay: int = 0, sink: str = "none") -> dict:
     """Prefix-conditioned perplexity, KL and top-1 of the prefill skip against the plain prefill, and its speed-up.
 
@@ -116,8 +116,8 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     ``top1_pct`` carry paired bootstrap 95% intervals over records.
 
     Timing (``"timing"``) is kept apart from the quality figures, which it never changes:
-    on a seeded sample of ``timing_records`` records (0 = all), right after the two scoring
-    prefills of a record (which are that prompt shape's warm-up of each arm), the two
+    on a seeded sample of ``timing_records`` records (0 = all; ``None``: none, and no ``"timing"`` key),
+    right after the two scoring prefills of a record (which are that prompt shape's warm-up of each arm), the two
     prefills are timed by :func:`ced_csa2.pipeline.timing.paired_seconds` (arms alternated,
     ``timing_repeats`` rounds, per-arm median).  ``plain_s``/``mode_a_s`` are the sums
     over the timed records of the per-record medians, ``speedup`` their ratio.  It is
@@ -152,7 +152,8 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     runtime = CEDModeARuntime(model, plan, geo, parts, replay=replay, sink=sink)
     device = next(model.parameters()).device
     plain, skip = torch.zeros(len(ids), 4, dtype=torch.float64), torch.zeros(len(ids), 4, dtype=torch.float64)
-    timed = set(seeded_subset(len(ids), timing_records, seed, TIMING_SAMPLE_STREAM))
+    timed = set() if timing_records is None else set(seeded_subset(len(ids), timing_records, seed,
+                                                                    TIMING_SAMPLE_STREAM))
     seconds = torch.zeros(3, dtype=torch.float64)  # summed medians: plain, Mode A; records timed
     timed_lengths = torch.zeros(len(ids), dtype=torch.float64)  # prefilled tokens of each timed record
     # Both timed arms under inference mode (Mode A's prefill is decorated with it).
@@ -179,11 +180,13 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     timed = [int(t) for t in timed_lengths.tolist() if t]
     exact = runtime.exact_tokens
     timed_bound = prefill_bound(geo, plan, replay, timed or prefilled, exact)
-    return {"covered": True, "prefix_fraction": fraction, "replay": replay, "sink": sink, "records": len(ids),
-            "baseline": base, "mode_a": ced, "delta_pct": delta["value"], "delta_pct_ci95": delta["ci95"],
-            **agreement(skip, seed), "prefill_speedup_bound": prefill_bound(geo, plan, replay, prefilled, exact),
-            "note": mode_a_note(replay, sink),
-            "timing": _prefill_timing(seconds, timing_repeats, timed_bound)}
+    out = {"covered": True, "prefix_fraction": fraction, "replay": replay, "sink": sink, "records": len(ids),
+           "baseline": base, "mode_a": ced, "delta_pct": delta["value"], "delta_pct_ci95": delta["ci95"],
+           **agreement(skip, seed), "prefill_speedup_bound": prefill_bound(geo, plan, replay, prefilled, exact),
+           "note": mode_a_note(replay, sink)}
+    if timing_records is not None:
+        out["timing"] = _prefill_timing(seconds, timing_repeats, timed_bound)
+    return out
 
 
 def prefill_bound(geo, plan, replay: int = 0, prefilled: Sequence[int] = (), sink: int = 0) -> float:
@@ -240,11 +243,14 @@ def _prefill_timing(seconds: torch.Tensor, repeats: int, bound: float) -> dict:
     return out
 
 
-def eval_ids(params: Params, tok, workdir: Path) -> list[list[int]]:
-    """Token ids of the eval records (a seeded sample of ``eval_ppl.records``; 0 = all), truncated to ``data.max_tokens``."""
-    path = workdir / EVAL_JSONL
+def eval_ids(params: Params, tok, workdir: Path, domain: str | None = None) -> list[list[int]]:
+    """Token ids of the eval records, truncated to ``data.max_tokens``: of ``data/corpus/eval.jsonl`` (a seeded
+    sample of ``eval_ppl.records``; 0 = all), or of the other domain ``domain``'s records (``data.domains``,
+    a seeded sample of ``eval_ppl.domain_records``)."""
+    path = workdir / (EVAL_JSONL if domain is None else domain_jsonl(domain))
     records = read_records(path)
-    records = [records[i] for i in seeded_subset(len(records), params.eval_ppl.records, params.seed, EVAL_SAMPLE_STREAM)]
+    n = params.eval_ppl.records if domain is None else params.eval_ppl.domain_records
+    records = [records[i] for i in seeded_subset(len(records), n, params.seed, EVAL_SAMPLE_STREAM)]
     if len(records) < 2:
         raise ValueError(f"{path}: {len(records)} eval record(s); the paired intervals are bootstrapped over "
                          "records and need at least 2")
@@ -256,10 +262,12 @@ def eval_ids(params: Params, tok, workdir: Path) -> list[list[int]]:
     return ids
 
 
-def protocol(params: Params, model, plan, ids: list[list[int]], tokens_scored: int) -> dict:
-    """What a perplexity figure was measured on (stored next to it)."""
+def protocol(params: Params, model, plan, ids: list[list[int]], tokens_scored: int, domain: str | None = None) -> dict:
+    """What a perplexity figure was measured on (stored next to it); ``domain``: the other domain's name
+    (``data.domains``), ``None`` for the held-out records of ``data.name``, the domain the maps were fitted on."""
     return {
-        "model": params.model.name, "data": params.data.name, "records": len(ids), "tokens_scored": tokens_scored,
+        "model": params.model.name, "data": params.data.name, "domain": domain or params.data.name,
+        "fitted_on": params.data.name, "records": len(ids), "tokens_scored": tokens_scored,
         # hub commits asked for (null: the default branch when the run fetched it)
         "model_revision": params.model.revision, "data_revision": params.data.revision,
         "max_tokens": params.data.max_tokens, "dtype": str(model.dtype).removeprefix("torch."),

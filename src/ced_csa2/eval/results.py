@@ -252,10 +252,37 @@ def group_rows(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict],
         if "gold_nll" in g:
             gold = g["gold_nll"]
             out["mode_a"] |= {"gold_nll": gold["nll_per_token"], **_deltas(gold, "dgold_nll", "delta")}
+    for name, row in out.items():
+        if "@" not in name:
+            row |= _domain_columns(domain_results(ppl, name))
     return out
 
 
-HEADLINE = ("dppl_pct", "kl", "dgold_nll")  # per compressed group; the baseline's own: ppl, gold_nll
+def domain_results(ppl: dict, group: str) -> dict[str, dict]:
+    """``{domain: result}`` of ``group`` (or ``mode_a``) on every other domain of ``ppl.json`` (``domains``)."""
+    out = {}
+    for domain, d in ppl.get("domains", {}).items():
+        result = d["mode_a"] if group == "mode_a" else d["groups"].get(group)
+        if result and result.get("covered", True):
+            out[domain] = result
+    return out
+
+
+def _domain_columns(results: dict[str, dict]) -> dict:
+    """``<domain>_ppl``, ``<domain>_dppl_pct``, ``<domain>_kl``, ``<domain>_top1`` (with ``_lo``/``_hi``) of every
+    other domain, and ``worst_domain_dppl_pct`` / ``worst_domain`` (the largest of them; none for the baseline)."""
+    row: dict = {}
+    for domain, r in results.items():
+        ppl = r["mode_a"]["ppl"] if "mode_a" in r else r["ppl"]
+        row |= {f"{domain}_ppl": ppl, **{f"{domain}_{k}": v for k, v in
+                                         {**_deltas(r, "dppl_pct", "delta_pct"), **_agreements(r)}.items()}}
+    worst = max((d for d in results if f"{d}_dppl_pct" in row), key=lambda d: row[f"{d}_dppl_pct"], default=None)
+    if worst is not None:
+        row |= {"worst_domain_dppl_pct": row[f"{worst}_dppl_pct"], "worst_domain": worst}
+    return row
+
+
+HEADLINE = ("dppl_pct", "kl", "dgold_nll", "worst_domain_dppl_pct")  # per compressed group; the baseline: ppl, gold_nll
 # Rows whose ΔPPL and KL are not against the baseline's PPL of the headline's first row.
 HEADLINE_LABELS = {"mode_a": "mode_a (ΔPPL, KL: against the plain prefill, on each record's second half)"}
 
@@ -265,7 +292,8 @@ def summary(rows: dict[str, dict[str, float]]) -> dict:
 
     Of :func:`group_rows`: the baseline's ``ppl`` and ``gold_nll``; for every other runtime group
     and ``mode_a``, the changes :data:`HEADLINE` (no intervals, no fits, no timings; the
-    ``<group>@<objective>`` rows, intervals, top-1, EM and bytes are in ``metrics/groups.tsv``).
+    ``<group>@<objective>`` rows, intervals, top-1, EM, bytes and each domain's figures are in
+    ``metrics/groups.tsv``).  ``worst_domain_dppl_pct``: ΔPPL % on the other domain where it is largest.
     """
     return {group: {k: row[k] for k in (HEADLINE if "dppl_pct" in row else ("ppl", "gold_nll")) if k in row}
             for group, row in rows.items() if "@" not in group}
@@ -275,17 +303,61 @@ def headline_table(summary: dict[str, dict[str, float]]) -> list[str]:
     """The headline as a Markdown table, from ``metrics/summary.json`` alone (the report's and README's first table).
 
     One row per group in the summary's order: the baseline's PPL and gold NLL, then each
-    group's ΔPPL %, KL and Δ gold NLL ("–" where the group has none).
+    group's ΔPPL %, KL, Δ gold NLL and ΔPPL % on its worst other domain ("–" where the group has none).
     """
-    lines = ["| group | ΔPPL % (baseline: PPL) | KL nats/token | Δ gold NLL (baseline: NLL) |", "|---|---:|---:|---:|"]
+    lines = ["| group | ΔPPL % (baseline: PPL) | KL nats/token | Δ gold NLL (baseline: NLL) "
+             "| ΔPPL % worst other domain |", "|---|---:|---:|---:|---:|"]
     for group, row in summary.items():
         if "dppl_pct" not in row:
-            cells = [f"{row['ppl']:.3f}", "–", f"{row['gold_nll']:.4f}" if "gold_nll" in row else "–"]
+            cells = [f"{row['ppl']:.3f}", "–", f"{row['gold_nll']:.4f}" if "gold_nll" in row else "–", "–"]
         else:
             cells = [f"{row['dppl_pct']:+.2f}", f"{row['kl']:.4f}" if "kl" in row else "–",
-                     f"{row['dgold_nll']:+.4f}" if "dgold_nll" in row else "–"]
+                     f"{row['dgold_nll']:+.4f}" if "dgold_nll" in row else "–",
+                     f"{row['worst_domain_dppl_pct']:+.2f}" if "worst_domain_dppl_pct" in row else "–"]
         lines.append(f"| {HEADLINE_LABELS.get(group, group)} | " + " | ".join(cells) + " |")
     return lines
+
+
+def domains_table(rows: dict[str, dict], ppl: dict) -> list[str]:
+    """Every group's (and Mode A's) ΔPPL % [95% CI] on the fitting domain's held-out records and on each other
+    domain, and its worst other domain as a multiple of the held-out figure; last, the GSM8K gold solutions'
+    Δ gold NLL as the same kind of figure (``exp(Δ) − 1``: gold-solution perplexity's change, in %).  Empty
+    without other domains."""
+    domains = list(ppl.get("domains", {}))
+    if not domains:
+        return []
+    fitted = ppl["protocol"]["data"]
+    head = ["group", f"{fitted} (held out, fitted on)", *domains, "worst ÷ held out", "GSM8K gold solutions"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for group, row in rows.items():
+        if "@" in group or "dppl_pct" not in row:
+            continue
+        cells = [_range(row, "dppl_pct")] + [_range(row, f"{d}_dppl_pct") for d in domains]
+        ratio = (f"{row['worst_domain_dppl_pct'] / row['dppl_pct']:.2f}× ({row['worst_domain']})"
+                 if "worst_domain" in row and row["dppl_pct"] > 0 else "–")
+        gold = _range({k: 100 * math.expm1(row[f"dgold_nll{s}"]) for s, k in (("", "g"), ("_lo", "g_lo"),
+                                                                             ("_hi", "g_hi"))}, "g") \
+            if "dgold_nll" in row else "–"
+        lines.append(f"| {HEADLINE_LABELS.get(group, group)} | " + " | ".join([*cells, ratio, gold]) + " |")
+    return lines
+
+
+def domains_protocol(ppl: dict) -> str:
+    """One sentence: what each domain's figures were measured on (records, scored tokens)."""
+    parts = [f"`{d}` {v['protocol']['records']} records ({v['protocol']['tokens_scored']:,} scored tokens)"
+             for d, v in ppl.get("domains", {}).items()]
+    p = ppl["protocol"]
+    return (f"Held out of `{p['data']}` (the maps' fitting domain): {p['records']} records "
+            f"({p['tokens_scored']:,} scored tokens); the other domains, never trained on: {', '.join(parts)}. "
+            "Same protocol on each (teacher-forced, every group and Mode A, Mode A on each record's second half "
+            "against the plain prefill); paired bootstrap 95% intervals over that domain's records.")
+
+
+def _range(row: dict, key: str) -> str:
+    """``+1.23 [+0.45, +2.01]`` of a flat row's ``key`` and its ``_lo``/``_hi`` (``–`` where it has none)."""
+    if key not in row:
+        return "–"
+    return f"{row[key]:+.2f} [{row[f'{key}_lo']:+.2f}, {row[f'{key}_hi']:+.2f}]"
 
 
 
@@ -559,6 +631,8 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
         "# Results", "", protocol_line(ppl, gsm), "", *([windows, ""] if windows else []),
         "## Headline (metrics/summary.json; intervals in metrics/groups.tsv)", "", *headline_table(summary(rows)), "",
         *results_table(ppl, gsm, storage), "",
+        *(["## Other domains: how the maps transfer (ΔPPL % vs baseline)", "", domains_protocol(ppl), "",
+           *domains_table(rows, ppl), ""] if ppl.get("domains") else []),
         "## Mode A: true CED (prefill skip)", "", *mode_a_table(ppl, gsm, _load(workdir, Path("mode_a") / "train")), "",
         "## Training objectives", "",
         "Same PPL and gold-NLL protocols as above; Δ against the baseline. `kv_mse (seed)` is the main "

@@ -22,6 +22,11 @@ scored once.
   above the bound is an error.  Needs a covering plan; otherwise an explicit "not
   covered" entry names the uncovered attention layers.
 
+Other domains (``data.domains``: text the maps were not fitted on, prepared into
+``data/corpus/domains/<name>.jsonl``): a seeded sample of ``eval_ppl.domain_records`` records
+of each, scored the same way -- every group and Mode A (untimed) -- into ``domains.<name>``
+with its own protocol; the paired intervals are over that domain's records.
+
 Data-parallel (``distributed.nproc``): each rank scores a contiguous share of the batches
 (and of Mode A's records); the per-record sums are added up on every rank, so every figure
 and interval is the single-process one; rank 0 writes.
@@ -72,25 +77,31 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     if parts is None:
         parts = load_parts(workdir / MODELS, params, plan, geo, device=device,
                            low_rank=any(g in LOW_RANK_GROUPS for g in cfg.groups))  # models/xkv.pt
-    ids = eval_ids(params, tok, workdir)
-    t0 = time.perf_counter()
-    # All groups at once: the layers below the first one a group changes run once per batch.
-    groups = groups_ppl(model, plan, cfg.groups, parts, ids, params, tok.pad_token_id)
-    t1 = time.perf_counter()
+    # Every domain's records before any scoring: a missing or short domain file fails in seconds.
+    ids = {None: eval_ids(params, tok, workdir), **{d.name: eval_ids(params, tok, workdir, d.name)
+                                                   for d in params.data.domains}}
+    mode_a_parts = parts
     if given is None and not plan.uncovered(geo):
-        parts = load_mode_a_parts(workdir, params, plan, geo, device=device)
-    mode_a = mode_a_prefix(model, plan, geo, parts, ids, cfg.prefix_fraction, params.seed,
-                           timing_records=cfg.timing_records, block_tokens=cfg.score_block_tokens,
-                           replay=params.mode_a.replay, sink=params.mode_a.sink)
-    if mode_a["covered"]:
-        mode_a["maps"] = "given" if given is not None else params.mode_a.maps
-    record_timing(groups_s=round(t1 - t0, 1), mode_a_s=round(time.perf_counter() - t1, 1),
-                  threads=torch.get_num_threads(), mode_a_prefill=mode_a.pop("timing", None))
-    metrics = {
-        "protocol": protocol(params, model, plan, ids, groups[cfg.groups[0]]["tokens"]),
-        "groups": groups,
-        "mode_a": mode_a,
-    }
+        mode_a_parts = load_mode_a_parts(workdir, params, plan, geo, device=device)
+    seconds, scored = {}, {}
+    for domain, rows in ids.items():
+        log.info("Scoring %s: %d records", domain or f"{params.data.name} (held out)", len(rows))
+        t0 = time.perf_counter()
+        # All groups at once: the layers below the first one a group changes run once per batch.
+        groups = groups_ppl(model, plan, cfg.groups, parts, rows, params, tok.pad_token_id)
+        t1 = time.perf_counter()
+        mode_a = mode_a_prefix(model, plan, geo, mode_a_parts, rows, cfg.prefix_fraction, params.seed,
+                               timing_records=cfg.timing_records if domain is None else None,
+                               block_tokens=cfg.score_block_tokens, replay=params.mode_a.replay,
+                               sink=params.mode_a.sink)
+        if mode_a["covered"]:
+            mode_a["maps"] = "given" if given is not None else params.mode_a.maps
+        seconds[domain or "held_out"] = {"groups_s": round(t1 - t0, 1), "mode_a_s": round(time.perf_counter() - t1, 1)}
+        scored[domain] = {"protocol": protocol(params, model, plan, rows, groups[cfg.groups[0]]["tokens"], domain),
+                          "groups": groups, "mode_a": mode_a}
+    in_domain = scored.pop(None)
+    record_timing(**seconds, threads=torch.get_num_threads(), mode_a_prefill=in_domain["mode_a"].pop("timing", None))
+    metrics = {**in_domain, "domains": scored}
     if distributed.is_main():
         write_json(workdir / PPL_METRICS, metrics)
     return metrics
