@@ -15,11 +15,6 @@ TESTS = Path(__file__).resolve().parent
 # `< 1e-6`, `<= 1e-10`, `atol=1e-5`, `rtol=1e-4`, `abs=1e-12`, `rel=1e-6` (also `= 1e-5` spacing and `1.5e-3`)
 BARE = re.compile(r"(<=?\s*|\b(?:atol|rtol|abs|rel)\s*=\s*)\d+(?:\.\d*)?e-\d+")
 
-# Files other open branches own; their sites are documented there.  Listed here so this test passes
-# meanwhile; delete an entry once its file carries its reasons.
-PENDING = {"runtime/test_shared_kv.py", "runtime/test_sparse_decode.py", "test_pipeline_e2e.py"}
-
-
 def undocumented(text: str) -> list[tuple[int, str]]:
     """``(line number, line)`` of each bare literal tolerance without a comment on its line or the line above."""
     lines = text.splitlines()
@@ -43,7 +38,7 @@ def test_every_float_tolerance_in_the_tests_carries_its_reason():
     bad = {}
     for path in sorted(TESTS.rglob("*.py")):
         rel = path.relative_to(TESTS).as_posix()
-        if rel not in PENDING and (sites := undocumented(path.read_text())):
+        if sites := undocumented(path.read_text()):
             bad[rel] = sites
     assert not bad, "bare float tolerances without a reason (comment on the line or above, or use " \
                     f"conftest.rounding_tol): {bad}"
