@@ -1,4 +1,4 @@
-"""Decode-step time and bytes held: the shared KV store against the ordinary cache, in one run.
+"""Decode-step time and bytes: the shared KV store against the ordinary cache, in one run.
 
     python benchmarks/shared_kv_decode.py                           # contexts 512 2048 8192
     python benchmarks/shared_kv_decode.py --contexts 64 --steps 2   # a quick check
@@ -31,10 +31,12 @@ leaves its cache's hooks: microseconds against a step).  Caches:
 Columns: ms per decode step (median) and its ratio to the reference's; the ratio of the
 summed step times with its 95% interval over the rounds (paired bootstrap: a round's steps of
 every cache are resampled together, :func:`~ced_csa2.eval.stats.ratio_bootstrap`), which says
-whether a ratio near 1 is above or below it; the K/V bytes the cache
-actually holds after the run (:func:`~ced_csa2.runtime.shared_kv.kv_held_bytes`), their ratio to
-the :mod:`ced_csa2.kv.kv_bytes` accounting (``all_attention`` basis, ``T + steps`` cached
-positions) and to the reference's bytes.  Maps: the trained ones in ``--models-dir`` when
+whether a ratio near 1 is above or below it; the cache's K/V bytes after the run
+(:func:`~ced_csa2.runtime.shared_kv.cache_bytes`): *used* (the entries written) and *allocated* (the
+tensors holding them, the bytes the cache holds: a store's reserve of up to ``TokenStore.GROW``
+positions included), used over the :mod:`ced_csa2.kv.kv_bytes` accounting (``all_attention``
+basis, ``T + steps`` cached positions: 1 exactly), and used and allocated over the reference's
+allocated bytes.  Maps: the trained ones in ``--models-dir`` when
 ``projector_k{s}v{s}.pt`` and ``adapters.pt`` are there, else random maps of the trained
 shapes (the timing depends on shapes only); the first line says which.  Not part of the
 tests.
@@ -66,7 +68,7 @@ from ced_csa2.runtime.shared_kv import (
     FP4KVCache,
     SharedKVCache,
     accounted_copies,
-    kv_held_bytes,
+    cache_bytes,
 )
 from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
 from ced_csa2.train.indexer_training import new_indexer
@@ -181,8 +183,8 @@ def main() -> None:
           f"{plan.split} source {plan.source} targets {list(plan.targets)}; batch {args.batch}; {note}; {'; '.join(indexer_notes)}")
     print(f"'bf16' storage = the model dtype ({dtype}); median of {args.steps} decode steps after one warm-up, "
           "the caches' steps alternated")
-    header = (f"{'context':>7}  {'cache':<60} {'ms/step':>8} {'x ref':>6} {'sum x ref [95% CI]':>20} {'held MiB':>9} "
-              f"{'held/accounted':>14} {'held/ref':>8}")
+    header = (f"{'context':>7}  {'cache':<60} {'ms/step':>8} {'x ref':>6} {'sum x ref [95% CI]':>20} {'used MiB':>9} "
+              f"{'alloc MiB':>9} {'used/accounted':>14} {'used/ref':>8} {'alloc/ref':>9}")
     print(header)
     gen = torch.Generator().manual_seed(args.seed)
     for context in args.contexts:
@@ -197,19 +199,20 @@ def main() -> None:
         seconds, ref_label = paired.seconds, next(iter(runs))
         for label, (acc_group, acc_storage, *sparse_parts) in accounting.items():
             cache, ms = runs[label].cache, 1e3 * seconds[label]
-            held = kv_held_bytes(cache)
+            nbytes = cache_bytes(cache)
             per_token = bytes_per_token(accounted_copies(geo, plan, acc_group, acc_storage, dtype_bytes))
             accounted = per_token * args.batch * cache.get_seq_length()
             if sparse_parts:  # the indexer's keys per position; the last step's adapted entries (flat)
                 reader, reads = sparse_parts
                 accounted += key_bytes(reader.key_width) * args.batch * cache.get_seq_length() if reader else 0
                 accounted += reads.adapted_bytes(len(plan.targets), geo.kv_dim, dtype_bytes, args.batch)
-            ref_ms, ref_bytes = ref_ms or ms, ref_bytes or held
+            ref_ms, ref_bytes = ref_ms or ms, ref_bytes or nbytes.allocated
             summed = ratio_bootstrap(np.array(paired.runs[label]), np.array(paired.runs[ref_label]), seed=args.seed)
             low, high = summed["ci95"]
             print(f"{context:>7}  {label:<60} {ms:>8.2f} {ms / ref_ms:>6.2f} "
-                  f"{summed['value']:>6.3f} [{low:.3f}, {high:.3f}] {held / 2**20:>9.2f} "
-                  f"{held / accounted:>14.4f} {held / ref_bytes:>8.3f}")
+                  f"{summed['value']:>6.3f} [{low:.3f}, {high:.3f}] {nbytes.used / 2**20:>9.2f} "
+                  f"{nbytes.allocated / 2**20:>9.2f} {nbytes.used / accounted:>14.4f} {nbytes.used / ref_bytes:>8.3f} "
+                  f"{nbytes.allocated / ref_bytes:>9.3f}")
             del cache
         del runs
 

@@ -17,9 +17,10 @@ at a time for ``steps`` decode steps and scores each step's next-token predictio
 
 Per cache: PPL over the scored steps, ΔPPL % against ``baseline`` and against the dense
 ``csa2`` (paired bootstrap 95% CI over sequences), mean per-step KL(baseline ‖ cache) and
-KL(csa2 ‖ cache), top-1 agreement with the baseline, and the bytes held per position at the
-last step, averaged over sequences (:func:`~ced_csa2.runtime.shared_kv.kv_held_bytes`, indexer keys
-included).  Data:
+KL(csa2 ‖ cache), top-1 agreement with the baseline, and the K/V bytes per position at the
+last step, averaged over sequences (:func:`~ced_csa2.runtime.shared_kv.cache_bytes`, indexer keys
+and the targets' kept entries included): *used* (the entries written, what the accounting predicts)
+and *allocated* (the tensors holding them, the bytes the cache holds: a store's reserve included).  Data:
 the eval records joined in file order (``data/corpus/eval.jsonl``), the first ``sequences``
 ``context``-token pieces.  Model dtype: the root params' (float32 on the embedded default).
 
@@ -51,7 +52,7 @@ from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
 from ced_csa2.plan import load_plan
-from ced_csa2.runtime.shared_kv import SharedKVCache, kv_held_bytes
+from ced_csa2.runtime.shared_kv import SharedKVCache, cache_bytes
 from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
 
 STUDY_PARAMS = Path("studies/sparse_decode.yaml")
@@ -124,7 +125,8 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
     nll = {g: [] for g in caches}
     kl = {g: {"baseline": [], "csa2": []} for g in caches}
     top1 = {g: [] for g in caches}
-    held = {g: [] for g in caches}
+    used = {g: [] for g in caches}
+    allocated = {g: [] for g in caches}
     for seq in tqdm(seqs, desc="sparse decode", unit="seq"):
         ids = torch.tensor([seq], device=device)
         gold = ids[0, study.prefill + 1:study.prefill + study.steps + 1]
@@ -132,7 +134,9 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
         for g, (make, feed) in caches.items():
             cache = make()
             logp[g] = teacher_forced(model, cache, feed, ids, study.prefill, study.steps)[:len(gold)]
-            held[g].append(kv_held_bytes(cache) / cache.get_seq_length())
+            nbytes, positions = cache_bytes(cache), cache.get_seq_length()
+            used[g].append(nbytes.used / positions)
+            allocated[g].append(nbytes.allocated / positions)
         for g, lp in logp.items():
             nll[g].append([-lp.gather(1, gold[:, None]).sum().item(), len(gold)])
             for ref in ("baseline", "csa2"):
@@ -146,7 +150,8 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
         rows[g] = {"ppl": float(np.exp(v[:, 0].sum() / v[:, 1].sum())),
                    "kl_vs_baseline": float(np.mean(kl[g]["baseline"])), "kl_vs_csa2": float(np.mean(kl[g]["csa2"])),
                    "top1_vs_baseline_pct": 100 * float(np.mean(top1[g])),
-                   "held_bytes_per_position": float(np.mean(held[g]))}
+                   "used_bytes_per_position": float(np.mean(used[g])),
+                   "allocated_bytes_per_position": float(np.mean(allocated[g]))}
         for ref in ("baseline", "csa2"):
             if g != ref:
                 d = paired_bootstrap(v, np.array(nll[ref]), "delta_ppl_pct", seed=params.seed)
@@ -166,8 +171,8 @@ def markdown(m: dict) -> str:
              f"({p['scored_tokens']} tokens); window {p['window']}; CIs: {p['ci']}.",
              "",
              "| cache | PPL | ΔPPL % vs baseline | ΔPPL % vs dense csa2 | KL vs baseline | KL vs csa2 | top-1 % | "
-             "bytes/position |",
-             "|---|---|---|---|---|---|---|---|"]
+             "bytes/position used | allocated |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
     def delta(r, ref):
         if f"delta_pct_vs_{ref}" not in r:
@@ -177,7 +182,8 @@ def markdown(m: dict) -> str:
 
     for g, r in m["groups"].items():
         lines.append(f"| {g} | {r['ppl']:.3f} | {delta(r, 'baseline')} | {delta(r, 'csa2')} | {r['kl_vs_baseline']:.4f} | "
-                     f"{r['kl_vs_csa2']:.4f} | {r['top1_vs_baseline_pct']:.1f} | {r['held_bytes_per_position']:,.0f} |")
+                     f"{r['kl_vs_csa2']:.4f} | {r['top1_vs_baseline_pct']:.1f} | {r['used_bytes_per_position']:,.0f} | "
+                     f"{r['allocated_bytes_per_position']:,.0f} |")
     return "\n".join(lines) + "\n"
 
 

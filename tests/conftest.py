@@ -63,6 +63,56 @@ def trainer_amp_dtype(params: Params, device: torch.device = torch.device("cpu")
     return dtypes.pop()
 
 
+# Float tolerances
+# ----------------
+# Every float tolerance in tests/ comes from the dtype the compared values are computed in, never
+# from the machine a test happened to pass on: another CPU (AVX2, AVX-512, AMX) or BLAS
+# (MKL, OpenBLAS) sums in another order, blocks a matmul differently or fuses a multiply-add,
+# and each such change moves a result by whole units of rounding.  A tolerance is therefore a
+# stated count of roundings times the dtype's eps times the magnitude rounded
+# (:func:`rounding_tol`); a bare literal is allowed only with a comment giving its reason
+# (tests/test_tolerances.py checks it).
+
+EPS32 = torch.finfo(torch.float32).eps  # 2**-23 = 1.19e-7
+EPS64 = torch.finfo(torch.float64).eps  # 2**-52 = 2.22e-16
+
+
+def rounding_tol(dtype: torch.dtype, roundings: float, magnitude: float = 1.0) -> float:
+    """How far two evaluations of one quantity may be apart when they differ only in rounding.
+
+    Parameters
+    ----------
+    dtype
+        The dtype the quantity is computed (accumulated) in.
+    roundings
+        A bound on the roundings that separate the two results, stated at the call site: each
+        operation rounds to within eps/2 relative, so two evaluations that round differently
+        are at most eps apart per rounding, and roundings that may all go one way add up
+        (counted linearly, the worst case, not as a random walk).  A sum of n terms counts n;
+        a per-token quantity summed over n tokens counts n times its own.
+    magnitude
+        The size of the values rounded (e.g. the largest |logit|, |log p| or |entry|); 1 for a
+        relative tolerance.
+
+    Returns
+    -------
+    float
+        ``roundings * finfo(dtype).eps * magnitude``: an absolute bound on ``|a - b|``, or with
+        ``magnitude=1`` a relative one.  Call sites keep it orders of magnitude below the
+        difference the test guards against, and say so where that is not obvious.
+    """
+    return roundings * torch.finfo(dtype).eps * magnitude
+
+
+# Two float32 forwards of one tiny model that compute the same values along different code paths (a
+# batch padded or alone, cached decode or whole, sdpa or eager, K/V injected by a runtime): each
+# layer's matmuls may sum in another order (up to eps apart per rounding, relative), and the residual
+# stream carries the difference to the output.  3 roundings per layer (attention, MLP, residual add)
+# over the 32 layers of the deepest tiny model: 96 eps relative (1.1e-5), and as many eps absolute for
+# entries near 0 (the tiny models' hidden states, K/V and logits are O(1)).  A wrong K/V, position or
+# sink moves the logits by >= 1e-3 (the tests' "must differ" checks), ~100x more.
+FORWARD32 = dict(rtol=rounding_tol(torch.float32, 3 * 32), atol=rounding_tol(torch.float32, 3 * 32))
+
 # How far apart two runs of one training may end when they differ only in float evaluation
 # order (a batch whole or as two DDP shards, one thread or several).  Under float32 the
 # differences are summation-order rounding inside every matmul and gradient sum, carried
@@ -73,7 +123,7 @@ def trainer_amp_dtype(params: Params, device: torch.device = torch.device("cpu")
 # 1, one rounding's worth: the steps' roundings are independent, so they do not add up in one
 # direction, and the fit is measured in float32; a real difference in what is trained
 # (another batch, a missing or doubled gradient) moves the result by far more.
-FLOAT32_RTOL = 1e-5
+FLOAT32_RTOL = rounding_tol(torch.float32, 84)  # 1.0e-5
 AMP_EPS_FACTOR = 1.0
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_gemma3, tiny_llama
+from conftest import FORWARD32, tiny_gemma3, tiny_llama
 from tiny_maps import (
     GEMMA_PLAN,
     QWEN_PLAN,
@@ -115,6 +115,7 @@ def test_fp4_groups_store_the_fp4_rounded_source(tiny_model, fmt):
     with torch.no_grad():
         ref = model(x).logits
         with CEDModeBRuntime(model, QWEN_PLAN, "baseline_fp4", kv_format=fmt):
+            # a real difference, not rounding: 1e-4 is ~840 eps32 of O(1) logits, 8x FORWARD32
             assert not torch.allclose(model(x).logits, ref, atol=1e-4)
 
 
@@ -130,6 +131,8 @@ def test_cached_generation_equals_teacher_forced_logits(group):
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
         full = model(gen.sequences).logits
     steps = torch.stack(gen.logits, dim=1)
+    # float32 cached decode (attention over one query) against the whole forward, FP4 K/V re-quantized from values
+    # equal up to rounding: 10x FORWARD32
     torch.testing.assert_close(steps, full[:, x.shape[1] - 1:-1], atol=1e-4, rtol=1e-4)
 
 
@@ -159,8 +162,9 @@ def test_mode_a_with_true_kv_reproduces_baseline(name, model, plan):
     with torch.no_grad():
         ref = model(torch.cat([prompt, cont], 1)).logits[:, prompt.shape[1] - 1:-1]
     got = CEDModeARuntime(model, plan, geo, parts).continuation_logits(prompt, cont)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, ref, **FORWARD32)
     wrong = CEDModeARuntime(model, plan, geo, random_parts(geo, plan)).continuation_logits(prompt, cont)
+    # a real difference, not rounding: 1e-3 is ~8400 eps32 of O(1) logits, ~90x FORWARD32
     assert not torch.allclose(wrong, ref, atol=1e-3)
 
 
@@ -176,6 +180,7 @@ def test_mode_a_replaying_the_whole_prompt_is_the_plain_prefill(name, tiny_model
         got = CEDModeARuntime(model, plan, geo, random_parts(geo, plan), replay=replay).continuation_logits(prompt, cont)
         assert torch.equal(got, ref), replay
     skip = CEDModeARuntime(model, plan, geo, random_parts(geo, plan), replay=4).continuation_logits(prompt, cont)
+    # a real difference, not rounding: 1e-3 is ~8400 eps32 of O(1) logits, ~90x FORWARD32
     assert not torch.allclose(skip, ref, atol=1e-3)
 
 
@@ -190,7 +195,7 @@ def test_mode_a_replay_with_true_kv_of_the_older_positions_reproduces_baseline()
     with torch.no_grad():
         ref = model(torch.cat([prompt, cont], 1)).logits[:, prompt.shape[1] - 1:-1]
     got = CEDModeARuntime(model, plan, geo, parts, replay=replay).continuation_logits(prompt, cont)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, ref, **FORWARD32)
 
 
 @pytest.mark.parametrize("name,model,plan", [
@@ -211,7 +216,7 @@ def test_mode_a_sink_with_true_kv_of_the_mapped_positions_reproduces_baseline(na
     with torch.no_grad():
         ref = model(torch.cat([prompt, cont], 1)).logits[:, prompt.shape[1] - 1:-1]
     got = CEDModeARuntime(model, plan, geo, parts, sink="exact", replay=replay).continuation_logits(prompt, cont)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, ref, **FORWARD32)
 
 
 def test_mode_a_mean_sink_puts_the_constants_at_the_first_position_only():
@@ -228,10 +233,13 @@ def test_mode_a_mean_sink_puts_the_constants_at_the_first_position_only():
     plain = plain_prefill(model, prompt)
     for layer in plan.kv_layers:
         got, ref = cache.layers[layer - 1], plain.layers[layer - 1]
-        torch.testing.assert_close(got.keys[:, :, 1:], ref.keys[:, :, 1:], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got.values[:, :, 1:], ref.values[:, :, 1:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.keys[:, :, 1:], ref.keys[:, :, 1:], **FORWARD32)
+        torch.testing.assert_close(got.values[:, :, 1:], ref.values[:, :, 1:], **FORWARD32)
         k, v = sink(layer)  # pre-RoPE; RoPE at position 0 is the identity
+        # float32: the sink entry copied (RoPE at position 0 is the identity up to one rounding): a few eps32 of
+        # O(1) entries
         assert torch.allclose(got.keys[:, :, 0], k.view(-1, geo.head_dim).expand(2, -1, -1), atol=1e-6)
+        # the value sink entry, as the key's above
         assert torch.allclose(got.values[:, :, 0], v.view(-1, geo.head_dim).expand(2, -1, -1), atol=1e-6)
     with pytest.raises(ValueError, match="parts.sink, which is None"):
         CEDModeARuntime(model, plan, geo, identity_parts(model, prompt, plan), sink="mean")
@@ -248,8 +256,9 @@ def test_mode_a_sink_over_the_whole_prompt_is_the_plain_prefill(name, tiny_model
     for replay in (10, 40):  # the first token and the last 10 of 11 (or more): every position, in two forwards
         both = CEDModeARuntime(model, plan, geo, random_parts(geo, plan), sink="exact",
                                replay=replay).continuation_logits(prompt, cont)
-        torch.testing.assert_close(both, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(both, ref, **FORWARD32)
     skip = CEDModeARuntime(model, plan, geo, random_parts(geo, plan), sink="exact").continuation_logits(prompt, cont)
+    # a real difference, not rounding: 1e-3 is ~8400 eps32 of O(1) logits, ~90x FORWARD32
     assert not torch.allclose(skip, ref, atol=1e-3)
 
 

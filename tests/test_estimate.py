@@ -83,6 +83,7 @@ def test_full_profile_offline_and_the_gpu_guide_shows_its_output(tmp_path, capsy
     assert sum(layout.widths().values()) * 4 == 43_008  # fp32 bytes per token: H_16 + K/V of 20, 24, 28, 32
     bf16 = dataclasses.replace(params, dump=dataclasses.replace(params.dump, storage_dtype="bfloat16"))
     assert estimate.est_dump(estimate.setup(bf16, "cuda", tmp_path)).disk * 2 == pytest.approx(
+        # float64 byte estimates: bf16 halves every dumped byte; the rest is integer metadata (<1e-4)
         estimate.est_dump(s).disk, rel=1e-4)
     stages = {e.stage: e for e in estimate.estimate(s)}
     train_rows = int(s.dump.tokens[s.split[0]].sum())  # 2,280 of 2,400 records, 512 tokens each at most

@@ -70,6 +70,8 @@ def test_reduced_rank_is_the_best_rank_r_map_of_block_scaled_predictions():
     want = W32.numpy() / scale @ V @ V.T * scale
     bank = reduced_rank(maps, mean, cov, 6)
     got = (bank.heads.weight.detach().double() @ bank.basis.weight.detach().double()).T
+    # float32 bank weights (a float64 fit stored in float32, product of two): ~2 eps32 relative per entry times the
+    # 6-term product, 1e-4 relative leaves room; atol in units of the largest entry
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
     at_mean = mean.float()[None]  # the bank predicts the maps' own K/V at the inputs' mean
     torch.testing.assert_close(stacked(bank(at_mean), at_mean), stacked({l: p(at_mean) for l, p in maps.items()}, at_mean),

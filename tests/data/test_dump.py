@@ -7,7 +7,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_params
+from conftest import FORWARD32, tiny_params
 from tiny_dump import TEXTS
 
 from ced_csa2.data.dump_file import DumpError, DumpReader
@@ -62,11 +62,11 @@ def test_dump_equals_direct_forward_without_pads(workdir):
             rows = slice(offs[r], offs[r + 1])
             # batched with right padding vs alone: equal up to fp32 reduction order
             torch.testing.assert_close(torch.from_numpy(reader.rows("h_split", rows.start, rows.stop)),
-                                       out.hidden_states[16][0], atol=1e-5, rtol=1e-5)
+                                       out.hidden_states[16][0], **FORWARD32)
             for layer in (20, 24, 28, 32):
                 for kind in "kv":
                     torch.testing.assert_close(torch.from_numpy(reader.rows(f"{kind}_{layer}", rows.start, rows.stop)),
-                                               store[kind][layer][0], atol=1e-5, rtol=1e-5)
+                                               store[kind][layer][0], **FORWARD32)
 
 
 def test_batch_of_one_is_bit_exact(workdir):

@@ -62,6 +62,7 @@ def independent_gold_nll(model, tok, problems):
 ])
 def test_wilson_interval_matches_hand_computation(successes, n, low, high):
     got = gsm8k.wilson_interval(successes, n)
+    # the hand values are given to 6 decimals; the interval itself is float64 arithmetic
     assert got == pytest.approx((low, high), abs=1e-6)
 
 
@@ -321,6 +322,7 @@ def test_exact_match_through_lm_eval_filters(tmp_path, tiny_model, reply, strict
         acc = out[name]
         assert (acc["correct"], acc["n"]) == (correct, 6), name
         assert acc["exact_match"] == pytest.approx(correct / 6), name
+        # WILSON_6 is given to 6 decimals; the interval itself is float64 arithmetic
         assert acc["ci95"] == pytest.approx(WILSON_6[correct], abs=1e-6), name
     assert len(pairs) == 6 and all(cut < len(ids) for ids, cut in pairs)
 

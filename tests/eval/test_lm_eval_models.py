@@ -62,6 +62,8 @@ def test_true_maps_give_the_baselines_loglikelihoods_and_greedy_outputs(llama_an
     lm = ModeALM(CEDModeARuntime(model, LLAMA_COVERING.validate(geo), geo, true_maps(model, LLAMA_COVERING)), tok)
     got_ll, got_gen = lm.loglikelihood(ll_requests()), lm.generate_until(gen_requests())
     for (g, g_greedy), (w, w_greedy) in zip(got_ll, want_ll):
+        # float32 log-likelihoods of one continuation through two code paths (a Mode A runtime and the plain model):
+        # FORWARD32's 96 eps relative, ~1e-5, also absolute for sums near 0
         assert g == pytest.approx(w, rel=1e-5, abs=1e-5) and g_greedy == w_greedy
     assert got_gen == want_gen and any(got_gen)
     # Wrong maps move both.
@@ -81,6 +83,8 @@ def test_on_hybrid_qwen3_5_each_request_is_the_runtimes_own_computation(tiny_mod
         ctx, whole = lm.tok_encode(c), lm.tok_encode(c + x)
         prompt, cont = torch.tensor([ctx]), torch.tensor([whole[len(ctx):]])
         logp = torch.log_softmax(runtime.continuation_logits(prompt, cont)[0].float(), -1)
+        # the same float32 continuation logits, summed in float64 on one side and Python floats on the other: a few
+        # float32 eps of |log p| per token, well inside 1e-6 relative of the sum
         assert ll == pytest.approx(logp.gather(-1, cont[0, :, None]).sum().item(), rel=1e-6)
         assert greedy == bool((logp.argmax(-1) == cont[0]).all())
     [text] = lm.generate_until(gen_requests(6)[:1])

@@ -18,6 +18,7 @@ def test_value_is_the_corpus_level_change_and_the_interval_covers_it():
     group[:, 0] += group[:, 1] * rng.normal(0.05, 0.02, 60)  # +~5% PPL, record to record noise
     out = paired_bootstrap(group, base, "delta_ppl_pct", seed=1)
     ppl = lambda a: np.exp(a[:, 0].sum() / a[:, 1].sum())  # noqa: E731
+    # float64 throughout (sums of 60 float64 values, exp): ~60 eps64 ≈ 1e-14 relative
     assert out["value"] == pytest.approx(100 * (ppl(group) / ppl(base) - 1), rel=1e-12)
     low, high = out["ci95"]
     assert low < out["value"] < high and low > 0  # a real +5% change is told apart from zero
@@ -33,6 +34,8 @@ def test_pairing_removes_the_shared_record_difficulty():
     group = base.copy()
     group[:, 0] += 0.01 * group[:, 1]
     low, high = paired_bootstrap(group, base, "delta_nll", seed=0)["ci95"]
+    # float64: every resample's delta is exactly 0.01 up to ~eps64 × 60 terms; an interval of width 0 to rounding (a
+    # real spread would be >= 1e-4)
     assert high - low < 1e-9 and low == pytest.approx(0.01)
 
 

@@ -166,8 +166,10 @@ def test_a_sliding_layer_holds_min_context_window_minus_one_entries():
     assert kb.bytes_per_token(copies) == 18 * 2 * entry  # no context: every layer per token
     for context in (100, 511, 4096, 131072):
         held = 3 * 2 * entry * context + 15 * 2 * entry * min(context, window - 1)
+        # float64 byte counts (integers up to ~1e9, one division): a few eps64 relative
         assert kb.bytes_per_token(copies, context) * context == pytest.approx(held, rel=1e-12)
     # csa2 drops one sliding (14) and one full (18) reader: at 128K the full one is what counts.
     csa2 = kb.kv_copies(geo, plan, "csa2", "all_attention", 2)
     saved = kb.bytes_per_token(copies, 131072) - kb.bytes_per_token(csa2, 131072)
+    # float64 byte counts (integers, one division by 131072): a few eps64 relative
     assert saved == pytest.approx(2 * entry * (1 + (window - 1) / 131072), rel=1e-12)

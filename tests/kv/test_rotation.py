@@ -38,8 +38,10 @@ def eye(n):
 @pytest.mark.parametrize("n", [1, 2, 8, 16, 64, 256])
 def test_hadamard_is_the_normalised_sylvester_matrix(n):
     h = hadamard(n)
+    # float64 Hadamard entries ±n^-1/2, n-term sums: n × eps64 ≈ 3e-14 for n = 128
     assert torch.allclose(h @ h.T, eye(n), rtol=0, atol=1e-12) and torch.equal(h, h.T)
     entry = torch.full((n, n), n ** -0.5, dtype=torch.float64)
+    # float64: n^-1/2 is one rounding (eps64/2 relative) in either computation
     assert torch.allclose(h.abs(), entry, rtol=0, atol=1e-15)
     assert torch.equal(h[0], h[0, 0].expand(n)) and h[0, 0] > 0  # first row all +
 
@@ -48,6 +50,7 @@ def test_hadamard_is_the_normalised_sylvester_matrix(n):
 def test_rotation_is_orthogonal_seeded_and_per_layer(n):
     r = rotation_matrix(n, 7)
     assert r.dtype == torch.float64 and r.shape == (n, n)
+    # float64 orthogonal matrix (QR), n-term sums: n × eps64 ≈ 3e-14 for n = 128
     assert torch.allclose(r @ r.T, eye(n), rtol=0, atol=1e-12) and torch.allclose(r.T @ r, eye(n), rtol=0, atol=1e-12)
     assert torch.equal(r, rotation_matrix(n, 7))  # determinism: weights from a seed
     assert not torch.allclose(r, rotation_matrix(n, 8))
@@ -64,10 +67,13 @@ def test_round_trip_without_fp4_returns_the_input(head_dim):
     x = torch.randn(2, 5, 3 * head_dim, dtype=torch.float64) * 10
     y = r.rotate(x)
     assert y.dtype == torch.float64 and not torch.allclose(y, x)
+    # float64 rotate and unrotate, |x| ~ 3 over n-term sums: ~2n × eps64 × 3 ≈ 2e-13
     torch.testing.assert_close(r.unrotate(y), x, rtol=0, atol=1e-12)
     x32 = x.float()
     back = r.unrotate(r.rotate(x32), dtype=torch.float32)
     assert back.dtype == torch.float32
+    # float32 rotate and unrotate (two matmuls over head_dim terms, |x| ~ 3): <= 2 × head_dim roundings, ~40 eps32 ≈
+    # 5e-6
     torch.testing.assert_close(back, x32, rtol=1e-5, atol=1e-5)
     # bf16 entries are rotated in float32 and read back in bf16
     xb = x32.bfloat16()
@@ -79,6 +85,7 @@ def test_rotation_acts_on_each_head_alone():
     x = torch.randn(4, 3 * hd, dtype=torch.float64)
     y = r.rotate(x)
     for h in range(3):
+        # float64 per-head matmuls in two groupings: ~head_dim × eps64 × |x| ≈ 1e-14
         torch.testing.assert_close(y[:, h * hd:(h + 1) * hd], x[:, h * hd:(h + 1) * hd] @ r.matrix.T, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="do not split into heads of 16 channels"):
         r.rotate(torch.randn(4, 40))
@@ -193,9 +200,11 @@ def test_rotated_runtime_reads_back_rotated_fp4(tiny_model, fmt_name):
             assert torch.equal(read, plain), (layer, kind)
             continue
         assert torch.equal(read, _by_hand(fmt, raw, layer, geo.head_dim)), (layer, kind)
+        # a real difference, not rounding: 1e-6 is ~8 eps32 of O(1) entries: beyond a float32 rounding
         assert not torch.allclose(read, plain, atol=1e-6) and not torch.allclose(read, raw, atol=1e-6)
     with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "baseline_fp4", kv_format=fmt_name):
         plain_logits = model(x).logits
+    # a real difference, not rounding: 1e-5 is ~84 eps32 of O(1) logits: beyond FORWARD32's rounding
     assert not torch.allclose(rot_logits, plain_logits, atol=1e-5)
 
 

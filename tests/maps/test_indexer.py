@@ -24,6 +24,7 @@ def test_scores_are_v4_1_s_weighted_sum_of_relu_dot_products():
         for t in range(5):
             for j in range(7):
                 want[b, t, j] = sum(w[b, h, t] * max(0.0, float(q[b, h, t] @ k[b, j])) for h in range(3))
+    # float32 scores (3 heads × 4-term dots, O(1)) against Python-float sums: ~16 eps32 ≈ 2e-6
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -32,6 +33,7 @@ def test_an_offset_is_the_query_s_last_channel_against_a_constant_key_channel_in
     q, w, k = torch.randn(1, 2, 3, 5), torch.randn(1, 2, 3), torch.randn(1, 4, 4)
     got = LightningIndexer.scores(q, w, k)  # queries one channel wider than the keys
     want = LightningIndexer.scores(q, w, torch.cat((k, torch.ones(1, 4, 1)), -1))
+    # float32: an extra channel of ones adds one rounding per score (O(1)): eps32-level, << 1e-6
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="width 5 cannot score keys of width 3"):
         LightningIndexer.scores(q, w, k[..., :3])
@@ -51,8 +53,10 @@ def test_rotated_keys_leave_the_float_scores_and_change_only_what_fp4_stores():
         kp, kr = plain.keys(k, cos, sin), rotated.keys(k, cos, sin)
         sp = LightningIndexer.scores(*plain.queries(x, cos, sin), kp)
         sr = LightningIndexer.scores(*rotated.queries(x, cos, sin), kr)
+    # float32: the rotation is two extra 8-term matmuls per score (O(1) values): ~16 eps32 ≈ 2e-6
     torch.testing.assert_close(sr, sp, rtol=1e-5, atol=1e-5)
     r = rotated.rotations[0].matrix.float()
+    # float32: the rotation as one 8-term matmul, in two orders: ~8 eps32 of O(1) keys
     torch.testing.assert_close(kr.view(1, 6, 2, 8), kp.view(1, 6, 2, 8) @ r.T, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(kr, kp)
 
@@ -77,9 +81,12 @@ def test_key_copies_are_stored_side_by_side_each_under_its_own_rotation_and_scor
         kp, k2 = plain.keys(k, cos, sin), two.keys(k, cos, sin)
         s_float = LightningIndexer.scores(*plain.queries(x, cos, sin), kp)
         torch.testing.assert_close(LightningIndexer.scores(*two.queries(x, cos, sin), k2), s_float,
+                                   # float32: the rotation is two extra 8-term matmuls per score (O(1) values): ~16
+                                   # eps32 ≈ 2e-6
                                    rtol=1e-5, atol=1e-5)
         for c, half in enumerate(k2.split(16, -1)):
             r = two.rotations[c].matrix.float()
+            # float32: the rotation as one 8-term matmul, in two orders: ~8 eps32 of O(1) keys
             torch.testing.assert_close(half.view(1, 64, 2, 8), kp.view(1, 64, 2, 8) @ r.T, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(*k2.split(16, -1))
         errors = []
@@ -106,6 +113,7 @@ def test_loss_is_the_kl_from_the_target_over_the_visible_entries():
         p, s = target[0, r, :n].double(), scores[0, r, :n].detach().double()
         log_q = s - torch.logsumexp(s, 0)
         want.append(sum(float(pi * (torch.log(pi) - lq)) for pi, lq in zip(p, log_q) if pi > 0))
+    # float32 loss (a mean of float32 KLs, O(1)) against float64: a few eps32 relative, << 1e-6
     assert loss.item() == pytest.approx(np.mean(want), rel=1e-6)
     loss.backward()
     assert torch.isfinite(scores.grad).all() and (scores.grad[0, 0, 3:] == 0).all()
@@ -155,9 +163,11 @@ def test_samples_are_the_layer_s_head_averaged_attention_and_its_inputs(llama_sa
     logits = (q @ kh.transpose(-1, -2)) / geo.head_dim ** 0.5
     logits = logits.masked_fill(torch.ones(96, 96, dtype=torch.bool).triu(1), float("-inf"))
     rows = s.rows[0]
+    # float32 softmax averaged over heads, the same ops in another grouping: a few eps32 of p <= 1
     torch.testing.assert_close(s.target[0], logits.softmax(-1).mean(1)[0, rows], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s.x[0], x[0, rows], rtol=0, atol=0)
     torch.testing.assert_close(s.k[0], k[0], rtol=0, atol=0)
+    # float32 probabilities: the sum of <= 96 of them is 1 to ~96 eps32 ≈ 1e-5
     assert (s.target[0].sum(-1) - 1).abs().max() < 1e-5
     assert torch.isinf(s.oracle[0, 0, int(rows[0]) + 1:]).all()
 
@@ -217,12 +227,16 @@ def test_selection_counts_the_oracle_s_top_k_and_the_attention_it_keeps_among_th
             oracle_kept.append(float(p[sorted(b)].sum() / p.sum()))
             best_kept.append(float(p[sorted(c)].sum() / p.sum()))
     assert got["recall"][k] == pytest.approx(np.mean(fractions), abs=1e-6)  # float32 fractions
+    # float32 fractions, averaged: a few eps32 (1.2e-7) of values <= 1
     assert got["recall_attention"][k] == pytest.approx(np.mean(fractions_attention), abs=1e-6)
+    # float32 masses (sums of <= ~90 probabilities, divided): ~90 eps32 ≈ 1e-5
     assert got["mass"][k] == pytest.approx(np.mean(kept), abs=1e-5)
     assert 0 < got["recall"][k] < 1 and 0 < got["mass"][k] < 1
     oracle = it.selection(None, s, [k], window)
+    # float32 masses (sums of <= ~90 probabilities, divided): ~90 eps32 ≈ 1e-5
     assert oracle["recall"][k] == 1 and oracle["mass"][k] == pytest.approx(np.mean(oracle_kept), abs=1e-5)
     best = it.selection(None, s, [k], window, by_attention=True)
+    # float32 masses (sums of <= ~90 probabilities, divided): ~90 eps32 ≈ 1e-5
     assert best["recall_attention"][k] == 1 and best["mass"][k] == pytest.approx(np.mean(best_kept), abs=1e-5)
     assert best["mass"][k] >= max(oracle["mass"][k], got["mass"][k])  # no selection keeps more attention
     with pytest.raises(ValueError, match="by_attention"):
@@ -245,6 +259,8 @@ def test_init_from_attention_starts_at_the_oracle_and_lifted_offsets_keep_its_or
     w = attn.scaling / model.config.num_attention_heads
     with torch.no_grad():
         got = LightningIndexer.scores(*indexer.queries(x, cos, sin), indexer.keys(k, cos, sin))
+    # float32 scores from a folded query (sums over the group's heads and head_dim, O(1)): ~64 eps32 ≈ 1e-5
+    # absolute, 1e-4 relative for the larger ones
     torch.testing.assert_close(got, w * per_kv.relu().sum(1), rtol=1e-4, atol=1e-5)  # offsets 0: clipped per KV head
     # Lifted over samples of this sequence, none of their dot products is clipped, so at their rows the score
     # is the oracle's, scaled and shifted -- the oracle's order (random weights: the offsets are not trivial).
@@ -255,6 +271,7 @@ def test_init_from_attention_starts_at_the_oracle_and_lifted_offsets_keep_its_or
     with torch.no_grad():
         got = LightningIndexer.scores(*indexer.queries(x, cos, sin), indexer.keys(k, cos, sin))[0, rows]
     want = w * (per_kv[0][:, rows] + offsets[:, None, None]).sum(0)
+    # float32 scores plus per-head offsets (O(1), summed over heads in another order): ~100 eps32
     torch.testing.assert_close(got[older], want[older], rtol=1e-4, atol=1e-4)
     oracle = held[3].oracle[0]
     for r in range(len(rows)):
@@ -306,6 +323,8 @@ def test_the_anchor_adds_its_weight_times_the_kl_from_the_start(llama_samples):
     anchored = it._batch_loss(moved, s, idx, window, start=start, anchor=3.0)
     assert float((anchored - plain).detach()) == pytest.approx(3.0 * want, rel=1e-4)  # float32 sums over ~90 entries
     same = it._batch_loss(moved, s, idx, window, start=moved, anchor=3.0)
+    # float32: an anchor at the start itself adds exact zeros; what differs is rounding of an O(1) loss: a few
+    # eps32, << 1e-6
     assert float(same.detach()) == pytest.approx(float(plain.detach()), abs=1e-6)
 
 

@@ -76,6 +76,8 @@ def test_streaming_ridge_equals_sklearn(noisy_dump, lam):
     W, b = acc.solve(lam)
     ref = Ridge(alpha=lam, fit_intercept=True, solver="cholesky").fit(X, Y)
     assert W.dtype == torch.float64 and W.shape == (HIDDEN, 2 * KV_DIM) and b.shape == (2 * KV_DIM,)
+    # float64 normal equations against sklearn's Cholesky: eps64 × cond(XᵀX + λI); 1e-8 allows a condition
+    # number up to ~4e7
     assert rel_err(W, ref.coef_.T) < 1e-8 and rel_err(b, ref.intercept_) < 1e-8
 
 
@@ -86,6 +88,8 @@ def test_lambda_zero_well_posed_equals_least_squares(noisy_dump, caplog):
         W, b = acc.solve(0.0)
     assert "falling back" not in caplog.text
     ref = LinearRegression().fit(X, Y)
+    # float64 normal equations against sklearn's least squares: eps64 × cond(XᵀX); 1e-8 allows a condition
+    # number up to ~4e7
     assert rel_err(W, ref.coef_.T) < 1e-8 and rel_err(b, ref.intercept_) < 1e-8
 
 
@@ -107,17 +111,22 @@ def test_collinear_inputs_take_the_logged_fallback(caplog, jitter, reason):
     W_min_norm = np.linalg.lstsq(Xc, Yc, rcond=None)[0]  # lstsq gives the minimum-norm solution
     if jitter == 0.0:
         assert "rank 6 of 8" in caplog.text
+        # float64 solutions in the well-conditioned rank-6 subspace (the null directions dropped): eps64 × its
+        # condition number ≪ 1e-8
         assert rel_err(W, W_min_norm) < 1e-8
+        # the intercept, as W above (float64)
         assert rel_err(b, Y.mean(0) - X.mean(0) @ W_min_norm) < 1e-8
     pred = X @ W.numpy() + b.numpy()
     best = ((Yc - Xc @ W_min_norm) ** 2).sum()
     # Dropping the near-null directions costs almost nothing in fit and keeps W small.
+    # not rounding: the pseudo-inverse drops near-null directions that carry a little fit (<1%)
     assert ((Y - pred) ** 2).sum() == pytest.approx(best, rel=1e-2)
     assert float(W.abs().max()) < 10.0
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="ced_csa2.maps.ridge"):
         W1, _ = acc.solve(1.0)  # a positive lambda makes the same system well posed
     assert caplog.text == ""
+    # float64 normal equations against sklearn: eps64 × cond(XᵀX + I) ≪ 1e-8
     assert rel_err(W1, Ridge(alpha=1.0).fit(X, Y).coef_.T) < 1e-8
 
 
@@ -142,9 +151,14 @@ def test_fit_stats_match_numpy_and_sklearn():
     cos = (p32 * t32).sum(1) / np.linalg.norm(p32, axis=1) / np.linalg.norm(t32, axis=1)
     sse = ((p32 - t32) ** 2).sum()
     assert got["n"] == 1000
+    # float64 sums of float32 rows (both sides): ~n × eps64 ≈ 1e-13, 1e-9 leaves room for sklearn's other formula of
+    # r2
     assert got["r2"] == pytest.approx(r2_score(t32, p32, multioutput="variance_weighted"), rel=1e-9)
+    # float64 sums of float32 rows, the same formula: a few eps64
     assert got["cos"] == pytest.approx(cos.mean(), rel=1e-12)
+    # float64 sums of float32 rows, the same formula: a few eps64
     assert got["rel_mse"] == pytest.approx(sse / (t32 ** 2).sum(), rel=1e-12)
+    # float64 sums of float32 rows, the same formula: a few eps64
     assert got["mse"] == pytest.approx(sse / t32.size, rel=1e-12)
     with pytest.raises(ValueError, match="before any rows"):
         FitStats().result()
@@ -199,6 +213,7 @@ def test_stage_fits_exact_linear_maps(tmp_path, monkeypatch):
     assert set(metrics) == expected | {"run"}
     for name in expected:
         assert metrics[name]["r2"] > 0.9999 and metrics[name]["cos"] > 0.9999, (name, metrics[name])
+        # not rounding: a fit from near-exact linear rows; a wrong map gives rel_mse ~1
         assert metrics[name]["rel_mse"] < 1e-4 and metrics[name]["n_val"] == metrics["run"]["n_val_rows"]
     assert set(maps) == {*[f"proj_{layer}" for layer in plan.projected], *adapter_maps,
                          *[f"ced_{m}" for m in adapter_maps]}
@@ -238,7 +253,9 @@ def test_projected_source_maps_equal_sklearn_on_the_projected_inputs(tmp_path):
     for kind, cols in (("k", slice(0, KV_DIM)), ("v", slice(KV_DIM, 2 * KV_DIM))):
         ref = Ridge(alpha=3.0, solver="cholesky").fit(projected[:, cols],
                                                       load_rows(path, [f"{kind}_2"], mask, torch.float64).numpy())
+        # the rows went through the float32 projector: eps32 (1.2e-7) × cond of the ridge system, up to ~80 allowed
         assert rel_err(maps[f"ced_{kind}_2"]["W"], ref.coef_.T) < 1e-5
+        # the rows went through the float32 projector: eps32 (1.2e-7) × cond of the ridge system, up to ~80 allowed
         assert rel_err(maps[f"ced_{kind}_2"]["b"], ref.intercept_) < 1e-5
     ref = Ridge(alpha=3.0, solver="cholesky").fit(projected, load_rows(path, ["v_2"], mask, torch.float64).numpy())
     assert rel_err(maps["ced_v_2_from_kv"]["W"], ref.coef_.T) < 1e-5  # from the whole projected entry [K ‖ V]

@@ -132,7 +132,9 @@ def test_ridge_statistics_all_reduced_solve_as_one_process(repo):
     one, two = (torch.load(repo / f"ridge64_{n}.pt") for n in (1, 2))
     for (W1, b1), (W2, b2) in zip(one, two):
         assert W1.dtype == torch.float64
+        # float64 Gram sums in two shards vs one: ~n × eps64 ≈ 1e-12 relative after the solve
         assert float((W2 - W1).abs().max() / W1.abs().max()) <= 1e-10
+        # float64 Gram sums in two shards vs one: ~n × eps64 ≈ 1e-12 relative after the solve
         assert float((b2 - b1).abs().max() / b1.abs().max()) <= 1e-10
     # The stage itself: its float32 maps agree to float32 rounding, and rank 0 alone wrote them.
     stage(repo, "ridge", 1)
@@ -142,6 +144,8 @@ def test_ridge_statistics_all_reduced_solve_as_one_process(repo):
     assert single.keys() == maps.keys()
     for name in maps:
         for key in ("W", "b"):
+            # float64 fits stored in float32: one float32 rounding (eps32/2 = 6e-8) apart at most plus the float64
+            # differences above
             torch.testing.assert_close(maps[name][key], single[name][key], rtol=1e-6, atol=1e-7)
 
 
@@ -164,6 +168,7 @@ def test_one_epoch_of_ddp_training_is_one_process_training(repo, name, metrics):
     assert ddp_metrics["run"]["amp_dtype"] == single_metrics["run"]["amp_dtype"] == getattr(params, name).amp_dtype
     # The fp32 weights, through what was measured with them (held-out fit before and after the epoch) ...
     for layer, m in single_metrics["layers"].items():
+        # atol for metrics near 0: ~1 eps32 of the O(1) quantities measured (rtol from rtol_for)
         np.testing.assert_allclose(flat(ddp_metrics["layers"][layer]), flat(m), rtol=rtol, atol=1e-7)
     # ... and the checkpoint's FP16 rounding of them: at most one FP16 ulp apart in float32.  Under
     # autocast a gradient rounded to its dtype can flip the projector's AdamW step on a weight near
@@ -173,6 +178,7 @@ def test_one_epoch_of_ddp_training_is_one_process_training(repo, name, metrics):
     assert single["state"].keys() == ddp["state"].keys()
     for key, value in single["state"].items():
         want = value.float()
+        # float32: ~8 eps32 of O(1) optimiser state for entries near 0 (rtol from rtol_for)
         atol = 1e-6 if amp == torch.float32 else max(rtol * float(want.abs().max()), 2.0 ** -24)
         torch.testing.assert_close(ddp["state"][key].float(), want, rtol=max(2 ** -10, rtol), atol=atol,
                                    msg=lambda detail: f"{name}: {key}: {detail}")
@@ -196,11 +202,16 @@ def test_distributed_perplexity_is_single_process_perplexity(repo):
     assert single["groups"].keys() == ddp["groups"].keys()
     for group, v in single["groups"].items():
         assert ddp["groups"][group]["tokens"] == v["tokens"]
+        # float64 NLL sums of float32 per-token terms: the shards only split the rows; a few eps32 per token,
+        # relative <~ 1e-7
         assert abs(ddp["groups"][group]["ppl"] / v["ppl"] - 1) <= 1e-6, group
         for key in ("delta_pct_ci95", "kl_ci95"):
             if key in v:
+                # float64 sums of float32 per-token terms, rows split across shards: a few eps32 relative
                 np.testing.assert_allclose(ddp["groups"][group][key], v[key], rtol=1e-6, atol=1e-9)
     if single["mode_a"].get("covered"):
+        # float64 NLL sums of float32 per-token terms: the shards only split the rows; a few eps32 per token,
+        # relative <~ 1e-7
         assert abs(ddp["mode_a"]["mode_a"]["ppl"] / single["mode_a"]["mode_a"]["ppl"] - 1) <= 1e-6
 
 

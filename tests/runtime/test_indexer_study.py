@@ -40,6 +40,7 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
     geo = study_mod.load_plan(tiny_params().plan, tiny_params().model)[1]
     seqs = joined_sequences(tok, tmp_path / "data" / "corpus" / "eval.jsonl", 96, 1)
     held = it.attention_samples(model, geo, [layer], seqs, 16, 48, seed=None)[layer]
+    # the same float32 KL reloaded and recomputed (same ops, same inputs): a few eps32, << 1e-6
     assert it.held_out_kl(saved, held, 4) == pytest.approx(v["after"]["kl"], rel=1e-6)
     assert "| narrow | trained |" in study_mod.markdown(m)
     # Two stored copies: twice the key's width and bytes, and the saved file reloads with both.
@@ -47,6 +48,7 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
     assert copies["key_width"] == 2 * v["key_width"] and copies["key_bytes_per_token"] == key_bytes(2 * v["key_width"])
     reloaded = load_indexer(tmp_path / "studies" / "indexer" / "copies.pt", _rope_fn(attention(model, layer)),
                             expect={"layer": layer})
+    # the same float32 KL reloaded and recomputed (same ops, same inputs): a few eps32, << 1e-6
     assert reloaded.key_copies == 2 and it.held_out_kl(reloaded, held, 4) == pytest.approx(copies["after"]["kl"], rel=1e-6)
     # The two references: each has recall 1 against itself; the attention top-k keeps the most attention.
     assert m["oracle"]["recall"] == {4: 1.0, 8: 1.0} and m["attention_top_k"]["recall_attention"] == {4: 1.0, 8: 1.0}

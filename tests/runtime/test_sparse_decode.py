@@ -1,15 +1,17 @@
 """Sparse CSA2 decode: the dense store's generation while k covers the context; otherwise each target
-reads exactly the window and the source's top-k, adapted at those positions only, at the dense bytes."""
+reads exactly the window and the source's top-k, adapted at those positions only, at the dense bytes (used: the
+entries, as accounted; allocated: the storages of the cache's tensors)."""
 
 import pytest
 import torch
-from conftest import tiny_gemma3, tiny_llama
+from cache_storages import storage_sizes
+from conftest import FORWARD32, tiny_gemma3, tiny_llama
 from tiny_maps import LLAMA_PLAN, QWEN_PLAN, random_parts
 
 from ced_csa2.model_utils import attention, geometry
 from ced_csa2.plan import LayerPlan
 from ced_csa2.runtime.attention_calls import AttentionCalls
-from ced_csa2.runtime.shared_kv import SharedKVCache, greedy_generate, shared_kv_generate
+from ced_csa2.runtime.shared_kv import SharedKVCache, TokenStore, cache_bytes, greedy_generate, shared_kv_generate
 from ced_csa2.runtime.sparse_decode import KeyScan, SparseDecode, SparseSharedKVCache, _Kept
 
 PROMPT, NEW = 11, 6  # up to 16 cached positions
@@ -42,7 +44,7 @@ def test_reads_that_cover_the_context_give_the_dense_store_s_generation_bit_for_
     dense = shared_kv_generate(model, plan, group, parts, prompt, NEW)
     sparse = sparse_generate(model, plan, group, parts, prompt, SparseDecode(k=PROMPT + NEW - 4, window=4))
     assert torch.equal(sparse.tokens, dense.tokens) and torch.equal(sparse.logits, dense.logits)
-    assert sparse.cache.held_bytes() == dense.cache.held_bytes()
+    assert cache_bytes(sparse.cache) == cache_bytes(dense.cache)  # used and allocated
     assert untouched(model)
 
 
@@ -88,9 +90,11 @@ def test_each_target_reads_the_window_and_the_source_s_top_k_adapted_at_those_po
         assert k_sparse.shape[2] == reads.k + reads.window
         at = expected[:, None, :, None].expand(-1, k_dense.shape[1], -1, k_dense.shape[-1])
         # float32: the adapter on 5 rows vs on all rows (another matmul blocking), then k_norm and RoPE
-        torch.testing.assert_close(k_sparse, k_dense.gather(2, at), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v_sparse, v_dense.gather(2, at), rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(sparse_logits, dense_logits, atol=1e-4)  # fewer entries read: not the dense step
+        # the kept entries re-adapted and gathered vs the dense read of the same positions: one forward's roundings
+        torch.testing.assert_close(k_sparse, k_dense.gather(2, at), **FORWARD32)
+        torch.testing.assert_close(v_sparse, v_dense.gather(2, at), **FORWARD32)
+    # fewer entries read: not the dense step (1e-4 is ~840 float32 eps on logits ~1, 8x FORWARD32)
+    assert not torch.allclose(sparse_logits, dense_logits, atol=1e-4)
     assert untouched(model)
 
 
@@ -106,7 +110,9 @@ def test_sparse_generation_holds_the_dense_store_s_bytes_and_the_kept_entries(se
     dense = shared_kv_generate(model, plan, "csa2", parts, prompt, NEW)
     sparse = sparse_generate(model, plan, "csa2", parts, prompt, reads)
     extra = adapted(plan, model, prompt, kept)
-    assert sparse.cache.held_bytes() == dense.cache.held_bytes() + extra
+    sparse_bytes, dense_bytes = cache_bytes(sparse.cache), cache_bytes(dense.cache)
+    assert sparse_bytes.used == dense_bytes.used + extra
+    assert sparse_bytes.allocated == dense_bytes.allocated + extra == storage_sizes(sparse.cache)  # tables: exact
     assert reads.adapted_bytes(len(plan.targets), geometry(model.config).kv_dim, 4, prompt.shape[0]) == extra
 
 
@@ -137,7 +143,7 @@ def test_the_targets_keep_the_most_recently_read_entries_in_one_table_and_rebuil
             assert calls == expect, f"step {step}, layer {layer}"
             assert torch.equal(k, sign * at.float()[:, None, :, None].expand(-1, 2, -1, 2)) and torch.equal(v, -k)
     assert sorted(kept.positions[0].tolist()) == [0, 2, 3]
-    assert kept.nbytes == 2 * 2 * 3 * 2 * 2 * 4  # 2 targets x K, V x 3 slots x 2 heads x 2 channels x float32
+    assert kept.used_bytes == 2 * 2 * 3 * 2 * 2 * 4  # 2 targets x K, V x 3 slots x 2 heads x 2 channels x float32
 
 
 @pytest.mark.parametrize("keep", [None, 8])
@@ -174,7 +180,7 @@ def test_kept_entries_are_reused_and_only_other_positions_run_the_adapter(setup,
         parts.adapt = adapt
     read = prompt.shape[0] * (reads.k + reads.window)
     for step, ((logits, n_reused), (logits_fresh, n_fresh)) in enumerate(zip(reused, fresh)):
-        torch.testing.assert_close(logits, logits_fresh, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, logits_fresh, **FORWARD32)  # one float32 forward on two paths
         if step >= 2:  # the second sparse step on: some entries carried over (the window moved by one)
             assert n_fresh == [read] * len(plan.targets) and all(n < read for n in n_reused)
     assert untouched(model)
@@ -255,13 +261,14 @@ def test_with_an_indexer_every_reader_reads_the_window_and_the_indexer_s_top_k(s
         _, k_dense, v_dense = dense[layer]
         _, k_sparse, v_sparse = sparse[layer]
         at = expected[:, None, :, None].expand(-1, k_dense.shape[1], -1, k_dense.shape[-1])
-        torch.testing.assert_close(k_sparse, k_dense.gather(2, at), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v_sparse, v_dense.gather(2, at), rtol=1e-5, atol=1e-5)
-    dense_bytes = SharedKVCache(model, plan, "csa2", parts)
-    with dense_bytes.feed(), torch.no_grad():
-        model(input_ids=torch.cat([prompt, prompt[:, :1]], 1), cache=dense_bytes, use_cache=True)
-    assert cache.held_bytes() == (dense_bytes.held_bytes() + prompt.shape[0] * n * key_bytes(indexer.key_width)
-                                  + adapted(plan, model, prompt, reads.kept))
+        # the kept entries re-adapted and gathered vs the dense read of the same positions: one forward's roundings
+        torch.testing.assert_close(k_sparse, k_dense.gather(2, at), **FORWARD32)
+        torch.testing.assert_close(v_sparse, v_dense.gather(2, at), **FORWARD32)
+    dense_cache = SharedKVCache(model, plan, "csa2", parts)
+    with dense_cache.feed(), torch.no_grad():
+        model(input_ids=torch.cat([prompt, prompt[:, :1]], 1), cache=dense_cache, use_cache=True)
+    keys = prompt.shape[0] * n * key_bytes(indexer.key_width)
+    assert cache_bytes(cache).used == cache_bytes(dense_cache).used + keys + adapted(plan, model, prompt, reads.kept)
     assert untouched(model)
 
 
@@ -306,3 +313,28 @@ def test_the_key_scan_scores_block_by_block_the_keys_the_whole_decode_gives():
     assert torch.equal(torch.cat(handed, 1).view(torch.int32), whole.view(torch.int32))
     assert torch.equal(scores, whole[..., 3] - whole[..., 7])
     assert [m for m, _ in seen] == [64, 64, 64, 64, 1] and len({ptr for _, ptr in seen}) == 1
+
+
+def test_a_sparse_cache_with_an_indexer_holds_its_storages_at_191_positions(setup):
+    """At a context that is not a multiple of ``GROW``: ``allocated`` is the storages of the cache's tensors (the
+    store's, the indexer keys' and the kept tables), beyond ``used`` by the store's and the keys' reserves."""
+    from ced_csa2.maps.indexer import key_bytes
+
+    model, plan, parts, _ = setup
+    kv_dim, batch, prompt_len = geometry(model.config).kv_dim, 2, 186
+    torch.manual_seed(2)
+    prompt = torch.randint(0, 250, (batch, prompt_len))
+    reads, indexer = SparseDecode(k=3, window=2), an_indexer(model, plan, rotate_keys=True, key_copies=2)
+    cache = SparseSharedKVCache(model, plan, "csa2", parts, reads=reads, indexer=indexer)
+    dense = SharedKVCache(model, plan, "csa2", parts)
+    for c in (cache, dense):
+        with c.feed():
+            greedy_generate(model, prompt, NEW, c)
+    positions = prompt_len + NEW - 1
+    assert cache.get_seq_length() == positions == 191 and cache._store.adapted is not None
+    got = cache_bytes(cache)
+    assert got.allocated == storage_sizes(cache)
+    keys = batch * positions * key_bytes(indexer.key_width)
+    assert got.used == cache_bytes(dense).used + keys + adapted(plan, model, prompt, reads.kept)
+    reserve = TokenStore.GROW - positions  # positions per store beyond the entries: the store's K and V, the keys
+    assert got.allocated - got.used == batch * reserve * (2 * kv_dim * 4 + key_bytes(indexer.key_width))

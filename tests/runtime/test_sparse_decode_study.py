@@ -9,6 +9,7 @@ from tiny_maps import random_parts
 
 from ced_csa2.maps.indexer import IndexerConfig, key_bytes
 from ced_csa2.model_utils import geometry
+from ced_csa2.runtime.shared_kv import TokenStore
 from ced_csa2.train.indexer_training import new_indexer
 
 sys.path.insert(0, str(ROOT / "studies"))
@@ -42,9 +43,20 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
     assert m["protocol"]["scored_tokens"] == 2 * 8
     assert rows["csa2"]["kl_vs_csa2"] == 0 and rows["baseline"]["kl_vs_baseline"] == 0
     assert rows["csa2 sparse oracle@4"]["kl_vs_csa2"] > 0
-    extra = rows["csa2 sparse r@4"]["held_bytes_per_position"] - rows["csa2 sparse oracle@4"]["held_bytes_per_position"]
+    extra = rows["csa2 sparse r@4"]["used_bytes_per_position"] - rows["csa2 sparse oracle@4"]["used_bytes_per_position"]
     assert extra == key_bytes(indexer.key_width)
-    assert rows["csa2"]["held_bytes_per_position"] < rows["baseline"]["held_bytes_per_position"]
+    assert rows["csa2"]["used_bytes_per_position"] < rows["baseline"]["used_bytes_per_position"]
+    # allocated: the store's reserve up to GROW positions (56 cached here), and the indexer keys' own
+    positions, grow = study.prefill + study.steps, TokenStore.GROW
+    assert all(r["allocated_bytes_per_position"] >= r["used_bytes_per_position"] for r in rows.values())
+    assert rows["baseline"]["allocated_bytes_per_position"] == rows["baseline"]["used_bytes_per_position"]
+    reserve = geometry(model.config).kv_dim * 2 * 4 * (grow - positions) / positions  # the store's K, V (float32)
+    csa2 = rows["csa2"]
+    assert csa2["allocated_bytes_per_position"] == pytest.approx(csa2["used_bytes_per_position"] + reserve)
+    allocated_extra = (rows["csa2 sparse r@4"]["allocated_bytes_per_position"]
+                       - rows["csa2 sparse oracle@4"]["allocated_bytes_per_position"])
+    assert allocated_extra == pytest.approx(key_bytes(indexer.key_width) * grow / positions)
+    assert "| csa2 | " in study_mod.markdown(m) and "bytes/position used | allocated |" in study_mod.markdown(m)
     assert "| csa2 sparse r@16 |" in study_mod.markdown(m)
     study_mod.plot(m, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0

@@ -67,8 +67,11 @@ def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
     assert layer["k"]["r2"] > 0.5 and layer["v"]["r2"] > 0.5 and layer["k"]["n"] == m["run"]["val_rows"]
     assert json.loads((workdir / paths.PROJECTOR_METRICS).read_text()) == m
     curves = epoch_curves(workdir / paths.PROJECTOR_CURVES, ["layer20"], epochs=4)
+    # the curve table keeps 8 significant digits (5e-8 relative); otherwise the same float
     assert curves["layer20", "val_loss"][0] == pytest.approx(layer["val_loss_init"], rel=1e-6)
+    # the curve table keeps 8 significant digits (5e-8 relative); otherwise the same float
     assert curves["layer20", "val_loss"][-1] == pytest.approx(layer["val_loss"], rel=1e-6)
+    # the curve table keeps 8 significant digits (5e-8 relative); the mean of two: one more rounding
     assert curves["layer20", "val_cos"][-1] == pytest.approx((layer["k"]["cos"] + layer["v"]["cos"]) / 2, rel=1e-6)
     assert curves["layer20", "train_loss"][-1] < curves["layer20", "train_loss"][0]
     assert not (workdir / "metrics/plots").exists()
@@ -91,12 +94,14 @@ def test_projector_keeps_its_best_held_out_epoch(workdir):
     kept = train_projector.run(params(projector={"init": "ridge", "lr": 0.5}), workdir)["layers"]["20"]
     val = [v for _, v in read_curves(workdir / paths.PROJECTOR_CURVES)[1]["layer20", "val_loss"]]
     assert min(val[1:]) > val[0]  # every trained epoch is worse than the start
+    # the curve table keeps 8 significant digits (5e-8 relative); otherwise the same float
     assert kept["kept_epoch"] == 0 and kept["val_loss"] == pytest.approx(val[0], rel=1e-6)
     proj, _ = load_projector(workdir / "models/projector_k20v20.pt")
     maps, _ = load_ridge(workdir / paths.RIDGE_PATH)
     # the start itself, as saved (fp16)
     assert torch.equal(proj.proj.weight, maps["proj_20"]["W"].T.half().to(proj.proj.weight.dtype))
     last = train_projector.run(params(projector={"init": "ridge", "lr": 0.5, "keep": "last"}), workdir)["layers"]["20"]
+    # the curve table keeps 8 significant digits (5e-8 relative); otherwise the same float
     assert last["kept_epoch"] == 4 and last["val_loss"] == pytest.approx(val[-1], rel=1e-6)
     assert last["val_loss"] > kept["val_loss"]
 
@@ -117,7 +122,9 @@ def test_adapters_improve_on_ridge_and_rerun_identically(workdir, tmp_path_facto
     for t, kinds in m["layers"].items():
         for kind, r in kinds.items():
             val_loss, val_cos = curves[f"layer{t}_{kind}", "val_loss"], curves[f"layer{t}_{kind}", "val_cos"]
+            # the curve table keeps 8 significant digits (5e-8 relative); otherwise the same float
             assert (val_loss[0], val_cos[0]) == pytest.approx((r["ridge"]["mse"], r["ridge"]["cos"]), rel=1e-6)
+            # the trained end, as the ridge start above (8 significant digits)
             assert (val_loss[-1], val_cos[-1]) == pytest.approx((r["trained"]["mse"], r["trained"]["cos"]), rel=1e-6)
 
     adapters = load_adapters(workdir / paths.ADAPTERS_PATH, expect=expected_meta(p, *load_plan(p.plan, p.model))[
@@ -149,6 +156,7 @@ def test_extra_projectors_are_the_ridge_maps_or_trained(workdir, tmp_path):
     got = m["layers"]["32"]
     assert got["maps"] == "ridge" and got["k"]["n"] == m["run"]["val_rows"]
     for kind in "kv":  # the same maps on the same held-out rows as the ridge stage measured (before FP16 storage)
+        # not rounding: the maps are stored as FP16 (eps 9.8e-4) before they are measured again here
         assert got[kind]["r2"] == pytest.approx(fits[f"proj_32_{kind}"]["r2"], abs=1e-3)
 
     trained = dataclasses.replace(p, extra_projectors="trained")

@@ -90,8 +90,11 @@ class TokenStore:
 
     Appending writes into spare capacity reserved ``GROW`` positions at a time, so a decode
     step copies its one new entry (transformers' ``DynamicCache`` concatenates: a copy of all
-    ``T`` entries per layer and step).  :attr:`data` and :attr:`nbytes` are the entries
-    written; the reserve (< ``GROW`` positions) is allocator slack, like a vector's.
+    ``T`` entries per layer and step).  :attr:`data` and :attr:`used_bytes` are the entries
+    written; :attr:`allocated_bytes` adds the reserve (fewer than ``GROW`` positions, like a
+    vector's spare capacity).  The reserve is memory the store holds, so it counts in the bytes
+    allocated (:func:`cache_bytes`), not in the bytes used; it is kept on purpose, for the
+    in-place append.
 
     Parameters
     ----------
@@ -124,9 +127,19 @@ class TokenStore:
         return Packed(*views, torch.Size((b, self._n, d)), self.fmt.group, self.fmt.scale_kind)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held: ``B·T·D·itemsize`` dense, ``B·T·fp4_entry_bytes(D, G)`` packed."""
+    def used_bytes(self) -> int:
+        """Bytes of the entries written: ``B·T·D·itemsize`` dense, ``B·T·fp4_entry_bytes(D, G)`` packed."""
         return 0 if self.data is None else self.data.nbytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the buffers: the entries written plus the reserve, ``B·C·D·itemsize`` (``C``, the capacity,
+        a multiple of ``GROW`` after an append that grew it; ``T`` after :meth:`keep_last` cut it)."""
+        return storage_bytes(self.tensors())
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The buffers holding the entries (dense: one; packed: elements and scales), reserve included."""
+        return self._buffers
 
     def append(self, x: torch.Tensor) -> None:
         """Add entries ``x`` ``(B, q, D)`` at the end (always a copy: never a view of ``x``)."""
@@ -176,6 +189,19 @@ class TokenStore:
 
     def clear(self) -> None:
         self._buffers, self._n, self._batch_shape, self.dtype = (), 0, None, None
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``: each ``untyped_storage().nbytes()`` counted once.
+
+    A view (a slice of a larger buffer, K and V sharing one tensor) costs its whole storage,
+    and a storage shared by several tensors is counted once.
+    """
+    storages = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        storages.setdefault((s.device, s.data_ptr()), s.nbytes())
+    return sum(storages.values())
 
 
 def _rows(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
@@ -233,7 +259,7 @@ class FP4Layer(_Windowed, _ReadOnlyShape, DynamicLayer):
     """A ``DynamicLayer`` (or, with a ``window``, ``DynamicSlidingWindowLayer``) whose K/V
     (post-k_norm, post-RoPE) are kept in FP4.
 
-    ``update`` quantises the new entries, appends them, and returns every position held
+    ``update`` quantises the new entries, appends them, and returns every position cached
     plus the new ones, dequantised, ``(B, n_kv, T, head_dim)`` each, in the input dtype;
     a sliding layer then keeps only the last ``window - 1``.
     """
@@ -244,8 +270,11 @@ class FP4Layer(_Windowed, _ReadOnlyShape, DynamicLayer):
         self.window, self.seen = window, 0
 
     @property
-    def nbytes(self) -> int:
-        return self.k_store.nbytes + self.v_store.nbytes
+    def used_bytes(self) -> int:
+        return self.k_store.used_bytes + self.v_store.used_bytes
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.k_store.tensors(), *self.v_store.tensors())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KV:
         head_dim = key_states.shape[-1]
@@ -310,8 +339,13 @@ class _SharedStore:
         self._step: dict | None = None
 
     @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+    def used_bytes(self) -> int:
+        """Bytes of the K and V entries written."""
+        return self.k.used_bytes + self.v.used_bytes
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding the store's per-token entries (reserve included)."""
+        return (*self.k.tensors(), *self.v.tensors())
 
     def write(self, new: int, update_kwargs: dict) -> None:
         """Append the source's captured ``k_proj``/``v_proj`` outputs ``(B, new, kv_dim)``."""
@@ -404,10 +438,13 @@ class _SharedLayer(_Windowed, _ReadOnlyShape, DynamicLayer):
     def seen(self) -> int:
         return self.store.seen
 
+    # The store is counted once, with the source.
     @property
-    def nbytes(self) -> int:
-        # The store is counted once, with the source.
-        return self.store.nbytes if self.layer == self.store.plan.source else 0
+    def used_bytes(self) -> int:
+        return self.store.used_bytes if self.layer == self.store.plan.source else 0
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.store.tensors() if self.layer == self.store.plan.source else ()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KV:
         # key_states/value_states (post-norm, post-RoPE) are not kept: the store is the only copy.
@@ -423,19 +460,62 @@ class _SharedLayer(_Windowed, _ReadOnlyShape, DynamicLayer):
 
 # ----------------------------------------------------------------------------- caches
 
-def kv_held_bytes(cache: Cache) -> int:
-    """Bytes of per-token K/V a cache holds: dense layers' ``keys``/``values``, FP4 layers and the shared store.
+@dataclass(frozen=True)
+class CacheBytes:
+    """The per-token K/V bytes of a cache, used and allocated (:func:`cache_bytes`).
+
+    Attributes
+    ----------
+    used : int
+        Bytes of the entries written: ``keys``/``values`` of the ordinary layers as attention
+        sees them, the shared store's and FP4 layers' entries, a sparse store's indexer keys and
+        kept entries.  What the per-token accounting (:mod:`ced_csa2.kv.kv_bytes`, the
+        ``storage`` stage; :func:`accounted_copies`) predicts, to the byte.
+    allocated : int
+        Bytes the tensors holding those entries occupy, each distinct storage once
+        (:func:`storage_bytes`): the bytes the cache *holds*.  ``>= used``: a
+        :class:`TokenStore`'s reserve (fewer than ``TokenStore.GROW`` positions per buffer), and a
+        ``DynamicSlidingWindowLayer``'s ``keys``/``values``, views of the last step's
+        ``window - 1 + new`` positions.
+    """
+
+    used: int
+    allocated: int
+
+
+def cache_bytes(cache: Cache) -> CacheBytes:
+    """A cache's per-token K/V bytes, used and allocated: ordinary layers' ``keys``/``values``, FP4 layers and
+    the shared store (with a sparse store's indexer keys and kept entries).
 
     Linear-attention (GatedDeltaNet) states are not counted: their size does not grow
     with the context, and the KV accounting (:mod:`ced_csa2.kv.kv_bytes`) leaves them out too.
+    Neither are a cache's working buffers that are not entries (a sparse store's slot table
+    and its indexer's decode table and scan buffers: a constant of the cache, not per token).
+
+    Parameters
+    ----------
+    cache
+        A ``DynamicCache``, :class:`SharedKVCache` (sparse too) or :class:`FP4KVCache`.
+
+    Returns
+    -------
+    CacheBytes
+        ``used``: the entries; ``allocated``: the storages of the tensors holding them, each once.
+
+    Examples
+    --------
+    >>> b = cache_bytes(cache)                          # doctest: +SKIP
+    >>> b.used, b.allocated                             # doctest: +SKIP
     """
-    total = 0
+    used, tensors = 0, []
     for layer in cache.layers:
         if isinstance(layer, (FP4Layer, _SharedLayer)):
-            total += layer.nbytes
+            used += layer.used_bytes
+            tensors += layer.tensors()
         elif isinstance(layer, DynamicLayer) and layer.is_initialized:
-            total += layer.keys.nbytes + layer.values.nbytes
-    return total
+            used += layer.keys.nbytes + layer.values.nbytes
+            tensors += (layer.keys, layer.values)
+    return CacheBytes(used, storage_bytes(tensors))
 
 
 class SharedKVCache(DynamicCache):
@@ -460,7 +540,7 @@ class SharedKVCache(DynamicCache):
     >>> cache = SharedKVCache(model, plan, "csa2", parts, storage="nvfp4")   # doctest: +SKIP
     >>> with cache.feed():                                                   # doctest: +SKIP
     ...     model(input_ids=ids, cache=cache, use_cache=True)
-    >>> cache.held_bytes()                                                   # doctest: +SKIP
+    >>> cache_bytes(cache).allocated                                         # doctest: +SKIP
     """
 
     def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None = None,
@@ -498,10 +578,6 @@ class SharedKVCache(DynamicCache):
             stack.callback(setattr, store, "captured", None)
             yield self
 
-    def held_bytes(self) -> int:
-        """Bytes of K/V held: the ordinary attention layers' ``keys``/``values`` plus the store."""
-        return kv_held_bytes(self)
-
 
 class FP4KVCache(DynamicCache):
     """``baseline_fp4``: ``DynamicCache`` with every attention layer's K/V stored in FP4.
@@ -525,10 +601,6 @@ class FP4KVCache(DynamicCache):
         # sliding-window ones keeping their window.
         self.layers = [FP4Layer(fmt, layer.sliding_window if type(layer) is DynamicSlidingWindowLayer else None)
                        if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer for layer in self.layers]
-
-    def held_bytes(self) -> int:
-        """Bytes of K/V held (all FP4)."""
-        return kv_held_bytes(self)
 
 
 # ----------------------------------------------------------------------------- accounting
@@ -603,7 +675,7 @@ def shared_kv_generate(model: nn.Module, plan: LayerPlan, group: str, parts: CED
     Returns
     -------
     Generation
-        Its ``cache`` is the :class:`SharedKVCache` (``cache.held_bytes()``).
+        Its ``cache`` is the :class:`SharedKVCache` (its bytes: :func:`cache_bytes`).
     """
     cache = SharedKVCache(model, plan, group, parts, storage)
     with cache.feed():

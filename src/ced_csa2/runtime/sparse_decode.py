@@ -17,7 +17,7 @@ selects, and what the source itself reads, depends on the indexer:
   trained indexer picks, and it needs the source's post-RoPE keys for every position, so
   the source still rebuilds them each step;
 * **trained** (a :class:`~ced_csa2.maps.indexer.LightningIndexer` of the source layer): the
-  store also keeps one indexer key per position (MXFP4, counted in :attr:`_SparseStore.nbytes`),
+  store also keeps one indexer key per position (MXFP4, counted in :attr:`_SparseStore.used_bytes`),
   the indexer scores them against queries from the source's attention input, and the source
   too reads only its selection and window (V4.1's Full mode): no reader touches every
   position's K/V, only the indexer's keys are scanned.
@@ -27,9 +27,11 @@ are written then).  While ``k + window`` covers the context the step is the dens
 for bit.  A target keeps its entries of the last step as its attention read them (adapted,
 normed, rotated) and runs its adapter, k_norm and RoPE only on the positions the step newly
 reads (the window moves by one; on the embedded default about
-half of the top-128 changes between steps).  The bytes held are the dense store's plus the
+half of the top-128 changes between steps).  The bytes used are the dense store's plus the
 indexer keys plus those ``k + window`` adapted entries per target
-(:meth:`SparseDecode.adapted_bytes`, flat in the context).
+(:meth:`SparseDecode.adapted_bytes`, flat in the context); the bytes allocated add the
+indexer keys' reserve, as the store's (:class:`~ced_csa2.runtime.shared_kv.TokenStore`,
+:func:`~ced_csa2.runtime.shared_kv.cache_bytes`).
 
 Limits: the dense store's (unpadded batches, no beam search), and no sliding-window source
 or target (SmolLM2 and Qwen3.5-4B have none in their plans).
@@ -160,7 +162,7 @@ class KeyScan:
 class _Slots:
     """Where the entries of one step's read sit in a :class:`_Kept` table.
 
-    ``slot`` ``(B, m)``: the slot of each read position held (0 where missed); ``miss``
+    ``slot`` ``(B, m)``: the slot of each read position kept (0 where missed); ``miss``
     ``(B, m)`` bool; ``missed`` ``(misses,)``: the missed entries' flat indices into ``(B·m)``,
     row-major; ``free``: ``(rows, slots)``, each ``(misses,)``, where those are kept from now on.
     """
@@ -189,15 +191,20 @@ class _Kept:
         self.v: dict[int, torch.Tensor] = {}
 
     @property
-    def nbytes(self) -> int:
-        return sum(x.nbytes for x in (*self.k.values(), *self.v.values()))
+    def used_bytes(self) -> int:
+        """Bytes of the targets' kept K and V (every slot: the tables are allocated whole at a target's first read)."""
+        return sum(x.nbytes for x in self.tensors())
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The targets' K and V tables (the slot bookkeeping, ``positions`` and ``last_read``, is not entries)."""
+        return (*self.k.values(), *self.v.values())
 
     def place(self, at: torch.Tensor, step: int) -> _Slots:
         """The slots of positions ``at`` ``(B, m)`` read at ``step``; the missed ones take the longest unread slots
         (never one read now), whose entries every target then replaces in its :meth:`read`."""
-        held = at[:, :, None] == self.positions[:, None, :]  # (B, m, n): at most one slot per position
-        miss, slot = ~held.any(-1), held.to(torch.uint8).argmax(-1)
-        self.last_read.masked_fill_(held.any(1), step)
+        found = at[:, :, None] == self.positions[:, None, :]  # (B, m, n): at most one slot per position
+        miss, slot = ~found.any(-1), found.to(torch.uint8).argmax(-1)
+        self.last_read.masked_fill_(found.any(1), step)
         rows, slots = [], []
         for b, m in enumerate(miss.sum(-1).tolist()):
             if m:
@@ -247,10 +254,17 @@ class _SparseStore(_SharedStore):
         self.adapted: _Kept | None = None
 
     @property
-    def nbytes(self) -> int:
+    def used_bytes(self) -> int:
         """The dense store's bytes, plus the indexer keys and the entries the targets keep between steps."""
-        adapted = self.adapted.nbytes if self.adapted is not None else 0
-        return super().nbytes + adapted + (self.index_keys.nbytes if self.index_keys is not None else 0)
+        return super().used_bytes + sum(x.used_bytes for x in self._extras())
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The dense store's tensors, plus the indexer keys' buffers (reserve included) and the targets' kept K/V."""
+        return (*super().tensors(), *(t for x in self._extras() for t in x.tensors()))
+
+    def _extras(self) -> list:
+        """What this store keeps beyond the dense store's entries: the indexer keys, the targets' kept entries."""
+        return [x for x in (self.index_keys, self.adapted) if x is not None]
 
     def covered(self) -> bool:
         """Whether ``k + window`` reaches every cached position (the step is then the dense one)."""
@@ -287,7 +301,7 @@ class _SparseStore(_SharedStore):
         k_norm and RoPE: :meth:`_SharedStore._rebuilt`) depends on that entry and its position
         alone, so an entry it kept is taken from there: only the other positions run the
         adapter, k_norm and RoPE.  Each target keeps ``reads.kept`` entries (counted in
-        :attr:`nbytes`), the most recently read: the new ones replace the longest unread.  The
+        :attr:`used_bytes`), the most recently read: the new ones replace the longest unread.  The
         targets read the same positions, so one :class:`_Kept` table places them for all (at the
         first target of each forward).
         """
