@@ -31,7 +31,8 @@ def _sha(data: bytes) -> str:
 BLOB_SHA = _sha(BLOB)
 GLOB_SHA = hashlib.sha256("".join(_sha(TOMLS[k]) for k in sorted(TOMLS)).encode()).hexdigest()
 # One file per folder of a tree (a glob in a directory component): `tree/*/*.json`.
-TREE = {f"demo_pkg/data/tree/{d}/{f}.json": f'{{"{d}": "{f}"}}'.encode() for d, f in [("b", "y"), ("a", "x"), ("a", "w")]}
+TREE = {f"demo_pkg/data/tree/{d}/{f}.json": f'{{"{d}": "{f}"}}'.encode()
+        for d, f in [("b", "y"), ("a", "x"), ("a", "w")]}
 TREE_SHA = hashlib.sha256("".join(_sha(TREE[k]) for k in sorted(TREE)).encode()).hexdigest()
 TREE_OTHERS = {"demo_pkg/data/tree/top.json": b"{}", "demo_pkg/data/tree/a/deep/z.json": b"{}",
                "demo_pkg/data/tree/a/notes.txt": b"not json"}
