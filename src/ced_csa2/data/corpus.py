@@ -1,6 +1,6 @@
 """The corpora the pipeline reads: train/eval records from the embedded Wikipedia sample, WikiText
-or the tiny set, under a token budget, and the math problems (the ``prepare`` stage writes
-them).
+or the tiny set, under a token budget, the evaluation domains' records under the same budget,
+and the math problems (the ``prepare`` stage writes them).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..assets import fetch_member
-from ..config import DataConfig, Params
+from ..config import DataConfig, DomainConfig, Params
 from ..pipeline.atomic_files import atomic_write_text, write_json
-from ..pipeline.paths import EVAL_JSONL, GSM8K_JSONL, PREPARE_METRICS, TRAIN_JSONL
+from ..pipeline.paths import DOMAINS_DIR, EVAL_JSONL, GSM8K_JSONL, PREPARE_METRICS, TRAIN_JSONL, domain_jsonl
 from . import readers
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,8 @@ def tiny_records(data: DataConfig, budget: TokenBudget) -> tuple[list[Record], l
 def _sample(records: list[Record], n: int, seed: int, purpose: str) -> list[Record]:
     """A seeded sample of ``n`` records, kept in their original order."""
     if len(records) <= n:
-        log.warning("Only %d records available for %s (wanted %d); using all", len(records), purpose, n)
+        if len(records) < n:
+            log.warning("Only %d records available for %s (wanted %d); using all", len(records), purpose, n)
         return records
     keep = sorted(_rng(seed, purpose).sample(range(len(records)), n))
     return [records[i] for i in keep]
@@ -209,6 +210,38 @@ def _nested_sample(records: list[Record], n: int, seed: int, purpose: str) -> li
 
 
 _CORPORA = {"wiki_embedded": wiki_embedded_records, "wikitext": wikitext_records, "tiny": tiny_records}
+
+# Generated domains (math, tiny) draw this many texts per record asked for: the records are a
+# seeded sample of those within the token budget, as a file-backed domain's are of all its texts.
+GENERATED_POOL = 4
+_DOMAIN_READERS = {
+    "factbook": lambda files, domain, seed: readers.factbook_backgrounds(files[0], domain.n),
+    "fiction": lambda files, domain, seed: readers.gutenberg_book(files[0], domain.n),
+    "code": lambda files, domain, seed: readers.codeio_programs(files[0], domain.n),
+    "math": lambda files, domain, seed: readers.gsm_symbolic_problems(files[0], files[1], seed,
+                                                                       GENERATED_POOL * domain.n),
+    "tiny": lambda files, domain, seed: readers.tiny_domain(seed, GENERATED_POOL * domain.n, domain.name),
+}
+
+
+def domain_records(domain: DomainConfig, seed: int, budget: TokenBudget) -> list[Record]:
+    """A seeded sample of ``domain.n`` records of one evaluation domain, in the reader's order.
+
+    Each text's paragraphs are packed under ``budget`` as an article's are (ids
+    ``<name>-<key>-<k>``); fewer than ``domain.n`` records within the budget is refused.
+    """
+    pins = domain.files
+    texts = _DOMAIN_READERS[domain.kind]([fetch_member(pin) for pin in pins], domain, seed)
+    source = f"{domain.kind}@{pins[0].package}=={pins[0].version}" if pins else f"{domain.kind}-synthetic"
+    pool = [Record(f"{domain.name}-{t.key}-{k:02d}", source, text, n)
+            for t in tqdm(texts, desc=f"domain {domain.name}", unit=" text", leave=False)
+            for k, (text, n) in enumerate(budget.pack(t.paragraphs))]
+    if len(pool) < domain.n:
+        raise ValueError(f"data.domains '{domain.name}': {len(pool)} records of {len(texts)} texts lie within "
+                         f"data.min_tokens..max_tokens ({budget.min_tokens}..{budget.max_tokens}), fewer than "
+                         f"its n={domain.n}")
+    log.info("Domain %s: sampling %d of %d records", domain.name, domain.n, len(pool))
+    return _sample(pool, domain.n, seed, f"domain:{domain.name}")
 
 
 def math_problems(data: DataConfig) -> list[dict]:
@@ -285,6 +318,7 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
     validate(data, budget)
 
     problems = math_problems(data)  # first: cheap, and surfaces a bad pin before the corpus work
+    domains = {d.name: domain_records(d, data.seed, budget) for d in data.domains}  # as cheap
     built, eval_ = _CORPORA[data.kind](data, budget)
     train = _nested_sample(built, data.n_train, data.seed, "train") if data.n_train else built
     if not train or not eval_:
@@ -293,11 +327,22 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
     overlap = {r.text for r in train} & {r.text for r in eval_}
     if overlap:
         raise ValueError(f"data '{data.name}': {len(overlap)} eval texts also occur in the training records")
+    train_texts = {r.text for r in train}
+    for name, records in domains.items():
+        shared = sum(r.text in train_texts for r in records)
+        if shared:
+            raise ValueError(f"data.domains '{name}': {shared} of its texts also occur in the training records")
 
     out_dir = Path(out_dir)
     atomic_write_text(out_dir / TRAIN_JSONL, _jsonl([asdict(r) for r in train]))
     atomic_write_text(out_dir / EVAL_JSONL, _jsonl([asdict(r) for r in eval_]))
     atomic_write_text(out_dir / GSM8K_JSONL, _jsonl(problems))
+    for name, records in domains.items():
+        atomic_write_text(out_dir / domain_jsonl(name), _jsonl([asdict(r) for r in records]))
+    for stale in sorted((out_dir / DOMAINS_DIR).glob("*.jsonl")):  # a domain no longer configured
+        if stale.stem not in domains:
+            log.info("Removing %s (not in data.domains)", stale)
+            stale.unlink()
     metrics = {
         "data": data.name,
         "model": params.model.name,
@@ -307,6 +352,7 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
         "train": split_stats(train),
         "eval": split_stats(eval_),
         "math": {"label": data.math.label, "n": len(problems)},
+        "domains": {name: split_stats(records) for name, records in domains.items()},
     }
     write_json(out_dir / PREPARE_METRICS, metrics)
     log.info("Wrote %d train records (%d tokens; of %d built), %d eval records (%d tokens), %d %s problems",

