@@ -21,17 +21,43 @@ from ced_csa2.stages import eval_ppl
 TEXTS = ALL_TEXTS[:4]  # the tiny Qwen3.5's DeltaNet layers run the slow torch fallback
 
 
-def write_eval(workdir, tok):
-    path = workdir / paths.EVAL_JSONL
-    path.parent.mkdir(parents=True)
-    rows = [{"id": f"e{i}", "source": "t", "text": t, "n_tokens": len(tok(t)["input_ids"])} for i, t in enumerate(TEXTS)]
+def write_eval(workdir, tok, texts=TEXTS, path=paths.EVAL_JSONL):
+    path = workdir / path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"id": f"e{i}", "source": "t", "text": t, "n_tokens": len(tok(t)["input_ids"])} for i, t in enumerate(texts)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def tiny_params_without_domains(**sections):
+    """:func:`tiny_params` scoring its held-out records only (the tiny DeltaNet layers are slow: one set per test)."""
+    params = tiny_params(**sections)
+    return dataclasses.replace(params, data=dataclasses.replace(params.data, domains=[]))
+
+
+def test_every_other_domain_is_scored_as_its_own_eval_set_would_be(tmp_path, tiny_model):
+    """A domain's figures are exactly those of a run whose held-out records are that domain's records."""
+    model, tok = tiny_model
+    base = tiny_params(eval_ppl={"batch_size": 2, "timing_records": 1})
+    domain = base.data.domains[0]
+    params = dataclasses.replace(base, data=dataclasses.replace(base.data, domains=[domain]))
+    parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 28, 32)))
+    write_eval(tmp_path / "run", tok, TEXTS[:2])
+    write_eval(tmp_path / "run", tok, TEXTS[2:], paths.domain_jsonl(domain.name))
+    m = eval_ppl.run(params, tmp_path / "run", parts=parts, model_and_tok=(model, tok))
+    write_eval(tmp_path / "alone", tok, TEXTS[2:])
+    alone = eval_ppl.run(dataclasses.replace(params, data=dataclasses.replace(params.data, domains=[])),
+                         tmp_path / "alone", parts=parts, model_and_tok=(model, tok))
+    scored = m["domains"][domain.name]
+    assert scored["groups"] == alone["groups"] and scored["groups"] != m["groups"]
+    assert scored["mode_a"] == alone["mode_a"]  # untimed on a domain; the held-out records' timing popped
+    assert (scored["protocol"]["domain"], scored["protocol"]["fitted_on"]) == (domain.name, params.data.name)
+    assert m["protocol"]["domain"] == params.data.name and list(m["domains"]) == [domain.name]
 
 
 def test_ppl_groups_and_mode_a(tmp_path, tiny_model):
     model, tok = tiny_model
     write_eval(tmp_path, tok)
-    params = tiny_params(eval_ppl={"batch_size": 3})
+    params = tiny_params_without_domains(eval_ppl={"batch_size": 3})
     parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 28, 32)))
     m = eval_ppl.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
 
@@ -84,7 +110,7 @@ def test_ppl_groups_and_mode_a(tmp_path, tiny_model):
 def test_mode_a_not_covered_is_explicit(tmp_path, tiny_model):
     model, tok = tiny_model
     write_eval(tmp_path, tok)
-    params = dataclasses.replace(tiny_params(eval_ppl={"groups": ["baseline"]}),
+    params = dataclasses.replace(tiny_params_without_domains(eval_ppl={"groups": ["baseline"]}),
                                  plan=PlanConfig("partial", 16, 20, [24, 32], []))
     parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 32)))
     m = eval_ppl.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
@@ -100,8 +126,8 @@ def test_kv_format_reaches_every_fp4_group(tmp_path, tiny_model):
     model, tok = tiny_model
     write_eval(tmp_path, tok)
     # A plan that leaves layer 28 uncovered: Mode A (slow, and format-independent) is not run.
-    params = dataclasses.replace(tiny_params(eval_ppl={"groups": ["baseline", "csa2", "ced_csa2", *FP4_GROUPS],
-                                                       "batch_size": 4}),
+    params = dataclasses.replace(tiny_params_without_domains(eval_ppl={"groups": ["baseline", "csa2", "ced_csa2",
+                                                                                  *FP4_GROUPS], "batch_size": 4}),
                                  plan=PlanConfig("partial", 16, 20, [24, 32], []))
     parts = random_parts(geometry(model.config), LayerPlan(16, 20, (24, 32)))
     ppl = {}
