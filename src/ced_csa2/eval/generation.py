@@ -1,0 +1,384 @@
+"""Greedy generation through the cache that holds each group's bytes, judged by what it generates.
+
+Every other figure of the pipeline is teacher-forced under :class:`~ced_csa2.ced_runtime.CEDModeBRuntime`,
+whose K/V substitution leaves every layer an ordinary cache, and counts bytes by formula
+(:mod:`ced_csa2.kv.kv_bytes`).  Here each group decodes through the cache that really holds its
+bytes (:func:`group_cache`, the one place that picks it from the group's registry flags):
+
+* no flag (``baseline``) -- ``DynamicCache``;
+* ``projected_source`` alone (``ced``) -- ``DynamicCache`` under Mode B's ``ced`` runtime, so the
+  source's K/V in it come from the projector: CED saves compute, not bytes, so its cache is the
+  ordinary one;
+* ``shares_source_kv`` (``share_plain``, ``csa2``, ``ced_csa2``) --
+  :class:`~ced_csa2.runtime.shared_kv.SharedKVCache` with storage ``"bf16"``, which there means
+  *the model's own dtype* in plain tensors (float32 on an fp32 model, bf16 on a bf16 one);
+* ``shares_source_kv`` with ``fp4 = shared_source`` (``csa2_fp4``, ``ced_csa2_fp4``) --
+  ``SharedKVCache(storage=kv_format)``: the one shared source entry in FP4 blocks, pre-k_norm and
+  pre-RoPE, exactly what Mode B's FP4 groups round;
+* ``fp4 = every_layer`` (``baseline_fp4``) -- :class:`~ced_csa2.runtime.shared_kv.FP4KVCache`
+  (``kv_format``);
+* ``rotate`` (``*_fp4_rot``) -- refused: no rotated store exists (``SharedKVCache`` and
+  ``FP4KVCache`` keep unrotated FP4 blocks);
+* ``low_rank`` (``xkv``) -- refused: xKV compresses a finished clean prefill, and its runtime
+  refuses a forward with a cache.
+
+``baseline_fp4``'s real cache is not its teacher-forced twin: :class:`FP4KVCache` quantises what a
+``DynamicLayer`` holds (K after k_norm and RoPE), while Mode B's ``baseline_fp4`` quantises K before
+them, as the shared store does.  Same bytes, other roundings.
+
+Mode A (:func:`mode_a_generation`): :meth:`CEDModeARuntime.prefill <ced_csa2.ced_runtime.CEDModeARuntime.prefill>`
+returns an ordinary ``DynamicCache`` (every attention layer's entries, those above the cut
+written from the maps), and decoding continues on it: Mode A saves prefill compute, not bytes.
+
+Each run's bytes after the last step (:func:`~ced_csa2.runtime.shared_kv.cache_bytes`, *used*
+and *allocated*) are checked against the accounting
+(:func:`~ced_csa2.runtime.shared_kv.accounted_copies`) to the byte (:func:`check_bytes`).
+:func:`fidelity` compares each group's tokens with the baseline's greedy continuation of the
+same prompts: tokens before the first divergence, agreement position by position, and
+*plausibility* -- the plain model's NLL per token of the group's continuation minus that of
+its own -- with paired bootstrap 95% intervals over prompts (:mod:`ced_csa2.eval.stats`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ContextManager, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, parts_for
+from ..kv.fp4 import FORMATS as FP4_FORMATS
+from ..kv.kv_bytes import bytes_per_token
+from ..model_utils import geometry
+from ..plan import LayerPlan
+from ..runtime.groups import GROUPS, Group
+from ..runtime.groups import group as lookup_group
+from ..runtime.shared_kv import CacheBytes, FP4KVCache, SharedKVCache, accounted_copies, cache_bytes, greedy_generate
+from . import stats
+from .scoring import sequence_nll
+
+MODE_A = "mode_a"  # the label of Mode A's run (not a group: the prefill skip over the plain cache)
+
+
+def cache_refusal(group: str) -> str | None:
+    """Why ``group`` has no cache holding its bytes yet (one clause), or ``None`` when it has one."""
+    spec = lookup_group(group)
+    if spec.low_rank:
+        return ("xKV compresses the K/V of a finished clean prefill and CEDModeBRuntime refuses a forward with a "
+                "KV cache (teacher-forced only); no low-rank cache exists")
+    if spec.rotate:
+        return ("its rotated FP4 store does not exist: SharedKVCache and FP4KVCache store unrotated FP4 entries "
+                "(the *_fp4_rot groups run in CEDModeBRuntime only)")
+    return None
+
+
+def supported_groups() -> tuple[str, ...]:
+    """The groups :func:`group_cache` builds a cache for, in registry order."""
+    return tuple(name for name in GROUPS if cache_refusal(name) is None)
+
+
+def _dense_twin(spec: Group) -> str:
+    """The group that maps and shares as ``spec`` does, with no FP4 entries (``csa2_fp4`` -> ``csa2``)."""
+    flags = (spec.projected_source, spec.shares_source_kv, spec.adapters, spec.low_rank)
+    return next(name for name, g in GROUPS.items()
+                if (g.projected_source, g.shares_source_kv, g.adapters, g.low_rank) == flags and not g.is_fp4)
+
+
+@dataclass
+class GroupCache:
+    """The cache that holds one group's bytes, and what must be open around every forward through it.
+
+    Attributes
+    ----------
+    group
+        The group (or :data:`MODE_A`).
+    cache
+        A fresh ``DynamicCache``, :class:`SharedKVCache` or :class:`FP4KVCache`.
+    context
+        The context manager to run every forward in (enter it once): the shared store's
+        :meth:`~ced_csa2.runtime.shared_kv.SharedKVCache.feed`, or the Mode B runtime of the
+        group's dense twin (a no-op for ``baseline``, the projector for ``ced``).
+    storage
+        What the accounting calls its entries (:func:`accounted_copies`): ``"bf16"`` (the model's
+        dtype) or the FP4 format.
+    kind
+        The cache in words, for tables: ``"DynamicCache"``, ``"SharedKVCache(nvfp4)"``, ...
+    """
+
+    group: str
+    cache: Cache
+    context: ContextManager
+    storage: str
+    kind: str
+
+
+def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None,
+                kv_format: str | None) -> GroupCache:
+    """The cache that holds ``group``'s bytes, chosen from its registry flags (the module's table).
+
+    Parameters
+    ----------
+    model, plan, parts
+        As for :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (``parts``: the maps the group reads).
+    group
+        A group of :data:`~ced_csa2.runtime.groups.GROUPS`.
+    kv_format
+        The FP4 format of an FP4 group (``nvfp4`` | ``mxfp4``); ignored by the others.
+
+    Raises
+    ------
+    ValueError
+        One line naming the group: unknown, without a cache yet (:func:`cache_refusal`), an FP4
+        group without a valid ``kv_format``, or the maps it needs missing.
+    """
+    spec = lookup_group(group)
+    reason = cache_refusal(group)
+    if reason is not None:
+        raise ValueError(f"group {group!r} cannot be decoded through the cache that holds its bytes: {reason}")
+    if spec.is_fp4 and kv_format not in FP4_FORMATS:
+        raise ValueError(f"group {group!r} stores FP4 entries and needs kv_format in {list(FP4_FORMATS)}, "
+                         f"got {kv_format!r}")
+    storage = kv_format if spec.is_fp4 else "bf16"
+    twin = _dense_twin(spec)
+    if spec.shares_source_kv:  # the source stores once (FP4 or not), the targets nothing
+        cache = SharedKVCache(model, plan, twin, parts, storage=storage)
+        return GroupCache(group, cache, cache.feed(), storage, f"SharedKVCache({storage})")
+    # Every layer stores its own entry: ordinary, or FP4 everywhere; the projector (ced) changes compute only.
+    cache = FP4KVCache(model.config, storage) if spec.fp4 == "every_layer" else DynamicCache(config=model.config)
+    runtime = CEDModeBRuntime(model, plan, twin, parts, kv_format=None)
+    return GroupCache(group, cache, runtime, storage, type(cache).__name__)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+@dataclass
+class GroupGeneration:
+    """One group's greedy continuation of a batch and its cache's bytes after the last step.
+
+    Attributes
+    ----------
+    group
+        The group, or :data:`MODE_A`.
+    tokens : torch.Tensor, shape (B, N)
+        The generated tokens.
+    bytes : CacheBytes
+        The cache's K/V bytes after the last step (``B · positions`` entries per stored copy).
+    positions
+        Positions the cache holds: ``T + N - 1`` (the last token is never fed back).
+    accounted
+        The accounting's bytes for the same cache (:func:`accounted_used_bytes`); equal to
+        ``bytes.used`` (:func:`check_bytes` refuses otherwise).
+    kind
+        The cache in words (:attr:`GroupCache.kind`).
+    """
+
+    group: str
+    tokens: torch.Tensor
+    bytes: CacheBytes
+    positions: int
+    accounted: int
+    kind: str
+
+    @property
+    def used_per_token(self) -> float:
+        """Bytes used per cached position and prompt."""
+        return self.bytes.used / (self.tokens.shape[0] * self.positions)
+
+    @property
+    def allocated_per_token(self) -> float:
+        """Bytes allocated per cached position and prompt."""
+        return self.bytes.allocated / (self.tokens.shape[0] * self.positions)
+
+
+def check_prompts(model: nn.Module, prompts: torch.Tensor, new_tokens: int, min_prompt: int = 1) -> None:
+    """Refuse, in one line, prompts that are not ``(B, T)`` token ids with ``T >= min_prompt``, ``new_tokens < 1``,
+    or ``T + new_tokens - 1`` positions beyond the model's window (``max_position_embeddings``)."""
+    if prompts.dim() != 2 or prompts.shape[0] < 1 or prompts.shape[1] < min_prompt or prompts.is_floating_point():
+        raise ValueError(f"generation needs prompts of token ids (B, T) with B >= 1 and T >= {min_prompt}, got "
+                         f"{prompts.dtype} {tuple(prompts.shape)}")
+    if new_tokens < 1:
+        raise ValueError(f"generation needs new_tokens >= 1, got {new_tokens}")
+    check_window(model.config, prompts.shape[1], new_tokens)
+
+
+def check_window(config, prompt_tokens: int, new_tokens: int) -> None:
+    """Refuse, in one line, ``prompt_tokens + new_tokens - 1`` cached positions beyond the model's window."""
+    window = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if window is not None and prompt_tokens + new_tokens - 1 > window:
+        raise ValueError(f"a prompt of {prompt_tokens} tokens and {new_tokens} new tokens needs "
+                         f"{prompt_tokens + new_tokens - 1} positions; the model's window is {window}")
+
+
+def accounted_used_bytes(model: nn.Module, plan: LayerPlan, group: str, storage: str, batch: int,
+                         positions: int) -> int:
+    """The accounting's bytes of a cache holding ``positions`` positions of ``batch`` prompts: every stored
+    copy (:func:`accounted_copies`, the ``all_attention`` basis, the model's dtype) at that context."""
+    copies = accounted_copies(geometry(model.config), plan, group, storage, model.dtype.itemsize)
+    return round(batch * positions * bytes_per_token(copies, positions))
+
+
+def check_bytes(run: GroupGeneration) -> GroupGeneration:
+    """``run`` when its cache's used bytes are the accounting's to the byte; else a one-line error naming it."""
+    if run.bytes.used != run.accounted:
+        b = run.tokens.shape[0] * run.positions
+        raise RuntimeError(f"group {run.group!r}: its {run.kind} holds {run.bytes.used} B of K/V entries after the "
+                           f"last step ({run.bytes.used / b:g} B/token), the accounting says {run.accounted} B "
+                           f"({run.accounted / b:g} B/token)")
+    return run
+
+
+def generate(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None, prompts: torch.Tensor,
+             new_tokens: int, kv_format: str | None) -> GroupGeneration:
+    """Greedy decoding of ``prompts`` ``(B, T)`` (equal lengths, no padding) for ``new_tokens`` tokens through
+    ``group``'s cache (:func:`group_cache`), its bytes checked against the accounting (:func:`check_bytes`).
+
+    Returns
+    -------
+    GroupGeneration
+        ``tokens`` ``(B, new_tokens)``; the cache's bytes after the last step.
+    """
+    check_prompts(model, prompts, new_tokens)
+    built = group_cache(model, plan, group, parts, kv_format)
+    with built.context:
+        out = greedy_generate(model, prompts, new_tokens, built.cache)
+    return _checked(model, plan, group, group, built.storage, out.tokens, built.cache, built.kind)
+
+
+def mode_a_generation(model: nn.Module, plan: LayerPlan, parts: CEDParts, prompts: torch.Tensor, new_tokens: int,
+                      *, replay: int = 0, sink: str = "none") -> GroupGeneration:
+    """Greedy decoding after Mode A's prefill skip: ``prompts[:, :-1]`` ``(B, T - 1)`` prefilled by
+    :class:`~ced_csa2.ced_runtime.CEDModeARuntime` (``replay``, ``sink`` as there), then the prompt's last
+    token and ``new_tokens - 1`` generated ones through every layer.
+
+    The prefill returns an ordinary ``DynamicCache`` and decoding continues on it: its bytes are
+    the baseline's (checked against ``baseline``'s accounting).  Needs a covering plan and ``T >= 2``.
+    """
+    check_prompts(model, prompts, new_tokens, min_prompt=2)
+    runtime = CEDModeARuntime(model, plan, geometry(model.config), parts, replay=replay, sink=sink)
+    cache = runtime.prefill(prompts[:, :-1])
+    out = greedy_generate(model, prompts[:, -1:], new_tokens, cache)
+    return _checked(model, plan, MODE_A, "baseline", "bf16", out.tokens, cache, type(cache).__name__)
+
+
+def _checked(model, plan, label: str, accounted_as: str, storage: str, tokens: torch.Tensor, cache: Cache,
+             kind: str) -> GroupGeneration:
+    positions = cache.get_seq_length()
+    run = GroupGeneration(label, tokens, cache_bytes(cache), positions,
+                          accounted_used_bytes(model, plan, accounted_as, storage, tokens.shape[0], positions), kind)
+    return check_bytes(run)
+
+
+# ----------------------------------------------------------------------------- fidelity
+
+
+def first_divergence(tokens: torch.Tensor, base: torch.Tensor) -> np.ndarray:
+    """Per prompt, the tokens ``tokens`` ``(B, N)`` share with ``base`` ``(B, N)`` before the first that differs
+    (``N`` when none does): ``(B,)`` int."""
+    return (tokens == base).int().cumprod(1).sum(1).cpu().numpy()
+
+
+def mean_ci(values: np.ndarray, *, seed: int) -> dict:
+    """Mean of per-prompt ``values`` ``(R,)`` and its bootstrap 95% interval over prompts
+    (:func:`~ced_csa2.eval.stats.ratio_bootstrap`: the same seed draws the same prompts as every other figure)."""
+    values = np.asarray(values, dtype=np.float64)
+    return stats.ratio_bootstrap(values, np.ones_like(values), seed=seed)
+
+
+def median_ci(values: np.ndarray, *, seed: int, n_boot: int = 2000) -> dict:
+    """Median of per-prompt ``values`` ``(R,)`` and its bootstrap 95% interval over prompts (the resamples of
+    :func:`mean_ci`'s, by the same seed)."""
+    values = np.asarray(values, dtype=np.float64)
+    # stats' percentile bootstrap over record resamples, with the median as its statistic
+    return stats._bootstrap(lambda idx: np.median(values[idx], axis=-1), len(values), n_boot, seed, 0.95)
+
+
+def continuation_nll(model: nn.Module, prompts: torch.Tensor, tokens: torch.Tensor, batch_size: int) -> np.ndarray:
+    """The plain model's summed NLL of each continuation ``tokens`` ``(B, N)`` after its prompt ``(B, T)``,
+    teacher-forced, and its token count: ``(B, 2)`` float64.  Call with no runtime hooks installed."""
+    rows = torch.cat([prompts, tokens.to(prompts.device)], dim=1).tolist()
+    return sequence_nll(model, rows, [prompts.shape[1]] * len(rows), batch_size).numpy()
+
+
+def fidelity(model: nn.Module, prompts: torch.Tensor, runs: Mapping[str, torch.Tensor], *, base: str = "baseline",
+             seed: int, batch_size: int = 8) -> dict[str, dict]:
+    """Each run's continuation against ``base``'s, per prompt, summarised with paired bootstrap 95% CIs over prompts.
+
+    Parameters
+    ----------
+    model
+        The unmodified model (no runtime open): it scores every continuation teacher-forced.
+    prompts : torch.Tensor, shape (B, T)
+        The prompts all runs continued.
+    runs
+        ``{label: tokens (B, N)}``, ``base`` among them.
+    seed
+        The bootstrap's seed (the same prompts drawn for every figure).
+    batch_size
+        Sequences per scoring forward.
+
+    Returns
+    -------
+    dict
+        Per label: ``first_divergence`` (``mean`` and ``median``, each ``{"value", "ci95", ...}``, and
+        ``per_prompt``: tokens before the first that differs from ``base``'s, ``N`` if none);
+        ``agreement`` (``mean`` over positions and prompts with its CI; ``by_position`` and
+        ``by_position_ci95``: the fraction of prompts whose token ``i = 1..N`` is ``base``'s);
+        ``delta_nll`` (the plain model's NLL per token of the label's continuation minus of
+        ``base``'s, nats, :func:`~ced_csa2.eval.stats.paired_bootstrap`; ``per_prompt``).
+    """
+    if base not in runs:
+        raise ValueError(f"fidelity needs the reference run {base!r} among {list(runs)}")
+    ref = runs[base]
+    shapes = {label: tuple(t.shape) for label, t in runs.items() if t.shape != ref.shape}
+    if shapes or ref.shape[0] != prompts.shape[0]:
+        raise ValueError(f"fidelity needs every run's tokens {tuple(ref.shape)} for the {prompts.shape[0]} prompts; "
+                         f"got {shapes or tuple(ref.shape)}")
+    n = ref.shape[1]
+    nll = {label: continuation_nll(model, prompts, t, batch_size) for label, t in runs.items()}
+    out = {}
+    for label, tokens in runs.items():
+        first = first_divergence(tokens, ref)
+        agree = (tokens == ref).double().cpu().numpy()  # (B, N)
+        ones = np.ones(len(agree))
+        positions = [stats.ratio_bootstrap(agree[:, i], ones, seed=seed) for i in range(n)]
+        delta = stats.paired_bootstrap(nll[label], nll[base], "delta_nll", seed=seed)
+        out[label] = {
+            "first_divergence": {"mean": mean_ci(first, seed=seed), "median": median_ci(first, seed=seed),
+                                 "per_prompt": first.tolist()},
+            "agreement": {"mean": stats.ratio_bootstrap(agree.sum(1), n * ones, seed=seed),
+                          "by_position": [p["value"] for p in positions],
+                          "by_position_ci95": [p["ci95"] for p in positions]},
+            "delta_nll": {**delta, "per_prompt": ((nll[label][:, 0] - nll[base][:, 0]) / n).tolist()},
+        }
+    return out
+
+
+def run_groups(model: nn.Module, plan: LayerPlan, groups, parts: CEDParts | Mapping[str, CEDParts] | None,
+               prompts: torch.Tensor, new_tokens: int, kv_format: str | None, *,
+               mode_a: CEDParts | None = None, replay: int = 0, sink: str = "none",
+               batch_size: int | None = None) -> dict[str, GroupGeneration]:
+    """:func:`generate` for each of ``groups`` (and :func:`mode_a_generation` with ``mode_a``'s maps, if given),
+    ``batch_size`` prompts at a time (``None``: all at once); the batches' tokens joined and bytes added up.
+
+    ``parts``: one set of maps for every group, or ``{group: CEDParts}``.
+    """
+    batches = list(torch.split(prompts, batch_size or len(prompts)))
+    jobs = {g: (lambda x, g=g: generate(model, plan, g, parts_for(parts, g), x, new_tokens, kv_format))
+            for g in groups}
+    if mode_a is not None:
+        jobs[MODE_A] = lambda x: mode_a_generation(model, plan, mode_a, x, new_tokens, replay=replay, sink=sink)
+    return {label: _joined([job(x) for x in batches]) for label, job in jobs.items()}
+
+
+def _joined(runs: list[GroupGeneration]) -> GroupGeneration:
+    """The batches of one label as one run: tokens concatenated, bytes summed (each batch checked already)."""
+    first = runs[0]
+    return GroupGeneration(first.group, torch.cat([r.tokens for r in runs]),
+                           CacheBytes(sum(r.bytes.used for r in runs), sum(r.bytes.allocated for r in runs)),
+                           first.positions, sum(r.accounted for r in runs), first.kind)
+
