@@ -146,7 +146,8 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
                            if covered else "not run: the plan does not cover every attention layer above the cut"),
                 "decoding": "greedy, each group through the cache that holds its bytes",
                 "reference": "the baseline's own greedy continuation of the same prompts",
-                "plausibility": "plain model's NLL per token of the continuation (teacher-forced) minus of the baseline's",
+                "plausibility": ("the plain model's NLL per token of the continuation (teacher-forced) minus "
+                                 "that of the baseline's"),
                 "bytes": "K/V entries per cached position and prompt after the last step, used == accounted checked",
                 "ci": "bootstrap over prompts, 95% (paired for the NLL difference)",
                 "not_run": {g: gen.cache_refusal(g) for g in GROUPS if gen.cache_refusal(g)}}

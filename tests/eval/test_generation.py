@@ -1,7 +1,6 @@
 """Generation through the cache that holds each group's bytes (ced_csa2.eval.generation): Mode B's tokens, the
 accounted bytes to the byte, Mode A on its own cache, the fidelity figures, and the refusals."""
 
-import numpy as np
 import pytest
 import torch
 from conftest import EPS64, tiny_gemma3, tiny_llama
@@ -62,6 +61,20 @@ def test_greedy_tokens_through_the_group_s_cache_are_mode_b_s(setup, group):
     assert run.tokens.shape == (2, NEW) and torch.equal(run.tokens, mode_b_tokens(model, plan, group, parts, prompts))
     assert run.positions == PROMPT + NEW - 1 and run.bytes.used == run.accounted  # generate checks it; here too
     assert no_hooks(model)
+
+
+def test_the_tokens_tell_the_caches_apart():
+    """What gives the test above its teeth: on the tiny Llama every group's tokens differ from the baseline's, and
+    each FP4 group's from its dense twin's, so a cache holding the wrong entries would not pass as Mode B's."""
+    model = tiny_llama()
+    torch.manual_seed(1)
+    prompts = torch.randint(0, 300, (2, PROMPT))
+    parts = random_parts(geometry(model.config), LLAMA_PLAN)
+    tokens = {g: gen.generate(model, LLAMA_PLAN, g, parts, prompts, NEW, FORMAT).tokens for g in gen.supported_groups()}
+    for group, t in tokens.items():
+        assert group == "baseline" or not torch.equal(t, tokens["baseline"]), group
+        if GROUPS[group].is_fp4:
+            assert not torch.equal(t, tokens[group.removesuffix("_fp4")]), group
 
 
 def test_the_cache_is_chosen_from_the_group_s_flags(tiny_model):

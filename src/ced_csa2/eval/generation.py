@@ -41,8 +41,9 @@ its own -- with paired bootstrap 95% intervals over prompts (:mod:`ced_csa2.eval
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ContextManager, Mapping
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -111,7 +112,7 @@ class GroupCache:
 
     group: str
     cache: Cache
-    context: ContextManager
+    context: AbstractContextManager
     storage: str
     kind: str
 
