@@ -200,7 +200,7 @@ def plot(m: dict, path: Path) -> None:
     ax.set_ylabel("fraction of prompts agreeing with the baseline [95% CI]")
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize=8)
-    ax.set_title(f"Greedy generation through each group's own cache: {p['model']}, n = {p['prompts']}, "
+    ax.set_title(f"Greedy generation through each group's own cache\n{p['model']}, n = {p['prompts']}, "
                  f"{p['prompt_tokens']}-token prompts", fontsize=9)
     write_png(fig, path)
 
