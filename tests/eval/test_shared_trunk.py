@@ -163,8 +163,7 @@ def test_agreement_needs_the_baseline(llama):
 def test_eval_ppl_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny_model):
     import dataclasses
 
-    from conftest import tiny_params
-    from test_eval_ppl import write_eval
+    from test_eval_ppl import tiny_params_without_domains, write_eval
 
     from ced_csa2.config import PlanConfig
     from ced_csa2.eval.perplexity import eval_ids, group_ppl
@@ -173,7 +172,7 @@ def test_eval_ppl_gives_each_group_what_one_group_at_a_time_gives(tmp_path, tiny
     model, tok = tiny_model
     write_eval(tmp_path, tok)
     plan = LayerPlan(16, 20, (24, 32))  # not covering: Mode A (slow on the DeltaNet fallback) is skipped
-    params = dataclasses.replace(tiny_params(eval_ppl={"groups": list(GROUP_NAMES), "batch_size": 3}),
+    params = dataclasses.replace(tiny_params_without_domains(eval_ppl={"groups": list(GROUP_NAMES), "batch_size": 3}),
                                  plan=PlanConfig("partial", 16, 20, [24, 32], []))
     parts = random_parts(geometry(model.config), plan)
     m = eval_ppl.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
