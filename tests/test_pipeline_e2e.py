@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import AMP_OVERRIDES, E2E_OVERRIDES, ROOT, project_copy, read_curves, readme_headline_problem, sh
+from conftest import (AMP_OVERRIDES, E2E_OVERRIDES, ROOT, project_copy, read_curves, readme_headline_problem, sh,
+                      staged_summary)
 
 from ced_csa2.diff import parse_table
 from ced_csa2.eval.results import HEADLINE
@@ -159,12 +160,12 @@ def test_the_readme_order_repro_then_test_passes_whatever_the_figures(repo, repr
     """README's two commands in README's order: `make repro` rewrites metrics/summary.json with this CPU's
     figures (here the tiny profile's: nothing like the committed ones), then `make test` checks README's
     headline -- against the committed file, so it passes whatever the run gave."""
-    committed = subprocess.run(["git", "show", ":metrics/summary.json"], cwd=ROOT, capture_output=True,
-                               check=True).stdout
+    committed, where = staged_summary(ROOT)
+    assert where == "git's index"
     clone = tmp_path / "clone"
     (clone / "metrics").mkdir(parents=True)
     shutil.copy2(ROOT / "README.md", clone / "README.md")
-    (clone / "metrics/summary.json").write_bytes(committed)
+    (clone / "metrics/summary.json").write_text(json.dumps(committed))
     sh(clone, "git", "init", "-q")
     sh(clone, "git", "add", "README.md", "metrics/summary.json")
     sh(clone, "git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "as committed")

@@ -324,10 +324,10 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
     if not train or not eval_:
         raise ValueError(f"data '{data.name}' produced {len(train)} train and {len(eval_)} eval records; "
                          "both must be non-empty (check data.min_tokens)")
-    overlap = {r.text for r in train} & {r.text for r in eval_}
+    train_texts = {r.text for r in train}
+    overlap = {r.text for r in eval_} & train_texts
     if overlap:
         raise ValueError(f"data '{data.name}': {len(overlap)} eval texts also occur in the training records")
-    train_texts = {r.text for r in train}
     for name, records in domains.items():
         shared = sum(r.text in train_texts for r in records)
         if shared:

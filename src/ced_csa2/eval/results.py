@@ -335,8 +335,8 @@ def domains_table(rows: dict[str, dict], ppl: dict) -> list[str]:
         cells = [_range(row, "dppl_pct")] + [_range(row, f"{d}_dppl_pct") for d in domains]
         ratio = (f"{row['worst_domain_dppl_pct'] / row['dppl_pct']:.2f}× ({row['worst_domain']})"
                  if "worst_domain" in row and row["dppl_pct"] > 0 else "–")
-        gold = _range({k: 100 * math.expm1(row[f"dgold_nll{s}"]) for s, k in (("", "g"), ("_lo", "g_lo"),
-                                                                             ("_hi", "g_hi"))}, "g") \
+        # exp is monotone: the interval's ends map to the interval of exp(Δ) - 1
+        gold = _range({f"g{end}": 100 * math.expm1(row[f"dgold_nll{end}"]) for end in ("", "_lo", "_hi")}, "g") \
             if "dgold_nll" in row else "–"
         lines.append(f"| {HEADLINE_LABELS.get(group, group)} | " + " | ".join([*cells, ratio, gold]) + " |")
     return lines
