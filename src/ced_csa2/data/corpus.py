@@ -362,6 +362,11 @@ def split_stats(records: list[Record]) -> dict:
 _LINE_BREAKS = {c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
 
 
+def records_jsonl(records: list[Record]) -> str:
+    """``records`` as ``data/corpus/*.jsonl`` holds them, one JSON object per line."""
+    return _jsonl([asdict(r) for r in records])
+
+
 def _jsonl(rows: list[dict]) -> str:
     lines = (json.dumps(row, ensure_ascii=False) for row in rows)
     return "".join(line.translate(str.maketrans(_LINE_BREAKS)) + "\n" for line in lines)
@@ -439,11 +444,11 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
             raise ValueError(f"data.domains '{name}': {shared} of its texts also occur in the training records")
 
     out_dir = Path(out_dir)
-    atomic_write_text(out_dir / TRAIN_JSONL, _jsonl([asdict(r) for r in train]))
-    atomic_write_text(out_dir / EVAL_JSONL, _jsonl([asdict(r) for r in eval_]))
+    atomic_write_text(out_dir / TRAIN_JSONL, records_jsonl(train))
+    atomic_write_text(out_dir / EVAL_JSONL, records_jsonl(eval_))
     atomic_write_text(out_dir / GSM8K_JSONL, _jsonl(problems))
     for name, records in domains.items():
-        atomic_write_text(out_dir / domain_jsonl(name), _jsonl([asdict(r) for r in records]))
+        atomic_write_text(out_dir / domain_jsonl(name), records_jsonl(records))
     for stale in sorted((out_dir / DOMAINS_DIR).glob("*.jsonl")):  # a domain no longer configured
         if stale.stem not in domains:
             log.info("Removing %s (not in data.domains)", stale)
