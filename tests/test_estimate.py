@@ -67,6 +67,20 @@ def test_without_a_corpus_rows_are_an_upper_bound(tmp_path):
         estimate.dump_lengths(everything, tmp_path)
 
 
+def test_a_mix_s_rows_are_exact_before_and_after_prepare_and_another_mix_s_corpus_is_not_used(tmp_path):
+    from ced_csa2.config import MixEntry
+
+    mixed = tiny_params(dump={"records": 0})
+    mixed = dataclasses.replace(mixed, data=dataclasses.replace(
+        mixed.data, mix=[MixEntry("tiny", 1.0), MixEntry("reports_a", 1.0)], mix_rows=1234))
+    assert estimate.dump_lengths(mixed, tmp_path).total == 1234  # before prepare: the mix fixes the rows
+    prepare.run(tiny_params(), tmp_path)  # the tiny corpus without a mix: not the mix's
+    assert not estimate.prepared_for(mixed, tmp_path)
+    prepare.run(mixed, tmp_path)
+    lengths = estimate.dump_lengths(mixed, tmp_path)
+    assert estimate.prepared_for(mixed, tmp_path) and lengths.exact and lengths.total == 1234
+
+
 def test_a_corpus_prepared_for_another_profile_is_not_used(tmp_path):
     prepare.run(tiny_params(), tmp_path)  # the tiny corpus; estimated here: the full profile
     params = from_dict(Params, yaml.safe_load(compose(FULL)))

@@ -330,6 +330,26 @@ class DataConfig(Section):
     mix: list[MixEntry]
     mix_rows: int  # the mix's training tokens (the fixed row budget); 0 without a mix
 
+    def mix_quotas(self) -> dict[str, int]:
+        """Each mix domain's training tokens: its weight's share of ``mix_rows``, summing to it exactly ({} without a mix).
+
+        Shares are rounded down and the tokens left go, one each, to the largest remainders
+        (ties to the earlier entry), so the counts follow the weights as closely as integers can.
+        """
+        total = sum(e.weight for e in self.mix)
+        exact = [e.weight / total * self.mix_rows for e in self.mix]
+        quotas = [math.floor(x) for x in exact]
+        for i in sorted(range(len(self.mix)), key=lambda i: (quotas[i] - exact[i], i))[:self.mix_rows - sum(quotas)]:
+            quotas[i] += 1
+        return {e.domain: q for e, q in zip(self.mix, quotas)}
+
+    def fitted_on(self) -> str:
+        """What the maps were fitted on: ``data.name``, or the mix's shares and rows."""
+        if not self.mix:
+            return self.name
+        total = sum(e.weight for e in self.mix)
+        return " + ".join(f"{e.domain} {e.weight / total:.2f}" for e in self.mix) + f" ({self.mix_rows:,} rows)"
+
     def __post_init__(self):
         _check(self.seed >= 0, "data.seed", f"must be >= 0, got {self.seed}")
         _check(self.n_train >= 0, "data.n_train", f"must be >= 0, got {self.n_train}")

@@ -165,7 +165,9 @@ def prepared_for(params: Params, workdir: Path) -> bool:
     if not (path.is_file() and (workdir / TRAIN_JSONL).is_file()):
         return False
     made = json.loads(path.read_text())
-    return made.get("data") == params.data.name and made.get("model") == params.model.name
+    quotas = params.data.mix_quotas()
+    return (made.get("data") == params.data.name and made.get("model") == params.model.name
+            and {d: m.get("rows") for d, m in made.get("mix", {}).items()} == quotas)
 
 
 def train_records(params: Params, workdir: Path) -> int | None:
@@ -187,6 +189,10 @@ def dump_lengths(params: Params, workdir: Path) -> Lengths:
         keep = seeded_subset(len(counts), params.dump.records, params.seed, DUMP_SAMPLE_STREAM)
         return Lengths(np.array(counts)[keep], True, f"exact: {TRAIN_JSONL}, the dump's {len(keep)} of "
                                                     f"{len(counts)} records")
+    if params.data.mix:  # the mix fixes the rows, not the records: as few records as can hold them
+        n, last = divmod(params.data.mix_rows, params.data.max_tokens)
+        return Lengths(np.array([params.data.max_tokens] * n + [last] * bool(last)), False,
+                       f"the mix's data.mix_rows {params.data.mix_rows:,} rows exactly, no {TRAIN_JSONL} prepared for it")
     n = min([n for n in (train_records(params, workdir), params.dump.records) if n], default=None)
     if n is None:
         raise ValueError(f"how many train records data '{params.data.name}' yields is known only after "

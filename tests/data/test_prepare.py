@@ -311,3 +311,17 @@ def test_a_mix_domain_without_enough_training_tokens_is_refused_before_writing(t
                                          r"1,000,000 of data.mix_rows"):
         corpus.prepare(params, byte_tokenizer(), tmp_path)
     assert not tmp_path.joinpath(paths.TRAIN_JSONL).exists()
+
+
+@pytest.mark.parametrize("weights,rows,quotas", [
+    ((1, 1, 1), 100, (34, 33, 33)),  # one token left over: to the first of the equal remainders
+    ((0.1, 0.2, 0.7), 10, (1, 2, 7)),
+    ((3, 1, 1), 7, (4, 2, 1)),  # 4.2, 1.4, 1.4: the leftover to the larger remainder, then the earlier
+])
+def test_mix_quotas_sum_to_the_rows_and_follow_the_weights(weights, rows, quotas):
+    from ced_csa2.config import MixEntry
+
+    names = ("tiny", "reports_a", "reports_b")
+    data = with_data(tiny_params(dump={"records": 0}), mix=[MixEntry(n, float(w)) for n, w in zip(names, weights)],
+                     mix_rows=rows).data
+    assert data.mix_quotas() == dict(zip(names, quotas))

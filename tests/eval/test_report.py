@@ -257,11 +257,11 @@ def with_domains(ppl: dict) -> dict:
     return {**ppl, "protocol": {**ppl["protocol"], "data": "wiki", "records": 32},
             "mode_a": a,
             "domains": {
-                "fiction": {"protocol": {"records": 12, "tokens_scored": 5000},
+                "fiction": {"protocol": {"records": 12, "tokens_scored": 5000, "trained_on_domain": True},
                             "groups": {"baseline": {"ppl": 30.0},
                                        "ced": {"ppl": 40.0, **delta("delta_pct", 33.0, 30.0, 36.0)}},
                             "mode_a": {**a, **delta("delta_pct", 5.0, 4.0, 6.0)}},
-                "math": {"protocol": {"records": 12, "tokens_scored": 4000},
+                "math": {"protocol": {"records": 12, "tokens_scored": 4000, "trained_on_domain": False},
                          "groups": {"baseline": {"ppl": 5.0},
                                     "ced": {"ppl": 6.0, **delta("delta_pct", 20.0, 18.0, 22.0)}},
                          "mode_a": {**a, **delta("delta_pct", 8.0, 7.0, 9.0)}}}}
@@ -283,7 +283,7 @@ def test_each_domain_s_figures_and_the_worst_domain_reach_groups_tsv_the_summary
     assert all(isinstance(v, float) for r in head.values() for v in r.values())  # DVC metrics: numbers only
     assert headline_table(head)[4] == "| ced | +25.00 | 0.5000 | +0.5000 | +33.00 |"
     table = domains_table(rows, ppl)
-    assert table[0] == ("| group | wiki (held out, fitted on) | fiction | math | worst ÷ held out "
+    assert table[0] == ("| group | wiki (held out) | fiction (trained on) | math | worst ÷ held out "
                         "| GSM8K gold solutions |")
     ced = next(line for line in table if line.startswith("| ced |"))
     # gold: exp(0.5) - 1 = 64.87%, its interval through the same monotone map

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..assets import fetch_member
-from ..config import DataConfig, DomainConfig, MixEntry, Params
+from ..config import DataConfig, DomainConfig, Params
 from ..pipeline.atomic_files import atomic_write_text, write_json
 from ..pipeline.paths import DOMAINS_DIR, EVAL_JSONL, GSM8K_JSONL, PREPARE_METRICS, TRAIN_JSONL, domain_jsonl
 from . import readers
@@ -280,20 +279,6 @@ def domain_records(domain: DomainConfig, seed: int, budget: TokenBudget, train_r
     return sample, [r for r in pool if r.id not in chosen] + pack(texts[n_eval_texts:] if n_eval_texts else [])
 
 
-def mix_quotas(mix: list[MixEntry], rows: int) -> dict[str, int]:
-    """Each mix domain's training tokens: its weight's share of ``rows``, summing to ``rows`` exactly.
-
-    Shares are rounded down and the tokens left go, one each, to the largest remainders
-    (ties to the earlier entry), so the counts follow the weights as closely as integers can.
-    """
-    total = sum(e.weight for e in mix)
-    exact = [e.weight / total * rows for e in mix]
-    quotas = [math.floor(x) for x in exact]
-    for i in sorted(range(len(mix)), key=lambda i: (quotas[i] - exact[i], i))[:rows - sum(quotas)]:
-        quotas[i] += 1
-    return {e.domain: q for e, q in zip(mix, quotas)}
-
-
 def take_rows(name: str, pool: list[Record], rows: int, budget: TokenBudget, seed: int) -> list[Record]:
     """Records of ``pool`` holding exactly ``rows`` tokens: whole records in a seeded order, the last one cut.
 
@@ -404,7 +389,7 @@ def mix_train(data: DataConfig, pools: dict[str, list[Record]], budget: TokenBud
     if not data.mix:
         return {data.name: pools[data.name]}
     return {name: take_rows(name, pools[name], rows, budget, data.seed)
-            for name, rows in mix_quotas(data.mix, data.mix_rows).items()}
+            for name, rows in data.mix_quotas().items()}
 
 
 def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
@@ -427,7 +412,7 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
     """
     data = params.data
     budget = TokenBudget(tokenizer, data.min_tokens, data.max_tokens)
-    built = build_records(data, budget, mix_quotas(data.mix, data.mix_rows) if data.mix else {})
+    built = build_records(data, budget, data.mix_quotas())
     mixed = mix_train(data, built.pools, budget)
     train, eval_, domains, problems = [r for records in mixed.values() for r in records], built.eval, built.domains, \
         built.problems

@@ -267,7 +267,9 @@ def protocol(params: Params, model, plan, ids: list[list[int]], tokens_scored: i
     (``data.domains``), ``None`` for the held-out records of ``data.name``, the domain the maps were fitted on."""
     return {
         "model": params.model.name, "data": params.data.name, "domain": domain or params.data.name,
-        "fitted_on": params.data.name, "records": len(ids), "tokens_scored": tokens_scored,
+        "fitted_on": params.data.fitted_on(),
+        # whether the maps' training records include this domain's (never its evaluation records)
+        "trained_on_domain": (domain or params.data.name) in ({e.domain for e in params.data.mix} or {params.data.name}), "records": len(ids), "tokens_scored": tokens_scored,
         # hub commits asked for (null: the default branch when the run fetched it)
         "model_revision": params.model.revision, "data_revision": params.data.revision,
         "max_tokens": params.data.max_tokens, "dtype": str(model.dtype).removeprefix("torch."),

@@ -327,7 +327,9 @@ def domains_table(rows: dict[str, dict], ppl: dict) -> list[str]:
     if not domains:
         return []
     fitted = ppl["protocol"]["data"]
-    head = ["group", f"{fitted} (held out, fitted on)", *domains, "worst ÷ held out", "GSM8K gold solutions"]
+    trained = {d for d, v in ppl["domains"].items() if v["protocol"].get("trained_on_domain")}
+    head = ["group", f"{fitted} (held out)", *(f"{d} (trained on)" if d in trained else d for d in domains),
+            "worst ÷ held out", "GSM8K gold solutions"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for group, row in rows.items():
         if "@" in group or "dppl_pct" not in row:
@@ -347,8 +349,10 @@ def domains_protocol(ppl: dict) -> str:
     parts = [f"`{d}` {v['protocol']['records']} records ({v['protocol']['tokens_scored']:,} scored tokens)"
              for d, v in ppl.get("domains", {}).items()]
     p = ppl["protocol"]
-    return (f"Held out of `{p['data']}` (the maps' fitting domain): {p['records']} records "
-            f"({p['tokens_scored']:,} scored tokens); the other domains, never trained on: {', '.join(parts)}. "
+    fitted = p.get("fitted_on", p["data"])
+    return (f"Maps fitted on {fitted}. Held-out records of `{p['data']}`: {p['records']} records "
+            f"({p['tokens_scored']:,} scored tokens); the other domains' evaluation records (never a training "
+            f"record): {', '.join(parts)}. "
             "Same protocol on each (teacher-forced, every group and Mode A, Mode A on each record's second half "
             "against the plain prefill); paired bootstrap 95% intervals over that domain's records.")
 
