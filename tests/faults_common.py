@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 from conftest import TINY_OVERRIDES, compose
 
+from ced_csa2 import assets
 from ced_csa2.pipeline.paths import (
     DUMP_PATH,
 )
@@ -45,14 +46,15 @@ def remove(rel: str):
     return lambda workdir: (workdir / rel).unlink()
 
 
-def local_model(path: str, *before):
-    """Hand edits of ``params.yaml``: the model becomes ``kind: local`` at ``path``, pinned to zeros."""
-    steps = [*before, edit("  name: tiny_qwen3_5\n  kind: tiny\n", "  name: tiny_qwen3_5\n  kind: local\n"),
-             edit("  local: null\n", f"  local:\n    path: {path}\n    sha256: '{ZEROS}'\n")]
-
+def local_model(path: str, *before, pinned: bool = False):
+    """Hand edits of ``params.yaml``: the model becomes ``kind: local`` at ``path``, pinned to zeros
+    (or, ``pinned``, to the digest of what ``before`` put there)."""
     def apply(workdir: Path) -> None:
-        for step in steps:
+        for step in before:
             step(workdir)
+        sha256 = assets.digest(workdir / path) if pinned else ZEROS
+        edit("  name: tiny_qwen3_5\n  kind: tiny\n", "  name: tiny_qwen3_5\n  kind: local\n")(workdir)
+        edit("  local: null\n", f"  local:\n    path: {path}\n    sha256: '{sha256}'\n")(workdir)
     return apply
 
 
