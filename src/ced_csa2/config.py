@@ -3,12 +3,13 @@
 ``params.yaml`` (the committed composition of ``conf/``) is parsed into the
 dataclasses below by :func:`load_params`.  The dataclasses are the schema and hold no
 values: every value (and its reason) has one home, ``conf/``.  Parsing is strict: an
-unknown key, a missing key or a value of the wrong type raises :class:`ParamsError`
-naming the dotted key, before any stage does heavy work.  Each dataclass checks its own
-ranges in ``__post_init__`` (every float finite, seeds >= 0, learning rates > 0, fractions
-in range, devices well formed); :func:`load_params` also refuses a repeated YAML key, a
-number YAML 1.1 reads as a string (``1e-3``: write ``1.0e-3``) and a CUDA device this
-machine lacks.  ``tests/faults/`` is the catalogue of refused inputs.
+unknown key, a missing key, a value of the wrong type or a list that repeats an entry
+raises :class:`ParamsError` naming the dotted key, before any stage does heavy work.  Each
+dataclass checks its own ranges in ``__post_init__`` (every float finite, seeds >= 0,
+learning rates > 0, fractions in range, devices well formed); :func:`load_params` also
+refuses a repeated YAML key, a number YAML 1.1 reads as a string (``1e-3``: write
+``1.0e-3``) and a CUDA device this machine lacks.  ``tests/faults/`` is the catalogue of
+refused inputs.
 """
 
 from __future__ import annotations
@@ -516,8 +517,7 @@ class TrainConfig(Section):
         bad = [o for o in self.objectives if o not in TUNE_OBJECTIVES]
         hint = " (kv_mse is the main train_projector/train_adapters branch, always run)" if "kv_mse" in bad else ""
         _check(not bad, "train.objectives", f"has unknown objective(s) {bad}; known: {list(TUNE_OBJECTIVES)}{hint}")
-        _check(bool(self.objectives) and len(set(self.objectives)) == len(self.objectives), "train.objectives",
-               f"must be a non-empty list without repeats, got {self.objectives}")
+        _check(bool(self.objectives), "train.objectives", f"must list at least one objective of {list(TUNE_OBJECTIVES)}")
         bad = [g for g in self.eval_groups if g not in MAP_GROUPS]
         _check(not bad and bool(self.eval_groups), "train.eval_groups",
                f"must be a non-empty list of groups that use the maps {list(MAP_GROUPS)}, got {self.eval_groups}")
@@ -685,7 +685,13 @@ def _build(tp: Any, value: Any, where: str) -> Any:
     if origin is list:
         _check(isinstance(value, list), where, f"must be a list, got {value!r}")
         (item,) = typing.get_args(tp)
-        return [_build(item, v, f"{where}.{i}") for i, v in enumerate(value)]
+        items = [_build(item, v, f"{where}.{i}") for i, v in enumerate(value)]
+        # Every list param names things to run or store (groups, objectives, layers, files): a
+        # repeated entry would run or be stored once per copy.
+        for i, v in enumerate(items):
+            first = items.index(v)
+            _check(first == i, where, f"lists {value[i]!r} twice (entries {first} and {i}): list each entry once")
+        return items
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
     if tp is float:

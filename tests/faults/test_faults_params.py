@@ -127,6 +127,40 @@ def test_out_of_range_param_is_refused(tmp_path, key, value, message):
     _refused(tmp_path, key, value, message)
 
 
+def _lists(node, where=""):
+    """``(dotted key, list)`` of every list under ``node``, nested ones included."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _lists(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(node, list):
+        yield where, node
+        for i, v in enumerate(node):
+            yield from _lists(v, f"{where}.{i}")
+
+
+LIST_KEYS = [key for key, value in _lists(tiny_raw()) if value]  # the ones the tiny profile fills
+
+
+def test_every_list_param_is_listed():
+    assert {"eval_ppl.groups", "eval_gsm8k.groups", "eval_gsm8k.generate", "train.objectives", "train.eval_groups",
+            "plan.targets", "data.domains"} <= set(LIST_KEYS)
+
+
+@pytest.mark.parametrize("key", LIST_KEYS)
+def test_a_repeated_list_entry_is_refused_naming_key_and_value(tmp_path, key):
+    """``eval_gsm8k.generate: [baseline, baseline]`` generated twice: every list param lists each entry once."""
+    raw = tiny_raw()
+    entries = dict(_lists(raw))[key]
+    entries.append(entries[-1])
+    n = len(entries) - 1
+    _refused(tmp_path, key, entries, f"lists {entries[-1]!r} twice (entries {n - 1} and {n}): list each entry once",
+             raw=raw)
+
+
+def test_a_repeat_is_refused_in_a_list_the_tiny_profile_leaves_empty(tmp_path):
+    _refused(tmp_path, "plan.extra_sources", [22, 23, 22], "lists 22 twice (entries 0 and 2)")
+
+
 @pytest.mark.parametrize("value", ["gpu", "CUDA", "cuda:", "cuda:x", "cuda:-1", "mps", "cpu:0", ""])
 @pytest.mark.parametrize("key", DEVICE_KEYS)
 def test_device_must_be_a_known_form(tmp_path, key, value):
