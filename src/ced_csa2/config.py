@@ -24,6 +24,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping, Optional
@@ -858,25 +859,44 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     return params
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a repeated key (PyYAML silently keeps the last one)."""
+_MERGE_TAG = "tag:yaml.org,2002:merge"  # the key `<<`
 
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            self.flatten_mapping(node)
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    repeated = key in seen
-                except TypeError:  # unhashable key: the base constructor reports it
-                    continue
-                if repeated:
-                    raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}",
-                        key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep)
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key written twice in one mapping (PyYAML silently keeps the last one).
+
+    Merge keys follow YAML's merge semantics, as DVC reads them: a mapping's own keys override
+    the keys it merges (``<<: *defaults``), and of merged mappings listed (``<<: [*a, *b]``) the
+    first holding a key gives it.  PyYAML's own merge tells keys apart by object identity and
+    keeps a merged mapping's overridden pairs, so a merge of a merge could read another value.
+    """
+
+    def flatten_mapping(self, node):
+        """Make ``node.value`` its mapping's pairs, merged ones included, each key once (idempotent)."""
+        written, merged, merges = {}, {}, 0
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                merges += 1
+                _check_yaml(merges == 1, node, "found duplicate key '<<'", key_node)
+                sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for source in sources:
+                    _check_yaml(isinstance(source, yaml.MappingNode), node,
+                                f"expected a mapping or list of mappings for merging, but found {source.id}", source)
+                    self.flatten_mapping(source)
+                    for pair in source.value:
+                        merged.setdefault(self.construct_object(pair[0], deep=True), pair)
+                continue
+            key = self.construct_object(key_node, deep=True)
+            _check_yaml(isinstance(key, Hashable), node, "found unhashable key", key_node)
+            _check_yaml(key not in written, node, f"found duplicate key {key!r}", key_node)
+            written[key] = (key_node, value_node)
+        node.value = [pair for key, pair in merged.items() if key not in written] + list(written.values())
+
+
+def _check_yaml(ok: bool, mapping: yaml.MappingNode, problem: str, at: yaml.Node) -> None:
+    if not ok:
+        raise yaml.constructor.ConstructorError("while constructing a mapping", mapping.start_mark, problem,
+                                                at.start_mark)
 
 
 DEVICE_KEYS = ("dump.device", "eval_ppl.device", "eval_gsm8k.device")
