@@ -64,6 +64,11 @@ NO_CUDA = "torch.cuda.is_available() is false"
 ZEROS = "0" * 64
 
 
+# What a stage says when Ctrl-C ends it (exit status 130).
+INTERRUPTED_LINE = ("{stage}: interrupted; every output is its complete old or new file (none is left half-written): "
+                    "run the stage again to finish")
+
+
 def snapshot(workdir: Path) -> dict[str, str]:
     """``{path: sha256}`` of every file under ``workdir`` but ``params.yaml`` (new files show too)."""
     return {p.relative_to(workdir).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()

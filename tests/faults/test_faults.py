@@ -19,6 +19,7 @@ from faults_common import (
     NO_CUDA,
     ROOT,
     TINY_YAML,
+    INTERRUPTED_LINE,
     ZEROS,
     edit,
     local_model,
@@ -218,6 +219,19 @@ def test_debug_env_re_raises_input_errors(in_tiny_folder, monkeypatch):
     monkeypatch.setenv(DEBUG_ENV, "1")
     with pytest.raises(ValueError, match="bad value"):
         run_stage(_raiser(ValueError("bad value")))
+
+
+def test_ctrl_c_is_one_line_exit_130(in_tiny_folder, capsys):
+    with pytest.raises(SystemExit) as end:
+        run_stage(_raiser(KeyboardInterrupt()))
+    assert end.value.code == 130
+    assert capsys.readouterr().err == INTERRUPTED_LINE.format(stage="test_faults") + "\n"
+
+
+def test_debug_env_re_raises_ctrl_c(in_tiny_folder, monkeypatch):
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(KeyboardInterrupt):
+        run_stage(_raiser(KeyboardInterrupt()))
 
 
 # ----------------------------------------------------------------------------- a model folder without its tokenizer
