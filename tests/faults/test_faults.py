@@ -26,6 +26,7 @@ from faults_common import (
     one_error_line,
     remove,
     snapshot,
+    stage_env,
     write,
 )
 from tokenizers import Tokenizer, models
@@ -283,3 +284,15 @@ def test_a_model_folder_with_its_tokenizer_loads_it(tmp_path):
     save_tiny_model("good", tiny_tokenizer())(tmp_path)
     text = "the tokenizer saved beside the model"
     assert load_tokenizer(pinned_local(tmp_path / "good"))(text).input_ids == tiny_tokenizer()(text).input_ids
+
+
+# ----------------------------------------------------------------------------- the CLIs
+
+@pytest.mark.parametrize("args,missing", [([], "params.yaml"), (["--workdir", "elsewhere"], "elsewhere/params.yaml")],
+                         ids=["here", "workdir"])
+def test_estimate_without_params_yaml_says_so_in_one_line(tmp_path, args, missing):
+    (tmp_path / "elsewhere").mkdir()
+    done = subprocess.run([sys.executable, "-m", "ced_csa2.estimate", *args], cwd=tmp_path, env=stage_env(),
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 1 and done.stdout == "", done.stderr[-3000:]
+    assert done.stderr == f"error: {missing}: parameter file not found (run from the repository root)\n"
