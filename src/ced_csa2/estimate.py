@@ -47,7 +47,7 @@ import torch
 import yaml
 
 from .ced_runtime import prompt_tokens
-from .config import Params, from_dict, load_params
+from .config import Params, ParamsError, from_dict, load_params
 from .csa2 import mlp_width
 from .data.dump_file import DumpLayout
 from .data.loader import record_split
@@ -753,7 +753,10 @@ def main(argv: list[str] | None = None) -> None:
 
         params = from_dict(Params, yaml.safe_load(compose_or_exit(args.overrides)))
     else:
-        params = load_params(args.workdir / "params.yaml")
+        try:
+            params = load_params(args.workdir / "params.yaml")
+        except ParamsError as exc:  # none there, or a bad one: one line, as for a bad override
+            raise SystemExit(f"error: {exc}") from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     s = setup(params, device, args.workdir)
     if args.changed:

@@ -352,11 +352,43 @@ def check_loading(model: nn.Module, info: dict, source: str) -> None:
                              "lm_head.weight is a separate tensor")
 
 
+# What a Hugging Face folder's tokenizer is read from: one of these sets of files, complete.  A
+# folder without any loads without a word as an empty tokenizer (its special tokens only, every
+# text -> no tokens), and the stages after it would blame the corpus.
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+# Every loaded tokenizer must encode this to tokens: a hub repository lacking its tokenizer files
+# gives the same empty tokenizer, and no file list can say so before loading.
+TOKENIZER_PROBE = "The pipeline tokenizes text."
+
+
+def check_tokenizer_files(folder: Path, source: str) -> None:
+    """Refuse a model folder holding none of :data:`TOKENIZER_FILES` complete (one line naming it)."""
+    if not any(all((folder / name).is_file() for name in files) for files in TOKENIZER_FILES):
+        alternatives = ", ".join(" + ".join(files) for files in TOKENIZER_FILES)
+        raise ModelLoadError(f"{source}: the folder {folder} has no tokenizer (none of {alternatives} is there): "
+                             "copy the model's tokenizer files into it and pin its new digest")
+
+
 def load_tokenizer(cfg: ModelConfig):
-    """The tokenizer of a profile (right padding, a pad token always set)."""
+    """The tokenizer of a profile (right padding, a pad token always set).
+
+    Raises
+    ------
+    ModelLoadError
+        A model folder without tokenizer files (:func:`check_tokenizer_files`), or a tokenizer
+        that encodes text to no tokens (an empty vocabulary).
+    """
     from transformers import AutoTokenizer
 
-    tok = tiny_tokenizer() if cfg.kind == "tiny" else _from_pretrained(AutoTokenizer, cfg)
+    if cfg.kind == "tiny":
+        tok = tiny_tokenizer()
+    else:
+        if cfg.kind != "hub":
+            check_tokenizer_files(_hf_folder(cfg), _source(cfg))
+        tok = _from_pretrained(AutoTokenizer, cfg)
+    if not tok(TOKENIZER_PROBE, add_special_tokens=False).input_ids:
+        raise ModelLoadError(f"{_source(cfg)}: its tokenizer encodes text to no tokens (a vocabulary of {len(tok)}: "
+                             "its tokenizer files hold none)")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"

@@ -14,21 +14,29 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import tiny_params
 from faults_common import (
     NO_CUDA,
     ROOT,
     TINY_YAML,
+    INTERRUPTED_LINE,
     ZEROS,
     edit,
     local_model,
+    one_error_line,
     remove,
     snapshot,
+    stage_env,
     write,
 )
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
 
+from ced_csa2 import assets
 from ced_csa2.assets import AssetError
-from ced_csa2.config import ParamsError
+from ced_csa2.config import LocalModel, ModelConfig, ParamsError, replaced
 from ced_csa2.data.dump_file import DumpError
+from ced_csa2.model_utils import ModelLoadError, build_tiny_model, load_tokenizer, tiny_tokenizer
 from ced_csa2.pipeline.checkpoint import CheckpointError
 from ced_csa2.pipeline.paths import (
     DUMP_PATH,
@@ -212,3 +220,79 @@ def test_debug_env_re_raises_input_errors(in_tiny_folder, monkeypatch):
     monkeypatch.setenv(DEBUG_ENV, "1")
     with pytest.raises(ValueError, match="bad value"):
         run_stage(_raiser(ValueError("bad value")))
+
+
+def test_ctrl_c_is_one_line_exit_130(in_tiny_folder, capsys):
+    with pytest.raises(SystemExit) as end:
+        run_stage(_raiser(KeyboardInterrupt()))
+    assert end.value.code == 130
+    assert capsys.readouterr().err == INTERRUPTED_LINE.format(stage="test_faults") + "\n"
+
+
+def test_debug_env_re_raises_ctrl_c(in_tiny_folder, monkeypatch):
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(KeyboardInterrupt):
+        run_stage(_raiser(KeyboardInterrupt()))
+
+
+# ----------------------------------------------------------------------------- a model folder without its tokenizer
+
+def save_tiny_model(rel: str, tokenizer=None):
+    """A step: the tiny profile's model saved at ``rel`` as ``save_pretrained`` writes it, ``tokenizer`` beside it."""
+    def apply(workdir: Path) -> None:
+        model = build_tiny_model(tiny_params().model.tiny, len(tiny_tokenizer()))
+        model.save_pretrained(workdir / rel)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(workdir / rel)
+    return apply
+
+
+def pinned_local(folder: Path) -> ModelConfig:
+    """The tiny profile's model section as ``kind: local`` at ``folder``, pinned to its digest."""
+    return replaced(tiny_params().model, kind="local", local=LocalModel(path=str(folder), sha256=assets.digest(folder)))
+
+
+def empty_vocabulary() -> PreTrainedTokenizerFast:
+    """A tokenizer whose files are all there but hold no vocabulary (its end-of-text token only)."""
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab={}, merges=[])),
+                                   eos_token="<|endoftext|>")
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused_before_the_work(tmp_path):
+    """transformers loads such a folder as an empty tokenizer (every text -> no tokens): refused, naming the folder."""
+    (tmp_path / "params.yaml").write_text(TINY_YAML)
+    local_model("my_model", save_tiny_model("my_model"), pinned=True)(tmp_path)
+    before = snapshot(tmp_path)
+
+    line = one_error_line(run_module(tmp_path, "prepare"))
+
+    assert line == (f"error: model 'tiny_qwen3_5' (local): the folder my_model has no tokenizer (none of "
+                    f"tokenizer.json, tokenizer.model, vocab.json + merges.txt is there): copy the model's tokenizer "
+                    f"files into it and pin its new digest"), line
+    assert snapshot(tmp_path) == before  # refused before the corpus was written
+
+
+def test_a_tokenizer_with_an_empty_vocabulary_is_refused(tmp_path):
+    save_tiny_model("empty", empty_vocabulary())(tmp_path)
+    with pytest.raises(ModelLoadError) as err:
+        load_tokenizer(pinned_local(tmp_path / "empty"))
+    assert str(err.value) == ("model 'tiny_qwen3_5' (local): its tokenizer encodes text to no tokens (a vocabulary "
+                              "of 1: its tokenizer files hold none)")
+
+
+def test_a_model_folder_with_its_tokenizer_loads_it(tmp_path):
+    save_tiny_model("good", tiny_tokenizer())(tmp_path)
+    text = "the tokenizer saved beside the model"
+    assert load_tokenizer(pinned_local(tmp_path / "good"))(text).input_ids == tiny_tokenizer()(text).input_ids
+
+
+# ----------------------------------------------------------------------------- the CLIs
+
+@pytest.mark.parametrize("args,missing", [([], "params.yaml"), (["--workdir", "elsewhere"], "elsewhere/params.yaml")],
+                         ids=["here", "workdir"])
+def test_estimate_without_params_yaml_says_so_in_one_line(tmp_path, args, missing):
+    (tmp_path / "elsewhere").mkdir()
+    done = subprocess.run([sys.executable, "-m", "ced_csa2.estimate", *args], cwd=tmp_path, env=stage_env(),
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 1 and done.stdout == "", done.stderr[-3000:]
+    assert done.stderr == f"error: {missing}: parameter file not found (run from the repository root)\n"

@@ -21,6 +21,7 @@ import h5py
 import numpy as np
 import pytest
 from faults_common import (
+    INTERRUPTED_LINE,
     TINY_YAML,
     committed,
     dump_contents,
@@ -386,6 +387,27 @@ def test_dump_killed_at_three_seeded_points_resumes_to_the_same_datasets(dumped_
     assert sorted(p.relative_to(work).as_posix() for p in (work / "data").rglob("*") if p.is_file()) == [
         *(f"data/corpus/domains/{d}.jsonl" for d in ("reports_a", "reports_b")),  # the tiny profile's domains
         "data/corpus/eval.jsonl", "data/corpus/train.jsonl", "data/dump/dump.h5"]
+
+
+def test_dump_interrupted_by_ctrl_c_says_so_in_one_line_then_resumes(dumped_workdir, tmp_path):
+    """SIGINT, as Ctrl-C sends it, after a committed record: one line, exit 130, the partial dump kept to resume."""
+    work = tmp_path / "work"
+    shutil.copytree(dumped_workdir / "data" / "corpus", work / "data" / "corpus")
+    shutil.copy(dumped_workdir / "params.yaml", work / "params.yaml")
+    edit("  batch_size: 8\n  storage_dtype", "  batch_size: 1\n  storage_dtype")(work)  # a commit per record
+    log = tmp_path / "interrupted.log"
+    proc = start_stage(work, "dump", log)
+    wait_until(proc, log, lambda text: any(n >= 2 for n, _ in committed(text).values()), "record 2 committed")
+    proc.send_signal(signal.SIGINT)
+
+    assert proc.wait(timeout=300) == 130, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert text.splitlines()[-1] == INTERRUPTED_LINE.format(stage="dump"), text[-3000:]
+    assert not (work / DUMP_PATH).exists() and (work / DUMP_PARTIAL).exists()
+    done = run_stage_process(work, "dump")  # "run the stage again to finish": it resumes
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((work / DUMP_METRICS).read_text())["resumed_from_record"] >= 2
 
 
 def test_train_projector_killed_mid_epoch_keeps_the_old_checkpoint_then_writes_the_same_bytes(dumped_workdir,

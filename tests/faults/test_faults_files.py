@@ -285,3 +285,22 @@ def test_bad_cached_wheel_is_fetched_once_more_then_named(in_tiny_folder, tmp_pa
     assert pip.calls == len(deliveries) and not pip.deliveries  # one more fetch at most, no loop
     assert {name: sha(wheels / name) for name in UNRELATED_WHEELS} == before
     assert not [p for p in cache.rglob("*") if ".tmp" in p.name]
+
+
+@pytest.mark.parametrize("below", ["", "/cache"], ids=["names-the-file", "a-folder-under-the-file"])
+def test_an_asset_cache_that_is_a_file_is_one_line(in_tiny_folder, tmp_path, monkeypatch, capsys, below):
+    """``CED_CSA2_CACHE`` naming a file (or a folder under one): one line naming the variable, not ENOTDIR's traceback."""
+    in_the_way = tmp_path / "cache.tar"
+    in_the_way.write_bytes(b"a file, not a folder")
+    monkeypatch.setenv("CED_CSA2_CACHE", f"{in_the_way}{below}")
+    pin = WheelPin(package="demo-pkg", version="1.0", member=ASSET_MEMBER,
+                   sha256=hashlib.sha256(ASSET_BLOB).hexdigest(), python_version=None)
+
+    with pytest.raises(SystemExit) as end:
+        run_stage(lambda params: fetch_member(pin))
+
+    assert end.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: CED_CSA2_CACHE={in_the_way}{below}: {in_the_way} is a file, not a folder: point CED_CSA2_CACHE at a "
+        "folder (it holds the downloaded wheels and the files taken out of them)\n")
+    assert in_the_way.read_bytes() == b"a file, not a folder"

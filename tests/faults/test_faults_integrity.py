@@ -115,3 +115,16 @@ def test_map_files_of_other_training_params_are_refused_by_the_evaluation(fitted
     with pytest.raises(ParamsError, match=rf"{workdir / paths.ADAPTERS_PATH}: was made with train_adapters.epochs = "
                                           r"12, params.yaml has 13"):
         load_parts(workdir / "models", changed, plan, geo, extra_sources=False)
+
+
+def test_a_digest_mismatch_shows_the_digests_up_to_where_they_differ(tmp_path):
+    """Digests that differ after the 16 digits shown would read as 'sha256 is abc..., not the abc...'."""
+    path = save_checkpoint(tmp_path / "adapters.pt", "adapters", nn.Linear(4, 4), {"model": "m"}, ("model",))
+    blob = torch.load(path, weights_only=True)
+    actual = blob["sha256"]
+    blob["sha256"] = written = actual[:20] + ("1" if actual[20] == "0" else "0") + actual[21:]  # its 21st digit
+    torch.save(blob, path)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, "adapters")
+    assert f"{path}: its tensors' sha256 is {actual[:21]}..., not the {written[:21]}... it was written with" in str(
+        err.value), str(err.value)

@@ -17,7 +17,7 @@ from faults_common import (
     ZEROS,
 )
 
-from ced_csa2.config import DEVICE_KEYS, ParamsError, load_params
+from ced_csa2.config import DEVICE_KEYS, ParamsError, load_params, to_dict
 
 # ----------------------------------------------------------------------------- params catalogue
 
@@ -127,6 +127,40 @@ def test_out_of_range_param_is_refused(tmp_path, key, value, message):
     _refused(tmp_path, key, value, message)
 
 
+def _lists(node, where=""):
+    """``(dotted key, list)`` of every list under ``node``, nested ones included."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _lists(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(node, list):
+        yield where, node
+        for i, v in enumerate(node):
+            yield from _lists(v, f"{where}.{i}")
+
+
+LIST_KEYS = [key for key, value in _lists(tiny_raw()) if value]  # the ones the tiny profile fills
+
+
+def test_every_list_param_is_listed():
+    assert {"eval_ppl.groups", "eval_gsm8k.groups", "eval_gsm8k.generate", "train.objectives", "train.eval_groups",
+            "plan.targets", "data.domains"} <= set(LIST_KEYS)
+
+
+@pytest.mark.parametrize("key", LIST_KEYS)
+def test_a_repeated_list_entry_is_refused_naming_key_and_value(tmp_path, key):
+    """``eval_gsm8k.generate: [baseline, baseline]`` generated twice: every list param lists each entry once."""
+    raw = tiny_raw()
+    entries = dict(_lists(raw))[key]
+    entries.append(entries[-1])
+    n = len(entries) - 1
+    _refused(tmp_path, key, entries, f"lists {entries[-1]!r} twice (entries {n - 1} and {n}): list each entry once",
+             raw=raw)
+
+
+def test_a_repeat_is_refused_in_a_list_the_tiny_profile_leaves_empty(tmp_path):
+    _refused(tmp_path, "plan.extra_sources", [22, 23, 22], "lists 22 twice (entries 0 and 2)")
+
+
 @pytest.mark.parametrize("value", ["gpu", "CUDA", "cuda:", "cuda:x", "cuda:-1", "mps", "cpu:0", ""])
 @pytest.mark.parametrize("key", DEVICE_KEYS)
 def test_device_must_be_a_known_form(tmp_path, key, value):
@@ -212,6 +246,11 @@ def test_missing_key_is_named(tmp_path, key):
     ("ridge: [\n", "not valid YAML at line 2, column 1: expected the node content"),
     ("a: b: c\n", "not valid YAML at line 1, column"),
     ("seed: 0\nseed: 1\n", "not valid YAML at line 2, column 1: found duplicate key 'seed'"),
+    # beside a merge key, a key written twice is still a repeat, and so is the merge key
+    ("ridge:\n  <<: {lambda: 2.0}\n  lambda: 1.0\n  lambda: 3.0\n",
+     "not valid YAML at line 4, column 3: found duplicate key 'lambda'"),
+    ("ridge:\n  <<: {lambda: 2.0}\n  <<: {block_rows: 64}\n",
+     "not valid YAML at line 3, column 3: found duplicate key '<<'"),
     ("", "is empty"),
     ("# only a comment\n", "is empty"),
     ("- 1\n- 2\n", "'<root>' must be a mapping, got list"),
@@ -220,6 +259,39 @@ def test_broken_files_are_one_line_errors(tmp_path, text, message):
     with pytest.raises(ParamsError) as err:
         _load(tmp_path, text=text)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+RIDGE = "ridge:\n  lambda: 1.0\n  block_rows: 8192\n"  # sections of the tiny params.yaml
+DOMAINS = ("  domains:\n  - name: reports_a\n    kind: tiny\n    'n': 4\n    files: []\n"
+           "  - name: reports_b\n    kind: tiny\n    'n': 4\n    files: []\n")
+MERGES = [  # (id, a section of the tiny params.yaml, the same written with YAML merge keys, keys it must load as)
+    ("written-key-overrides-merged", RIDGE, "ridge:\n  <<: {lambda: 2.0}\n  lambda: 1.0\n  block_rows: 8192\n",
+     {"ridge.lambda": 1.0, "ridge.block_rows": 8192}),
+    ("merged-key-fills-in", RIDGE, "ridge:\n  <<: {lambda: 2.0, block_rows: 64}\n  lambda: 1.0\n",
+     {"ridge.lambda": 1.0, "ridge.block_rows": 64}),
+    ("first-listed-mapping-wins", RIDGE, "ridge:\n  <<: [{block_rows: 64}, {lambda: 3.0, block_rows: 32}]\n",
+     {"ridge.lambda": 3.0, "ridge.block_rows": 64}),
+    # an anchored mapping that overrides a merged key, merged in turn: it brings its own value, not the overridden one
+    ("merge-of-a-merge", DOMAINS, "  domains:\n  - &reports\n    <<: {name: x, kind: tiny, 'n': 3, files: []}\n"
+                                  "    name: reports_a\n    'n': 4\n  - <<: *reports\n    name: reports_b\n",
+     {"data.domains.0.n": 4, "data.domains.1.name": "reports_b", "data.domains.1.n": 4}),
+]
+
+
+@pytest.mark.parametrize("section,merged,expected", [m[1:] for m in MERGES], ids=[m[0] for m in MERGES])
+def test_yaml_merge_keys_load_as_dvc_reads_them(tmp_path, section, merged, expected):
+    """A merge key is YAML, not a repeated key: the keys written beside it win, as DVC reads the file."""
+    from dvc.utils.serialize import parse_yaml
+
+    assert TINY_YAML.count(section) == 1
+    text = TINY_YAML.replace(section, merged)
+    loaded, read_by_dvc = to_dict(_load(tmp_path, text=text)), parse_yaml(text, "params.yaml")
+    for key, value in expected.items():
+        for tree in (loaded, read_by_dvc):
+            node = tree
+            for part in key.split("."):
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            assert node == value, (key, tree is loaded)
 
 
 PART = {"package": "chunk-part1", "version": "1.0", "member": "chunk_part1/m.gguf.part00", "sha256": ZEROS,

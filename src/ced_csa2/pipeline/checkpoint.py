@@ -199,9 +199,11 @@ def load_checkpoint(path: str | Path, kind: str, expect: Mapping | None = None) 
         digest = state_digest(blob["state"])
     except Exception as exc:  # a flip that breaks a tensor's structure
         raise CheckpointError(f"{path}: its tensors cannot be read ({type(exc).__name__}: {exc})") from None
-    if digest != blob.get("sha256"):
-        raise CheckpointError(f"{path}: its tensors' sha256 is {digest[:16]}..., not the {str(blob.get('sha256'))[:16]}... "
-                              "it was written with: the file changed after it was written (rebuild it with `dvc repro`)")
+    written = str(blob.get("sha256"))
+    if digest != written:
+        raise CheckpointError(f"{path}: its tensors' sha256 is {_up_to_difference(digest, written)}, not the "
+                              f"{_up_to_difference(written, digest)} it was written with: the file changed after it "
+                              "was written (rebuild it with `dvc repro`)")
     meta = blob["meta"]
     for key, want in (expect or {}).items():
         if key not in meta:
@@ -209,6 +211,16 @@ def load_checkpoint(path: str | Path, kind: str, expect: Mapping | None = None) 
         if _plain(meta[key]) != _plain(want):
             raise CheckpointError(f"{path}: '{key}' is {meta[key]!r} in the checkpoint, expected {want!r}")
     return blob["state"], meta
+
+
+def _up_to_difference(digest: str, other: str, shown: int = 16) -> str:
+    """``digest`` cut after its first digit that differs from ``other``, ``shown`` digits at least.
+
+    Two digests shown by equal prefixes would read as a contradiction.
+    """
+    differ = next((i for i, (a, b) in enumerate(zip(digest, other)) if a != b), min(len(digest), len(other)))
+    cut = max(shown, differ + 1)
+    return digest if cut >= len(digest) else f"{digest[:cut]}..."
 
 
 def load_state(path: Path, module: nn.Module, state: dict) -> None:

@@ -6,8 +6,8 @@ also writes ``<dir>/<stage>.json``: the params keys and the project files the st
 (``tests/test_graph.py`` compares them with the stage's entry in ``dvc.yaml``).
 
 A bad input (params, a missing or corrupt artifact) or a full/failing disk ends the stage
-with one line, ``error: <message>``, on stderr and exit status 2; ``CED_CSA2_DEBUG=1`` shows
-the traceback.
+with one line, ``error: <message>``, on stderr and exit status 2, Ctrl-C with one line and
+exit status 130; ``CED_CSA2_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from .atomic_files import atomic_write_text
 from .paths import timings_path
 
 RECORD_ENV = "CED_CSA2_RECORD_READS"
-DEBUG_ENV = "CED_CSA2_DEBUG"  # =1: re-raise an input error with its traceback instead of one line
+DEBUG_ENV = "CED_CSA2_DEBUG"  # =1: re-raise an input error (or Ctrl-C) with its traceback instead of one line
+INTERRUPTED = 130  # the exit status of a stage ended by Ctrl-C (SIGINT), as a shell reports 128 + 2
 # Input errors: a stage that raises one of these exits 2 with one line on stderr, no traceback.
 # ParamsError, PlanError, CheckpointError and DumpError are ValueErrors; AssetError (a
 # RuntimeError) is matched by name, so that this module imports none of them (every stage's
@@ -106,8 +107,9 @@ def run_stage(run, *args, launcher=None) -> None:
     """Entry point of a stage module: log to stderr, then ``run(load_params(), *args)`` from the cwd.
 
     An input error (:func:`is_input_error`) prints ``error: <message>`` to stderr and exits
-    with status 2; with ``CED_CSA2_DEBUG=1`` it propagates with its traceback instead.  Any
-    other exception keeps its traceback.
+    with status 2, Ctrl-C (``KeyboardInterrupt``) one line and status 130; with
+    ``CED_CSA2_DEBUG=1`` either propagates with its traceback instead.  Any other exception
+    keeps its traceback.
 
     ``launcher(params, module, args)`` (a data-parallel stage's
     :func:`ced_csa2.pipeline.distributed.relaunch`) may run the stage in other processes and return
@@ -115,15 +117,29 @@ def run_stage(run, *args, launcher=None) -> None:
     without one refuses to run as one of several processes (``WORLD_SIZE > 1``: ``torchrun``),
     which would be copies writing the same outputs.
     """
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         _run_stage(run, *args, launcher=launcher)
-    except Exception as exc:
-        if not is_input_error(exc) or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+    except KeyboardInterrupt:
+        if debug:
             raise
-        for handler in logging.getLogger().handlers:  # what the stage logged comes before the error line
-            handler.flush()
+        # Not a bug: no traceback.  What the runner knows of every stage: outputs are written
+        # to a temp file and renamed whole (atomic_files), and an interrupted write removes its temp.
+        _flush_log()
+        print(f"{stage_name(run, args)}: interrupted; every output is its complete old or new file (none is left "
+              "half-written): run the stage again to finish", file=sys.stderr, flush=True)
+        raise SystemExit(INTERRUPTED) from None
+    except Exception as exc:
+        if not is_input_error(exc) or debug:
+            raise
+        _flush_log()
         print(error_line(exc), file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def _flush_log() -> None:
+    for handler in logging.getLogger().handlers:  # what the stage logged comes before the runner's last line
+        handler.flush()
 
 
 def _run_stage(run, *args, launcher=None) -> None:
