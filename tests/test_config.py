@@ -68,7 +68,8 @@ def _write(tmp_path, mutate):
     # the training mix: one line naming the entry's key
     (lambda r: r["data"].update({"mix": [{"domain": "chat", "weight": 1.0}], "mix_rows": 10}),
      r"'data.mix.0.domain' names no domain: 'chat' is neither data.name nor in data.domains"),
-    (lambda r: r["data"].update({"mix": [{"domain": "code", "weight": 1.0}] * 2, "mix_rows": 10}),
+    (lambda r: r["data"].update({"mix": [{"domain": "code", "weight": 1.0}, {"domain": "code", "weight": 2.0}],
+                                 "mix_rows": 10}),
      "'data.mix.1.domain' repeats 'code'"),
     (lambda r: r["data"].update({"mix": [{"domain": "math", "weight": 1.0}], "mix_rows": 10}),
      "'data.mix.0.domain' 'math' is evaluation only: its GSM-Symbolic templates are GSM8K test items"),
