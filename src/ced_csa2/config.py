@@ -652,6 +652,25 @@ class EvalPPLConfig(Section):
 
 
 @dataclass(frozen=True)
+class EvalGenerationConfig(Section):
+    """Greedy decoding of every group through the cache that holds its bytes (stage ``eval_generation``)."""
+
+    prompts: int  # held-out eval records (a seeded sample, eval_ppl's stream), one prompt each
+    prompt_tokens: int  # each prompt: its record's first tokens (a record needs one more)
+    new_tokens: int  # greedy tokens generated after each prompt
+    batch_size: int  # prompts decoded (and scored) together
+    device: str
+
+    def __post_init__(self):
+        _check(self.prompts >= 2, "eval_generation.prompts",
+               f"must be at least 2 (the intervals resample prompts), got {self.prompts}")
+        _check(self.prompt_tokens >= 2, "eval_generation.prompt_tokens",
+               f"must be at least 2 (Mode A prefills all but the last), got {self.prompt_tokens}")
+        _check_positive(self, "eval_generation", "new_tokens", "batch_size")
+        _check_device(self.device, "eval_generation.device")
+
+
+@dataclass(frozen=True)
 class EvalGSM8KConfig(Section):
     groups: list[str]  # gold-solution NLL
     # lm-eval generation (EM), of groups; never a low-rank group (it compresses a finished prefill, no cached decoding)
@@ -702,6 +721,7 @@ class Params(Section):
     train: TrainConfig
     eval_ppl: EvalPPLConfig
     eval_gsm8k: EvalGSM8KConfig
+    eval_generation: EvalGenerationConfig
     mode_a: ModeAConfig
     # A covering plan's extra sources (stage extra_projectors): the ridge maps as they are, or
     # trained with train_projector's recipe.

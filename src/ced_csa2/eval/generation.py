@@ -54,6 +54,7 @@ from transformers.cache_utils import Cache
 from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, parts_for
 from ..kv.fp4 import FORMATS as FP4_FORMATS
 from ..kv.kv_bytes import bytes_per_token
+from ..data.records import seeded_subset
 from ..model_utils import geometry
 from ..plan import LayerPlan
 from ..runtime.groups import GROUPS, Group
@@ -383,3 +384,52 @@ def _joined(runs: list[GroupGeneration]) -> GroupGeneration:
                            CacheBytes(sum(r.bytes.used for r in runs), sum(r.bytes.allocated for r in runs)),
                            first.positions, sum(r.accounted for r in runs), first.kind)
 
+
+
+def prompt_ids(records: list[dict], where, tok, n: int, prompt_tokens: int, seed: int, stream: int) -> torch.Tensor:
+    """The prompts ``(n, prompt_tokens)``: the first tokens of a seeded sample of ``records`` (numpy stream ``stream``).
+
+    Raises
+    ------
+    ValueError
+        One line naming ``where``: fewer records than prompts, or a record shorter than ``prompt_tokens + 1``.
+    """
+    if len(records) < n:
+        raise ValueError(f"{where}: {len(records)} eval records; eval_generation.prompts asks for {n}")
+    picked = [records[i] for i in seeded_subset(len(records), n, seed, stream)]
+    need = prompt_tokens + 1
+    ids = tok([r["text"] for r in picked], truncation=True, max_length=need)["input_ids"]
+    for rec, row in zip(picked, ids):
+        if len(row) < need:
+            raise ValueError(f"{where}: record {rec['id']!r} is {len(row)} tokens long; a prompt of "
+                             f"{prompt_tokens} tokens needs a record of at least {need}")
+    return torch.tensor([row[:prompt_tokens] for row in ids])
+
+
+def generation_rows(model: nn.Module, prompts: torch.Tensor, runs: Mapping[str, GroupGeneration], *, seed: int,
+                    batch_size: int) -> dict[str, dict]:
+    """Per label of ``runs`` (``baseline`` among them): its cache, :func:`fidelity` against the baseline with
+    intervals, per-prompt values, and its bytes per cached position (used, allocated, and as ratios to the
+    baseline's)."""
+    fid = fidelity(model, prompts, {label: r.tokens for label, r in runs.items()}, seed=seed, batch_size=batch_size)
+    base = runs["baseline"]
+    rows = {}
+    for label, r in runs.items():
+        f = fid[label]
+        rows[label] = {
+            "cache": r.kind,
+            "first_divergence_mean": f["first_divergence"]["mean"]["value"],
+            "first_divergence_mean_ci95": f["first_divergence"]["mean"]["ci95"],
+            "first_divergence_median": f["first_divergence"]["median"]["value"],
+            "first_divergence_median_ci95": f["first_divergence"]["median"]["ci95"],
+            "agreement": f["agreement"]["mean"]["value"], "agreement_ci95": f["agreement"]["mean"]["ci95"],
+            "agreement_by_position": f["agreement"]["by_position"],
+            "agreement_by_position_ci95": f["agreement"]["by_position_ci95"],
+            "delta_nll": f["delta_nll"]["value"], "delta_nll_ci95": f["delta_nll"]["ci95"],
+            "used_bytes_per_token": r.used_per_token, "allocated_bytes_per_token": r.allocated_per_token,
+            "used_ratio_to_baseline": r.used_per_token / base.used_per_token,
+            "allocated_ratio_to_baseline": r.allocated_per_token / base.allocated_per_token,
+            "per_prompt": {"first_divergence": f["first_divergence"]["per_prompt"],
+                           "delta_nll": f["delta_nll"]["per_prompt"]},
+        }
+    return rows

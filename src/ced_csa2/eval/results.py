@@ -203,7 +203,8 @@ def copied_note(evals: dict) -> list[str]:
             "rows are the main branch's rows (`eval_ppl`, `eval_gsm8k`), copied, as scoring them again gives."]
 
 
-def group_rows(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], groups: list[str]) -> dict:
+def group_rows(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], groups: list[str],
+               generation: dict | None = None) -> dict:
     """Every scored group's numbers, flat: ``metrics/groups.tsv`` (all of them) and the headline's source.
 
     ``{group: {...}}`` for every runtime group of ``ppl.json``:
@@ -217,6 +218,10 @@ def group_rows(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict],
       generated for -- from ``gsm8k.json``;
     * ``kv_bytes`` (stored KV bytes per token) and ``kv_compression`` (× vs baseline), bf16 on
       the ``decoder_attention`` basis -- from ``storage.json``;
+    * ``gen_first_divergence`` (mean tokens before the greedy text departs from the baseline's),
+      ``gen_agreement`` (fraction of generated positions agreeing) and ``gen_dnll`` (Δ plausibility,
+      nats/token), each with ``_lo`` / ``_hi`` (bootstrap 95% CI over prompts), for every group and
+      ``mode_a`` decoded through its cache -- from ``generation.json`` (``generation``);
 
     plus ``{"<group>@<objective>": {"ppl", "dppl_pct", "kl", "top1", "gold_nll", "dgold_nll", ...}}``
     (with their CIs) for each ``train.eval_groups`` group under each tuned objective
@@ -255,7 +260,19 @@ def group_rows(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict],
     for name, row in out.items():
         if "@" not in name:
             row |= _domain_columns(domain_results(ppl, name))
+    for name, g in (generation or {}).get("groups", {}).items():
+        if name in out and name != "baseline":
+            out[name] |= _generation_columns(g)
     return out
+
+
+def _generation_columns(g: dict) -> dict:
+    """A ``generation.json`` row as ``gen_first_divergence``, ``gen_agreement``, ``gen_dnll`` with ``_lo``/``_hi``."""
+    row = {}
+    for name, key in (("gen_first_divergence", "first_divergence_mean"), ("gen_agreement", "agreement"),
+                      ("gen_dnll", "delta_nll")):
+        row |= {name: g[key], f"{name}_lo": g[f"{key}_ci95"][0], f"{name}_hi": g[f"{key}_ci95"][1]}
+    return row
 
 
 def domain_results(ppl: dict, group: str) -> dict[str, dict]:
@@ -282,7 +299,8 @@ def _domain_columns(results: dict[str, dict]) -> dict:
     return row
 
 
-HEADLINE = ("dppl_pct", "kl", "dgold_nll", "worst_domain_dppl_pct")  # per compressed group; the baseline: ppl, gold_nll
+# per compressed group; the baseline: ppl, gold_nll
+HEADLINE = ("dppl_pct", "kl", "dgold_nll", "worst_domain_dppl_pct", "gen_agreement", "gen_dnll")
 # Rows whose ΔPPL and KL are not against the baseline's PPL of the headline's first row.
 HEADLINE_LABELS = {"mode_a": "mode_a (ΔPPL, KL: against the plain prefill, on each record's second half)"}
 
@@ -293,7 +311,8 @@ def summary(rows: dict[str, dict[str, float]]) -> dict:
     Of :func:`group_rows`: the baseline's ``ppl`` and ``gold_nll``; for every other runtime group
     and ``mode_a``, the changes :data:`HEADLINE` (no intervals, no fits, no timings; the
     ``<group>@<objective>`` rows, intervals, top-1, EM, bytes and each domain's figures are in
-    ``metrics/groups.tsv``).  ``worst_domain_dppl_pct``: ΔPPL % on the other domain where it is largest.
+    ``metrics/groups.tsv``).  ``worst_domain_dppl_pct``: ΔPPL % on the other domain where it is largest;
+    ``gen_agreement`` / ``gen_dnll``: greedy decoding through the group's own cache against the baseline's.
     """
     return {group: {k: row[k] for k in (HEADLINE if "dppl_pct" in row else ("ppl", "gold_nll")) if k in row}
             for group, row in rows.items() if "@" not in group}
@@ -303,18 +322,47 @@ def headline_table(summary: dict[str, dict[str, float]]) -> list[str]:
     """The headline as a Markdown table, from ``metrics/summary.json`` alone (the report's and README's first table).
 
     One row per group in the summary's order: the baseline's PPL and gold NLL, then each
-    group's ΔPPL %, KL, Δ gold NLL and ΔPPL % on its worst other domain ("–" where the group has none).
+    group's ΔPPL %, KL, Δ gold NLL, ΔPPL % on its worst other domain, and its greedy decoding's
+    agreement with the baseline and Δ plausibility ("–" where the group has none).
     """
     lines = ["| group | ΔPPL % (baseline: PPL) | KL nats/token | Δ gold NLL (baseline: NLL) "
-             "| ΔPPL % worst other domain |", "|---|---:|---:|---:|---:|"]
+             "| ΔPPL % worst other domain | greedy agreement | Δ plausibility nats/token |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    formats = {"kl": ".4f", "dgold_nll": "+.4f", "worst_domain_dppl_pct": "+.2f", "gen_agreement": ".3f",
+               "gen_dnll": "+.4f"}
     for group, row in summary.items():
         if "dppl_pct" not in row:
-            cells = [f"{row['ppl']:.3f}", "–", f"{row['gold_nll']:.4f}" if "gold_nll" in row else "–", "–"]
+            cells = [f"{row['ppl']:.3f}", "–", f"{row['gold_nll']:.4f}" if "gold_nll" in row else "–", "–", "–", "–"]
         else:
-            cells = [f"{row['dppl_pct']:+.2f}", f"{row['kl']:.4f}" if "kl" in row else "–",
-                     f"{row['dgold_nll']:+.4f}" if "dgold_nll" in row else "–",
-                     f"{row['worst_domain_dppl_pct']:+.2f}" if "worst_domain_dppl_pct" in row else "–"]
+            cells = [f"{row['dppl_pct']:+.2f}", *(f"{row[k]:{f}}" if k in row else "–" for k, f in formats.items())]
         lines.append(f"| {HEADLINE_LABELS.get(group, group)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def generation_table(generation: dict) -> list[str]:
+    """``generation.json`` as the report's table: per group its cache, first divergence (mean, median),
+    agreement, Δ plausibility (95% CIs) and bytes per cached position, with the protocol first."""
+    p = generation["protocol"]
+
+    def ci(value: float, bounds: list[float], fmt: str) -> str:
+        return f"{value:{fmt}} [{bounds[0]:{fmt}}, {bounds[1]:{fmt}}]"
+
+    lines = [f"Greedy decoding through each group's own cache: {p['model']} ({p['dtype']}), n = {p['prompts']} prompts "
+             f"of {p['prompt_tokens']} tokens from {p['data']} (domain {p['domain']}), N = {p['new_tokens']} new "
+             f"tokens each ({p['cached_positions']} cached positions after the last step), FP4 format "
+             f"{p['kv_format']}; against {p['reference']}; Δ plausibility: {p['plausibility']}; CIs: {p['ci']}.", "",
+             "| group | cache | first divergence, mean | median | agreement | Δ plausibility nats/token | "
+             "used B/token | allocated B/token | used / baseline | allocated / baseline |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for g, r in generation["groups"].items():
+        lines.append(
+            f"| {g} | {r['cache']} | {ci(r['first_divergence_mean'], r['first_divergence_mean_ci95'], '.1f')} | "
+            f"{ci(r['first_divergence_median'], r['first_divergence_median_ci95'], '.1f')} | "
+            f"{ci(r['agreement'], r['agreement_ci95'], '.3f')} | {ci(r['delta_nll'], r['delta_nll_ci95'], '+.4f')} | "
+            f"{r['used_bytes_per_token']:,.0f} | {r['allocated_bytes_per_token']:,.0f} | "
+            f"{r['used_ratio_to_baseline']:.3f} | {r['allocated_ratio_to_baseline']:.3f} |")
+    lines += ["", "Not run (no cache holds their bytes yet): "
+              + "; ".join(f"`{g}`: {why}" for g, why in p["not_run"].items()) + "."]
     return lines
 
 
@@ -505,9 +553,9 @@ def goals_table(met: list[dict]) -> list[str]:
     return lines
 
 
-def plots(out: Path, ppl: dict, adapters: dict, storage: dict, points: list[dict]) -> list[Path]:
-    """The report's three figures under ``out``: ΔPPL with intervals and compression, adapter fit, and the
-    bytes–quality frontier (``points``: :func:`frontier`)."""
+def plots(out: Path, ppl: dict, adapters: dict, storage: dict, points: list[dict], generation: dict) -> list[Path]:
+    """The report's four figures under ``out``: ΔPPL with intervals and compression, adapter fit, the
+    bytes–quality frontier (``points``: :func:`frontier`), and greedy agreement by position (``generation``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -586,6 +634,23 @@ def plots(out: Path, ppl: dict, adapters: dict, storage: dict, points: list[dict
     key = "\n".join(f"{i} {p['name']}" + (" *" if p["front"] else "") for i, p in numbered)
     ax.text(1.02, 1.0, key + "\n(* on the front)", transform=ax.transAxes, va="top", fontsize=7, family="monospace")
     paths.append(write_png(fig, out / "bytes_vs_ppl.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for g, r in generation["groups"].items():
+        if g == "baseline":
+            continue
+        x = range(1, len(r["agreement_by_position"]) + 1)
+        line, = ax.plot(x, r["agreement_by_position"], label=g)
+        lo, hi = zip(*r["agreement_by_position_ci95"])
+        ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+    g = generation["protocol"]
+    ax.set_xlabel("position of the generated token")
+    ax.set_ylabel("fraction of prompts agreeing with the baseline [95% CI]")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=8)
+    ax.set_title(f"Greedy decoding through each group's own cache ({model}, n = {g['prompts']}, "
+                 f"{g['prompt_tokens']}-token prompts)", fontsize=9)
+    paths.append(write_png(fig, out / "agreement.png"))
     return paths
 
 
@@ -609,11 +674,11 @@ def check_same_protocol(keys: tuple[str, ...], reference: tuple[Path, dict], *ot
                              "rerun the pipeline")
 
 
-def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, dict, dict, list]]:
+def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, dict, dict, list, dict]]:
     """``reports/results.md``'s text, :func:`group_rows` and the figures' inputs (ppl, adapters, storage and
     the :func:`frontier`) from the detailed results under ``workdir``."""
     workdir = Path(workdir)
-    ppl, gsm, storage = (_load(workdir, n) for n in ("ppl", "gsm8k", "storage"))
+    ppl, gsm, storage, generation = (_load(workdir, n) for n in ("ppl", "gsm8k", "storage", "generation"))
     ridge, projector, adapters = (_load(workdir, n) for n in ("ridge", "projector", "adapters"))
     evals = _load(workdir, Path("objectives") / "eval")
     missing = [o for o in params.train.objectives if o not in evals.get("objectives", {})]
@@ -629,7 +694,8 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
                       "eval": {"protocol": evals["protocol"], **evals["objectives"][o]}} for o in params.train.objectives}
     groups = params.train.eval_groups
     windows = window_line(storage)
-    rows = group_rows(ppl, gsm, storage, objectives | {SEED_INIT: {"eval": {"groups": evals[SEED_INIT]}}}, groups)
+    rows = group_rows(ppl, gsm, storage, objectives | {SEED_INIT: {"eval": {"groups": evals[SEED_INIT]}}}, groups,
+                      generation)
     points = frontier(rows)
     text = "\n".join([
         "# Results", "", protocol_line(ppl, gsm), "", *([windows, ""] if windows else []),
@@ -637,6 +703,8 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
         *results_table(ppl, gsm, storage), "",
         *(["## Other domains: how the maps transfer (ΔPPL % vs baseline)", "", domains_protocol(ppl), "",
            *domains_table(rows, ppl), ""] if ppl.get("domains") else []),
+        "## Generation through each group's own cache", "", *generation_table(generation), "",
+        "![agreement by position](agreement.png)", "",
         "## Mode A: true CED (prefill skip)", "", *mode_a_table(ppl, gsm, _load(workdir, Path("mode_a") / "train")), "",
         "## Training objectives", "",
         "Same PPL and gold-NLL protocols as above; Δ against the baseline. `kv_mse (seed)` is the main "
@@ -676,4 +744,4 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
         *goals_table(goals(rows)), "",
         "![PPL by group](ppl_by_group.png) ![adapter cosine](adapter_cosine.png) ![bytes vs PPL](bytes_vs_ppl.png)", "",
     ])
-    return text, rows, (ppl, adapters, storage, points)
+    return text, rows, (ppl, adapters, storage, points, generation)

@@ -1,0 +1,101 @@
+"""``eval_generation`` stage: every group greedy-decoded through the cache that holds its bytes.
+
+    python -m ced_csa2.stages.eval_generation       # what `dvc repro eval_generation` runs
+
+Every other figure of the pipeline is teacher-forced under Mode B's substitution, with bytes by
+formula.  Here each group with such a cache (:func:`ced_csa2.eval.generation.supported_groups`:
+``baseline``, ``share_plain``, ``ced``, ``csa2``, ``ced_csa2``, ``baseline_fp4``, ``csa2_fp4``,
+``ced_csa2_fp4``; the rotated ``*_fp4_rot`` and ``xkv`` have none yet) and Mode A (the prefill
+skip, decoding on the ordinary cache it returns; covering plans) greedily continue the same
+prompts through it (:func:`~ced_csa2.eval.generation.group_cache`), and each is compared with the
+baseline's own greedy continuation: tokens before the first divergence (mean, median),
+agreement position by position, and the plain model's NLL per token of the continuation minus
+that of the baseline's (paired bootstrap 95% intervals over prompts).  The cache's bytes after
+the last step, used and allocated, are checked against the accounting to the byte: a mismatch
+fails the stage in one line naming the group.
+
+Prompts: the first ``eval_generation.prompt_tokens`` tokens of ``eval_generation.prompts``
+held-out eval records (``data/corpus/eval.jsonl``, a seeded sample with ``eval_ppl``'s stream);
+a record shorter than ``prompt_tokens + 1`` tokens, or prompts and new tokens beyond the
+model's window, are refused in one line before the model is loaded.  Maps: the main
+pipeline's (``models/``), Mode A's per ``mode_a.maps``.
+
+Writes ``metrics/generation.json`` (``protocol``, ``groups``: one row per group and ``mode_a``);
+the report turns it into a table, the headline's generation columns and
+``reports/agreement.png``.  Wall seconds per label go to ``timings/eval_generation.json``, never
+into the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from ..ced_runtime import load_mode_a_parts, load_parts
+from ..config import Params
+from ..data.records import read_records
+from ..eval import generation as gen
+from ..eval.perplexity import EVAL_SAMPLE_STREAM
+from ..model_utils import load_config, load_model_and_tokenizer, load_tokenizer, resolve_device
+from ..pipeline.atomic_files import write_json
+from ..pipeline.paths import EVAL_JSONL, GENERATION_METRICS, MODELS
+from ..pipeline.stage_runner import record_timing, run_stage
+from ..plan import load_plan
+from ..runtime.groups import GROUPS
+
+log = logging.getLogger(__name__)
+
+
+def run(params: Params, workdir: Path = Path(".")) -> dict:
+    """Decode every group and Mode A; returns the metrics written to ``metrics/generation.json``."""
+    workdir, cfg = Path(workdir), params.eval_generation
+    plan, geo = load_plan(params.plan, params.model)
+    # Refused before the model loads: prompts beyond the window, short or missing records.
+    gen.check_window(load_config(params.model), cfg.prompt_tokens, cfg.new_tokens)
+    path = workdir / EVAL_JSONL
+    prompts = gen.prompt_ids(read_records(path), path, load_tokenizer(params.model), cfg.prompts, cfg.prompt_tokens,
+                             params.seed, EVAL_SAMPLE_STREAM)
+    model, _ = load_model_and_tokenizer(params.model, device=resolve_device(cfg.device))
+    device = next(model.parameters()).device
+    prompts = prompts.to(device)
+    parts = load_parts(workdir / MODELS, params, plan, geo, device=device, extra_sources=False)
+    covered = not plan.uncovered(geo)
+    jobs = {g: dict(groups=[g]) for g in gen.supported_groups()}
+    if covered:
+        jobs[gen.MODE_A] = dict(groups=[], mode_a=load_mode_a_parts(workdir, params, plan, geo, device=device),
+                                replay=params.mode_a.replay, sink=params.mode_a.sink)
+    runs, seconds = {}, {}
+    for label, job in jobs.items():
+        t0 = time.perf_counter()
+        runs.update(gen.run_groups(model, plan, parts=parts, prompts=prompts, new_tokens=cfg.new_tokens,
+                                   kv_format=params.kv_format, batch_size=cfg.batch_size, **job))
+        seconds[label] = round(time.perf_counter() - t0, 2)
+        log.info("%s: %d prompts x %d tokens in %.1f s", label, cfg.prompts, cfg.new_tokens, seconds[label])
+    record_timing(seconds=seconds)
+    rows = gen.generation_rows(model, prompts, runs, seed=params.seed, batch_size=cfg.batch_size)
+    protocol = {"model": params.model.hf_id or params.model.name, "dtype": str(model.dtype).removeprefix("torch."),
+                "data": str(EVAL_JSONL), "domain": params.data.name, "prompts": cfg.prompts,
+                "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens,
+                "cached_positions": runs["baseline"].positions, "kv_format": params.kv_format,
+                "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
+                "mode_a": ({"replay": params.mode_a.replay, "sink": params.mode_a.sink, "maps": params.mode_a.maps}
+                           if covered else "not run: the plan does not cover every attention layer above the cut"),
+                "decoding": "greedy, each group through the cache that holds its bytes",
+                "reference": "the baseline's own greedy continuation of the same prompts",
+                "plausibility": ("the plain model's NLL per token of the continuation (teacher-forced) minus "
+                                 "that of the baseline's"),
+                "bytes": "K/V entries per cached position and prompt after the last step, used == accounted checked",
+                "ci": "bootstrap over prompts, 95% (paired for the NLL difference)",
+                "not_run": {g: gen.cache_refusal(g) for g in GROUPS if gen.cache_refusal(g)}}
+    metrics = {"protocol": protocol, "groups": rows}
+    write_json(workdir / GENERATION_METRICS, metrics)
+    return metrics
+
+
+def main() -> None:
+    run_stage(run)
+
+
+if __name__ == "__main__":
+    main()
