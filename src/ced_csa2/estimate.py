@@ -47,6 +47,7 @@ import torch
 import yaml
 
 from .ced_runtime import prompt_tokens
+from .eval.generation import supported_groups
 from .config import Params, ParamsError, from_dict, load_params
 from .csa2 import mlp_width
 from .data.dump_file import DumpLayout
@@ -521,6 +522,21 @@ def est_eval_gsm8k(s: Setup) -> StageEstimate:
                                                f"tokens{', Mode A' if mode_a else ''}")
 
 
+def est_eval_generation(s: Setup) -> StageEstimate:
+    cfg = s.params.eval_generation
+    labels = len(supported_groups()) + mode_a_covered(s)
+    batches = math.ceil(cfg.prompts / cfg.batch_size)
+    step = max(s.rates.decode_step_s, forward_flops(s.model, cfg.batch_size) / s.rates.model_flops)
+    # per label: the prompts' prefill, the decode steps, then the plain model scoring prompt + continuation
+    passes = forward_flops(s.model, cfg.prompts * (2 * cfg.prompt_tokens + cfg.new_tokens)) / s.rates.model_flops
+    seconds = labels * (batches * cfg.new_tokens * step + passes)
+    context = cfg.batch_size * (cfg.prompt_tokens + cfg.new_tokens)
+    cache = context * 2 * s.model.geo.kv_dim * len(s.model.geo.attention_layers) * s.b + layer_bytes(s, context)
+    host, device = peaks(s, model=True, device_work=cache)
+    return StageEstimate("eval_generation", f"{cfg.prompts} prompts x {cfg.prompt_tokens} + {cfg.new_tokens} tokens",
+                         host=host, device=device, seconds=seconds, note=f"{labels} groups and Mode A, greedy")
+
+
 def online_counts(s: Setup, records: int | None = None) -> tuple[int, int, int]:
     """``(train records, val records, tokens per record)`` of the online objectives (``train.online``;
     ``records`` train records instead of ``train.online.records``, as ``tune_mode_a`` asks)."""
@@ -612,7 +628,7 @@ def estimate(s: Setup) -> list[StageEstimate]:
     stages = [est_prepare(s), est_dump(s), est_ridge(s), est_fit_xkv(s),
               projector_training(s, "train_projector", (s.plan.source,), trained=True), est_extra_projectors(s),
               est_train_adapters(s), est_tune_mode_a(s), est_eval_ppl(s), est_eval_gsm8k(s),
-              *(est_tune(s, o) for o in objectives), est_eval_objectives(s)]
+              *(est_tune(s, o) for o in objectives), est_eval_objectives(s), est_eval_generation(s)]
     return [e for e in stages if e is not None]
 
 
