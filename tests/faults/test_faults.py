@@ -127,11 +127,13 @@ def run_module(workdir: Path, stage: str, extra_env: dict | None = None) -> subp
 
 @pytest.fixture(scope="module")
 def good_workdir(tmp_path_factory) -> Path:
-    """A folder after a good ``storage`` run on the tiny profile, plus stand-ins for other stages' outputs."""
+    """A folder after good ``storage`` and ``prepare`` runs on the tiny profile (the eval stages check the corpus
+    first), plus stand-ins for other stages' outputs."""
     workdir = tmp_path_factory.mktemp("good")
     (workdir / "params.yaml").write_text(TINY_YAML)
-    done = run_module(workdir, "storage")
-    assert done.returncode == 0, done.stderr
+    for stage in ("storage", "prepare"):
+        done = run_module(workdir, stage)
+        assert done.returncode == 0, done.stderr
     for rel, content in PRIOR.items():
         write(str(rel), content)(workdir)
     return workdir
