@@ -44,7 +44,7 @@ import yaml
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.config import MixEntry, Params, from_dict, load_params
-from ced_csa2.data.corpus import TokenBudget, build_records, mix_train, records_jsonl
+from ced_csa2.data.corpus import TokenBudget, build_records, mix_train, records_jsonl, write_prepared
 from ced_csa2.eval.perplexity import eval_ids, groups_ppl
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json, write_tsv
@@ -108,7 +108,7 @@ def fit_arm(params: Params, tok, budget: TokenBudget, pools, workdir: Path, plan
     """One arm's maps through the pipeline's own stages in ``workdir``: ``{group: runtime}`` and the ridge fit."""
     mixed = mix_train(params.data, pools, budget)
     (workdir / TRAIN_JSONL).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(workdir / TRAIN_JSONL, records_jsonl([r for records in mixed.values() for r in records]))
+    write_prepared(params, workdir, TRAIN_JSONL, records_jsonl([r for records in mixed.values() for r in records]))
     dump.run(params, workdir)
     fit = ridge.run(params, workdir)
     served = ridge_served(params, plan, geo, workdir)

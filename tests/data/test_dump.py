@@ -10,6 +10,7 @@ import torch
 from conftest import FORWARD32, tiny_params
 from tiny_dump import TEXTS
 
+from ced_csa2.data.corpus import write_prepared
 from ced_csa2.data.dump_file import DumpError, DumpReader
 from ced_csa2.model_utils import load_model_and_tokenizer
 from ced_csa2.pipeline import paths
@@ -21,9 +22,7 @@ def write_corpus(workdir, tok, max_tokens=96):
     for i, text in enumerate(TEXTS):
         n = len(tok(text, truncation=True, max_length=max_tokens)["input_ids"])
         lines.append(json.dumps({"id": f"r{i}", "source": "test", "text": text, "n_tokens": n}))
-    path = workdir / paths.TRAIN_JSONL
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    write_prepared(params(), workdir, paths.TRAIN_JSONL, "\n".join(lines) + "\n")
 
 
 def params(batch_size=4, storage_dtype="float32"):
@@ -157,6 +156,6 @@ def test_corpus_from_another_tokenizer_is_refused(workdir):
     lines = path.read_text().splitlines()
     rec = json.loads(lines[0])
     rec["n_tokens"] += 1
-    path.write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    write_prepared(params(), workdir, paths.TRAIN_JSONL, "\n".join([json.dumps(rec), *lines[1:]]) + "\n")
     with pytest.raises(ValueError, match="record 'r0': tokenizes to"):
         dump.run(params(), workdir)

@@ -12,8 +12,9 @@ from ced_csa2.data import corpus, readers
 from ced_csa2.data.readers import Article
 from ced_csa2.pipeline import paths
 
-OUTPUTS = (paths.TRAIN_JSONL, paths.EVAL_JSONL, paths.GSM8K_JSONL, paths.PREPARE_METRICS,
-           *(paths.domain_jsonl(d.name) for d in tiny_params().data.domains))
+PREPARED = (paths.TRAIN_JSONL, paths.EVAL_JSONL, paths.GSM8K_JSONL,
+            *(paths.domain_jsonl(d.name) for d in tiny_params().data.domains))
+OUTPUTS = (*PREPARED, *map(paths.provenance_path, PREPARED), paths.PREPARE_METRICS)  # each file with its record
 
 
 def byte_tokenizer(bos: bool = False):
@@ -240,10 +241,12 @@ def test_a_wheel_domain_is_packed_sampled_and_labelled(tmp_path, monkeypatch):
     assert all(r["text"].startswith("Paragraph") for r in records)
     assert not (tmp_path / "out" / paths.domain_jsonl("reports_a")).exists()
 
-    # a domain file left by an earlier configuration is removed
-    (tmp_path / "out" / paths.domain_jsonl("old")).write_text("{}\n")
+    # a domain file left by an earlier configuration is removed, with its record
+    for stale in (paths.domain_jsonl("old"), paths.provenance_path(paths.domain_jsonl("old"))):
+        (tmp_path / "out" / stale).write_text("{}\n")
     corpus.prepare(params, tok, tmp_path / "out")
-    assert sorted(p.name for p in (tmp_path / "out" / paths.DOMAINS_DIR).iterdir()) == ["fiction.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "out" / paths.DOMAINS_DIR).iterdir()) == [
+        "fiction.jsonl", "fiction.provenance.json"]
 
     too_many = with_data(params, domains=[dataclasses.replace(fiction, n=10)])
     with pytest.raises(ValueError, match=r"data.domains 'fiction': \d+ records of 1 texts lie within "
@@ -278,9 +281,14 @@ def test_a_mix_holds_exactly_its_weights_rows_and_leaves_the_evaluation_records(
     assert rows == {"tiny": 501, "reports_a": 250, "reports_b": 250}  # 1001 x 2/4, 1/4, 1/4: one left over
     assert {name: m["rows"] for name, m in metrics["mix"].items()} == rows
     assert metrics["train"]["tokens"] == 1001
-    # every evaluation file is byte-identical to the unmixed run's
+    # every evaluation file is byte-identical to the unmixed run's, and so is its record: the mix
+    # is a change of the training records alone, so no stage that reads only the others re-runs
     for path in (paths.EVAL_JSONL, *(paths.domain_jsonl(d.name) for d in params.data.domains)):
-        assert (tmp_path / "mixed" / path).read_bytes() == (tmp_path / "plain" / path).read_bytes()
+        for file in (path, paths.provenance_path(path)):
+            assert (tmp_path / "mixed" / file).read_bytes() == (tmp_path / "plain" / file).read_bytes(), file
+    record = json.loads((tmp_path / "mixed" / paths.provenance_path(paths.TRAIN_JSONL)).read_text())["provenance"]
+    assert record["data.mix"] == [{"domain": e.domain, "weight": e.weight} for e in mix]
+    assert record["data.domains.0.name"] == "reports_a" and record["data.domains.1.name"] == "reports_b"  # mixed in
     eval_texts = {r["text"] for d in params.data.domains
                   for r in read_jsonl(tmp_path / "mixed" / paths.domain_jsonl(d.name))}
     assert not eval_texts & {r["text"] for r in train}

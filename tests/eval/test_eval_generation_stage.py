@@ -7,9 +7,11 @@ import pytest
 from conftest import study_corpus, tiny_params
 from tiny_maps import random_parts
 
+from ced_csa2.data.corpus import write_prepared
 from ced_csa2.eval import generation as gen
 from ced_csa2.eval.results import _generation_columns, generation_table, headline_table
 from ced_csa2.model_utils import geometry, load_config
+from ced_csa2.pipeline.paths import EVAL_JSONL
 from ced_csa2.plan import load_plan
 from ced_csa2.stages import eval_generation as stage
 
@@ -64,7 +66,8 @@ def test_short_records_and_prompts_beyond_the_window_are_refused_before_the_mode
 
     monkeypatch.setattr(stage, "load_model_and_tokenizer", never)
     params = tiny_params()
-    study_corpus(tmp_path, records=3)  # records of ~400 byte-level tokens
+    folder = study_corpus(tmp_path, records=3)  # records of ~400 byte-level tokens
+    write_prepared(params, tmp_path, EVAL_JSONL, (folder / "eval.jsonl").read_text())  # with prepare's record
     with pytest.raises(ValueError, match=r"record 'r0' is \d+ tokens long; a prompt of 1000 tokens needs a record "
                                          r"of at least 1001$"):
         stage.run(_with(params, prompts=3, prompt_tokens=1000), tmp_path)

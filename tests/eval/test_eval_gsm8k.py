@@ -33,10 +33,9 @@ PROBLEMS = [
 
 
 def write_problems(workdir, problems=PROBLEMS):
-    path = workdir / paths.GSM8K_JSONL
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(p) + "\n" for p in problems))
-    return path
+    """``problems`` as the math set, recorded (as prepare records it) for the tiny profile's ``data.math``."""
+    corpus.write_prepared(tiny_params(), workdir, paths.GSM8K_JSONL, "".join(json.dumps(p) + "\n" for p in problems))
+    return workdir / paths.GSM8K_JSONL
 
 
 def independent_gold_nll(model, tok, problems):

@@ -13,6 +13,7 @@ from tiny_maps import (
 )
 
 from ced_csa2.config import PlanConfig
+from ced_csa2.data.corpus import write_prepared
 from ced_csa2.model_utils import geometry
 from ced_csa2.pipeline import paths, stage_runner
 from ced_csa2.plan import LayerPlan
@@ -22,10 +23,9 @@ TEXTS = ALL_TEXTS[:4]  # the tiny Qwen3.5's DeltaNet layers run the slow torch f
 
 
 def write_eval(workdir, tok, texts=TEXTS, path=paths.EVAL_JSONL):
-    path = workdir / path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """``texts`` as the records of ``path``, recorded (as prepare records it) for the tiny profile's model and data."""
     rows = [{"id": f"e{i}", "source": "t", "text": t, "n_tokens": len(tok(t)["input_ids"])} for i, t in enumerate(texts)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_prepared(tiny_params(), workdir, path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def tiny_params_without_domains(**sections):

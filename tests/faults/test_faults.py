@@ -5,6 +5,7 @@ byte-identical, no temporary file left.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -14,7 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_params
+import yaml
+from conftest import TINY_GEMMA3_OVERRIDES, TINY_OVERRIDES, compose, tiny_params
 from faults_common import (
     NO_CUDA,
     ROOT,
@@ -34,7 +36,7 @@ from transformers import PreTrainedTokenizerFast
 
 from ced_csa2 import assets
 from ced_csa2.assets import AssetError
-from ced_csa2.config import LocalModel, ModelConfig, ParamsError, replaced
+from ced_csa2.config import LocalModel, ModelConfig, Params, ParamsError, from_dict, replaced
 from ced_csa2.data.dump_file import DumpError
 from ced_csa2.model_utils import ModelLoadError, build_tiny_model, load_tokenizer, tiny_tokenizer
 from ced_csa2.pipeline.checkpoint import CheckpointError
@@ -47,6 +49,7 @@ from ced_csa2.pipeline.paths import (
 )
 from ced_csa2.pipeline.stage_runner import DEBUG_ENV, error_line, run_stage
 from ced_csa2.plan import PlanError
+from ced_csa2.stages import check_params
 
 # ----------------------------------------------------------------------------- stage catalogue
 
@@ -105,6 +108,11 @@ STAGE_CASES = [
     ("not-utf8", "check_params", write("params.yaml", b"seed: \xff\n"), ["params.yaml", "not UTF-8"]),
     # valid params, bad world: the plan, missing and corrupt artifacts
     ("plan-layer-absent", "storage", edit("  - 32\n", "  - 36\n"), ["layer 36 does not exist", "1..32"]),
+    # ... the plan refused by check_params too, before `dvc repro` deletes any stage's outputs (the dump's)
+    ("plan-layer-absent-at-check-params", "check_params", edit("  - 32\n", "  - 36\n"),
+     ["plan target layer 36 does not exist", "1..32"]),
+    ("plan-layer-without-attention-at-check-params", "check_params", edit("  - 24\n", "  - 22\n"),
+     ["plan target layer 22 is not a softmax-attention layer", "attention layers are [4, 8,"]),
     ("local-model-absent", "storage", local_model("nowhere/my_model"),
      ["model.local.path nowhere/my_model does not exist"]),
     ("local-model-digest-differs", "storage", local_model("my_model", write("my_model/config.json", "{}")),
@@ -127,11 +135,13 @@ def run_module(workdir: Path, stage: str, extra_env: dict | None = None) -> subp
 
 @pytest.fixture(scope="module")
 def good_workdir(tmp_path_factory) -> Path:
-    """A folder after a good ``storage`` run on the tiny profile, plus stand-ins for other stages' outputs."""
+    """A folder after good ``storage`` and ``prepare`` runs on the tiny profile (the eval stages check the corpus
+    first), plus stand-ins for other stages' outputs."""
     workdir = tmp_path_factory.mktemp("good")
     (workdir / "params.yaml").write_text(TINY_YAML)
-    done = run_module(workdir, "storage")
-    assert done.returncode == 0, done.stderr
+    for stage in ("storage", "prepare"):
+        done = run_module(workdir, stage)
+        assert done.returncode == 0, done.stderr
     for rel, content in PRIOR.items():
         write(str(rel), content)(workdir)
     return workdir
@@ -167,6 +177,33 @@ def test_debug_env_shows_the_traceback(good_workdir, tmp_path):
     done = run_module(workdir, "storage", {DEBUG_ENV: "1"})
     assert done.returncode == 1
     assert "Traceback" in done.stderr and "ParamsError" in done.stderr and "'ridge.lambda'" in done.stderr
+
+
+PLAN_FAULTS = [  # (profile, plan changes, the refusal): each way LayerPlan.validate refuses a plan
+    ("qwen3_5", {"targets": [24, 28, 36]}, r"plan target layer 36 does not exist: the model has layers 1\.\.32"),
+    ("qwen3_5", {"targets": []}, r"plan has no target layers"),
+    ("qwen3_5", {"targets": [20, 28, 32]}, r"plan names a layer twice: source 20, targets \[20, 28, 32\]"),
+    ("qwen3_5", {"split": 20}, r"plan source layer 20 must come after split layer 20"),
+    ("qwen3_5", {"source": 28, "targets": [24, 32]}, r"plan target layer 24 must come after source layer 28"),
+    ("qwen3_5", {"extra_sources": [12]}, r"plan extra source layer 12 must come after split layer 16"),
+    ("qwen3_5", {"targets": [22, 28, 32]}, r"plan target layer 22 is not a softmax-attention layer"),
+    ("gemma3", {"source": 4, "extra_sources": [7]},
+     r"plan source layer 4 is a sliding-window layer \(window 6\).* target layer 6 has full attention"),
+]
+
+
+@pytest.mark.parametrize("profile,changes,message", PLAN_FAULTS, ids=[
+    f"{p}-" + "-".join(f"{k}={v}" for k, v in c.items()) for p, c, _ in PLAN_FAULTS])
+def test_check_params_refuses_every_plan_the_model_cannot_take(tmp_path, profile, changes, message):
+    """The stage `dvc repro` runs first refuses what the dump would refuse only after DVC deleted data/dump:
+    the plan against the tiny model's geometry (Qwen3.5: 32 layers, softmax attention every 4th; Gemma-3:
+    full attention at 3 and 6, a window of 6 elsewhere), from its config alone; nothing is written."""
+    overrides = {"qwen3_5": TINY_OVERRIDES, "gemma3": TINY_GEMMA3_OVERRIDES}[profile]
+    params = from_dict(Params, yaml.safe_load(compose(overrides)))
+    with pytest.raises(PlanError, match=message):
+        check_params.run(dataclasses.replace(params, plan=replaced(params.plan, **changes)), tmp_path)
+    assert not list(tmp_path.iterdir())
+    check_params.run(params, tmp_path)  # the profile's own plan passes
 
 
 def test_the_good_params_still_run(good_workdir, tmp_path):

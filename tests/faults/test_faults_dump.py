@@ -385,8 +385,9 @@ def test_dump_killed_at_three_seeded_points_resumes_to_the_same_datasets(dumped_
     assert any(n > 0 for n in resumed_from), f"no run resumed real progress: {resumed_from}"
     assert dump_contents(work / DUMP_PATH) == dump_contents(ref / DUMP_PATH), resumed_from
     assert sorted(p.relative_to(work).as_posix() for p in (work / "data").rglob("*") if p.is_file()) == [
-        *(f"data/corpus/domains/{d}.jsonl" for d in ("reports_a", "reports_b")),  # the tiny profile's domains
-        "data/corpus/eval.jsonl", "data/corpus/train.jsonl", "data/dump/dump.h5"]
+        *(f"data/corpus/{name}.{ext}" for name in ("domains/reports_a", "domains/reports_b", "eval", "train")
+          for ext in ("jsonl", "provenance.json")),  # the tiny profile's corpus, each file with its record
+        "data/dump/dump.h5"]
 
 
 def test_dump_interrupted_by_ctrl_c_says_so_in_one_line_then_resumes(dumped_workdir, tmp_path):

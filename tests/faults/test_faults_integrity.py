@@ -4,7 +4,10 @@
 * an artifact made with other params than the current ones, used by a stage run by itself
   (``python -m ced_csa2.stages.<stage>``, ``dvc repro --single-item``, a copied file): the
   dump (another ``model.dtype``), ``models/ridge.pt`` (another ``ridge.lambda``), a map file
-  (another ``train_adapters.epochs``).
+  (another ``train_adapters.epochs``), a file of ``prepare``'s (another ``data.max_tokens``,
+  ``data.math.n`` or ``data.mix``: each reader checks only the keys its file is made from),
+  result files measured in another ``kv_format`` (the report);
+* a file of ``prepare``'s changed after it was written, or without its record.
 
 Each is refused in one line naming the file (and the key with both values) before the work.
 The model-loading guard (a checkpoint that does not fill the model) is ``tests/test_model_loading.py``.
@@ -12,19 +15,37 @@ The model-loading guard (a checkpoint that does not fill the model) is ``tests/t
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
+from conftest import tiny_params
 from tiny_dump import params, write_synthetic_dump
 from torch import nn
 
 from ced_csa2.ced_runtime import load_parts
-from ced_csa2.config import ParamsError, check_provenance, provenance, replaced
+from ced_csa2.config import MixEntry, ParamsError, check_provenance, provenance, replaced
+from ced_csa2.data.records import check_prepared
 from ced_csa2.maps.ridge import load_ridge, save_ridge
 from ced_csa2.pipeline import paths
+from ced_csa2.pipeline.atomic_files import write_json
 from ced_csa2.pipeline.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ced_csa2.plan import load_plan
-from ced_csa2.stages import ridge, train_adapters, train_projector
+from ced_csa2.stages import (
+    dump,
+    eval_gsm8k,
+    eval_objectives,
+    eval_ppl,
+    gold_pairs,
+    prepare,
+    report,
+    ridge,
+    storage,
+    train_adapters,
+    train_projector,
+    tune,
+    tune_mode_a,
+)
 
 MARK = 1234.5  # a float32 value whose bytes occur once in the saved file
 
@@ -128,3 +149,91 @@ def test_a_digest_mismatch_shows_the_digests_up_to_where_they_differ(tmp_path):
         load_checkpoint(path, "adapters")
     assert f"{path}: its tensors' sha256 is {actual[:21]}..., not the {written[:21]}... it was written with" in str(
         err.value), str(err.value)
+
+
+# ----------------------------------------------------------------------------- the corpus and the results
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """The tiny profile's corpus and math set as the prepare stage writes them, each file with its record."""
+    workdir = tmp_path_factory.mktemp("prepared")
+    prepare.run(tiny_params(), workdir)
+    return workdir
+
+
+def with_data(p, **changes):
+    return dataclasses.replace(p, data=replaced(p.data, **changes))
+
+
+FEWER_PROBLEMS = with_data(tiny_params(), math=replaced(tiny_params().data.math, n=5))
+READERS = [  # (stage, its run's arguments after params and workdir, the file it reads, params of another corpus)
+    (dump, (), paths.TRAIN_JSONL, "data.max_tokens = 96, params.yaml has 97"),
+    (tune, ("attn_out",), paths.TRAIN_JSONL, "data.max_tokens = 96, params.yaml has 97"),
+    (tune_mode_a, (), paths.TRAIN_JSONL, "data.max_tokens = 96, params.yaml has 97"),
+    (eval_ppl, (), paths.EVAL_JSONL, "data.max_tokens = 96, params.yaml has 97"),
+    (eval_objectives, (), paths.EVAL_JSONL, "data.max_tokens = 96, params.yaml has 97"),
+    (gold_pairs, (), paths.GSM8K_JSONL, "data.math.n = 6, params.yaml has 5"),
+    (eval_gsm8k, (), paths.GSM8K_JSONL, "data.math.n = 6, params.yaml has 5"),
+]
+
+
+@pytest.mark.parametrize("stage,args,file,differs", READERS, ids=[r[0].__name__.rsplit(".", 1)[1] for r in READERS])
+def test_a_corpus_made_for_other_params_is_refused_by_every_stage_that_reads_it(prepared, stage, args, file, differs):
+    """A stage run by itself after an edit of data.*: refused naming the file, the key and both values, before
+    the model or any map is loaded (the folder holds none: a later check would fail on those instead)."""
+    other = FEWER_PROBLEMS if file == paths.GSM8K_JSONL else with_data(tiny_params(), max_tokens=97)
+    with pytest.raises(ParamsError, match=rf"^{prepared / file}: was made with {differs}: rebuild it with `dvc repro`"):
+        stage.run(other, *args, prepared)
+
+
+def test_a_mix_refuses_the_training_records_alone(prepared):
+    """data.mix changes train.jsonl only: the evaluation records and the math set stay valid, the dump refuses."""
+    mixed = with_data(tiny_params(dump={"records": 0}), mix=[MixEntry("tiny", 1.0)], mix_rows=500)
+    evaluated = [paths.EVAL_JSONL, paths.GSM8K_JSONL, *(paths.domain_jsonl(d.name) for d in mixed.data.domains)]
+    check_prepared(mixed, prepared, *evaluated)
+    with pytest.raises(ParamsError, match=rf"{prepared / paths.TRAIN_JSONL}: was made with data.mix = \[\], "
+                                          r"params.yaml has \[\{'domain': 'tiny', 'weight': 1.0\}\]"):
+        dump.run(mixed, prepared)
+
+
+def test_a_corpus_file_changed_after_prepare_or_without_its_record_is_refused(prepared, tmp_path):
+    work = tmp_path / "work"
+    shutil.copytree(prepared, work)
+    train, record = work / paths.TRAIN_JSONL, work / paths.provenance_path(paths.TRAIN_JSONL)
+    with train.open("a") as f:  # a copied or hand-edited file: one more record
+        f.write(train.read_text().splitlines()[0] + "\n")
+    with pytest.raises(ValueError, match=rf"^{train}: its sha256 is [0-9a-f]{{16}}\.\.\., not the [0-9a-f]{{16}}\.\.\. "
+                                         rf"recorded in {record}: the file changed after prepare wrote it"):
+        dump.run(tiny_params(), work)
+    held_out, missing = work / paths.EVAL_JSONL, work / paths.provenance_path(paths.EVAL_JSONL)
+    missing.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"^{held_out}: has no record of the params it was made from "
+                                                rf"\({missing} is missing\): rebuild it with `dvc repro prepare`"):
+        eval_ppl.run(tiny_params(), work)
+
+
+def test_results_of_another_kv_format_are_refused_by_the_report(tmp_path):
+    """The report reads no kv_format itself: ppl.json's protocol (to which gsm8k.json's and the objectives' are
+    held) and storage.json must be params.yaml's, or the FP4 groups' figures are another format's."""
+    nvfp4 = tiny_params()
+    mxfp4 = dataclasses.replace(nvfp4, kv_format="mxfp4")
+
+    def measured(fmt):
+        for name in (paths.PPL_METRICS, paths.GSM8K_METRICS, paths.GENERATION_METRICS):  # the eval stages' protocols
+            write_json(tmp_path / name, {"protocol": {"kv_format": fmt}})
+
+    measured("nvfp4")
+    storage.run(mxfp4, tmp_path)
+    with pytest.raises(ParamsError, match=rf"^{tmp_path / paths.PPL_METRICS}: was made with kv_format = 'nvfp4', "
+                                          r"params.yaml has 'mxfp4'"):
+        report.run(mxfp4, tmp_path)
+    measured("mxfp4")
+    storage.run(nvfp4, tmp_path)  # its FP4 bytes counted in NVFP4's 16-channel blocks
+    with pytest.raises(ParamsError, match=rf"^{tmp_path / paths.STORAGE_METRICS}: was made with kv_format = 'nvfp4', "
+                                          r"params.yaml has 'mxfp4'"):
+        report.run(mxfp4, tmp_path)
+    storage.run(mxfp4, tmp_path)
+    write_json(tmp_path / paths.GENERATION_METRICS, {"protocol": {"kv_format": "nvfp4"}})  # decoded in NVFP4
+    with pytest.raises(ParamsError, match=rf"^{tmp_path / paths.GENERATION_METRICS}: was made with kv_format = "
+                                          r"'nvfp4', params.yaml has 'mxfp4'"):
+        report.run(mxfp4, tmp_path)

@@ -8,10 +8,11 @@ from conftest import tiny_params
 
 from ced_csa2 import ced_runtime, csa2, projector
 from ced_csa2.ced_runtime import load_parts
+from ced_csa2.data.corpus import write_prepared
 from ced_csa2.pipeline import paths
 from ced_csa2.pipeline.checkpoint import CheckpointError, checkpoint_meta
 from ced_csa2.plan import LayerPlan, load_plan
-from ced_csa2.stages import eval_gsm8k, eval_ppl, gold_pairs
+from ced_csa2.stages import eval_gsm8k, eval_ppl, gold_pairs, prepare
 
 PARAMS = tiny_params()
 PLAN, GEO = load_plan(PARAMS.plan, PARAMS.model)  # split 16, source 20, targets 24/28/32; hidden 64, kv_dim 32
@@ -101,6 +102,7 @@ def test_load_parts_refuses_maps_made_for_something_else(tmp_path, monkeypatch, 
 def test_the_eval_ppl_stage_refuses_a_projector_for_another_layer(tmp_path, tiny_model):
     save_maps(tmp_path / "models")
     save_maps(tmp_path / "models", plan=LayerPlan(16, 24, (28, 32)), only=("projector",))
+    prepare.run(PARAMS, tmp_path)  # the eval records, checked first
     with pytest.raises(CheckpointError, match=r"projector_k20v20\.pt: 'layer' is 24 in the checkpoint, expected 20"):
         eval_ppl.run(PARAMS, tmp_path, model_and_tok=tiny_model)
 
@@ -108,9 +110,8 @@ def test_the_eval_ppl_stage_refuses_a_projector_for_another_layer(tmp_path, tiny
 def test_the_eval_gsm8k_stage_refuses_adapters_for_another_model(tmp_path, tiny_model):
     save_maps(tmp_path / "models")
     save_maps(tmp_path / "models", params=tiny_params(model={"name": "other_model"}), only=("adapters",))
-    (tmp_path / paths.GSM8K_JSONL).parent.mkdir(parents=True)
-    (tmp_path / paths.GSM8K_JSONL).write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
     params = tiny_params(eval_gsm8k={"groups": ["csa2"], "generate": ["csa2"], "max_gen_toks": 2})
+    write_prepared(params, tmp_path, paths.GSM8K_JSONL, '{"question": "1 + 1?", "answer": "#### 2"}\n')
     gold_pairs.run(params, tmp_path)
     with pytest.raises(CheckpointError, match=r"adapters\.pt: 'model' is 'other_model' in the checkpoint"):
         # one short group, so that without the check the test fails in seconds, not minutes

@@ -352,8 +352,9 @@ def test_two_process_dump_killed_midway_resumes_to_the_uninterrupted_file(repo, 
     assert len(done_before) == 2 and all(done_before), done_before
     assert dump_contents(work / DUMP_PATH) == dump_contents(ref / DUMP_PATH)
     assert sorted(p.relative_to(work).as_posix() for p in (work / "data").rglob("*") if p.is_file()) == [
-        *(f"data/corpus/domains/{d}.jsonl" for d in ("reports_a", "reports_b")),  # the tiny profile's domains
-        "data/corpus/eval.jsonl", "data/corpus/train.jsonl", "data/dump/dump.h5"]
+        *(f"data/corpus/{name}.{ext}" for name in ("domains/reports_a", "domains/reports_b", "eval", "train")
+          for ext in ("jsonl", "provenance.json")),  # the tiny profile's corpus, each file with its record
+        "data/dump/dump.h5"]
 
 
 def test_device_map_auto_keeps_dump_rows_and_logits(tmp_path, tiny_model):

@@ -10,6 +10,7 @@ from conftest import FORWARD32, read_curves, tiny_params
 from ced_csa2 import ced_runtime
 from ced_csa2.config import OnlineConfig, ParamsError
 from ced_csa2.csa2 import KVAdapter
+from ced_csa2.data.corpus import write_prepared
 from ced_csa2.maps.ridge import save_ridge
 from ced_csa2.pipeline import paths
 from ced_csa2.plan import load_plan
@@ -20,7 +21,7 @@ ONLINE = OnlineConfig(records=12, val_records=4, seq_len=32, batch_size=4, epoch
 
 
 def write_inputs(workdir, params, tok, n_records=40, seed=0):
-    """A random ridge file for the plan's maps and a train corpus of random-word records."""
+    """A random ridge file for the plan's maps and a train corpus of random-word records (made for ``params``)."""
     plan, geo = load_plan(params.plan, params.model)
     g = torch.Generator().manual_seed(seed)
     maps = {f"proj_{plan.source}": {"W": 0.1 * torch.randn(geo.hidden_size, 2 * geo.kv_dim, generator=g),
@@ -37,8 +38,7 @@ def write_inputs(workdir, params, tok, n_records=40, seed=0):
         text = " ".join(words[(i * 7 + j * j) % len(words)] for j in range(12 + i % 9))
         n = len(tok(text, truncation=True, max_length=params.data.max_tokens)["input_ids"])
         lines.append(json.dumps({"id": f"r{i}", "source": "test", "text": text, "n_tokens": n}))
-    (workdir / "data/corpus").mkdir(parents=True)
-    (workdir / paths.TRAIN_JSONL).write_text("\n".join(lines) + "\n")
+    write_prepared(params, workdir, paths.TRAIN_JSONL, "\n".join(lines) + "\n")
     return maps
 
 

@@ -11,13 +11,22 @@ import random
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
-from ..assets import fetch_member
-from ..config import DataConfig, DomainConfig, Params
+from ..assets import digest, fetch_member
+from ..config import DataConfig, DomainConfig, Params, provenance
 from ..pipeline.atomic_files import atomic_write_text, write_json
-from ..pipeline.paths import DOMAINS_DIR, EVAL_JSONL, GSM8K_JSONL, PREPARE_METRICS, TRAIN_JSONL, domain_jsonl
+from ..pipeline.paths import (
+    DOMAINS_DIR,
+    EVAL_JSONL,
+    GSM8K_JSONL,
+    PREPARE_METRICS,
+    TRAIN_JSONL,
+    domain_jsonl,
+    provenance_path,
+)
 from . import readers
 
 log = logging.getLogger(__name__)
@@ -392,6 +401,55 @@ def mix_train(data: DataConfig, pools: dict[str, list[Record]], budget: TokenBud
             for name, rows in data.mix_quotas().items()}
 
 
+# Model keys that set how the model computes, not what its tokenizer does: no file of prepare's depends on them.
+COMPUTE_KEYS = ("model.dtype", "model.attn_implementation", "model.device_map")
+# data keys that shape the training records alone (data.mix's domains' own entries join them).
+TRAIN_KEYS = ("data.train", "data.n_train", "data.mix", "data.mix_rows")
+
+
+def corpus_provenance(params: Params) -> dict[Path, dict[str, Any]]:
+    """What each file ``prepare`` writes is made from (its provenance, :func:`ced_csa2.config.provenance`), by path.
+
+    Each file records the keys that change it and no others, so that an edit leaving a file's bytes
+    alone leaves its record alone too, and DVC re-runs none of its readers (a new evaluation domain
+    re-dumps nothing, a new mix re-scores no held-out record):
+
+    - every corpus file: the model's tokenizer (``model`` but :data:`COMPUTE_KEYS`) and the token budget;
+    - ``eval.jsonl``: ``data`` but its label, the math set, the other domains and :data:`TRAIN_KEYS`;
+    - ``train.jsonl``: those, :data:`TRAIN_KEYS` and the ``data.domains`` entries the mix trains on;
+    - ``domains/<name>.jsonl``: its own ``data.domains`` entry, ``data.seed`` and the budget;
+    - ``gsm8k.jsonl``: ``data.math`` and ``data.seed`` (the tiny set is generated), no tokenizer.
+    """
+    data = params.data
+    tokenizer = {k: v for k, v in provenance(params, "model").items() if k not in COMPUTE_KEYS}
+    budget = {**tokenizer, **provenance(params, "data.seed", "data.min_tokens", "data.max_tokens")}
+    corpus = {**tokenizer, **{k: v for k, v in provenance(params, "data").items()
+                              if k not in ("data.name", "data.domains", *TRAIN_KEYS) and not k.startswith("data.math.")}}
+    mixed = {e.domain for e in data.mix}
+    return {
+        TRAIN_JSONL: {**corpus, **provenance(params, *TRAIN_KEYS, *(f"data.domains.{i}" for i, d in
+                                                                   enumerate(data.domains) if d.name in mixed))},
+        EVAL_JSONL: corpus,
+        **{domain_jsonl(d.name): {**budget, **provenance(params, f"data.domains.{i}")}
+           for i, d in enumerate(data.domains)},
+        GSM8K_JSONL: provenance(params, "data.seed", "data.math"),
+    }
+
+
+def write_prepared(params: Params, out_dir: Path, file: Path, text: str) -> None:
+    """Write ``text`` as ``out_dir / file``, one of ``prepare``'s files, and beside it what it was made from.
+
+    The record (:func:`ced_csa2.pipeline.paths.provenance_path`) holds the file's sha256 and its
+    :func:`corpus_provenance`; :func:`ced_csa2.data.records.check_prepared` checks both before a stage
+    reads the file.  The file is written first: a run killed between the two leaves a record that
+    no longer matches it, refused, never a record vouching for a file it was not written with.
+    """
+    path = Path(out_dir) / file
+    atomic_write_text(path, text)
+    write_json(Path(out_dir) / provenance_path(file),
+               {"sha256": digest(path), "provenance": corpus_provenance(params)[file]})
+
+
 def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
     """Build and write the corpus records and math set of ``params`` under ``out_dir``.
 
@@ -429,15 +487,16 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
             raise ValueError(f"data.domains '{name}': {shared} of its texts also occur in the training records")
 
     out_dir = Path(out_dir)
-    atomic_write_text(out_dir / TRAIN_JSONL, records_jsonl(train))
-    atomic_write_text(out_dir / EVAL_JSONL, records_jsonl(eval_))
-    atomic_write_text(out_dir / GSM8K_JSONL, _jsonl(problems))
+    write_prepared(params, out_dir, TRAIN_JSONL, records_jsonl(train))
+    write_prepared(params, out_dir, EVAL_JSONL, records_jsonl(eval_))
+    write_prepared(params, out_dir, GSM8K_JSONL, _jsonl(problems))
     for name, records in domains.items():
-        atomic_write_text(out_dir / domain_jsonl(name), records_jsonl(records))
+        write_prepared(params, out_dir, domain_jsonl(name), records_jsonl(records))
     for stale in sorted((out_dir / DOMAINS_DIR).glob("*.jsonl")):  # a domain no longer configured
         if stale.stem not in domains:
             log.info("Removing %s (not in data.domains)", stale)
             stale.unlink()
+            provenance_path(stale).unlink(missing_ok=True)
     metrics = {
         "data": data.name,
         "model": params.model.name,

@@ -1,4 +1,5 @@
-"""Corpus records as token rows: reading ``data/corpus/*.jsonl``, tokenising, padding."""
+"""Corpus records as token rows: reading ``data/corpus/*.jsonl``, tokenising, padding; and checking that a
+file of ``prepare``'s was made for the current params."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..assets import digest
+from ..config import Params, check_provenance
+from ..pipeline.paths import provenance_path
 
 # numpy seed-sequence tag of the dump's record sample (loader.py uses 0-3, training.py 4, objectives.py 5);
 # here, not in the dump stage, so that the resource estimate draws the same sample.
@@ -21,6 +26,38 @@ def read_lines(path: Path) -> list[str]:
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+
+
+def check_prepared(params: Params, workdir: Path, *files: Path) -> None:
+    """Refuse a file of ``prepare``'s made for other params than ``params`` (a stage run by itself, a copied file).
+
+    Each of ``files`` (paths relative to ``workdir``: ``data/corpus/train.jsonl``, ...) must lie beside
+    the record ``prepare`` wrote with it (:func:`ced_csa2.pipeline.paths.provenance_path`), still be the
+    bytes that record describes (its sha256), and have been made from what ``params`` says
+    (:func:`ced_csa2.config.check_provenance`: the first key that differs, with both values).  It costs
+    a hash of each file, so readers call it before they load the model.
+
+    Raises
+    ------
+    FileNotFoundError
+        The file, or its record, is missing.
+    ValueError
+        The file changed after ``prepare`` wrote it, or (a :class:`~ced_csa2.config.ParamsError`) it was
+        made from other params.
+    """
+    for file in files:
+        path, record = workdir / file, workdir / provenance_path(file)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: not found (run `dvc repro prepare`)")
+        if not record.is_file():
+            raise FileNotFoundError(f"{path}: has no record of the params it was made from ({record} is missing): "
+                                    "rebuild it with `dvc repro prepare`")
+        made = json.loads(record.read_text())
+        sha256 = digest(path)
+        if sha256 != made["sha256"]:
+            raise ValueError(f"{path}: its sha256 is {sha256[:16]}..., not the {made['sha256'][:16]}... recorded in "
+                             f"{record}: the file changed after prepare wrote it (rebuild it with `dvc repro prepare`)")
+        check_provenance(path, made["provenance"], params)
 
 
 def read_records(path: Path) -> list[dict]:

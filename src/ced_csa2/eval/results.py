@@ -8,11 +8,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..config import Params
+from ..config import Params, check_provenance
 from ..maps.ridge import adapter_map
 from ..pipeline.atomic_files import read_json
 from ..pipeline.figures import write_png
-from ..pipeline.paths import GSM8K_METRICS, METRICS, OBJECTIVES_EVAL, PPL_METRICS, SEED_INIT
+from ..pipeline.paths import (GENERATION_METRICS, GSM8K_METRICS, METRICS, OBJECTIVES_EVAL, PPL_METRICS, SEED_INIT,
+                              STORAGE_METRICS)
 from ..runtime.groups import GROUP_NAMES, GROUPS
 
 BASES = ("decoder_attention", "all_attention", "all_attention_amortised_32k")
@@ -679,6 +680,12 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
     the :func:`frontier`) from the detailed results under ``workdir``."""
     workdir = Path(workdir)
     ppl, gsm, storage, generation = (_load(workdir, n) for n in ("ppl", "gsm8k", "storage", "generation"))
+    # The report itself reads no kv_format: figures of the FP4 groups measured (and bytes counted) in
+    # another format than params.yaml's are refused, as every artifact made with other params is.
+    # gsm8k.json and objectives/eval.json are held to ppl.json's format below (RUN_PROTOCOL).
+    for path, made in ((PPL_METRICS, ppl["protocol"]), (STORAGE_METRICS, storage),
+                       (GENERATION_METRICS, generation["protocol"])):
+        check_provenance(workdir / path, {"kv_format": made.get("kv_format")}, params)
     ridge, projector, adapters = (_load(workdir, n) for n in ("ridge", "projector", "adapters"))
     evals = _load(workdir, Path("objectives") / "eval")
     missing = [o for o in params.train.objectives if o not in evals.get("objectives", {})]

@@ -35,6 +35,15 @@ def domain_jsonl(name: str) -> Path:
     return DOMAINS_DIR / f"{name}.jsonl"
 
 
+def provenance_path(path: Path) -> Path:
+    """Where ``prepare`` records what the file at ``path`` was made from: ``train.jsonl`` -> ``train.provenance.json``.
+
+    Beside the file, not in it: a JSON-lines file has no place for it (lm-eval reads ``gsm8k.jsonl``
+    as it is), and one record per file changes only when that file's params do.
+    """
+    return path.with_suffix(".provenance.json")
+
+
 # dump (the partial file lives outside the DVC out: DVC deletes outs before a run)
 DUMP_PATH = DATA / "dump" / "dump.h5"
 DUMP_PARTIAL = DATA / "dump.partial.h5"

@@ -2,7 +2,8 @@
 
     python -m ced_csa2.stages.dump          # what `dvc repro dump` runs
 
-Reads ``params.yaml`` and ``data/corpus/train.jsonl``; runs the base model over the
+Reads ``params.yaml`` and ``data/corpus/train.jsonl`` (refused when made for other params:
+:func:`~ced_csa2.data.records.check_prepared`); runs the base model over the
 records in batches (right padding, ``model.dtype`` compute) with hooks that capture
 ``H_split`` and the ``k_proj``/``v_proj`` outputs (pre-k_norm, pre-RoPE) of every
 layer the plan needs; stores only real tokens in ``data/dump/dump.h5`` (format in
@@ -23,7 +24,7 @@ import torch
 from ..config import Params, params_hash, provenance, to_dict
 from ..data.dump_file import DumpLayout, DumpWriter
 from ..data.dumping import dump_records, fingerprint, merge_shards, shard_done
-from ..data.records import DUMP_SAMPLE_STREAM, read_records, seeded_subset, tokenize
+from ..data.records import DUMP_SAMPLE_STREAM, check_prepared, read_records, seeded_subset, tokenize
 from ..model_utils import load_model_and_tokenizer, resolve_device, tokenizer_hash
 from ..pipeline import distributed
 from ..pipeline.atomic_files import write_json
@@ -50,6 +51,7 @@ def run(params: Params, workdir: Path = Path("."), *, max_batches: int | None = 
 def _run(params: Params, workdir: Path, max_batches: int | None) -> dict | None:
     model_cfg, cfg = params.model, params.dump
     plan, geo = load_plan(params.plan, model_cfg)
+    check_prepared(params, workdir, TRAIN_JSONL)
     records = read_records(workdir / TRAIN_JSONL)
     records = [records[i] for i in seeded_subset(len(records), cfg.records, params.seed, DUMP_SAMPLE_STREAM)]
     model, tok = load_model_and_tokenizer(model_cfg, device=distributed.local_device(resolve_device(cfg.device)))

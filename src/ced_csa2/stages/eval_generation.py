@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..ced_runtime import load_mode_a_parts, load_parts
 from ..config import Params
-from ..data.records import read_records
+from ..data.records import check_prepared, read_records
 from ..eval import generation as gen
 from ..eval.perplexity import EVAL_SAMPLE_STREAM
 from ..model_utils import load_config, load_model_and_tokenizer, load_tokenizer, resolve_device
@@ -51,6 +51,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     """Decode every group and Mode A; returns the metrics written to ``metrics/generation.json``."""
     workdir, cfg = Path(workdir), params.eval_generation
     plan, geo = load_plan(params.plan, params.model)
+    check_prepared(params, workdir, EVAL_JSONL)
     # Refused before the model loads: prompts beyond the window, short or missing records.
     gen.check_window(load_config(params.model), cfg.prompt_tokens, cfg.new_tokens)
     path = workdir / EVAL_JSONL

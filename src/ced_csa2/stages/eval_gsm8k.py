@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..ced_runtime import CEDParts, load_mode_a_parts, load_parts
 from ..config import Params
+from ..data.records import check_prepared
 from ..eval.gsm8k import (
     _offline,
     check_chat_template,
@@ -68,6 +69,7 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     from ..eval.lm_eval_models import DataParallelLM  # imports lm-eval: after _offline()
 
     cfg = params.eval_gsm8k
+    check_prepared(params, workdir, GSM8K_JSONL)
     data_file = workdir / GSM8K_JSONL
     n = count_problems(data_file)
     pairs = load_gold_pairs(workdir / GOLD_PATH, params, n)

@@ -37,11 +37,12 @@ from pathlib import Path
 
 from ..ced_runtime import CEDModeBRuntime, load_objective_parts, load_parts, load_seed_init, maps_digest
 from ..config import Params
+from ..data.records import check_prepared
 from ..eval.gsm8k import groups_gold_nll, load_gold_pairs, prompt_protocol
 from ..eval.perplexity import eval_ids, groups_ppl, protocol
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.atomic_files import read_json, write_json
-from ..pipeline.paths import GOLD_PATH, GSM8K_METRICS, MODELS, OBJECTIVES_EVAL, PPL_METRICS, SEED_INIT
+from ..pipeline.paths import EVAL_JSONL, GOLD_PATH, GSM8K_METRICS, MODELS, OBJECTIVES_EVAL, PPL_METRICS, SEED_INIT
 from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
 
@@ -54,6 +55,7 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
     """Score ``train.eval_groups`` under every objective's maps; returns ``eval.json``'s content."""
     workdir = Path(workdir)
     plan, geo = load_plan(params.plan, params.model)
+    check_prepared(params, workdir, EVAL_JSONL)
     pairs = load_gold_pairs(workdir / GOLD_PATH, params)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
     objectives = params.train.objectives

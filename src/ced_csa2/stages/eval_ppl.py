@@ -42,11 +42,12 @@ import torch
 
 from ..ced_runtime import CEDParts, load_mode_a_parts, load_parts
 from ..config import Params
+from ..data.records import check_prepared
 from ..eval.perplexity import eval_ids, groups_ppl, mode_a_prefix, protocol
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline import distributed
 from ..pipeline.atomic_files import write_json
-from ..pipeline.paths import MODELS, PPL_METRICS
+from ..pipeline.paths import EVAL_JSONL, MODELS, PPL_METRICS, domain_jsonl
 from ..pipeline.stage_runner import record_timing, run_stage
 from ..plan import load_plan
 from ..runtime.groups import LOW_RANK_GROUPS
@@ -71,6 +72,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
 def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -> dict:
     cfg = params.eval_ppl
     plan, geo = load_plan(params.plan, params.model)
+    check_prepared(params, workdir, EVAL_JSONL, *(domain_jsonl(d.name) for d in params.data.domains))
     device = distributed.local_device(resolve_device(cfg.device))
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
     given = parts

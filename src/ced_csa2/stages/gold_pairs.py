@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 
 from ..config import Params
+from ..data.records import check_prepared
 from ..eval.gsm8k import _offline, check_chat_template, count_problems, local_task, prompt_pairs, write_gold_pairs
 from ..model_utils import load_tokenizer
 from ..pipeline.paths import GOLD_PATH, GSM8K_JSONL
@@ -33,6 +34,7 @@ def run(params: Params, workdir: Path = Path(".")) -> list[tuple[list[int], int]
     """Write ``data/gsm8k_gold.json`` under ``workdir``; returns its pairs."""
     _offline()
     workdir, num_fewshot = Path(workdir), params.eval_gsm8k.num_fewshot
+    check_prepared(params, workdir, GSM8K_JSONL)
     data_file = workdir / GSM8K_JSONL
     n = count_problems(data_file)
     tokenizer = load_tokenizer(params.model)

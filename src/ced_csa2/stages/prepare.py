@@ -12,6 +12,10 @@ tokenizer) and completely rewrites:
 - ``data/gsm8k.jsonl``: ``{"id", "question", "answer", "target"}``;
 - ``data/corpus/domains/<name>.jsonl`` for each of ``data.domains``: the evaluation domains'
   records, in ``eval.jsonl``'s format (see below);
+- beside each of those files, ``<name>.provenance.json`` (``data/corpus/train.provenance.json``, ...):
+  its sha256 and the params it was made from, only those that change it
+  (:func:`~ced_csa2.data.corpus.corpus_provenance`); every stage that reads the file checks both
+  first (:func:`~ced_csa2.data.records.check_prepared`), so a corpus made for other params is refused;
 - ``metrics/prepare.json``: record and token counts per split, source labels, math set,
   and ``n_train``: ``{"param", "built", "kept"}`` (training records built, and kept).
 

@@ -11,7 +11,8 @@ next to the seed's ``kv_mse`` and ``share_plain``),
 ``metrics/summary.json`` (:func:`~ced_csa2.eval.results.summary`: the DVC metrics) and every group's numbers with
 their intervals, ``metrics/groups.tsv`` (:func:`~ced_csa2.eval.results.groups_table`: a DVC plot).  Every
 figure names its model and data: the embedded default's numbers are SmolLM2-135M on a
-Wikipedia sample, not Qwen3.5-4B results.
+Wikipedia sample, not Qwen3.5-4B results.  Result files of another run are refused: the eval stages'
+protocols must agree, and their ``kv_format`` (and ``metrics/storage.json``'s) be ``params.yaml``'s.
 """
 
 from __future__ import annotations

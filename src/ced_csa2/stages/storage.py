@@ -15,7 +15,8 @@ Reads ``params.yaml`` and the active model's config (no weights), and writes
 * ``stored_layers`` and ``weights`` (adapter, xkv basis, FP4 rotation and projector parameter counts,
   and how each is counted);
 
-plus the DeepSeek-V4.1 reference figures of seed 003 (``deepseek_v4_1``) and a note on
+plus ``kv_format`` (the FP4 groups' format, whose scale block sets their bytes: the report refuses
+figures of another one), the DeepSeek-V4.1 reference figures of seed 003 (``deepseek_v4_1``) and a note on
 the seed's unexplained 3.44×.  All arithmetic lives in :mod:`ced_csa2.kv.kv_bytes`.
 """
 
@@ -54,6 +55,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     qwen = model_section(QWEN3_5_4B_ID, qwen_geo, QWEN3_5_4B_PLAN.validate(qwen_geo), width_mult, adapter_input,
                          fp4_group, xkv_rank)
     metrics = {
+        "kv_format": params.kv_format,  # the FP4 groups' entries (fp4_group); the report checks it is params.yaml's
         "bases": BASIS_DOC,
         "groups": GROUP_DOC,
         "active_model": model_section(params.model.name, geo, plan, width_mult, adapter_input, fp4_group, xkv_rank),

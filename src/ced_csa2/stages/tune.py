@@ -37,10 +37,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import Params, provenance, require_listed
+from ..data.records import check_prepared
 from ..maps.ridge import ridge_provenance
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.atomic_files import write_json
-from ..pipeline.paths import RIDGE_PATH, objective_curves, objective_metrics, objective_models
+from ..pipeline.paths import RIDGE_PATH, TRAIN_JSONL, objective_curves, objective_metrics, objective_models
 from ..pipeline.stage_runner import objective_arg, run_stage
 from ..plan import load_plan
 from ..train.training import Curves, write_curves
@@ -57,6 +58,8 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
     workdir = Path(workdir)
     require_listed(params, objective)
     plan, geo = load_plan(params.plan, params.model)
+    if objective != "ridge":  # the objectives that train read the training records
+        check_prepared(params, workdir, TRAIN_JSONL)
     served = ridge_served(params, plan, geo, workdir)
     metrics: dict = {"objective": objective, "init": "ridge", "phases": {}}
     curves: Curves = {}

@@ -34,11 +34,20 @@ import torch
 from ..ced_runtime import BANK_FILE, CEDModeARuntime, save_sink
 from ..config import Params, provenance, to_dict
 from ..csa2 import save_adapters
+from ..data.records import check_prepared
 from ..maps.ridge import ridge_provenance
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import checkpoint_meta
-from ..pipeline.paths import MODE_A_CURVES, MODE_A_METRICS, MODE_A_MODELS, MODE_A_SINK, RIDGE_PATH, projector_path
+from ..pipeline.paths import (
+    MODE_A_CURVES,
+    MODE_A_METRICS,
+    MODE_A_MODELS,
+    MODE_A_SINK,
+    RIDGE_PATH,
+    TRAIN_JSONL,
+    projector_path,
+)
 from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
 from ..projector import reduced_rank, save_bank, save_projector, save_projectors
@@ -58,10 +67,12 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
     """Train (on a covering plan) and save the Mode A maps; returns ``metrics/mode_a/train.json``'s content."""
     workdir = Path(workdir)
     plan, geo = load_plan(params.plan, params.model)
+    metrics: dict = {"objective": OBJECTIVE, "init": "ridge", "covered": not plan.uncovered(geo)}
+    if metrics["covered"]:  # only a covering plan trains, on the training records
+        check_prepared(params, workdir, TRAIN_JSONL)
     ridge = workdir / RIDGE_PATH
     parts = ridge_parts(params, plan, geo, ridge)
     parts.extra = ridge_projectors(ridge, list(plan.extra_sources), geo, params)
-    metrics: dict = {"objective": OBJECTIVE, "init": "ridge", "covered": not plan.uncovered(geo)}
     curves: Curves = {}
     if metrics["covered"]:
         model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device("auto"))
