@@ -74,5 +74,7 @@ def test_short_records_and_prompts_beyond_the_window_are_refused_before_the_mode
     window = load_config(params.model).max_position_embeddings
     with pytest.raises(ValueError, match=f"needs {window + 3} positions; the model's window is {window}$"):
         stage.run(_with(params, prompts=3, prompt_tokens=window, new_tokens=4), tmp_path)
-    with pytest.raises(ValueError, match="3 eval records; eval_generation.prompts asks for 4"):
+    one = study_corpus(tmp_path, records=1)
+    write_prepared(params, tmp_path, EVAL_JSONL, (one / "eval.jsonl").read_text())
+    with pytest.raises(ValueError, match=r"1 eval record\(s\); the intervals resample prompts and need at least 2"):
         stage.run(_with(params, prompts=4, prompt_tokens=8), tmp_path)

@@ -387,15 +387,17 @@ def _joined(runs: list[GroupGeneration]) -> GroupGeneration:
 
 
 def prompt_ids(records: list[dict], where, tok, n: int, prompt_tokens: int, seed: int, stream: int) -> torch.Tensor:
-    """The prompts ``(n, prompt_tokens)``: the first tokens of a seeded sample of ``records`` (numpy stream ``stream``).
+    """The prompts ``(min(n, len(records)), prompt_tokens)``: the first tokens of a seeded sample of ``n`` of
+    ``records`` (all when there are fewer; numpy stream ``stream``), as ``eval_ppl`` samples its records.
 
     Raises
     ------
     ValueError
-        One line naming ``where``: fewer records than prompts, or a record shorter than ``prompt_tokens + 1``.
+        One line naming ``where``: fewer than 2 records (the intervals resample prompts), or a record shorter
+        than ``prompt_tokens + 1``.
     """
-    if len(records) < n:
-        raise ValueError(f"{where}: {len(records)} eval records; eval_generation.prompts asks for {n}")
+    if len(records) < 2:
+        raise ValueError(f"{where}: {len(records)} eval record(s); the intervals resample prompts and need at least 2")
     picked = [records[i] for i in seeded_subset(len(records), n, seed, stream)]
     need = prompt_tokens + 1
     ids = tok([r["text"] for r in picked], truncation=True, max_length=need)["input_ids"]

@@ -15,7 +15,8 @@ the last step, used and allocated, are checked against the accounting to the byt
 fails the stage in one line naming the group.
 
 Prompts: the first ``eval_generation.prompt_tokens`` tokens of ``eval_generation.prompts``
-held-out eval records (``data/corpus/eval.jsonl``, a seeded sample with ``eval_ppl``'s stream);
+held-out eval records (``data/corpus/eval.jsonl``, a seeded sample with ``eval_ppl``'s stream; all
+of them when there are fewer);
 a record shorter than ``prompt_tokens + 1`` tokens, or prompts and new tokens beyond the
 model's window, are refused in one line before the model is loaded.  Maps: the main
 pipeline's (``models/``), Mode A's per ``mode_a.maps``.
@@ -72,11 +73,11 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
         runs.update(gen.run_groups(model, plan, parts=parts, prompts=prompts, new_tokens=cfg.new_tokens,
                                    kv_format=params.kv_format, batch_size=cfg.batch_size, **job))
         seconds[label] = round(time.perf_counter() - t0, 2)
-        log.info("%s: %d prompts x %d tokens in %.1f s", label, cfg.prompts, cfg.new_tokens, seconds[label])
+        log.info("%s: %d prompts x %d tokens in %.1f s", label, len(prompts), cfg.new_tokens, seconds[label])
     record_timing(seconds=seconds)
     rows = gen.generation_rows(model, prompts, runs, seed=params.seed, batch_size=cfg.batch_size)
     protocol = {"model": params.model.hf_id or params.model.name, "dtype": str(model.dtype).removeprefix("torch."),
-                "data": str(EVAL_JSONL), "domain": params.data.name, "prompts": cfg.prompts,
+                "data": str(EVAL_JSONL), "domain": params.data.name, "prompts": len(prompts),
                 "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens,
                 "cached_positions": runs["baseline"].positions, "kv_format": params.kv_format,
                 "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
