@@ -342,9 +342,13 @@ def test_reader_verifies_each_block_once_and_names_the_rows(tmp_path):
 # ----------------------------------------------------------------------------- kills
 
 def start_stage(workdir: Path, stage: str, log: Path) -> subprocess.Popen:
+    """The stage as its own process, SIGINT at its default: a suite started in the background of a
+    non-interactive shell (`make test &`) ignores SIGINT, and a child would inherit that, so Ctrl-C's
+    signal would never reach it."""
     with open(log, "w") as err:
         return subprocess.Popen([sys.executable, "-m", f"ced_csa2.stages.{stage}"], cwd=workdir, env=stage_env(),
-                                stdout=subprocess.DEVNULL, stderr=err)
+                                stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for(proc: subprocess.Popen, log: Path, pattern: str, timeout: float = 900) -> re.Match:
