@@ -496,21 +496,22 @@ def est_eval_ppl(s: Setup) -> StageEstimate:
                          note=f"{len(cfg.groups)} groups{' + Mode A' if mode_a_covered(s) else ''}{domains}")
 
 
-def generation_seconds(s: Setup, problems: int, batch: int, new_tokens: int) -> float:
-    """Greedy generation of ``new_tokens`` for ``problems`` in batches (no early stop: an upper bound)."""
+def generation_seconds(s: Setup, problems: int, batch: int, new_tokens: int, prompt_tokens: int) -> float:
+    """Greedy generation of ``new_tokens`` after prompts of ``prompt_tokens`` for ``problems`` in batches (no early
+    stop: an upper bound)."""
     batches = math.ceil(problems / batch)
     step = max(s.rates.decode_step_s, forward_flops(s.model, batch) / s.rates.model_flops)
-    return batches * new_tokens * step + forward_flops(s.model, problems * s.prompt_tokens) / s.rates.model_flops
+    return batches * new_tokens * step + forward_flops(s.model, problems * prompt_tokens) / s.rates.model_flops
 
 
 def est_eval_gsm8k(s: Setup) -> StageEstimate:
     cfg, n = s.params.eval_gsm8k, len(s.gold.tokens)
-    seconds = len(cfg.generate) * generation_seconds(s, n, cfg.batch_size, cfg.max_gen_toks)
+    seconds = len(cfg.generate) * generation_seconds(s, n, cfg.batch_size, cfg.max_gen_toks, s.prompt_tokens)
     mode_a = cfg.mode_a != "off" and mode_a_covered(s)
     # gold NLL of every group; Mode A's through the skip (plain + skipped prefill), its generation one at a time
     seconds += scoring_seconds(s, cfg.groups, s.gold.total, passes=2 if mode_a else 0)
     if mode_a and cfg.mode_a == "generate":
-        seconds += generation_seconds(s, n, 1, cfg.max_gen_toks)
+        seconds += generation_seconds(s, n, 1, cfg.max_gen_toks, s.prompt_tokens)
     geo, longest = s.model.geo, int(s.gold.tokens.max()) if s.gold.exact else GOLD_MAX_TOKENS
     # generation holds a batch's KV cache (attention layers) and prefills its prompts; gold NLL scores in batches
     context = cfg.batch_size * (s.prompt_tokens + cfg.max_gen_toks)
@@ -525,11 +526,9 @@ def est_eval_gsm8k(s: Setup) -> StageEstimate:
 def est_eval_generation(s: Setup) -> StageEstimate:
     cfg = s.params.eval_generation
     labels = len(supported_groups()) + mode_a_covered(s)
-    batches = math.ceil(cfg.prompts / cfg.batch_size)
-    step = max(s.rates.decode_step_s, forward_flops(s.model, cfg.batch_size) / s.rates.model_flops)
-    # per label: the prompts' prefill, the decode steps, then the plain model scoring prompt + continuation
-    passes = forward_flops(s.model, cfg.prompts * (2 * cfg.prompt_tokens + cfg.new_tokens)) / s.rates.model_flops
-    seconds = labels * (batches * cfg.new_tokens * step + passes)
+    # per label: the generation, then the plain model scoring prompt + continuation
+    scoring = forward_flops(s.model, cfg.prompts * (cfg.prompt_tokens + cfg.new_tokens)) / s.rates.model_flops
+    seconds = labels * (generation_seconds(s, cfg.prompts, cfg.batch_size, cfg.new_tokens, cfg.prompt_tokens) + scoring)
     context = cfg.batch_size * (cfg.prompt_tokens + cfg.new_tokens)
     cache = context * 2 * s.model.geo.kv_dim * len(s.model.geo.attention_layers) * s.b + layer_bytes(s, context)
     host, device = peaks(s, model=True, device_work=cache)

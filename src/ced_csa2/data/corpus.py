@@ -472,8 +472,8 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
     budget = TokenBudget(tokenizer, data.min_tokens, data.max_tokens)
     built = build_records(data, budget, data.mix_quotas())
     mixed = mix_train(data, built.pools, budget)
-    train, eval_, domains, problems = [r for records in mixed.values() for r in records], built.eval, built.domains, \
-        built.problems
+    train = [r for records in mixed.values() for r in records]
+    eval_, domains, problems = built.eval, built.domains, built.problems
     if not train or not eval_:
         raise ValueError(f"data '{data.name}' produced {len(train)} train and {len(eval_)} eval records; "
                          "both must be non-empty (check data.min_tokens)")
