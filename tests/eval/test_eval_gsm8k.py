@@ -253,6 +253,45 @@ def test_stage_end_to_end_two_groups(tmp_path, tiny_model):
     assert with_mode_a("off")["mode_a"] == {"covered": None, "note": "eval_gsm8k.mode_a is off"}
 
 
+def test_each_group_generates_through_the_cache_that_holds_its_bytes(tmp_path, tiny_model):
+    """lm-eval's left-padded batches run on each group's own cache (the entry names it; bytes are checked per
+    batch), and the dense shared store writes exactly the text Mode B's substitution writes on a DynamicCache."""
+    from lm_eval.tasks import TaskManager
+
+    from ced_csa2.ced_runtime import CEDModeBRuntime
+    from ced_csa2.eval.lm_eval_models import DataParallelLM
+
+    model, tok = tiny_model
+    write_problems(tmp_path)
+    groups = ["baseline", "csa2", "csa2_fp4"]
+    params = tiny_params(eval_gsm8k={"groups": groups, "generate": groups, "max_gen_toks": 4, "batch_size": 4,
+                                     "mode_a": "off"})
+    plan = LayerPlan(16, 20, (24, 28, 32))
+    parts = random_parts(geometry(model.config), plan)
+    gold_pairs.run(params, tmp_path)
+    m = eval_gsm8k.run(params, tmp_path, parts=parts, model_and_tok=(model, tok))
+    assert {g: m["groups"][g]["cache"] for g in groups} == {
+        "baseline": "DynamicCache", "csa2": "SharedKVCache(bf16)", "csa2_fp4": "SharedKVCache(nvfp4)"}
+    assert "its used bytes checked" in m["protocol"]["generation"]
+
+    task_dir = tmp_path / "task"
+    task_dir.mkdir()
+    gsm8k.write_task_yaml(task_dir, tmp_path / paths.GSM8K_JSONL, params.eval_gsm8k.num_fewshot)
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    lm = DataParallelLM(pretrained=model, tokenizer=tok, batch_size=4)
+    with CEDModeBRuntime(model, plan, "csa2", parts, kv_format=None):  # substitution, every layer its own copy
+        substituted, _ = gsm8k.evaluate_lm(lm, manager, params, "csa2")
+    assert substituted["generations_sha256"] == m["groups"]["csa2"]["generations_sha256"]
+
+
+def test_a_group_without_a_cache_is_refused_before_the_model_loads(tmp_path):
+    write_problems(tmp_path)
+    params = tiny_params(eval_gsm8k={"groups": ["baseline", "xkv"], "generate": ["xkv"]})
+    gold_pairs.run(params, tmp_path)
+    with pytest.raises(ValueError, match=r"eval_gsm8k.generate: group 'xkv' cannot generate through the cache"):
+        eval_gsm8k.run(params, tmp_path, model_and_tok=None)
+
+
 # ----------------------------------------------------------------------------- exact match through lm-eval's filters
 
 def _gold(answer: str, doc_id: int) -> str:
@@ -314,7 +353,7 @@ def test_exact_match_through_lm_eval_filters(tmp_path, tiny_model, reply, strict
     plan, _ = load_plan(params.plan, params.model)
     lm = scripted_lm(model, tok, reply)
 
-    out, pairs = gsm8k.evaluate_group(lm, model, plan, "baseline", None, manager, params)
+    out, pairs = gsm8k.evaluate_group(lm, plan, "baseline", None, manager, params)
 
     assert sorted(r.doc_id for r in lm.requests) == list(range(6))  # every problem generated once
     for name, correct in (("strict-match", strict), ("flexible-extract", flexible)):

@@ -248,7 +248,7 @@ def generate(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | No
     built = group_cache(model, plan, group, parts, kv_format)
     with built.context:
         out = greedy_generate(model, prompts, new_tokens, built.cache)
-    return _checked(model, plan, group, group, built.storage, out.tokens, built.cache, built.kind)
+    return checked_run(model, plan, group, group, built.storage, out.tokens, built.cache, built.kind)
 
 
 def mode_a_generation(model: nn.Module, plan: LayerPlan, parts: CEDParts, prompts: torch.Tensor, new_tokens: int,
@@ -264,11 +264,13 @@ def mode_a_generation(model: nn.Module, plan: LayerPlan, parts: CEDParts, prompt
     runtime = CEDModeARuntime(model, plan, geometry(model.config), parts, replay=replay, sink=sink)
     cache = runtime.prefill(prompts[:, :-1])
     out = greedy_generate(model, prompts[:, -1:], new_tokens, cache)
-    return _checked(model, plan, MODE_A, "baseline", "bf16", out.tokens, cache, type(cache).__name__)
+    return checked_run(model, plan, MODE_A, "baseline", "bf16", out.tokens, cache, type(cache).__name__)
 
 
-def _checked(model, plan, label: str, accounted_as: str, storage: str, tokens: torch.Tensor, cache: Cache,
-             kind: str) -> GroupGeneration:
+def checked_run(model, plan, label: str, accounted_as: str, storage: str, tokens: torch.Tensor, cache: Cache,
+                kind: str) -> GroupGeneration:
+    """``tokens`` ``(B, N)`` and ``cache``'s bytes after them as a :class:`GroupGeneration`, checked against
+    ``accounted_as``'s accounting in ``storage`` (:func:`check_bytes`)."""
     positions = cache.get_seq_length()
     run = GroupGeneration(label, tokens, cache_bytes(cache), positions,
                           accounted_used_bytes(model, plan, accounted_as, storage, tokens.shape[0], positions), kind)

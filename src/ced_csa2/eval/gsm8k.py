@@ -14,9 +14,11 @@ format.  Prompts go through the tokenizer's chat template only with
 Generation stops after ``eval_gsm8k.max_gen_toks`` tokens.
 Everything runs offline (``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``).
 
-The model runs inside :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (Mode B
-substitution; the ``*_fp4`` groups store K/V in ``kv_format``, recorded in the protocol).
-For each group of ``eval_gsm8k.generate`` (generation is what GSM8K costs) the stage reports
+Each group of ``eval_gsm8k.generate`` (generation is what GSM8K costs) generates through the
+cache that holds its bytes (:func:`ced_csa2.eval.generation.group_cache`: the shared store for the
+CSA2 groups, FP4 stores for the FP4 groups in ``kv_format``, an ordinary ``DynamicCache`` for
+``baseline`` and ``ced``), a fresh one per lm-eval batch (left-padded, as lm-eval builds them),
+its bytes checked against the accounting after every batch; the stage reports
 
 * per filter (``strict-match``, ``flexible-extract``): ``exact_match``, ``correct``,
   ``n`` and ``ci95`` (Wilson score interval, z = 1.96) (generation times: ``timings/eval_gsm8k.json``);
@@ -69,7 +71,7 @@ from typing import Iterator, Mapping
 import torch
 import yaml
 
-from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts
+from ..ced_runtime import CEDModeARuntime, CEDParts
 from ..config import Params
 from ..data.records import read_lines
 from ..pipeline import distributed
@@ -275,11 +277,16 @@ def _per_token(nll) -> dict:
     return {"nll_per_token": total / tokens, "tokens": int(tokens)}
 
 
-def evaluate_group(lm, model, plan, group: str, parts: CEDParts | None, task_manager, params: Params
+def evaluate_group(lm, plan, group: str, parts: CEDParts | None, task_manager, params: Params
                    ) -> tuple[dict, list[tuple[list[int], int]]]:
-    """lm-eval exact match of one group (generation under its Mode B runtime), and the gold pairs."""
-    with CEDModeBRuntime(model, plan, group, parts, kv_format=params.kv_format):
-        return evaluate_lm(lm, task_manager, params, group)
+    """lm-eval exact match of one group, generated through the cache that holds its bytes
+    (:meth:`~ced_csa2.eval.lm_eval_models.DataParallelLM.through_cache`), and the gold pairs.
+
+    The entry gains ``cache``: the cache in words (``DynamicCache``, ``SharedKVCache(nvfp4)``, ...).
+    """
+    with lm.through_cache(plan, group, parts, params.kv_format) as seen:
+        entry, pairs = evaluate_lm(lm, task_manager, params, group)
+    return ({**entry, "cache": seen["cache"]} if entry else entry), pairs
 
 
 def evaluate_lm(lm, task_manager, params: Params, label: str) -> tuple[dict, list[tuple[list[int], int]] | None]:
@@ -368,7 +375,7 @@ def generate_groups(lm, model, plan, parts: CEDParts | None, task_manager, param
     seconds: dict[str, float] = {}
     for i, group in enumerate(cfg.generate, 1):
         log.info("generation %d/%d: %s", i, len(cfg.generate), group)
-        groups[group], group_pairs = evaluate_group(lm, model, plan, group, parts, task_manager, params)
+        groups[group], group_pairs = evaluate_group(lm, plan, group, parts, task_manager, params)
         if not distributed.is_main():
             continue  # lm-eval's results are rank 0's
         if group_pairs != pairs:
@@ -422,6 +429,8 @@ def run_protocol(params: Params, model, plan, n: int, lm_eval_version: str) -> d
         "model_revision": params.model.revision, "math_revision": params.data.math.revision,
         **prompt_protocol(params), "fewshot_source": FEWSHOT_SOURCE if cfg.num_fewshot else None,
         "max_gen_toks": cfg.max_gen_toks, "generated_groups": list(cfg.generate), "mode_a": cfg.mode_a,
+        "generation": ("greedy, each group through the cache that holds its bytes, a fresh one per lm-eval batch, "
+                       "its used bytes checked against the accounting"),
         "dtype": str(model.dtype).removeprefix("torch."),
         "device": str(model.device), "lm_eval": lm_eval_version, "task": "lm-eval gsm8k.yaml on local data",
         "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},

@@ -20,12 +20,17 @@ Mode B groups.  One request at a time: the skip prefill has no padding support.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 from ..ced_runtime import CEDModeARuntime
 from ..pipeline import distributed
+from ..plan import LayerPlan
+from . import generation
 from .scoring import BLOCK_TOKENS, continuation_logprob
 
 
@@ -57,6 +62,42 @@ class DataParallelLM(HFLM):
     (3) ``accelerate launch`` is not needed: the process group is torchrun's
     (:func:`ced_csa2.pipeline.distributed.relaunch`), gloo on CPU.
     """
+
+    _through: tuple | None = None  # (plan, group, parts, kv_format, seen) inside through_cache
+
+    @contextmanager
+    def through_cache(self, plan: LayerPlan, group: str, parts, kv_format: str | None) -> Iterator[dict]:
+        """Generate every batch of ``group`` through a fresh cache that holds its bytes.
+
+        ``HFLM.generate_until``'s batches are left-padded; ``generate`` runs on
+        :func:`~ced_csa2.eval.generation.group_cache`'s cache (its context open around the batch), and
+        after the batch the cache's bytes are checked against the accounting, to the byte
+        (:func:`~ced_csa2.eval.generation.check_bytes`: a mismatch raises, naming the group).
+
+        Yields
+        ------
+        dict
+            Filled as batches run: ``cache`` (the cache in words), ``batches``, ``bytes_per_position``
+            (used K/V bytes per cached position and row, the last batch's; pads included).
+        """
+        seen: dict = {"cache": None, "batches": 0, "bytes_per_position": None}
+        self._through = (plan, group, parts, kv_format, seen)
+        try:
+            yield seen
+        finally:
+            self._through = None
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
+        if self._through is None:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        plan, group, parts, kv_format, seen = self._through
+        built = generation.group_cache(self.model, plan, group, parts, kv_format)
+        with built.context:
+            out = super()._model_generate(context, max_length, stop, cache=built.cache, **generation_kwargs)
+        run = generation.checked_run(self.model, plan, group, group, built.storage, out[:, context.shape[1]:],
+                                     built.cache, built.kind)
+        seen.update(cache=built.kind, batches=seen["batches"] + 1, bytes_per_position=run.used_per_token)
+        return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         if distributed.world_size() == 1:

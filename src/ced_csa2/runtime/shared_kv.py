@@ -35,9 +35,11 @@ write, dequantised on read -- so the cost of FP4 and the cost of sharing can be 
 apart (``baseline`` → ``baseline_fp4`` is FP4 alone; ``baseline`` → shared ``bf16`` is
 sharing alone).
 
-Limits: :class:`SharedKVCache` takes unpadded batches only -- RoPE is recomputed for
-cache positions ``0..T-1``, and position ids that differ from those are refused
-(:class:`FP4KVCache` stores post-RoPE K, so positions do not matter to it).  Neither
+Limits: :class:`SharedKVCache` recomputes RoPE from cache positions, so it takes unpadded
+batches and left-padded ones (``generate``'s, as lm-eval builds them): each row's left padding is
+read from the prefill's position ids and later forwards must continue them; other position ids
+are refused (:class:`FP4KVCache` stores post-RoPE K, so positions do not matter to it; the sparse
+store takes unpadded batches only).  Neither
 supports beam search, cropping or batch reshaping (refused with
 :class:`NotImplementedError`).  FP4 groups run
 along the flattened ``kv_dim`` (``n_kv_heads · head_dim``): inside one head whenever
@@ -295,21 +297,36 @@ class FP4Layer(_Windowed, _ReadOnlyShape, DynamicLayer):
         self.seen = 0
 
 
-def _check_positions(update_kwargs: dict, cached: int, new: int) -> None:
-    """Refuse position ids other than ``cached .. cached+new-1`` (padded or offset batches).
+def _row_offsets(update_kwargs: dict, cached: int, new: int, offsets: torch.Tensor) -> torch.Tensor:
+    """Each row's left padding ``(B,)``, read from the position ids of a forward over cache positions
+    ``cached .. cached+new-1``; refuses position ids that do not count from each row's first token.
 
-    ``Cache.update`` forwards the attention's kwargs as ``kwargs=...``; models that pass
-    ``position_ids`` there (Llama, Qwen3.5) are checked, others are trusted.
+    ``generate`` on a left-padded batch gives row ``b`` (``p_b`` pad tokens) position ids
+    ``t - p_b`` at cache position ``t >= p_b`` (anything at the masked pads), so the first forward
+    fixes ``p_b`` and every later one must continue it.  ``Cache.update`` forwards the attention's
+    kwargs as ``kwargs=...``; models that pass ``position_ids`` there (Llama, Qwen3.5, Gemma-3) are
+    checked, others are taken as unpadded (``offsets`` unchanged).
+
+    Parameters
+    ----------
+    offsets : torch.Tensor, shape (B,)
+        The rows' left padding so far (zeros before the first forward).
     """
     position_ids = update_kwargs.get("kwargs", {}).get("position_ids")
     if position_ids is None:
-        return
-    expected = torch.arange(cached, cached + new, device=position_ids.device)
-    if position_ids.shape[-1] != new or not bool((position_ids == expected).all()):
-        starts = position_ids.reshape(-1, position_ids.shape[-1])[:, 0].tolist()
-        raise ValueError("SharedKVCache recomputes RoPE for cache positions 0..T-1 and supports unpadded batches "
-                         f"only; got position ids starting at {starts} (per row) for cache positions "
-                         f"{cached}..{cached + new - 1}")
+        return offsets
+    at = torch.arange(cached, cached + new, device=position_ids.device)
+    ids = position_ids.reshape(-1, position_ids.shape[-1]).expand(offsets.shape[0], -1)
+    if ids.shape[-1] == new:
+        if cached == 0:  # the prefill: a row's pads are the positions before its first token
+            offsets = (new - 1 - ids[:, -1]).clamp(min=0).to(offsets.device)
+        real = at[None] >= offsets[:, None].to(at.device)
+        if bool((ids == at[None] - offsets[:, None].to(at.device))[real].all()):
+            return offsets
+    starts = ids[:, 0].tolist()
+    raise ValueError("SharedKVCache recomputes RoPE from cache positions: it takes unpadded or left-padded batches "
+                     f"whose position ids count from each row's first token; got position ids starting at {starts} "
+                     f"(per row) for cache positions {cached}..{cached + new - 1}")
 
 
 class _SharedStore:
@@ -330,6 +347,8 @@ class _SharedStore:
         self.model, self.plan, self.group, self.parts, self.geo = model, plan, group, parts, geo
         self.k, self.v = TokenStore(fmt), TokenStore(fmt)
         self.seen = 0  # positions written so far; the store holds the last len(self.k) of them
+        # (B,) left padding per row (_row_offsets): a row's token at cache position t has RoPE position t - pad
+        self.pads: torch.Tensor | None = None
         self.attn = {layer: attention(model, layer) for layer in (plan.source, *plan.targets)}
         self.rope = _rope_fn(self.attn[plan.source])
         self.captured: dict | None = None  # kv_hooks.capture's dict while SharedKVCache.feed() is open
@@ -356,7 +375,9 @@ class _SharedStore:
         k, v = self.captured["k"].pop(src, None), self.captured["v"].pop(src, None)
         if k is None or k.shape[1] != new:
             raise RuntimeError(f"no captured K/V of source layer {src} for the {new} new positions of this forward")
-        _check_positions(update_kwargs, self.seen, new)
+        if self.seen == 0:
+            self.pads = torch.zeros(k.shape[0], dtype=torch.long, device=k.device)
+        self.pads = _row_offsets(update_kwargs, self.seen, new, self.pads)
         self.k.append(k)
         self.v.append(v)
         self.seen += new
@@ -391,6 +412,8 @@ class _SharedStore:
         if "k" not in step:
             k = self.k.read()
             at = torch.arange(self.seen - k.shape[1], self.seen, device=k.device)[None]
+            if bool(self.pads.any()):  # a pad's position is masked: any value will do, 0 keeps RoPE's table small
+                at = (at - self.pads[:, None]).clamp(min=0)
             step.update(k=k, v=self.v.read(), rope=self._rope_per_type(k, at))
         window = self.geo.window(layer)
         visible = step["k"].shape[1] if window is None else min(step["k"].shape[1], window - 1 + new)
@@ -424,6 +447,7 @@ class _SharedStore:
         self.k.clear()
         self.v.clear()
         self.seen = 0
+        self.pads = None
         self._step = None
 
 

@@ -278,6 +278,9 @@ class _SparseStore(_SharedStore):
             with torch.no_grad():
                 self.index_keys.append(self.indexer.keys(k, cos, sin))
         super().write(new, update_kwargs)
+        if bool(self.pads.any()):  # its selections and indexer keys index cache positions as RoPE positions
+            raise ValueError("SparseSharedKVCache takes unpadded batches only; got left padding "
+                             f"{self.pads.tolist()} (per row)")
 
     def _entries(self, layer: int, new: int, step: dict):
         if layer == self.plan.source:
