@@ -14,7 +14,11 @@ leaves its cache's hooks: microseconds against a step).  Caches:
 * ``{group} / dynamic`` -- Mode B (:class:`~ced_csa2.ced_runtime.CEDModeBRuntime`) with a
   ``DynamicCache``: the same outputs as the shared store, every layer storing its own K/V;
 * ``{group} / shared-{storage}`` -- :class:`~ced_csa2.runtime.shared_kv.SharedKVCache`: the
-  source's pre-norm K/V stored once, every target's K/V recomputed from it at each step;
+  source's pre-norm K/V stored once, every target's K/V recomputed from it at each step (the
+  cache of ``{group}``, or of ``{group}_fp4`` with an FP4 storage, built as the
+  ``eval_generation`` stage builds it: :func:`~ced_csa2.eval.generation.group_cache`);
+* ``{group} / shared-{format} rotated`` (``--rotated``) -- ``{group}_fp4_rot``'s: the same store
+  holding ``FP4(R x)`` per head, un-rotated at every read (one ``head_dim²`` matmul per entry);
 * ``{group} / shared-{storage} k{k}+w{window}`` --
   :class:`~ced_csa2.runtime.sparse_decode.SparseSharedKVCache`: the same store, the targets reading
   only the newest ``window`` positions and the source's top-``k`` (oracle indexer) at each step,
@@ -25,8 +29,9 @@ leaves its cache's hooks: microseconds against a step).  Caches:
   depends on shapes only): its MXFP4 keys in the store, the source reading its selection too;
   the sparse caches also hold the entries each target keeps between steps (adapted, reused where a
   later step reads the same positions), counted in their bytes and accounting;
-* ``baseline / fp4-{format}`` -- :class:`~ced_csa2.runtime.shared_kv.FP4KVCache`: every layer's
-  K/V in FP4, no sharing (the cost of FP4 alone).
+* ``baseline / fp4-{format}`` -- :class:`~ced_csa2.runtime.shared_kv.FP4KVCache` (``baseline_fp4``'s,
+  by ``group_cache``): every layer's K/V in FP4, no sharing (the cost of FP4 alone); with
+  ``--rotated`` also ``baseline / fp4-{format} rotated`` (``baseline_fp4_rot``'s).
 
 Columns: ms per decode step (median) and its ratio to the reference's; the ratio of the
 summed step times with its 95% interval over the rounds (paired bootstrap: a round's steps of
@@ -55,6 +60,7 @@ from transformers import DynamicCache
 from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn, load_parts
 from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
+from ced_csa2.eval.generation import group_cache
 from ced_csa2.eval.stats import ratio_bootstrap
 from ced_csa2.kv.kv_bytes import bytes_per_token
 from ced_csa2.maps.indexer import IndexerConfig, LightningIndexer, key_bytes, load_indexer
@@ -62,14 +68,8 @@ from ced_csa2.model_utils import attention, geometry, load_model_and_tokenizer
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import LayerPlan
 from ced_csa2.projector import KVProjector
-from ced_csa2.runtime.shared_kv import (
-    SHARED_GROUPS,
-    STORAGES,
-    FP4KVCache,
-    SharedKVCache,
-    accounted_copies,
-    cache_bytes,
-)
+from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.runtime.shared_kv import SHARED_GROUPS, STORAGES, accounted_copies, cache_bytes
 from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
 from ced_csa2.train.indexer_training import new_indexer
 
@@ -97,18 +97,28 @@ def indexer_for(path: Path, model, plan: LayerPlan, geo, params) -> tuple[Lightn
     return new_indexer(model, geo, plan.source, IndexerConfig(), seed=0), f"RANDOM indexer (no {path})"
 
 
+def fp4_group(group: str, rotated: bool = False) -> str:
+    """The registry group storing ``group``'s shared entry in FP4 (``csa2`` -> ``csa2_fp4``, rotated ``csa2_fp4_rot``)."""
+    return f"{group}_fp4" + ("_rot" if rotated else "")
+
+
 def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, sparse: list[SparseDecode],
-          indexers: dict[str, LightningIndexer]):
-    """``(label, accounting (group, storage), make_cache, context)`` for each cache to compare."""
+          indexers: dict[str, LightningIndexer], rotated: bool = False):
+    """``(label, accounting (group, storage), make_cache, context)`` for each cache to compare; a group's own cache
+    is built by :func:`group_cache`, as the ``eval_generation`` stage builds it."""
     config = model.config
-    yield ("baseline / dynamic", ("baseline", "bf16"), lambda: DynamicCache(config=config),
-           lambda cache: contextlib.nullcontext())
+
+    def built(name: str, kv_format: str | None):
+        return lambda: group_cache(model, plan, name, parts, kv_format).cache
+
+    yield "baseline / dynamic", ("baseline", "bf16"), built("baseline", None), lambda cache: contextlib.nullcontext()
     runtime = CEDModeBRuntime(model, plan, group, parts, kv_format="nvfp4")  # built once, entered per step
     yield (f"{group} / dynamic", ("baseline", "bf16"), lambda: DynamicCache(config=config), lambda cache: runtime)
     for storage in storages:
-        yield (f"{group} / shared-{storage}", (group, storage), lambda s=storage: SharedKVCache(model, plan, group,
-                                                                                                  parts, s),
-               lambda cache: cache.feed())
+        names = [group] if storage == "bf16" else [fp4_group(group), *([fp4_group(group, True)] if rotated else [])]
+        for name in names:
+            label = f"{group} / shared-{storage}" + (" rotated" if GROUPS[name].rotate else "")
+            yield label, (name, storage), built(name, storage), lambda cache: cache.feed()
         for reads in sparse:
             name = f"{group} / shared-{storage} k{reads.k}+w{reads.window}" + (
                 f" keep{reads.keep}" if reads.keep is not None else "")
@@ -121,8 +131,9 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, spars
                                                                                  reads=r, indexer=i),
                        lambda cache: cache.feed())
     for fmt in fp4_formats:
-        yield (f"baseline / fp4-{fmt}", ("baseline", fmt), lambda f=fmt: FP4KVCache(config, f),
-               lambda cache: contextlib.nullcontext())
+        for name in ("baseline_fp4", *(["baseline_fp4_rot"] if rotated else [])):
+            label = f"baseline / fp4-{fmt}" + (" rotated" if GROUPS[name].rotate else "")
+            yield label, (name, fmt), built(name, fmt), lambda cache: contextlib.nullcontext()
 
 
 class Decoder:
@@ -153,6 +164,8 @@ def main() -> None:
     ap.add_argument("--group", default="csa2", choices=SHARED_GROUPS)
     ap.add_argument("--storages", nargs="+", default=list(STORAGES), choices=STORAGES)
     ap.add_argument("--fp4-baselines", nargs="*", default=["nvfp4", "mxfp4"], choices=STORAGES[1:])
+    ap.add_argument("--rotated", action="store_true",
+                    help="also time each dense FP4 store rotated ({group}_fp4_rot, baseline_fp4_rot)")
     ap.add_argument("--sparse", nargs="*", default=["128:64"], metavar="K:WINDOW[:KEEP]",
                     help="sparse decode reads of the shared stores (none: dense stores only)")
     ap.add_argument("--params", default="params.yaml")
@@ -164,6 +177,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     sparse = [SparseDecode(*map(int, spec.split(":"))) for spec in args.sparse]
+    if set(args.storages) - {"bf16"} and fp4_group(args.group) not in GROUPS:
+        ap.error(f"--group {args.group} has no FP4 group ({fp4_group(args.group)} is not in the registry); "
+                 "give --storages bf16")
     stems = [path.stem for path in args.indexers]
     if len(set(stems)) < len(stems):  # the arms are labelled by stem: two files of one stem would share a row
         ap.error(f"--indexers: two files share a name {sorted({s for s in stems if stems.count(s) > 1})}; "
@@ -192,7 +208,7 @@ def main() -> None:
         ref_ms = ref_bytes = None
         runs, accounting = {}, {}
         for label, acc, make_cache, ctx in cases(model, plan, args.group, parts, args.storages, args.fp4_baselines,
-                                                   sparse, indexers):
+                                                   sparse, indexers, args.rotated):
             runs[label], accounting[label] = Decoder(model, make_cache(), ctx), acc
             runs[label].prefill(ids)
         paired = paired_seconds({label: d.step for label, d in runs.items()}, args.steps, device=args.device)

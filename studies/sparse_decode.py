@@ -12,7 +12,8 @@ at a time for ``steps`` decode steps and scores each step's next-token predictio
 
 * ``baseline`` -- the unchanged model with transformers' ``DynamicCache``;
 * ``csa2`` -- the dense shared store (:class:`~ced_csa2.runtime.shared_kv.SharedKVCache`,
-  the trained adapters): what the sparse reads approximate;
+  the trained adapters): what the sparse reads approximate (both built by
+  :func:`~ced_csa2.eval.generation.group_cache`, as the ``eval_generation`` stage builds them);
 * ``csa2 sparse oracle@k`` and ``csa2 sparse {indexer}@k`` -- the sparse decode.
 
 Per cache: PPL over the scored steps, ΔPPL % against ``baseline`` and against the dense
@@ -40,11 +41,11 @@ import numpy as np
 import torch
 import yaml
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from ced_csa2.ced_runtime import _rope_fn, load_parts
 from ced_csa2.config import from_dict, load_params
 from ced_csa2.data.joined import joined_sequences
+from ced_csa2.eval.generation import group_cache
 from ced_csa2.eval.stats import paired_bootstrap
 from ced_csa2.maps.indexer import load_indexer
 from ced_csa2.model_utils import attention, load_model_and_tokenizer, resolve_device
@@ -52,7 +53,7 @@ from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
 from ced_csa2.plan import load_plan
-from ced_csa2.runtime.shared_kv import SharedKVCache, cache_bytes
+from ced_csa2.runtime.shared_kv import cache_bytes
 from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
 
 STUDY_PARAMS = Path("studies/sparse_decode.yaml")
@@ -113,8 +114,10 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
     def plain(cache):
         return contextlib.nullcontext()
 
-    caches = {"baseline": (lambda: DynamicCache(config=model.config), plain),
-              "csa2": (lambda: SharedKVCache(model, plan, "csa2", parts), shared)}
+    # The groups' own caches as the eval_generation stage builds them (group_cache); the sparse ones below are
+    # this study's (no registry group reads sparsely).
+    caches = {"baseline": (lambda: group_cache(model, plan, "baseline", parts, None).cache, plain),
+              "csa2": (lambda: group_cache(model, plan, "csa2", parts, None).cache, shared)}
     for k in study.k:
         reads = SparseDecode(k=k, window=study.window)
         caches[f"csa2 sparse oracle@{k}"] = (lambda r=reads: SparseSharedKVCache(model, plan, "csa2", parts, reads=r),

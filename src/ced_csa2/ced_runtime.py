@@ -42,9 +42,8 @@ import torch
 from torch import nn
 
 from . import kv_hooks
-from .kv import rotation
 from .kv.fp4 import FORMATS as FP4_FORMATS
-from .kv.rotation import HeadRotation, fp4_round_trip, layer_rotation
+from .kv.rotation import HeadRotation, fp4_round_trip, stream_rotations
 from .maps.xkv import XKVBasis, load_xkv
 from .model_utils import Geometry, attention, decoder_layer, geometry, layer_type, rotary
 from .pipeline.checkpoint import (check_meta_provenance, expected_meta, load_checkpoint, load_state,
@@ -361,11 +360,10 @@ class CEDModeBRuntime:
         # {(layer, "k" | "v"): R} of the rotated FP4 entries; built once here (cheap:
         # head_dim x head_dim per layer), so every forward of this runtime uses the same R.
         self.rotations: dict[tuple[int, str], HeadRotation] = {}
-        if spec.rotate:  # rotation.ROTATED_STREAMS read now, as a module attribute (a study may set it)
+        if spec.rotate:  # rotation.ROTATED_STREAMS read now (stream_rotations), so a study may set it
             geo = geometry(model.config)
             for layer in spec.fp4_layers(geo.attention_layers, plan.source):
-                r = layer_rotation(geo.head_dim, layer)
-                self.rotations.update({(layer, kind): r for kind in rotation.ROTATED_STREAMS})
+                self.rotations.update({(layer, kind): r for kind, r in stream_rotations(geo.head_dim, layer).items()})
         self._stack: ExitStack | None = None
         self._store: dict | None = None
 

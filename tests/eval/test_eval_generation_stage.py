@@ -46,6 +46,9 @@ def test_every_group_and_mode_a_on_the_tiny_model(tiny_model):
     table = generation_table({"protocol": protocol, "groups": rows})
     assert "n = 3 prompts of 12 tokens" in table[0] and "float32" in table[0]
     assert any(line.startswith("| csa2_fp4 | SharedKVCache(nvfp4) |") for line in table)
+    assert any(line.startswith("| csa2_fp4_rot | SharedKVCache(nvfp4, rotated) |") for line in table)
+    assert any(line.startswith("| baseline_fp4_rot | FP4KVCache(rotated) |") for line in table)
+    assert rows["csa2_fp4_rot"]["used_bytes_per_token"] == rows["csa2_fp4"]["used_bytes_per_token"]
     assert table[-1].startswith("Not run") and "`xkv`" in table[-1]
     columns = _generation_columns(rows["ced"])
     assert columns["gen_agreement"] == rows["ced"]["agreement"]

@@ -7,12 +7,15 @@ from conftest import EPS64, tiny_gemma3, tiny_llama
 from tiny_maps import GEMMA_PLAN, LLAMA_PLAN, QWEN_PLAN, identity_parts, random_parts
 from transformers import DynamicCache
 
+from ced_csa2 import kv_hooks
 from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime
 from ced_csa2.eval import generation as gen
+from ced_csa2.kv.fp4 import FORMATS
 from ced_csa2.kv.kv_bytes import fp4_entry_bytes
+from ced_csa2.kv.rotation import layer_rotation
 from ced_csa2.model_utils import geometry
 from ced_csa2.runtime.groups import GROUPS
-from ced_csa2.runtime.shared_kv import FP4KVCache, SharedKVCache
+from ced_csa2.runtime.shared_kv import FP4KVCache, FP4Layer, SharedKVCache, greedy_generate
 
 PROMPT, NEW = 11, 6  # 16 cached positions: past the tiny Gemma-3's window of 6
 FP32_BYTES = 4
@@ -43,15 +46,24 @@ def no_hooks(model):
     return all(not (m._forward_hooks or m._forward_pre_hooks) for m in model.modules())
 
 
-# Every supported group whose real cache rounds as its Mode B twin does (baseline_fp4's FP4KVCache rounds K after
-# k_norm and RoPE, Mode B's before: same bytes, other roundings, so it is checked on bytes and determinism below).
-MODE_B_TWINS = [g for g in gen.supported_groups() if g != "baseline_fp4"]
+# Every supported group whose real cache rounds as its Mode B twin does.  baseline_fp4(_rot)'s FP4KVCache rounds K
+# after k_norm and RoPE, Mode B's before: same bytes, another rounding of K, so those two are checked on bytes,
+# determinism and what their stores hold below (V rounded as Mode B's, K not).
+MODE_B_TWINS = [g for g in gen.supported_groups() if GROUPS[g].cache_kind != "fp4_every_layer"]
+ROTATED = [g for g in GROUPS if GROUPS[g].rotate]
+
+
+def dense_twin(group: str) -> str:
+    """The group without FP4 entries of an FP4 group (``csa2_fp4_rot`` -> ``csa2``)."""
+    return group.split("_fp4")[0]
 
 
 def test_the_supported_groups_are_those_with_a_store():
     assert gen.supported_groups() == ("baseline", "share_plain", "ced", "csa2", "ced_csa2", "baseline_fp4",
-                                      "csa2_fp4", "ced_csa2_fp4")
-    assert all(GROUPS[g].rotate or GROUPS[g].low_rank for g in set(GROUPS) - set(gen.supported_groups()))
+                                      "csa2_fp4", "ced_csa2_fp4", "baseline_fp4_rot", "csa2_fp4_rot",
+                                      "ced_csa2_fp4_rot")
+    assert set(GROUPS) - set(gen.supported_groups()) == {"xkv"} and GROUPS["xkv"].cache_kind == "low_rank"
+    assert set(ROTATED) == {"baseline_fp4_rot", "csa2_fp4_rot", "ced_csa2_fp4_rot"}
 
 
 @pytest.mark.parametrize("group", MODE_B_TWINS)
@@ -64,8 +76,10 @@ def test_greedy_tokens_through_the_group_s_cache_are_mode_b_s(setup, group):
 
 
 def test_the_tokens_tell_the_caches_apart():
-    """What gives the test above its teeth: on the tiny Llama every group's tokens differ from the baseline's, and
-    each FP4 group's from its dense twin's, so a cache holding the wrong entries would not pass as Mode B's."""
+    """What gives the test above its teeth: on the tiny Llama every group's tokens differ from the baseline's, each
+    unrotated FP4 group's from its dense twin's and each rotated one's from its unrotated twin's, so a cache holding
+    the wrong entries (or forgetting the rotation) would not pass as Mode B's.  (The rotated groups' tokens are their
+    dense twins' here: rotated NVFP4 loses less.)"""
     model = tiny_llama()
     torch.manual_seed(1)
     prompts = torch.randint(0, 300, (2, PROMPT))
@@ -74,7 +88,8 @@ def test_the_tokens_tell_the_caches_apart():
     for group, t in tokens.items():
         assert group == "baseline" or not torch.equal(t, tokens["baseline"]), group
         if GROUPS[group].is_fp4:
-            assert not torch.equal(t, tokens[group.removesuffix("_fp4")]), group
+            twin = group.removesuffix("_rot") if GROUPS[group].rotate else dense_twin(group)
+            assert not torch.equal(t, tokens[twin]), group
 
 
 def test_the_cache_is_chosen_from_the_group_s_flags(tiny_model):
@@ -84,12 +99,18 @@ def test_the_cache_is_chosen_from_the_group_s_flags(tiny_model):
         if name not in gen.supported_groups():
             continue
         built = gen.group_cache(model, QWEN_PLAN, name, parts, FORMAT)
+        rotated = ", rotated" if spec.rotate else ""
         if spec.shares_source_kv:
+            assert spec.cache_kind == "shared_store"
             assert isinstance(built.cache, SharedKVCache) and built.cache.storage == built.storage
-            assert built.storage == (FORMAT if spec.is_fp4 else "bf16")
+            assert built.storage == (FORMAT if spec.is_fp4 else "bf16") and built.cache.rotate == spec.rotate
+            assert built.kind == f"SharedKVCache({built.storage}{rotated})"
         elif spec.is_fp4:
-            assert isinstance(built.cache, FP4KVCache) and built.storage == FORMAT
+            assert spec.cache_kind == "fp4_every_layer"
+            assert isinstance(built.cache, FP4KVCache) and built.storage == FORMAT and built.cache.rotate == spec.rotate
+            assert built.kind == ("FP4KVCache(rotated)" if spec.rotate else "FP4KVCache")
         else:
+            assert spec.cache_kind == "ordinary"
             assert type(built.cache) is DynamicCache and built.storage == "bf16"
             assert isinstance(built.context, CEDModeBRuntime) and built.context.spec.projected_source == (name == "ced")
 
@@ -118,12 +139,80 @@ def test_used_bytes_are_the_accounted_bytes_counted_independently(setup):
         used[group] = run.used_per_token
     assert used["ced"] == used["baseline"] > used["csa2"] == used["share_plain"] == used["ced_csa2"] > used["csa2_fp4"]
     assert used["baseline"] > used["baseline_fp4"]
+    for group in ROTATED:  # R is a weight: the rotated store holds its unrotated twin's bytes
+        assert used[group] == used[group.removesuffix("_rot")], group
 
 
-def test_the_fp4_baseline_is_deterministic_and_stores_fp4(setup):
+@pytest.mark.parametrize("group", ["baseline_fp4", "baseline_fp4_rot"])
+def test_the_fp4_baseline_is_deterministic_and_stores_fp4(setup, group):
     model, plan, parts, prompts = setup
-    a, b = (gen.generate(model, plan, "baseline_fp4", parts, prompts, NEW, FORMAT) for _ in range(2))
-    assert torch.equal(a.tokens, b.tokens) and a.bytes == b.bytes and a.kind == "FP4KVCache"
+    a, b = (gen.generate(model, plan, group, parts, prompts, NEW, FORMAT) for _ in range(2))
+    assert torch.equal(a.tokens, b.tokens) and a.bytes == b.bytes
+    assert a.kind == ("FP4KVCache(rotated)" if GROUPS[group].rotate else "FP4KVCache")
+
+
+def unrotated_read(store, rotation):
+    """``Rᵀ dequant(raw)`` of a :class:`TokenStore`'s raw FP4 blocks, ``(B, T, kv_dim)`` float32, by hand."""
+    return rotation.unrotate(store.fmt.dequantize(store.data, torch.float32))
+
+
+@pytest.mark.parametrize("group", ["csa2_fp4_rot", "ced_csa2_fp4_rot"])
+@pytest.mark.parametrize("storage", ["nvfp4", "mxfp4"])
+def test_the_rotated_shared_store_holds_the_rotated_blocks_mode_b_rounds(tiny_model, group, storage):
+    """The raw store holds ``FP4(R x)`` of the source's pre-norm, pre-RoPE entries (``x``: the dense twin's store,
+    bit-identical over the prompt since nothing below the source differs): un-rotated by hand it is Mode B's
+    rounding of ``x`` bit for bit, and the unrotated twin's blocks (the same ``x``, no ``R``) are not."""
+    model, _ = tiny_model  # Qwen3.5: kv_dim 64 holds MXFP4's groups of 32 as well
+    torch.manual_seed(7)
+    parts = random_parts(geometry(model.config), QWEN_PLAN)
+    prompts = torch.randint(0, 250, (2, PROMPT))
+    source, head_dim = QWEN_PLAN.source, geometry(model.config).head_dim
+    fmt, r = FORMATS[storage](), layer_rotation(head_dim, source)
+    stores = {}
+    for g in (group, group.removesuffix("_rot"), dense_twin(group)):
+        built = gen.group_cache(model, QWEN_PLAN, g, parts, storage)
+        with built.context:
+            greedy_generate(model, prompts, NEW, built.cache)
+        stores[g] = built.cache._store
+    rot, plain, dense = stores[group], stores[group.removesuffix("_rot")], stores[dense_twin(group)]
+    mode_b = CEDModeBRuntime(model, QWEN_PLAN, group, parts, kv_format=storage)
+    for kind in "kv":
+        x = getattr(dense, kind).read()[:, :PROMPT]
+        raw = getattr(rot, kind).data
+        expected = fmt.quantize(r.rotate(x))
+        assert torch.equal(raw.elements[:, :PROMPT], expected.elements), kind
+        assert torch.equal(raw.scales[:, :PROMPT], expected.scales), kind
+        rounded = mode_b._fake_quant(x, source, kind)
+        assert torch.equal(unrotated_read(getattr(rot, kind), r)[:, :PROMPT], rounded), kind
+        assert torch.equal(getattr(rot, kind).read()[:, :PROMPT], rounded), kind  # the store's own read
+        # A store without the rotation: other blocks, and its read is not Mode B's rotated rounding.
+        assert not torch.equal(getattr(plain, kind).data.elements[:, :PROMPT], raw.elements[:, :PROMPT]), kind
+        assert not torch.equal(getattr(plain, kind).read()[:, :PROMPT], rounded), kind
+        assert not torch.equal(fmt.dequantize(raw)[:, :PROMPT], rounded), kind  # read without un-rotating
+
+
+@pytest.mark.parametrize("storage", ["nvfp4", "mxfp4"])
+def test_the_rotated_fp4_baseline_rounds_v_as_mode_b_and_k_after_rope(tiny_model, storage):
+    """``baseline_fp4_rot``'s every-layer store, captured in the same prefill: each attention layer's V store is
+    ``FP4(R_l v)`` of its ``v_proj`` output, so un-rotated it is Mode B's rounding of V bit for bit; its K store is
+    ``FP4(R_l k)`` of K after k_norm and RoPE, so un-rotated it is *not* Mode B's rounding of the ``k_proj`` output
+    (the documented caveat, true here: Qwen3.5 has a k_norm, and RoPE moves every position but the first)."""
+    model, _ = tiny_model
+    geo = geometry(model.config)
+    fmt = FORMATS[storage]()
+    prompts = torch.randint(0, 250, (2, PROMPT))
+    built = gen.group_cache(model, QWEN_PLAN, "baseline_fp4_rot", None, storage)
+    with torch.no_grad(), built.context, kv_hooks.capture(model, list(geo.attention_layers)) as seen:
+        model(input_ids=prompts, cache=built.cache, use_cache=True)
+    mode_b = CEDModeBRuntime(model, QWEN_PLAN, "baseline_fp4_rot", None, kv_format=storage)
+    for layer in geo.attention_layers:
+        cached = built.cache.layers[layer - 1]
+        assert isinstance(cached, FP4Layer)
+        r = layer_rotation(geo.head_dim, layer)
+        v = seen["v"][layer]
+        assert torch.equal(cached.v_store.data.elements, fmt.quantize(r.rotate(v)).elements), layer
+        assert torch.equal(unrotated_read(cached.v_store, r), mode_b._fake_quant(v, layer, "v")), layer
+        assert not torch.equal(unrotated_read(cached.k_store, r), mode_b._fake_quant(seen["k"][layer], layer, "k"))
 
 
 def test_mode_a_decodes_on_the_ordinary_cache_its_prefill_returns(tiny_model):
@@ -195,12 +284,11 @@ def test_refusals(tiny_model):
     model, _ = tiny_model
     parts = random_parts(geometry(model.config), QWEN_PLAN)
     prompts = torch.randint(0, 250, (2, PROMPT))
-    for group in ("baseline_fp4_rot", "csa2_fp4_rot", "ced_csa2_fp4_rot", "xkv"):
-        with pytest.raises(ValueError, match=f"^group '{group}' cannot be decoded through the cache") as err:
-            gen.generate(model, QWEN_PLAN, group, parts, prompts, NEW, FORMAT)
-        assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="rotated FP4 store does not exist"):
-        gen.group_cache(model, QWEN_PLAN, "csa2_fp4_rot", parts, FORMAT)
+    with pytest.raises(ValueError, match="^group 'xkv' cannot be decoded through the cache .*no low-rank cache") as err:
+        gen.generate(model, QWEN_PLAN, "xkv", parts, prompts, NEW, FORMAT)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="group 'csa2_fp4_rot' stores FP4 entries and needs kv_format"):
+        gen.group_cache(model, QWEN_PLAN, "csa2_fp4_rot", parts, "bf16")
     with pytest.raises(ValueError, match="unknown group 'nope'"):
         gen.generate(model, QWEN_PLAN, "nope", parts, prompts, NEW, FORMAT)
     with pytest.raises(ValueError, match="group 'csa2_fp4' stores FP4 entries and needs kv_format"):

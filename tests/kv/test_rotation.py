@@ -136,11 +136,13 @@ def test_accounted_fp4_groups_count_their_own_fp4_entries():
         accounted_copies(geo, plan, "baseline_fp4_rot", "bf16", 2)
 
 
-def test_shared_store_refuses_the_rotated_groups_clearly(tiny_model):
+def test_shared_store_names_the_dense_twin_and_rotate_for_a_rotated_group(tiny_model):
     model, _ = tiny_model
     parts = random_parts(geometry(model.config), QWEN_PLAN)
-    with pytest.raises(ValueError, match=r"has no shared store.*_fp4_rot groups run in CEDModeBRuntime only"):
+    with pytest.raises(ValueError, match=r"has no shared store.*rotate=True for a \*_fp4_rot group"):
         SharedKVCache(model, QWEN_PLAN, "csa2_fp4_rot", parts, storage="nvfp4")
+    with pytest.raises(ValueError, match="rotate=True rotates FP4 entries; storage 'bf16' is not FP4"):
+        SharedKVCache(model, QWEN_PLAN, "csa2", parts, storage="bf16", rotate=True)
 
 
 # ----------------------------------------------------------------------------- (c) R is applied

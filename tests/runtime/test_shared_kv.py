@@ -12,7 +12,9 @@ from transformers import DynamicCache
 from ced_csa2 import kv_hooks
 from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.kv.fp4 import FORMATS, Packed
+from ced_csa2.kv import rotation
 from ced_csa2.kv.kv_bytes import bytes_per_token, fp4_entry_bytes, kv_copies
+from ced_csa2.kv.rotation import fp4_round_trip, layer_rotation
 from ced_csa2.model_utils import geometry
 from ced_csa2.plan import LayerPlan
 from ced_csa2.runtime.shared_kv import (
@@ -231,6 +233,62 @@ def test_fp4_layer_returns_the_fp4_round_trip_of_what_it_was_given():
     assert layer.used_bytes == 2 * 2 * 6 * fp4_entry_bytes(96, 16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("storage", ["nvfp4", "mxfp4"])
+def test_a_rotated_token_store_holds_fp4_of_the_rotated_entries_and_reads_the_rotated_round_trip(storage, dtype):
+    """The buffers hold ``FP4(R x)`` per head (the unrotated store's bytes); a read, whole or at positions, is
+    ``fp4_round_trip(fmt, x, R)`` -- Mode B's rotated rounding -- bit for bit, in the written dtype."""
+    fmt, r = FORMATS[storage](), layer_rotation(32, 4)
+    x = (torch.randn(2, 9, 64, dtype=torch.float64) * torch.linspace(0.1, 8, 64, dtype=torch.float64)).to(dtype)
+    store, plain = TokenStore(fmt, r), TokenStore(fmt)
+    for part in (x[:, :5], x[:, 5:]):
+        store.append(part)
+        plain.append(part)
+    expected = fmt.quantize(r.rotate(x))
+    assert torch.equal(store.data.elements, expected.elements) and torch.equal(store.data.scales, expected.scales)
+    assert not torch.equal(plain.data.elements, store.data.elements)
+    assert store.used_bytes == plain.used_bytes == 2 * 9 * fp4_entry_bytes(64, fmt.group)
+    assert store.allocated_bytes == plain.allocated_bytes  # R is not among the buffers
+    whole = store.read()
+    assert whole.dtype == dtype and torch.equal(whole, fp4_round_trip(fmt, x, r))
+    at = torch.tensor([[0, 3, 8], [2, 2, 7]])
+    assert torch.equal(store.read(at), torch.stack([whole[b, at[b]] for b in range(2)]))
+
+
+def test_a_rotated_fp4_layer_returns_the_rotated_round_trip_of_what_it_was_given():
+    """Each stream rotated by its own ``R`` (here K by one matrix, V by another, to tell them apart) before FP4."""
+    fmt = FORMATS["nvfp4"]()
+    rk, rv = layer_rotation(32, 2), layer_rotation(32, 3)
+    layer = FP4Layer(fmt, rotations={"k": rk, "v": rv})
+    k1, v1, k2, v2 = (torch.randn(2, 3, n, 32) for n in (5, 5, 1, 1))
+    layer.update(k1, v1)
+    k, v = layer.update(k2, v2)
+    for got, parts, r in ((k, (k1, k2), rk), (v, (v1, v2), rv)):
+        flat = torch.cat(parts, dim=2).transpose(1, 2).reshape(2, 6, 96)  # heads contiguous along kv_dim
+        assert torch.equal(got, fp4_round_trip(fmt, flat, r).view(2, 6, 3, 32).transpose(1, 2))
+        assert not torch.equal(got, fp4_round_trip(fmt, flat).view(2, 6, 3, 32).transpose(1, 2))
+    assert layer.used_bytes == 2 * 2 * 6 * fp4_entry_bytes(96, 16)  # the unrotated layer's: R is not stored
+
+
+def test_the_rotated_caches_rotate_the_streams_of_rotated_streams_with_each_layer_s_matrix(tiny_model, monkeypatch):
+    """``FP4KVCache(rotate=True)``: layer ``l``'s stores use ``layer_rotation(head_dim, l)``; the shared store the
+    source's.  :data:`ROTATED_STREAMS` is read when the cache is built, as Mode B reads it: ``("k",)`` leaves V plain."""
+    model, _ = tiny_model
+    geo = geometry(model.config)
+    cache = FP4KVCache(model.config, "nvfp4", rotate=True)
+    for la in geo.attention_layers:
+        stores = cache.layers[la - 1].k_store, cache.layers[la - 1].v_store
+        assert all(torch.equal(s.rotation.matrix, layer_rotation(geo.head_dim, la).matrix) for s in stores), la
+    assert all(s.rotation is None for la in FP4KVCache(model.config, "nvfp4").layers if isinstance(la, FP4Layer)
+               for s in (la.k_store, la.v_store))
+    monkeypatch.setattr(rotation, "ROTATED_STREAMS", ("k",))
+    shared = SharedKVCache(model, QWEN_PLAN, "csa2", random_parts(geo, QWEN_PLAN), "nvfp4", rotate=True)
+    assert torch.equal(shared._store.k.rotation.matrix, layer_rotation(geo.head_dim, QWEN_PLAN.source).matrix)
+    assert shared._store.v.rotation is None
+    only_k = FP4KVCache(model.config, "nvfp4", rotate=True).layers[geo.attention_layers[0] - 1]
+    assert only_k.k_store.rotation is not None and only_k.v_store.rotation is None
+
+
 def test_fp4_baseline_cache_stores_every_attention_layer_in_fp4(setup):
     model, plan, _, prompt = setup
     geo = geometry(model.config)
@@ -257,27 +315,30 @@ def slack(geo, plan, kind: str, batch: int, positions: int) -> int:
     total = 0
     for la in geo.attention_layers:
         sliding = geo.window(la) is not None
-        if kind == "fp4":
+        if kind.startswith("fp4"):
             total += 0 if sliding else reserve * fp4
         elif kind.startswith("shared") and la == plan.source:
-            total += 0 if sliding else reserve * (fp4 if kind == "shared_nvfp4" else dense)
+            total += 0 if sliding else reserve * (fp4 if kind.startswith("shared_nvfp4") else dense)
         elif not (kind.startswith("shared") and la in plan.targets):
             total += dense if sliding else 0
     return batch * total
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "shared", "shared_nvfp4", "fp4"])
+@pytest.mark.parametrize("kind", ["dynamic", "shared", "shared_nvfp4", "shared_nvfp4_rot", "fp4", "fp4_rot"])
 def test_allocated_bytes_are_the_storages_of_the_cache_s_tensors(setup, kind):
     """At 191 cached positions: ``allocated`` is the distinct storages' bytes, found from the cache's tensors
     (the store once, however many layers read it), and exceeds ``used`` (the accounting's bytes) by the
-    stores' reserves (fewer than ``GROW`` positions each) and the sliding layers' views."""
+    stores' reserves (fewer than ``GROW`` positions each) and the sliding layers' views.  A rotated store's
+    bytes are its unrotated twin's (the same accounting)."""
     model, plan, parts, _ = setup
     geo = geometry(model.config)
     torch.manual_seed(2)
     prompt = torch.randint(0, 250, (2, LONG))
     cache = {"dynamic": lambda: DynamicCache(config=model.config), "fp4": lambda: FP4KVCache(model.config, "nvfp4"),
+             "fp4_rot": lambda: FP4KVCache(model.config, "nvfp4", rotate=True),
              "shared": lambda: SharedKVCache(model, plan, "csa2", parts),
-             "shared_nvfp4": lambda: SharedKVCache(model, plan, "csa2", parts, "nvfp4")}[kind]()
+             "shared_nvfp4": lambda: SharedKVCache(model, plan, "csa2", parts, "nvfp4"),
+             "shared_nvfp4_rot": lambda: SharedKVCache(model, plan, "csa2", parts, "nvfp4", rotate=True)}[kind]()
     with cache.feed() if kind.startswith("shared") else contextlib.nullcontext():
         greedy_generate(model, prompt, NEW, cache)
     positions = LONG + NEW - 1
@@ -321,6 +382,8 @@ def test_refusals(tiny_model):
         SharedKVCache(llama, LLAMA_PLAN, "share_plain", storage="mxfp4")
     with pytest.raises(ValueError, match="needs an FP4 storage"):
         FP4KVCache(model.config, "bf16")
+    with pytest.raises(ValueError, match="a rotation applies to FP4 entries"):
+        TokenStore(None, layer_rotation(16, 1))
 
     cache = SharedKVCache(model, QWEN_PLAN, "share_plain")
     with pytest.raises(RuntimeError, match=r"inside `with cache.feed\(\):`"), torch.no_grad():

@@ -3,28 +3,31 @@
 Every other figure of the pipeline is teacher-forced under :class:`~ced_csa2.ced_runtime.CEDModeBRuntime`,
 whose K/V substitution leaves every layer an ordinary cache, and counts bytes by formula
 (:mod:`ced_csa2.kv.kv_bytes`).  Here each group decodes through the cache that really holds its
-bytes (:func:`group_cache`, the one place that picks it from the group's registry flags):
+bytes (:func:`group_cache`, the one place that builds it, from the group's
+:attr:`~ced_csa2.runtime.groups.Group.cache_kind` and ``rotate``):
 
-* no flag (``baseline``) -- ``DynamicCache``;
-* ``projected_source`` alone (``ced``) -- ``DynamicCache`` under Mode B's ``ced`` runtime, so the
-  source's K/V in it come from the projector: CED saves compute, not bytes, so its cache is the
-  ordinary one;
-* ``shares_source_kv`` (``share_plain``, ``csa2``, ``ced_csa2``) --
+* ``ordinary`` (``baseline``, ``ced``) -- ``DynamicCache``; for ``ced`` under Mode B's ``ced``
+  runtime, so the source's K/V in it come from the projector: CED saves compute, not bytes, so
+  its cache is the ordinary one;
+* ``shared_store`` (``share_plain``, ``csa2``, ``ced_csa2``) --
   :class:`~ced_csa2.runtime.shared_kv.SharedKVCache` with storage ``"bf16"``, which there means
   *the model's own dtype* in plain tensors (float32 on an fp32 model, bf16 on a bf16 one);
-* ``shares_source_kv`` with ``fp4 = shared_source`` (``csa2_fp4``, ``ced_csa2_fp4``) --
+* ``shared_store`` with ``fp4 = shared_source`` (``csa2_fp4``, ``ced_csa2_fp4``) --
   ``SharedKVCache(storage=kv_format)``: the one shared source entry in FP4 blocks, pre-k_norm and
   pre-RoPE, exactly what Mode B's FP4 groups round;
-* ``fp4 = every_layer`` (``baseline_fp4``) -- :class:`~ced_csa2.runtime.shared_kv.FP4KVCache`
-  (``kv_format``);
-* ``rotate`` (``*_fp4_rot``) -- refused: no rotated store exists (``SharedKVCache`` and
-  ``FP4KVCache`` keep unrotated FP4 blocks);
+* the same, ``rotate`` (``csa2_fp4_rot``, ``ced_csa2_fp4_rot``) --
+  ``SharedKVCache(storage=kv_format, rotate=True)``: that entry stored as the FP4 blocks of
+  ``R x`` per head (the source layer's fixed randomised Hadamard ``R``, a weight) and read as
+  ``Rᵀ dequant(.)``, exactly what Mode B's rotated groups round; the unrotated twin's bytes;
+* ``fp4_every_layer`` (``baseline_fp4``; ``baseline_fp4_rot`` with ``rotate=True``) --
+  :class:`~ced_csa2.runtime.shared_kv.FP4KVCache` (``kv_format``);
 * ``low_rank`` (``xkv``) -- refused: xKV compresses a finished clean prefill, and its runtime
   refuses a forward with a cache.
 
-``baseline_fp4``'s real cache is not its teacher-forced twin: :class:`FP4KVCache` quantises what a
-``DynamicLayer`` holds (K after k_norm and RoPE), while Mode B's ``baseline_fp4`` quantises K before
-them, as the shared store does.  Same bytes, other roundings.
+``baseline_fp4``'s and ``baseline_fp4_rot``'s real caches are not their teacher-forced twins:
+:class:`FP4KVCache` quantises what a ``DynamicLayer`` holds (K after k_norm and RoPE), while Mode
+B quantises K before them, as the shared store does.  Same bytes, other roundings of K (V, which
+has neither, is rounded as Mode B rounds it, rotated or not).
 
 Mode A (:func:`mode_a_generation`): :meth:`CEDModeARuntime.prefill <ced_csa2.ced_runtime.CEDModeARuntime.prefill>`
 returns an ordinary ``DynamicCache`` (every attention layer's entries, those above the cut
@@ -68,13 +71,9 @@ MODE_A = "mode_a"  # the label of Mode A's run (not a group: the prefill skip ov
 
 def cache_refusal(group: str) -> str | None:
     """Why ``group`` has no cache holding its bytes yet (one clause), or ``None`` when it has one."""
-    spec = lookup_group(group)
-    if spec.low_rank:
+    if lookup_group(group).cache_kind == "low_rank":
         return ("xKV compresses the K/V of a finished clean prefill and CEDModeBRuntime refuses a forward with a "
                 "KV cache (teacher-forced only); no low-rank cache exists")
-    if spec.rotate:
-        return ("its rotated FP4 store does not exist: SharedKVCache and FP4KVCache store unrotated FP4 entries "
-                "(the *_fp4_rot groups run in CEDModeBRuntime only)")
     return None
 
 
@@ -99,7 +98,7 @@ class GroupCache:
     group
         The group (or :data:`MODE_A`).
     cache
-        A fresh ``DynamicCache``, :class:`SharedKVCache` or :class:`FP4KVCache`.
+        A fresh ``DynamicCache``, :class:`SharedKVCache` or :class:`FP4KVCache` (rotated or not).
     context
         The context manager to run every forward in (enter it once): the shared store's
         :meth:`~ced_csa2.runtime.shared_kv.SharedKVCache.feed`, or the Mode B runtime of the
@@ -108,7 +107,8 @@ class GroupCache:
         What the accounting calls its entries (:func:`accounted_copies`): ``"bf16"`` (the model's
         dtype) or the FP4 format.
     kind
-        The cache in words, for tables: ``"DynamicCache"``, ``"SharedKVCache(nvfp4)"``, ...
+        The cache in words, for tables: ``"DynamicCache"``, ``"SharedKVCache(nvfp4)"``,
+        ``"SharedKVCache(nvfp4, rotated)"``, ``"FP4KVCache"``, ``"FP4KVCache(rotated)"``, ...
     """
 
     group: str
@@ -120,7 +120,8 @@ class GroupCache:
 
 def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None,
                 kv_format: str | None) -> GroupCache:
-    """The cache that holds ``group``'s bytes, chosen from its registry flags (the module's table).
+    """The cache that holds ``group``'s bytes: its :attr:`~ced_csa2.runtime.groups.Group.cache_kind`, rotated when the
+    group is (the module's table).
 
     Parameters
     ----------
@@ -146,13 +147,17 @@ def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts |
                          f"got {kv_format!r}")
     storage = kv_format if spec.is_fp4 else "bf16"
     twin = _dense_twin(spec)
-    if spec.shares_source_kv:  # the source stores once (FP4 or not), the targets nothing
-        cache = SharedKVCache(model, plan, twin, parts, storage=storage)
-        return GroupCache(group, cache, cache.feed(), storage, f"SharedKVCache({storage})")
+    if spec.cache_kind == "shared_store":  # the source stores once (FP4 or not, rotated or not), the targets nothing
+        cache = SharedKVCache(model, plan, twin, parts, storage=storage, rotate=spec.rotate)
+        return GroupCache(group, cache, cache.feed(), storage, f"SharedKVCache({storage}{', rotated' if spec.rotate else ''})")
     # Every layer stores its own entry: ordinary, or FP4 everywhere; the projector (ced) changes compute only.
-    cache = FP4KVCache(model.config, storage) if spec.fp4 == "every_layer" else DynamicCache(config=model.config)
+    if spec.cache_kind == "fp4_every_layer":
+        cache = FP4KVCache(model.config, storage, rotate=spec.rotate)
+        kind = "FP4KVCache(rotated)" if spec.rotate else "FP4KVCache"
+    else:
+        cache, kind = DynamicCache(config=model.config), "DynamicCache"
     runtime = CEDModeBRuntime(model, plan, twin, parts, kv_format=None)
-    return GroupCache(group, cache, runtime, storage, type(cache).__name__)
+    return GroupCache(group, cache, runtime, storage, kind)
 
 
 # ----------------------------------------------------------------------------- decoding

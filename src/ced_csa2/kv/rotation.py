@@ -95,7 +95,8 @@ def rotation_matrix(n: int, seed: int) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r))  # unique Haar-distributed Q
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype entries of ``dtype`` are rotated (and FP4-rounded) in: float64 stays float64, anything else float32."""
     # float64 stays float64 (exact round-trip tests); everything else is rotated in float32,
     # which is what FP4 quantises in anyway (a bf16 rotation would add bf16 rounding).
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -153,7 +154,7 @@ class HeadRotation:
         torch.Tensor, shape (..., kv_dim)
             float64 for float64 input, float32 otherwise (what FP4 quantises in).
         """
-        x = x.to(_work_dtype(x.dtype))
+        x = x.to(work_dtype(x.dtype))
         return self._per_head(x, self._r(x).T)  # (R x_h)ᵀ = x_hᵀ Rᵀ
 
     def unrotate(self, y: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -169,13 +170,23 @@ class HeadRotation:
         torch.Tensor, shape (..., kv_dim), ``dtype``
         """
         out_dtype = dtype or y.dtype
-        y = y.to(_work_dtype(y.dtype))
+        y = y.to(work_dtype(y.dtype))
         return self._per_head(y, self._r(y)).to(out_dtype)  # (Rᵀ y_h)ᵀ = y_hᵀ R
 
 
 def layer_rotation(head_dim: int, layer: int) -> HeadRotation:
     """Layer ``layer``'s (1-based) rotation: seed ``ROTATION_SEED + layer``, shared by its heads, K and V."""
     return HeadRotation(head_dim, ROTATION_SEED + int(layer))
+
+
+def stream_rotations(head_dim: int, layer: int) -> dict[str, HeadRotation]:
+    """Layer ``layer``'s (1-based) rotation of each stream of :data:`ROTATED_STREAMS` (``{"k": R, "v": R}``).
+
+    :data:`ROTATED_STREAMS` is read at the call, as a module attribute (a study may set it), so
+    whatever rounds or stores a rotated entry rotates the same streams by the same ``R``.
+    """
+    r = layer_rotation(head_dim, layer)
+    return {kind: r for kind in ROTATED_STREAMS}
 
 
 def fp4_round_trip(fmt, x: torch.Tensor, rotation: HeadRotation | None = None) -> torch.Tensor:

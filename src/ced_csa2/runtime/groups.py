@@ -43,6 +43,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 FP4Scope = Literal["none", "every_layer", "shared_source"]
+# The cache that holds a group's bytes when it decodes (Group.cache_kind; built by
+# ced_csa2.eval.generation.group_cache).
+CacheKind = Literal["ordinary", "shared_store", "fp4_every_layer", "low_rank"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,22 @@ class Group:
     @property
     def is_fp4(self) -> bool:
         return self.fp4 != "none"
+
+    @property
+    def cache_kind(self) -> CacheKind:
+        """The cache that holds this group's bytes when it decodes (rotated or not: :attr:`rotate`).
+
+        ``shared_store`` -- the source's entry stored once (FP4 with ``fp4 = shared_source``), the
+        targets nothing (``SharedKVCache``); ``fp4_every_layer`` -- every attention layer's own entry
+        in FP4 (``FP4KVCache``); ``low_rank`` -- xKV's coefficients (no such cache exists);
+        ``ordinary`` -- every layer its own entry in the model's dtype (``DynamicCache``; the
+        projector changes compute, not bytes).
+        """
+        if self.low_rank:
+            return "low_rank"
+        if self.shares_source_kv:
+            return "shared_store"
+        return "fp4_every_layer" if self.fp4 == "every_layer" else "ordinary"
 
     def fp4_layers(self, attention_layers: tuple[int, ...], source: int) -> tuple[int, ...]:
         """Attention layers whose stored K/V entry is FP4 in this group."""

@@ -35,6 +35,17 @@ write, dequantised on read -- so the cost of FP4 and the cost of sharing can be 
 apart (``baseline`` → ``baseline_fp4`` is FP4 alone; ``baseline`` → shared ``bf16`` is
 sharing alone).
 
+Rotated FP4 (the ``*_fp4_rot`` groups, ``rotate=True`` on either cache): each FP4 entry of the
+streams :data:`~ced_csa2.kv.rotation.ROTATED_STREAMS` is stored as ``FP4(R x)`` per head, ``R``
+the layer's fixed randomised Hadamard matrix (:func:`~ced_csa2.kv.rotation.stream_rotations`),
+and read back as ``Rᵀ dequant(FP4(R x))``.  The store holds the rotated blocks, so its bytes
+per token are the unrotated store's; ``R`` is a weight (built from a seed), never stored per
+token.  In :class:`SharedKVCache` ``x`` is the source's pre-k_norm, pre-RoPE entry, rotated by
+the source layer's ``R``: bit for bit what Mode B's ``csa2_fp4_rot`` / ``ced_csa2_fp4_rot``
+round.  In :class:`FP4KVCache` ``x`` is what each ``DynamicLayer`` holds: V as Mode B's
+``baseline_fp4_rot`` rounds it, but K after k_norm and RoPE, which Mode B rounds before them
+-- the same caveat as the unrotated ``baseline_fp4``: same bytes, another rounding of K.
+
 Limits: :class:`SharedKVCache` recomputes RoPE from cache positions, so it takes unpadded
 batches and left-padded ones (``generate``'s, as lm-eval builds them): each row's left padding is
 read from the prefill's position ids and later forwards must continue them; other position ids
@@ -62,6 +73,7 @@ from .. import kv_hooks
 from ..ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn, require_parts
 from ..kv.fp4 import FORMATS, Packed
 from ..kv.kv_bytes import StoredCopy, fp4_entry_bytes, kv_copies
+from ..kv.rotation import HeadRotation, stream_rotations, work_dtype
 from ..model_utils import Geometry, attention, geometry, layer_type, rotary
 from ..plan import LayerPlan
 from .groups import GROUPS, SHARED_GROUPS
@@ -77,6 +89,11 @@ def _format(storage: str):
     if storage not in STORAGES:
         raise ValueError(f"unknown storage {storage!r}; choose one of {list(STORAGES)}")
     return FORMATS[storage]() if storage in FORMATS else None
+
+
+def _check_rotate(rotate: bool, fmt, storage: str) -> None:
+    if rotate and fmt is None:
+        raise ValueError(f"rotate=True rotates FP4 entries; storage {storage!r} is not FP4 ({list(FORMATS)})")
 
 
 def _check_fp4_width(fmt, kv_dim: int) -> None:
@@ -103,12 +120,18 @@ class TokenStore:
     fmt
         An FP4 format (:class:`~ced_csa2.kv.fp4.NVFP4` / :class:`~ced_csa2.kv.fp4.MXFP4`), or
         ``None`` to keep plain tensors in the dtype they arrive in.
+    rotation
+        FP4 only: each entry is stored as ``FP4(R x)`` per head and read as ``Rᵀ dequant(.)``
+        (:mod:`ced_csa2.kv.rotation`); :attr:`data` holds the rotated blocks.  ``None``: unrotated.
     """
 
     GROW = 256
 
-    def __init__(self, fmt=None):
-        self.fmt = fmt
+    def __init__(self, fmt=None, rotation: HeadRotation | None = None):
+        if rotation is not None and fmt is None:
+            # Without FP4 the round trip RᵀR x is x: a rotation would cost two matmuls and change nothing.
+            raise ValueError("TokenStore: a rotation applies to FP4 entries; give an FP4 format")
+        self.fmt, self.rotation = fmt, rotation
         self._buffers: tuple[torch.Tensor, ...] = ()  # dense: (entries,); packed: (elements, scales); capacity along dim 1
         self._n = 0
         self._batch_shape: torch.Size | None = None  # (B, ·, D) of the entries, for Packed views
@@ -150,7 +173,7 @@ class TokenStore:
         if self.fmt is None:
             parts = (x,)
         else:
-            packed = self.fmt.quantize(x)
+            packed = self.fmt.quantize(x if self.rotation is None else self.rotation.rotate(x))
             parts = (packed.elements, packed.scales)
         end = self._n + x.shape[1]
         if not self._buffers or end > self._buffers[0].shape[1]:
@@ -167,7 +190,8 @@ class TokenStore:
         self._n = end
 
     def read(self, at: torch.Tensor | None = None) -> torch.Tensor:
-        """Entries in the written dtype (dequantised when packed): all ``(B, T, D)``, or those at ``at``.
+        """Entries in the written dtype (dequantised, and un-rotated, when packed): all ``(B, T, D)``, or those at
+        ``at``.
 
         ``at`` ``(B, n)`` indexes each row's entries (``(B, n, D)`` out); packed rows are gathered
         first and only those dequantised, so a sparse read costs ``n``, not ``T``, entries.
@@ -180,7 +204,13 @@ class TokenStore:
                 return _rows(d, at)
             d = Packed(_rows(d.elements, at), _rows(d.scales, at), torch.Size((d.shape[0], at.shape[1], d.shape[2])),
                        d.group, d.scale_kind)
-        return d if self.fmt is None else self.fmt.dequantize(d, self.dtype)
+        if self.fmt is None:
+            return d
+        if self.rotation is None:
+            return self.fmt.dequantize(d, self.dtype)
+        # Dequantised in the rotation's working dtype, then un-rotated and cast: fp4_round_trip's
+        # Rᵀ dequant(FP4(R x)) bit for bit (a bf16 dequantisation would round once more).
+        return self.rotation.unrotate(self.fmt.dequantize(d, work_dtype(self.dtype)), self.dtype)
 
     def keep_last(self, n: int) -> None:
         """Forget all but the last ``n`` entries (a sliding window moving on); a copy, so memory is freed."""
@@ -263,12 +293,15 @@ class FP4Layer(_Windowed, _ReadOnlyShape, DynamicLayer):
 
     ``update`` quantises the new entries, appends them, and returns every position cached
     plus the new ones, dequantised, ``(B, n_kv, T, head_dim)`` each, in the input dtype;
-    a sliding layer then keeps only the last ``window - 1``.
+    a sliding layer then keeps only the last ``window - 1``.  ``rotations`` (``{"k": R, "v": R}``,
+    :func:`~ced_csa2.kv.rotation.stream_rotations`; empty: none) rotates a stream's entries per
+    head before FP4 and back after reading.
     """
 
-    def __init__(self, fmt, window: int | None = None):
+    def __init__(self, fmt, window: int | None = None, rotations: dict[str, HeadRotation] | None = None):
         super().__init__()
-        self.k_store, self.v_store = TokenStore(fmt), TokenStore(fmt)
+        rotations = rotations or {}
+        self.k_store, self.v_store = TokenStore(fmt, rotations.get("k")), TokenStore(fmt, rotations.get("v"))
         self.window, self.seen = window, 0
 
     @property
@@ -341,11 +374,15 @@ class _SharedStore:
     geo
         The model's geometry: a sliding-window reader gets only the positions its window
         sees; a sliding-window source's store forgets what no reader can see any more.
+    rotations
+        ``{"k": R, "v": R}`` of a rotated FP4 store (the source layer's,
+        :func:`~ced_csa2.kv.rotation.stream_rotations`); empty: unrotated.
     """
 
-    def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts, fmt, geo: Geometry):
+    def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts, fmt, geo: Geometry,
+                 rotations: dict[str, HeadRotation]):
         self.model, self.plan, self.group, self.parts, self.geo = model, plan, group, parts, geo
-        self.k, self.v = TokenStore(fmt), TokenStore(fmt)
+        self.k, self.v = TokenStore(fmt, rotations.get("k")), TokenStore(fmt, rotations.get("v"))
         self.seen = 0  # positions written so far; the store holds the last len(self.k) of them
         # (B,) left padding per row (_row_offsets): a row's token at cache position t has RoPE position t - pad
         self.pads: torch.Tensor | None = None
@@ -558,6 +595,10 @@ class SharedKVCache(DynamicCache):
     storage
         :data:`STORAGES`: ``"bf16"`` (the model's dtype, plain tensors), ``"nvfp4"`` or
         ``"mxfp4"`` (packed E2M1 blocks, :mod:`ced_csa2.kv.fp4`).
+    rotate
+        Store the FP4 entries rotated (``csa2_fp4_rot``, ``ced_csa2_fp4_rot`` with ``group`` their
+        dense twin): ``FP4(R x)`` per head, ``R`` the source layer's, read as ``Rᵀ dequant(.)`` --
+        what Mode B's rotated groups round.  FP4 storage only.
 
     Examples
     --------
@@ -568,27 +609,29 @@ class SharedKVCache(DynamicCache):
     """
 
     def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None = None,
-                 storage: str = "bf16"):
+                 storage: str = "bf16", *, rotate: bool = False):
         if group not in SHARED_GROUPS:
             spec = GROUPS.get(group)
-            fp4 = ("; an FP4 group is its dense twin with storage='nvfp4'/'mxfp4', and the rotated *_fp4_rot "
-                   "groups run in CEDModeBRuntime only (no rotated store here)") if spec and spec.is_fp4 else ""
+            fp4 = ("; an FP4 group is its dense twin with storage='nvfp4'/'mxfp4' (and rotate=True for a *_fp4_rot "
+                   "group): eval.generation.group_cache builds it") if spec and spec.is_fp4 else ""
             raise ValueError(f"group {group!r} has no shared store (SharedKVCache serves {list(SHARED_GROUPS)}); "
                              f"use a DynamicCache for baseline/ced, or FP4KVCache for FP4 without sharing{fp4}")
         parts = parts or CEDParts()
         require_parts(group, parts)
         fmt = _format(storage)
+        _check_rotate(rotate, fmt, storage)
         geo = geometry(model.config)
         plan.validate(geo)
         _check_fp4_width(fmt, geo.kv_dim)
         super().__init__(config=model.config)
-        self.plan, self.group, self.storage = plan, group, storage
-        self._store = self._make_store(model, plan, group, parts, fmt, geo)
+        self.plan, self.group, self.storage, self.rotate = plan, group, storage, rotate
+        rotations = stream_rotations(geo.head_dim, plan.source) if rotate else {}
+        self._store = self._make_store(model, plan, group, parts, fmt, geo, rotations)
         for layer in (plan.source, *plan.targets):
             self.layers[layer - 1] = _SharedLayer(self._store, layer)
 
-    def _make_store(self, model, plan, group, parts, fmt, geo) -> _SharedStore:
-        return _SharedStore(model, plan, group, parts, fmt, geo)
+    def _make_store(self, model, plan, group, parts, fmt, geo, rotations) -> _SharedStore:
+        return _SharedStore(model, plan, group, parts, fmt, geo, rotations)
 
     @contextmanager
     def feed(self) -> Iterator[SharedKVCache]:
@@ -612,19 +655,27 @@ class FP4KVCache(DynamicCache):
         The model's config.
     storage
         ``"nvfp4"`` or ``"mxfp4"``.
+    rotate
+        ``baseline_fp4_rot``'s store: each layer ``l``'s entries stored as ``FP4(R_l x)`` per head
+        (:func:`~ced_csa2.kv.rotation.stream_rotations`) and read as ``Rᵀ dequant(.)``.  ``x`` is
+        what a ``DynamicLayer`` holds: V is rounded as Mode B's ``baseline_fp4_rot`` rounds it,
+        K after k_norm and RoPE (Mode B rounds it before them): not Mode B's rounding of K.
     """
 
-    def __init__(self, config, storage: str = "nvfp4"):
+    def __init__(self, config, storage: str = "nvfp4", *, rotate: bool = False):
         fmt = _format(storage)
         if fmt is None:
             raise ValueError(f"FP4KVCache needs an FP4 storage ({list(FORMATS)}), got {storage!r}")
-        _check_fp4_width(fmt, geometry(config).kv_dim)
+        geo = geometry(config)
+        _check_fp4_width(fmt, geo.kv_dim)
         super().__init__(config=config)
-        self.storage = storage
+        self.storage, self.rotate = storage, rotate
         # Every attention layer's cache (linear-attention states are not K/V): full ones, and
-        # sliding-window ones keeping their window.
-        self.layers = [FP4Layer(fmt, layer.sliding_window if type(layer) is DynamicSlidingWindowLayer else None)
-                       if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer for layer in self.layers]
+        # sliding-window ones keeping their window; layers[i] is layer i + 1 (its rotation's seed).
+        self.layers = [FP4Layer(fmt, layer.sliding_window if type(layer) is DynamicSlidingWindowLayer else None,
+                                stream_rotations(geo.head_dim, i + 1) if rotate else None)
+                       if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+                       for i, layer in enumerate(self.layers)]
 
 
 # ----------------------------------------------------------------------------- accounting

@@ -5,7 +5,9 @@
 Every other figure of the pipeline is teacher-forced under Mode B's substitution, with bytes by
 formula.  Here each group with such a cache (:func:`ced_csa2.eval.generation.supported_groups`:
 ``baseline``, ``share_plain``, ``ced``, ``csa2``, ``ced_csa2``, ``baseline_fp4``, ``csa2_fp4``,
-``ced_csa2_fp4``; the rotated ``*_fp4_rot`` and ``xkv`` have none yet) and Mode A (the prefill
+``ced_csa2_fp4`` and the rotated ``baseline_fp4_rot``, ``csa2_fp4_rot``, ``ced_csa2_fp4_rot``, whose
+stores hold the rotated FP4 blocks; ``xkv`` has none yet and is listed under ``not_run`` with its
+reason) and Mode A (the prefill
 skip, decoding on the ordinary cache it returns; covering plans) greedily continue the same
 prompts through it (:func:`~ced_csa2.eval.generation.group_cache`), and each is compared with the
 baseline's own greedy continuation: tokens before the first divergence (mean, median),
