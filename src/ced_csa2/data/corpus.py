@@ -260,7 +260,8 @@ def domain_records(domain: DomainConfig, seed: int, budget: TokenBudget, train_r
     texts after those for ``train_rows`` training tokens (twice the fewest texts that could
     hold them: a text below ``min_tokens`` is dropped).  A math domain given
     ``train_templates`` (:class:`MathSplit`) draws those texts from these templates alone
-    instead, and its training pool holds them alone: no other template is trained on.
+    instead, and its training pool holds them alone (less any equal to an evaluation record): no
+    other template is trained on.
 
     Returns
     -------
@@ -287,7 +288,11 @@ def domain_records(domain: DomainConfig, seed: int, budget: TokenBudget, train_r
     log.info("Domain %s: sampling %d of %d records", domain.name, domain.n, len(pool))
     sample = _sample(pool, domain.n, seed, f"domain:{domain.name}")
     if train_templates:
-        return sample, pack(readers.gsm_symbolic_problems(files[0], files[1], seed, extra, train_templates))
+        # A template with few values can draw a training problem equal to an evaluation one: dropped,
+        # so that no evaluation text is trained on.
+        held_out = {r.text for r in sample}
+        train = pack(readers.gsm_symbolic_problems(files[0], files[1], seed, extra, train_templates))
+        return sample, [r for r in train if r.text not in held_out]
     chosen = {r.id for r in sample}
     return sample, [r for r in pool if r.id not in chosen] + pack(texts[n_eval_texts:] if n_eval_texts else [])
 
