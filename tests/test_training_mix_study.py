@@ -45,9 +45,9 @@ def test_bad_study_params_are_refused(tmp_path, change, message):
         study_mod.load_study(path)
 
 
-def test_an_eval_only_domain_in_an_arm_is_refused_before_any_work():
+def test_a_math_arm_without_a_template_split_is_refused_before_any_work():
     params = load_params(ROOT / "params.yaml")
-    with pytest.raises(ParamsError, match="'data.mix.0.domain' 'math' is evaluation only"):
+    with pytest.raises(ParamsError, match="'data.mix_math_templates' must be positive with a math domain in data.mix"):
         study_mod.arm_params(params, {"math": 1.0}, 100)
 
 

@@ -292,10 +292,6 @@ class DomainConfig(Section):
     files: list[WheelPin]  # what the kind reads (DOMAIN_FILES), in that order; [] for tiny
 
 
-# Domain kinds that cannot be trained on: GSM-Symbolic's templates are GSM8K test items, which the
-# pipeline scores (data.math), so training on them would leak the test set into the maps.
-EVAL_ONLY_KINDS = {"math": "its GSM-Symbolic templates are GSM8K test items, which data.math scores"}
-
 
 @dataclass(frozen=True)
 class MixEntry(Section):
@@ -331,6 +327,19 @@ class DataConfig(Section):
     # domain gives exactly its weight's share of mix_rows training tokens (docs/design.md §4)
     mix: list[MixEntry]
     mix_rows: int  # the mix's training tokens (the fixed row budget); 0 without a mix
+    # a math domain in the mix trains on this many of its GSM-Symbolic templates (a seeded choice), and
+    # data.math scores only the GSM8K items of the others (docs/design.md §4); 0 without one
+    mix_math_templates: int
+
+    def math_label(self) -> str:
+        """How reports name the scored math set: ``data.math.label``, less the math training pool's templates.
+
+        A math domain in ``data.mix`` trains on ``mix_math_templates`` GSM-Symbolic templates, whose
+        GSM8K items ``prepare`` leaves out of the scored set (docs/design.md §4), so the label says so.
+        """
+        if not self.mix_math_templates:
+            return self.math.label
+        return f"{self.math.label} minus the {self.mix_math_templates} templates of the math training pool"
 
     def mix_quotas(self) -> dict[str, int]:
         """Each mix domain's training tokens: its weight's share of ``mix_rows``, summing to it exactly ({} without a mix).
@@ -395,10 +404,19 @@ class DataConfig(Section):
                    f"names no domain: {entry.domain!r} is neither data.name nor in data.domains {sorted(kinds)}")
             _check(entry.domain not in mixed, f"{key}.domain", f"repeats {entry.domain!r}")
             mixed.add(entry.domain)
-            _check(kinds[entry.domain] not in EVAL_ONLY_KINDS, f"{key}.domain",
-                   f"{entry.domain!r} is evaluation only: {EVAL_ONLY_KINDS.get(kinds[entry.domain])}")
             _check(math.isfinite(entry.weight) and entry.weight > 0, f"{key}.weight",
                    f"must be a positive number, got {entry.weight}")
+        math_mixed = sorted(name for name in mixed if kinds[name] == "math")
+        _check(len(math_mixed) <= 1, "data.mix",
+               f"trains on {len(math_mixed)} math domains {math_mixed}: one template split holds for one at most")
+        _check((self.mix_math_templates > 0) == bool(math_mixed), "data.mix_math_templates",
+               f"must be positive with a math domain in data.mix (the templates it trains on) and 0 without one, "
+               f"got {self.mix_math_templates} with {math_mixed or 'none'}")
+        # The GSM-Symbolic TOMLs of the wheel set name each template's GSM8K test item, which a hub
+        # split cannot: without them the scored items of the training templates could not be left out.
+        _check(not math_mixed or self.math.kind == "wheel", "data.math.kind",
+               f"must be 'wheel' with a math domain in data.mix (its TOMLs map each template trained on to the "
+               f"GSM8K item left unscored), got {self.math.kind!r}")
 
 
 @dataclass(frozen=True)

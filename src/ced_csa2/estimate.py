@@ -235,7 +235,7 @@ def gold_lengths(params: Params, workdir: Path) -> tuple[Lengths, int]:
     if path.is_file():
         gold = json.loads(path.read_text())
         if (gold.get("model"), gold.get("num_fewshot"), gold.get("math_set")) == (
-                params.model.name, params.eval_gsm8k.num_fewshot, params.data.math.label):
+                params.model.name, params.eval_gsm8k.num_fewshot, params.data.math_label()):
             pairs = gold["pairs"]
             return (Lengths(np.array([len(ids) for ids, _ in pairs]), True, f"exact: {GOLD_PATH}"),
                     round(np.mean([cut for _, cut in pairs])))

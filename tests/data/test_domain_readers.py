@@ -4,8 +4,8 @@ import re
 import sys
 
 import pytest
-from domain_files import (BOOK, BOOK_PARAGRAPHS, CODEIO, GENERATORS, book_file, codeio_file, factbook_dir,
-                          gsm_symbolic_files)
+from domain_files import (BOOK, BOOK_PARAGRAPHS, CODEIO, GENERATORS, GSM_IDS, GSM_TOMLS, book_file, codeio_file,
+                          factbook_dir, gsm_symbolic_files, gsm_toml_dir)
 
 from ced_csa2.data import readers
 from ced_csa2.data.readers import DomainText
@@ -86,6 +86,32 @@ def test_gsm_symbolic_refuses_missing_or_broken_members(tmp_path):
     directory, utils = gsm_symbolic_files(tmp_path / "c", bad)
     refused(r"generate_\d: answer does not end with '#### <number>'", readers.gsm_symbolic_problems,
             directory, utils, 0, 2)
+
+
+def test_training_problems_come_from_their_templates_alone_on_a_stream_of_their_own(tmp_path):
+    directory, utils = gsm_symbolic_files(tmp_path)
+    train = readers.gsm_symbolic_problems(directory, utils, 0, 6, train_templates=[2, 0])
+    assert {p.key.split("-t")[1] for p in train} == {"00", "02"}  # never template 1
+    assert all(re.fullmatch(r"train-\d{4}-t\d\d", p.key) for p in train)  # no evaluation key repeated
+    assert train == readers.gsm_symbolic_problems(directory, utils, 0, 6, train_templates=[0, 2])  # seeded
+    assert train != readers.gsm_symbolic_problems(directory, utils, 1, 6, train_templates=[0, 2])
+    refused(r"gsm_symbolic: defines no generate_<k> for the training templates k in \[7\]",
+            readers.gsm_symbolic_problems, directory, utils, 0, 1, [0, 7])
+
+
+def test_each_generator_is_matched_to_its_gsm8k_item_by_its_template_text(tmp_path):
+    """The generators' numbering differs from the TOMLs'; the map follows the question text."""
+    directory, utils = gsm_symbolic_files(tmp_path)
+    tomls = gsm_toml_dir(tmp_path)
+    assert readers.gsm_symbolic_gsm8k_ids(directory, utils, tomls) == GSM_IDS
+    # a generator whose template the TOMLs lack is refused, never guessed
+    without_pens = gsm_toml_dir(tmp_path / "b", {k: v for k, v in GSM_TOMLS.items() if k != "0000.toml"})
+    refused(r"gsm_symbolic: generate_1 matches no template of .*b/symbolic clearly \(best .* at 0\.\d\d, "
+            r"runner-up at 0\.\d\d\)", readers.gsm_symbolic_gsm8k_ids, directory, utils, without_pens)
+    # two generators of one template are refused
+    twins = gsm_symbolic_files(tmp_path / "c", {**GENERATORS, "generators_03_03.py": GENERATORS["generators_02_02.py"]
+                                                .replace("generate_2", "generate_3")})[0]
+    refused(r"generate_3 and generate_2 both match .*/0001.toml", readers.gsm_symbolic_gsm8k_ids, twins, utils, tomls)
 
 
 def test_tiny_domain_is_seeded_and_salted():

@@ -7,7 +7,7 @@ import re
 import pytest
 from conftest import tiny_params
 
-from ced_csa2.config import DomainConfig, HubSplit, WheelPin
+from ced_csa2.config import DomainConfig, HubSplit, MixEntry, WheelPin
 from ced_csa2.data import corpus, readers
 from ced_csa2.data.readers import Article
 from ced_csa2.pipeline import paths
@@ -333,3 +333,96 @@ def test_mix_quotas_sum_to_the_rows_and_follow_the_weights(weights, rows, quotas
     data = with_data(tiny_params(dump={"records": 0}), mix=[MixEntry(n, float(w)) for n, w in zip(names, weights)],
                      mix_rows=rows).data
     assert data.mix_quotas() == dict(zip(names, quotas))
+
+
+def _math_profile(tmp_path, monkeypatch, **data):
+    """The tiny profile with a math domain of the fake generators and a GSM8K set of the fake TOMLs (local files)."""
+    from domain_files import gsm_symbolic_files, gsm_toml_dir
+
+    generators, utils = gsm_symbolic_files(tmp_path)
+    files = {"generators": generators, "utils": utils, "tomls": gsm_toml_dir(tmp_path)}
+    monkeypatch.setattr(corpus, "fetch_member", lambda pin: files[pin.member])
+    pin = lambda member: WheelPin(package="reasoning-gym", version="0.1.25", member=member, sha256="0" * 64,
+                                  python_version=None)
+    base = tiny_params(dump={"records": 0})
+    math_set = dataclasses.replace(base.data.math, kind="wheel", n=0, wheel=pin("tomls"), label="GSM8K-4")
+    domain = DomainConfig(name="math", kind="math", n=3, files=[pin("generators"), pin("utils")])
+    return with_data(base, math=math_set, domains=[*base.data.domains, domain], **data)
+
+
+# sha256 over every file prepare wrote (its path, a NUL, its bytes), as the code before the math
+# domain became trainable wrote them: the default (no math domain in the mix) must not move.
+BEFORE_MATH_TRAINING = {
+    "tiny": "a86e121948bc2235570f27b18e0648cd2e3fc0f5763f26e58c9b729030c3d548",
+    "tiny+math": "cef48b031ed62248e5040aff0a9ddfa4a8524591832a2b1e4f21ebef0ffb7a25",
+}
+
+
+def _tree_digest(root) -> str:
+    import hashlib
+
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    return hashlib.sha256(b"".join(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() for p in files)).hexdigest()
+
+
+def test_without_math_in_the_mix_prepare_writes_what_it_wrote_before(tmp_path, monkeypatch):
+    from domain_files import gsm_symbolic_files
+
+    generators, utils = gsm_symbolic_files(tmp_path)
+    monkeypatch.setattr(corpus, "fetch_member", lambda pin: {"g": generators, "u": utils}[pin.member])
+    pin = lambda member: WheelPin(package="reasoning-gym", version="0.1.25", member=member, sha256="0" * 64,
+                                  python_version=None)
+    base = tiny_params()
+    math = DomainConfig(name="math", kind="math", n=3, files=[pin("g"), pin("u")])
+    for name, params in (("tiny", base), ("tiny+math", with_data(base, domains=[*base.data.domains, math]))):
+        corpus.prepare(params, byte_tokenizer(), tmp_path / name)
+        assert _tree_digest(tmp_path / name) == BEFORE_MATH_TRAINING[name], name
+
+
+def test_the_math_training_pool_and_the_scored_gsm8k_items_share_no_template(tmp_path, monkeypatch):
+    from domain_files import GSM_IDS
+
+    mix = [MixEntry("tiny", 1.0), MixEntry("math", 1.0)]
+    params = _math_profile(tmp_path, monkeypatch, mix=mix, mix_rows=1200, mix_math_templates=2)
+    tok = byte_tokenizer()
+    metrics = corpus.prepare(params, tok, tmp_path / "mixed")
+    split = metrics["math"]["trained_templates"]
+    math_ids = [r["id"] for r in read_jsonl(tmp_path / "mixed" / paths.TRAIN_JSONL) if r["id"].startswith("math-")]
+    trained = {int(re.fullmatch(r"math-train-\d{4}-t(\d\d)-\d\d", i)[1]) for i in math_ids}
+    assert trained == set(split["templates"]) and len(trained) == 2  # the pool drew from its templates alone
+    assert split["gsm8k_ids"] == sorted(GSM_IDS[k] for k in trained)
+    scored = {r["id"] for r in read_jsonl(tmp_path / "mixed" / paths.GSM8K_JSONL)}
+    # no scored item is a trained template's, and every other item (555: no generator) is scored
+    assert scored == {f"gsm8k-test-{i}" for i in (7, 40, 123, 555)} - {f"gsm8k-test-{GSM_IDS[k]}" for k in trained}
+    assert metrics["math"] == {"label": "GSM8K-4 minus the 2 templates of the math training pool", "n": 2,
+                               "trained_templates": split}
+    record = json.loads((tmp_path / "mixed" / paths.provenance_path(paths.GSM8K_JSONL)).read_text())["provenance"]
+    assert record["data.mix_math_templates"] == 2 and record["data.domains.2.name"] == "math"
+
+    # the math domain's evaluation records do not move with the mix
+    plain = with_data(params, mix=[], mix_rows=0, mix_math_templates=0)
+    plain_metrics = corpus.prepare(plain, tok, tmp_path / "plain")
+    math_file = paths.domain_jsonl("math")
+    assert (tmp_path / "mixed" / math_file).read_bytes() == (tmp_path / "plain" / math_file).read_bytes()
+    assert plain_metrics["math"] == {"label": "GSM8K-4", "n": 4}
+
+    # seeded and deterministic: the same seed, the same split and bytes; the split follows data.seed
+    corpus.prepare(params, tok, tmp_path / "again")
+    assert _tree_digest(tmp_path / "again") == _tree_digest(tmp_path / "mixed")
+    splits = {tuple(corpus.math_split(with_data(params, seed=seed).data).templates) for seed in range(8)}
+    assert len(splits) > 1
+
+
+def test_a_math_split_leaving_nothing_to_score_is_refused_before_writing(tmp_path, monkeypatch):
+    params = _math_profile(tmp_path, monkeypatch, mix=[MixEntry("math", 1.0)], mix_rows=100, mix_math_templates=3)
+    with pytest.raises(ValueError, match=r"^data.mix_math_templates=3: the math domain 'math' has 3 templates, so it "
+                                         r"must be below 3 \(the GSM8K items of the others are the ones scored\)$"):
+        corpus.prepare(params, byte_tokenizer(), tmp_path / "refused")
+    # data.math's first two items (n=2: 0000.toml and 0001.toml, of generators 1 and 2) both trained on
+    split_of = lambda seed: corpus.math_split(with_data(params, seed=seed, mix_math_templates=2).data).templates
+    seed = next(seed for seed in range(100) if split_of(seed) == [1, 2])
+    params = with_data(params, math=dataclasses.replace(params.data.math, n=2), mix_math_templates=2, seed=seed)
+    with pytest.raises(ValueError, match=r"^data.mix_math_templates=2: the math training pool's templates are all 2 "
+                                         r"items of data.math \(n=2\), leaving none to score$"):
+        corpus.prepare(params, byte_tokenizer(), tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()

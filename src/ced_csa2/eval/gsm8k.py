@@ -1,6 +1,6 @@
 """GSM8K through lm-eval's own ``gsm8k`` task on local data, and gold-solution NLL.
 
-Protocol (stage ``eval_gsm8k``).  The problems of ``data/gsm8k.jsonl`` (``data.math.label``: "GSM8K-100" on the
+Protocol (stage ``eval_gsm8k``).  The problems of ``data/gsm8k.jsonl`` (``DataConfig.math_label``: "GSM8K-100" on the
 embedded default, never "GSM8K test") are all evaluated, in file order, with lm-eval's
 own ``gsm8k`` task: a generated task YAML pulls in the installed ``gsm8k.yaml`` with
 ``include:``, so its prompt (``"Question: {q}\\nAnswer:"``), stop sequences, greedy
@@ -425,7 +425,7 @@ def run_protocol(params: Params, model, plan, n: int, lm_eval_version: str) -> d
     """``metrics/gsm8k.json``'s protocol: model, set, prompts, generation, dtype, device, lm-eval, plan."""
     cfg = params.eval_gsm8k
     return {
-        "model": params.model.name, "math_set": params.data.math.label, "n": n,
+        "model": params.model.name, "math_set": params.data.math_label(), "n": n,
         "model_revision": params.model.revision, "math_revision": params.data.math.revision,
         **prompt_protocol(params), "fewshot_source": FEWSHOT_SOURCE if cfg.num_fewshot else None,
         "max_gen_toks": cfg.max_gen_toks, "generated_groups": list(cfg.generate), "mode_a": cfg.mode_a,
@@ -479,7 +479,7 @@ def count_problems(path: Path) -> int:
 
 def write_gold_pairs(path: Path, params: Params, pairs: list[tuple[list[int], int]]) -> None:
     """Write the gold pairs with the settings they were built for (checked by :func:`load_gold_pairs`)."""
-    write_json(path, {"model": params.model.name, "math_set": params.data.math.label, **prompt_protocol(params),
+    write_json(path, {"model": params.model.name, "math_set": params.data.math_label(), **prompt_protocol(params),
                       "pairs": pairs})
 
 
@@ -489,7 +489,7 @@ def load_gold_pairs(path: Path, params: Params, n: int | None = None) -> list[tu
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run `dvc repro gold_pairs` first")
     data = json.loads(path.read_text())
-    want = {"model": params.model.name, "math_set": params.data.math.label, **prompt_protocol(params)}
+    want = {"model": params.model.name, "math_set": params.data.math_label(), **prompt_protocol(params)}
     got = {k: data.get(k) for k in want}
     if got != want:
         raise ValueError(f"{path} was written for {got}, but params.yaml has {want}; rerun `dvc repro gold_pairs`")

@@ -50,7 +50,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     Parameters
     ----------
     params
-        Validated parameters (``seed``, ``model``, ``plan``, ``data.math.label``, ``eval_gsm8k``).
+        Validated parameters (``seed``, ``model``, ``plan``, ``data.math.label`` with ``data.mix_math_templates``, ``eval_gsm8k``).
     workdir
         Repository root holding ``data/`` and ``models/``.
     parts
@@ -88,7 +88,7 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     check_chat_template(tok, params)
     lm = DataParallelLM(pretrained=model, tokenizer=tok, batch_size=cfg.batch_size)
     log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d): generation for %s, gold NLL for %s",
-             params.data.math.label, n, cfg.num_fewshot, cfg.max_gen_toks, list(cfg.generate), list(cfg.groups))
+             params.data.math_label(), n, cfg.num_fewshot, cfg.max_gen_toks, list(cfg.generate), list(cfg.groups))
 
     with local_task(data_file, cfg.num_fewshot) as task_manager:
         groups, generation_s = generate_groups(lm, model, plan, parts, task_manager, params, pairs, n)

@@ -85,7 +85,7 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
                            block_tokens=params.eval_ppl.score_block_tokens)
     metrics = {
         "protocol": protocol(params, model, plan, ids, ppl["baseline"]["tokens"]),
-        "gold_protocol": {"math_set": params.data.math.label, "math_revision": params.data.math.revision,
+        "gold_protocol": {"math_set": params.data.math_label(), "math_revision": params.data.math.revision,
                           "n": len(pairs), **prompt_protocol(params), "source": str(GOLD_PATH)},
         "objectives": {o: {"groups": {g: main_rows[maps_digest(g, parts[o][g])] if label(g, o) in copied else
                                       {**ppl[scored_as[label(g, o)]], "gold_nll": gold[scored_as[label(g, o)]]}

@@ -44,7 +44,7 @@ def run(params: Params, workdir: Path = Path(".")) -> list[tuple[list[int], int]
     if len(pairs) != n:
         raise RuntimeError(f"lm-eval built {len(pairs)} prompts for the {n} problems of {data_file}")
     write_gold_pairs(workdir / GOLD_PATH, params, pairs)
-    log.info("%d %s gold pairs (%d-shot): %d answer tokens", n, params.data.math.label, num_fewshot,
+    log.info("%d %s gold pairs (%d-shot): %d answer tokens", n, params.data.math_label(), num_fewshot,
              sum(len(ids) - cut for ids, cut in pairs))
     return pairs
 

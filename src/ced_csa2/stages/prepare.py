@@ -39,8 +39,9 @@ training records (the seed's choice).  Otherwise it holds exactly ``data.mix_row
 each mix domain its weight's share (largest remainders): whole records of that domain's
 training pool (the corpus's training records, or a domain's records outside its evaluation
 sample) in a seeded order, the last one cut to the tokens still missing.  A domain of kind
-``math`` (GSM8K-derived) is refused.  ``metrics/prepare.json`` has each domain's weight, rows,
-records and pool under ``mix``.
+``math`` trains on ``data.mix_math_templates`` of its templates alone, and ``gsm8k.jsonl`` leaves
+out their GSM8K items (the template split).  ``metrics/prepare.json`` has each domain's weight,
+rows, records and pool under ``mix``, and the split under ``math``.
 
 ``data.n_train`` > 0 keeps at most that many training records, of every kind: the first
 ``n_train`` of a seeded shuffle (seed ``data.seed``) of the records built, back in corpus
