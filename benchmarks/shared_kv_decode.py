@@ -60,7 +60,7 @@ from transformers import DynamicCache
 from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn, load_parts
 from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
-from ced_csa2.eval.generation import group_cache
+from ced_csa2.eval.generation import StepDecoder, group_cache
 from ced_csa2.eval.stats import ratio_bootstrap
 from ced_csa2.kv.kv_bytes import bytes_per_token
 from ced_csa2.maps.indexer import IndexerConfig, LightningIndexer, key_bytes, load_indexer
@@ -136,26 +136,6 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, spars
             yield label, (name, fmt), built(name, fmt), lambda cache: contextlib.nullcontext()
 
 
-class Decoder:
-    """One cache's greedy decode: :meth:`prefill` once, then one :meth:`step` per call, each under ``ctx(cache)``."""
-
-    def __init__(self, model, cache, ctx):
-        self.model, self.cache, self.ctx, self.x = model, cache, ctx, None
-
-    @torch.inference_mode()
-    def _next(self, ids: torch.Tensor) -> None:
-        with self.ctx(self.cache):
-            logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
-        self.x = logits[:, -1:].argmax(-1)
-
-    def prefill(self, ids: torch.Tensor) -> None:
-        """``ids`` ``(B, T)`` into the cache; the next token of each row is the first step's input."""
-        self._next(ids)
-
-    def step(self) -> None:
-        self._next(self.x)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="prefill lengths T")
@@ -209,7 +189,8 @@ def main() -> None:
         runs, accounting = {}, {}
         for label, acc, make_cache, ctx in cases(model, plan, args.group, parts, args.storages, args.fp4_baselines,
                                                    sparse, indexers, args.rotated):
-            runs[label], accounting[label] = Decoder(model, make_cache(), ctx), acc
+            cache = make_cache()
+            runs[label], accounting[label] = StepDecoder(model, cache, lambda c=cache, ctx=ctx: ctx(c)), acc
             runs[label].prefill(ids)
         paired = paired_seconds({label: d.step for label, d in runs.items()}, args.steps, device=args.device)
         seconds, ref_label = paired.seconds, next(iter(runs))

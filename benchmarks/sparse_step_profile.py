@@ -40,6 +40,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ced_csa2.config import load_params
+from ced_csa2.eval.generation import StepDecoder
 from ced_csa2.model_utils import attention, geometry, load_model_and_tokenizer
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import LayerPlan
@@ -47,7 +48,7 @@ from ced_csa2.runtime.attention_calls import AttentionCalls
 from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from shared_kv_decode import Decoder, indexer_for, maps  # noqa: E402
+from shared_kv_decode import indexer_for, maps  # noqa: E402
 
 
 class Timers:
@@ -138,9 +139,9 @@ def main() -> None:
     print(f"{params.model.name} {next(model.parameters()).dtype}, {torch.get_num_threads()} threads; {note}; "
           f"{indexer_note}; window {reads.window} + top-{reads.k}, each target keeping {reads.kept} entries")
     ids = torch.randint(0, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(args.seed))
-    runs = {"ordinary": Decoder(model, DynamicCache(config=model.config), lambda cache: contextlib.nullcontext()),
-            "sparse": Decoder(model, SparseSharedKVCache(model, plan, "csa2", parts, reads=reads, indexer=indexer),
-                              lambda cache: cache.feed())}
+    sparse = SparseSharedKVCache(model, plan, "csa2", parts, reads=reads, indexer=indexer)
+    runs = {"ordinary": StepDecoder(model, DynamicCache(config=model.config), contextlib.nullcontext),
+            "sparse": StepDecoder(model, sparse, sparse.feed)}
     for d in runs.values():
         d.prefill(ids)
     step = paired_seconds({name: d.step for name, d in runs.items()}, args.steps).seconds

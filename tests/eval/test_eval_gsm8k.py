@@ -284,14 +284,6 @@ def test_each_group_generates_through_the_cache_that_holds_its_bytes(tmp_path, t
     assert substituted["generations_sha256"] == m["groups"]["csa2"]["generations_sha256"]
 
 
-def test_a_group_without_a_cache_is_refused_before_the_model_loads(tmp_path):
-    write_problems(tmp_path)
-    params = tiny_params(eval_gsm8k={"groups": ["baseline", "xkv"], "generate": ["xkv"]})
-    gold_pairs.run(params, tmp_path)
-    with pytest.raises(ValueError, match=r"eval_gsm8k.generate: group 'xkv' cannot generate through the cache"):
-        eval_gsm8k.run(params, tmp_path, model_and_tok=None)
-
-
 # ----------------------------------------------------------------------------- exact match through lm-eval's filters
 
 def _gold(answer: str, doc_id: int) -> str:
@@ -313,11 +305,11 @@ def _even_gold_odd_off(answer: str, doc_id: int) -> str:
 
 
 def scripted_lm(model, tok, reply):
-    """lm-eval's own ``HFLM`` over ``model``, except that ``generate_until`` answers each request
-    with ``reply(gold answer, doc_id)``; log-likelihood and tokenisation stay HFLM's."""
-    from lm_eval.models.huggingface import HFLM
+    """The stage's ``DataParallelLM`` (lm-eval's ``HFLM``) over ``model``, except that ``generate_until`` answers
+    each request with ``reply(gold answer, doc_id)``; log-likelihood and tokenisation stay HFLM's."""
+    from ced_csa2.eval.lm_eval_models import DataParallelLM
 
-    class ScriptedLM(HFLM):
+    class ScriptedLM(DataParallelLM):
         def generate_until(self, requests, disable_tqdm=False):
             self.requests = list(requests)
             return [reply(r.doc["answer"], r.doc_id) for r in requests]

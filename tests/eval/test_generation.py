@@ -112,7 +112,7 @@ def test_the_cache_is_chosen_from_the_group_s_flags(tiny_model):
         else:
             assert spec.cache_kind == "ordinary"
             assert type(built.cache) is DynamicCache and built.storage == "bf16"
-            assert isinstance(built.context, CEDModeBRuntime) and built.context.spec.projected_source == (name == "ced")
+            assert isinstance(built.open(), CEDModeBRuntime) and built.open().spec.projected_source == (name == "ced")
 
 
 def test_used_bytes_are_the_accounted_bytes_counted_independently(setup):
@@ -171,7 +171,7 @@ def test_the_rotated_shared_store_holds_the_rotated_blocks_mode_b_rounds(tiny_mo
     stores = {}
     for g in (group, group.removesuffix("_rot"), dense_twin(group)):
         built = gen.group_cache(model, QWEN_PLAN, g, parts, storage)
-        with built.context:
+        with built.open():
             greedy_generate(model, prompts, NEW, built.cache)
         stores[g] = built.cache._store
     rot, plain, dense = stores[group], stores[group.removesuffix("_rot")], stores[dense_twin(group)]
@@ -202,7 +202,7 @@ def test_the_rotated_fp4_baseline_rounds_v_as_mode_b_and_k_after_rope(tiny_model
     fmt = FORMATS[storage]()
     prompts = torch.randint(0, 250, (2, PROMPT))
     built = gen.group_cache(model, QWEN_PLAN, "baseline_fp4_rot", None, storage)
-    with torch.no_grad(), built.context, kv_hooks.capture(model, list(geo.attention_layers)) as seen:
+    with torch.no_grad(), built.open(), kv_hooks.capture(model, list(geo.attention_layers)) as seen:
         model(input_ids=prompts, cache=built.cache, use_cache=True)
     mode_b = CEDModeBRuntime(model, QWEN_PLAN, "baseline_fp4_rot", None, kv_format=storage)
     for layer in geo.attention_layers:
@@ -309,3 +309,27 @@ def test_refusals(tiny_model):
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="reference run 'baseline'"):
         gen.fidelity(model, prompts, {"csa2": run.tokens}, seed=0)
+
+
+def test_decode_steps_are_timed_alternated_through_each_group_s_cache(setup, monkeypatch):
+    """Every group's cache is prefilled, then stepped once per round in a rotated order; a step goes through the
+    group's own cache (the shared store's caches grow; its hooks are gone after each step)."""
+    model, plan, parts, prompts = setup
+    groups = ["baseline", "csa2", "csa2_fp4"]
+    steps = 3
+    built = []
+    real_group_cache = gen.group_cache
+
+    def spying_group_cache(*args):  # the real builder; kept to read the caches after the timing
+        built.append(real_group_cache(*args))
+        return built[-1]
+
+    monkeypatch.setattr(gen, "group_cache", spying_group_cache)
+    paired = gen.decode_step_seconds(model, plan, groups, parts, prompts, FORMAT, steps=steps)
+    assert set(paired.seconds) == set(groups) and all(t > 0 for t in paired.seconds.values())
+    assert paired.repeats == steps and len(paired.order) == steps * len(groups)
+    assert len({tuple(paired.order[i:i + len(groups)]) for i in range(0, len(paired.order), len(groups))}) > 1
+    # prefill + one untimed warm-up step + `steps` timed ones: PROMPT + steps + 1 positions, through each group's cache
+    assert [b.kind for b in built] == ["DynamicCache", "SharedKVCache(bf16)", "SharedKVCache(nvfp4)"]
+    assert all(b.cache.get_seq_length() == PROMPT + steps + 1 for b in built)
+    assert no_hooks(model)

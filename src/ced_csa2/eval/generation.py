@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -59,6 +59,7 @@ from ..kv.fp4 import FORMATS as FP4_FORMATS
 from ..kv.kv_bytes import bytes_per_token
 from ..data.records import seeded_subset
 from ..model_utils import geometry
+from ..pipeline.timing import Paired, paired_seconds
 from ..plan import LayerPlan
 from ..runtime.groups import GROUPS, Group
 from ..runtime.groups import group as lookup_group
@@ -99,10 +100,11 @@ class GroupCache:
         The group (or :data:`MODE_A`).
     cache
         A fresh ``DynamicCache``, :class:`SharedKVCache` or :class:`FP4KVCache` (rotated or not).
-    context
-        The context manager to run every forward in (enter it once): the shared store's
-        :meth:`~ced_csa2.runtime.shared_kv.SharedKVCache.feed`, or the Mode B runtime of the
-        group's dense twin (a no-op for ``baseline``, the projector for ``ced``).
+    open
+        A fresh context manager to run forwards in, at each call: opened once around a whole
+        decode, or around each step (:func:`decode_step_seconds`, where groups alternate): the
+        shared store's :meth:`~ced_csa2.runtime.shared_kv.SharedKVCache.feed`, or the Mode B
+        runtime of the group's dense twin (a no-op for ``baseline``, the projector for ``ced``).
     storage
         What the accounting calls its entries (:func:`accounted_copies`): ``"bf16"`` (the model's
         dtype) or the FP4 format.
@@ -113,7 +115,7 @@ class GroupCache:
 
     group: str
     cache: Cache
-    context: AbstractContextManager
+    open: Callable[[], AbstractContextManager]
     storage: str
     kind: str
 
@@ -149,7 +151,7 @@ def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts |
     twin = _dense_twin(spec)
     if spec.cache_kind == "shared_store":  # the source stores once (FP4 or not, rotated or not), the targets nothing
         cache = SharedKVCache(model, plan, twin, parts, storage=storage, rotate=spec.rotate)
-        return GroupCache(group, cache, cache.feed(), storage, f"SharedKVCache({storage}{', rotated' if spec.rotate else ''})")
+        return GroupCache(group, cache, cache.feed, storage, f"SharedKVCache({storage}{', rotated' if spec.rotate else ''})")
     # Every layer stores its own entry: ordinary, or FP4 everywhere; the projector (ced) changes compute only.
     if spec.cache_kind == "fp4_every_layer":
         cache = FP4KVCache(model.config, storage, rotate=spec.rotate)
@@ -157,7 +159,7 @@ def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts |
     else:
         cache, kind = DynamicCache(config=model.config), "DynamicCache"
     runtime = CEDModeBRuntime(model, plan, twin, parts, kv_format=None)
-    return GroupCache(group, cache, runtime, storage, kind)
+    return GroupCache(group, cache, lambda: runtime, storage, kind)  # the runtime re-enters
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -251,7 +253,7 @@ def generate(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | No
     """
     check_prompts(model, prompts, new_tokens)
     built = group_cache(model, plan, group, parts, kv_format)
-    with built.context:
+    with built.open():
         out = greedy_generate(model, prompts, new_tokens, built.cache)
     return checked_run(model, plan, group, group, built.storage, out.tokens, built.cache, built.kind)
 
@@ -280,6 +282,59 @@ def checked_run(model, plan, label: str, accounted_as: str, storage: str, tokens
     run = GroupGeneration(label, tokens, cache_bytes(cache), positions,
                           accounted_used_bytes(model, plan, accounted_as, storage, tokens.shape[0], positions), kind)
     return check_bytes(run)
+
+
+# ----------------------------------------------------------------------------- decode step time
+
+
+class StepDecoder:
+    """One cache's greedy decode, a forward per call: :meth:`prefill` once, then :meth:`step`, each forward
+    inside a fresh ``open()`` (so that decoders of several groups can alternate on one model).
+
+    Parameters
+    ----------
+    model
+        The HF causal LM.
+    cache
+        The cache to decode through.
+    open
+        Returns the context manager a forward through ``cache`` runs in (:attr:`GroupCache.open`).
+    """
+
+    def __init__(self, model: nn.Module, cache: Cache, open: Callable[[], AbstractContextManager]):
+        self.model, self.cache, self.open, self.x = model, cache, open, None
+
+    @torch.inference_mode()
+    def _forward(self, ids: torch.Tensor) -> None:
+        with self.open():
+            logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
+        self.x = logits[:, -1:].argmax(-1)
+
+    def prefill(self, ids: torch.Tensor) -> None:
+        """``ids`` ``(B, T)`` into the cache; each row's greedy next token is the first step's input."""
+        self._forward(ids)
+
+    def step(self) -> None:
+        """One greedy decode step: the last token in, the next one chosen."""
+        self._forward(self.x)
+
+
+def decode_step_seconds(model: nn.Module, plan: LayerPlan, groups, parts: CEDParts | Mapping[str, CEDParts] | None,
+                        prompts: torch.Tensor, kv_format: str | None, *, steps: int) -> Paired:
+    """Seconds per greedy decode step through each group's cache, the groups alternated.
+
+    Every group's cache (:func:`group_cache`) is prefilled with ``prompts`` ``(B, T)`` (unpadded); then
+    :func:`~ced_csa2.pipeline.timing.paired_seconds` times their decode steps: one untimed step of
+    each, ``steps`` rounds of one step per group in an order rotated each round, the per-group median.
+    Each step opens its group's context (hooks: microseconds against a step), and the caches grow by
+    one position per step alike, so every round compares the groups at one context length.
+    """
+    decoders = {}
+    for group in groups:
+        built = group_cache(model, plan, group, parts_for(parts, group), kv_format)
+        decoders[group] = StepDecoder(model, built.cache, built.open)
+        decoders[group].prefill(prompts)
+    return paired_seconds({group: d.step for group, d in decoders.items()}, steps, device=prompts.device)
 
 
 # ----------------------------------------------------------------------------- fidelity

@@ -92,7 +92,7 @@ class DataParallelLM(HFLM):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         plan, group, parts, kv_format, seen = self._through
         built = generation.group_cache(self.model, plan, group, parts, kv_format)
-        with built.context:
+        with built.open():
             out = super()._model_generate(context, max_length, stop, cache=built.cache, **generation_kwargs)
         run = generation.checked_run(self.model, plan, group, group, built.storage, out[:, context.shape[1]:],
                                      built.cache, built.kind)

@@ -25,8 +25,10 @@ pipeline's (``models/``), Mode A's per ``mode_a.maps``.
 
 Writes ``metrics/generation.json`` (``protocol``, ``groups``: one row per group and ``mode_a``);
 the report turns it into a table, the headline's generation columns and
-``reports/agreement.png``.  Wall seconds per label go to ``timings/eval_generation.json``, never
-into the metrics.
+``reports/agreement.png``.  Wall seconds per label, and each group's decode step time through its
+cache over the baseline's ``DynamicCache`` (:func:`~ced_csa2.eval.generation.decode_step_seconds`:
+one batch of prompts prefilled into every cache, then ``new_tokens`` rounds of one step per group,
+alternated, medians), go to ``timings/eval_generation.json``, never into the metrics.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from ..model_utils import load_config, load_model_and_tokenizer, load_tokenizer,
 from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import EVAL_JSONL, GENERATION_METRICS, MODELS
 from ..pipeline.stage_runner import record_timing, run_stage
+from ..pipeline.timing import MIN_REPEATS
+from ..pipeline.timing import PROTOCOL as TIMING_PROTOCOL
 from ..plan import load_plan
 from ..runtime.groups import GROUPS
 
@@ -76,7 +80,15 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
                                    kv_format=params.kv_format, batch_size=cfg.batch_size, **job))
         seconds[label] = round(time.perf_counter() - t0, 2)
         log.info("%s: %d prompts x %d tokens in %.1f s", label, len(prompts), cfg.new_tokens, seconds[label])
-    record_timing(seconds=seconds)
+    # Decode step time through each group's cache against the ordinary one, the groups alternated on one
+    # batch of prompts: a timing (timings/eval_generation.json), never a metric.
+    steps = gen.decode_step_seconds(model, plan, list(gen.supported_groups()), parts, prompts[:cfg.batch_size],
+                                    params.kv_format, steps=max(cfg.new_tokens, MIN_REPEATS))
+    record_timing(seconds=seconds, decode_step_ms={g: round(1e3 * t, 3) for g, t in steps.seconds.items()},
+                  decode_step_ratio={g: round(t / steps.seconds["baseline"], 3) for g, t in steps.seconds.items()},
+                  decode_step_protocol=(f"{len(prompts[:cfg.batch_size])} prompts of {cfg.prompt_tokens} tokens "
+                                        f"prefilled per cache, then {TIMING_PROTOCOL.format(repeats=steps.repeats)}; "
+                                        "one greedy decode step per call; ratio: over the baseline's DynamicCache"))
     rows = gen.generation_rows(model, prompts, runs, seed=params.seed, batch_size=cfg.batch_size)
     protocol = {"model": params.model.hf_id or params.model.name, "dtype": str(model.dtype).removeprefix("torch."),
                 "data": str(EVAL_JSONL), "domain": params.data.name, "prompts": len(prompts),

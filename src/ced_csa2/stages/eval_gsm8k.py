@@ -18,7 +18,6 @@ from pathlib import Path
 from ..ced_runtime import CEDParts, load_mode_a_parts, load_parts
 from ..config import Params
 from ..data.records import check_prepared
-from ..eval.generation import cache_refusal
 from ..eval.gsm8k import (
     _offline,
     check_chat_template,
@@ -70,10 +69,6 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     from ..eval.lm_eval_models import DataParallelLM  # imports lm-eval: after _offline()
 
     cfg = params.eval_gsm8k
-    for group in cfg.generate:  # before the model loads: generation runs through each group's own cache
-        if (reason := cache_refusal(group)) is not None:
-            raise ValueError(f"eval_gsm8k.generate: group {group!r} cannot generate through the cache that holds "
-                             f"its bytes: {reason}; keep it in eval_gsm8k.groups only (gold NLL)")
     check_prepared(params, workdir, GSM8K_JSONL)
     data_file = workdir / GSM8K_JSONL
     n = count_problems(data_file)
