@@ -14,6 +14,7 @@ from ced_csa2.data.dump_file import DumpError
 from ced_csa2.maps.ridge import load_ridge
 from ced_csa2.pipeline import paths
 from ced_csa2.pipeline.checkpoint import expected_meta
+from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.plan import load_plan
 from ced_csa2.projector import load_projector, load_projectors
 from ced_csa2.stages import extra_projectors, ridge, train_adapters, train_projector
@@ -77,14 +78,14 @@ def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
     assert not (workdir / "metrics/plots").exists()
 
     expect = expected_meta(p, *load_plan(p.plan, p.model))  # what every consumer checks
-    proj, meta = load_projector(workdir / "models/projector_k20v20.pt", expect=expect["projector"])
+    proj, meta = load_projector(workdir / "models/projector_k20v20.pt", expect=expect["projector"], role=MAIN)
     assert (meta["split"], meta["layer"], meta["hidden_size"], meta["kv_dim"]) == (16, 20, HIDDEN, KV)
     assert not (workdir / paths.PROJECTORS_EXTRA).exists()  # the extra_projectors stage's
 
     again = tmp_path_factory.mktemp("again")
     shutil.copytree(workdir / "data", again / "data")
     assert without_wall_time(train_projector.run(p, again)) == without_wall_time(m)
-    proj2, _ = load_projector(again / "models/projector_k20v20.pt")
+    proj2, _ = load_projector(again / "models/projector_k20v20.pt", role=MAIN)
     assert torch.equal(proj.proj.weight, proj2.proj.weight)
 
 
@@ -96,7 +97,7 @@ def test_projector_keeps_its_best_held_out_epoch(workdir):
     assert min(val[1:]) > val[0]  # every trained epoch is worse than the start
     # the curve table keeps 8 significant digits (5e-8 relative); otherwise the same float
     assert kept["kept_epoch"] == 0 and kept["val_loss"] == pytest.approx(val[0], rel=1e-6)
-    proj, _ = load_projector(workdir / "models/projector_k20v20.pt")
+    proj, _ = load_projector(workdir / "models/projector_k20v20.pt", role=MAIN)
     maps, _ = load_ridge(workdir / paths.RIDGE_PATH)
     # the start itself, as saved (fp16)
     assert torch.equal(proj.proj.weight, maps["proj_20"]["W"].T.half().to(proj.proj.weight.dtype))
@@ -128,7 +129,7 @@ def test_adapters_improve_on_ridge_and_rerun_identically(workdir, tmp_path_facto
             assert (val_loss[-1], val_cos[-1]) == pytest.approx((r["trained"]["mse"], r["trained"]["cos"]), rel=1e-6)
 
     adapters = load_adapters(workdir / paths.ADAPTERS_PATH, expect=expected_meta(p, *load_plan(p.plan, p.model))[
-        "adapters"])  # what every consumer checks
+        "adapters"], role=MAIN)  # what every consumer checks
     assert (adapters.meta["layers"], adapters.meta["kv_dim"], adapters.meta["source"]) == ([24, 28, 32], KV, 20)
     assert adapters.width == 48
 
@@ -148,7 +149,7 @@ def test_extra_projectors_are_the_ridge_maps_or_trained(workdir, tmp_path):
     fits = ridge.run(p, workdir)
     m = extra_projectors.run(p, workdir)
     expect = expected_meta(p, *load_plan(p.plan, p.model))["projectors"]
-    extra, meta = load_projectors(workdir / paths.PROJECTORS_EXTRA, expect=expect)
+    extra, meta = load_projectors(workdir / paths.PROJECTORS_EXTRA, expect=expect, role=MAIN)
     assert list(extra) == [32] and meta["maps"] == "ridge"
     maps, _ = load_ridge(workdir / paths.RIDGE_PATH)
     W, b = maps["proj_32"]["W"], maps["proj_32"]["b"]
@@ -162,11 +163,11 @@ def test_extra_projectors_are_the_ridge_maps_or_trained(workdir, tmp_path):
     trained = dataclasses.replace(p, extra_projectors="trained")
     m = extra_projectors.run(trained, workdir)
     assert m["layers"]["32"]["maps"] == "trained" and m["layers"]["32"]["val_loss"] < m["layers"]["32"]["val_loss_init"]
-    assert load_projectors(workdir / paths.PROJECTORS_EXTRA, expect=expect)[1]["maps"] == "trained"
+    assert load_projectors(workdir / paths.PROJECTORS_EXTRA, expect=expect, role=MAIN)[1]["maps"] == "trained"
 
     # A plan without extra sources reads nothing and writes an empty file.
     assert extra_projectors.run(params(), tmp_path)["layers"] == {}
-    assert load_projectors(tmp_path / paths.PROJECTORS_EXTRA)[0] == {}
+    assert load_projectors(tmp_path / paths.PROJECTORS_EXTRA, role=MAIN)[0] == {}
 
 
 def test_stages_check_their_inputs_before_training(workdir):
