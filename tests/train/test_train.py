@@ -13,8 +13,10 @@ from ced_csa2.csa2 import load_adapters
 from ced_csa2.data.dump_file import DumpError
 from ced_csa2.maps.ridge import load_ridge
 from ced_csa2.pipeline import paths
-from ced_csa2.pipeline.checkpoint import expected_meta
-from ced_csa2.pipeline.map_roles import MAIN
+from ced_csa2.ced_runtime import load_seed_init
+from ced_csa2.config import ParamsError
+from ced_csa2.pipeline.checkpoint import check_meta_provenance, expected_meta
+from ced_csa2.pipeline.map_roles import MAIN, SEED_INIT_ROLE
 from ced_csa2.plan import load_plan
 from ced_csa2.projector import load_projector, load_projectors
 from ced_csa2.stages import extra_projectors, ridge, train_adapters, train_projector
@@ -87,6 +89,29 @@ def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
     assert without_wall_time(train_projector.run(p, again)) == without_wall_time(m)
     proj2, _ = load_projector(again / "models/projector_k20v20.pt", role=MAIN)
     assert torch.equal(proj.proj.weight, proj2.proj.weight)
+
+
+def test_the_seed_literal_projector_records_the_recipe_it_was_trained_with(workdir):
+    """params.yaml says ``init: ridge, keep: best_val``; the seed-literal reference trains with ``init: random,
+    keep: last`` and its file says so, its reader checks it against the same, and it is no main-branch file."""
+    p = params(projector={"init": "ridge", "keep": "best_val"})
+    train_projector.run(p, workdir)
+    plan, geo = load_plan(p.plan, p.model)
+    seed_file = workdir / paths.projector_path(plan.source, paths.SEED_INIT_MODELS)
+    seed, seed_meta = load_projector(seed_file, role=SEED_INIT_ROLE)
+    _, main_meta = load_projector(workdir / paths.projector_path(plan.source), role=MAIN)
+    recipe = ("train_projector.init", "train_projector.keep")
+    assert [seed_meta["provenance"][k] for k in recipe] == ["random", "last"]
+    assert [main_meta["provenance"][k] for k in recipe] == ["ridge", "best_val"]
+    assert seed_meta["provenance"]["train_projector.lr"] == main_meta["provenance"]["train_projector.lr"]
+    assert "ridge.lambda" in main_meta["provenance"] and "ridge.lambda" not in seed_meta["provenance"]  # no ridge start
+    assert seed_meta["params_hash"] != main_meta["params_hash"]
+    # eval_objectives' reader checks it against params.yaml as the seed-literal branch applies them ...
+    assert torch.equal(load_seed_init(workdir, p, plan, geo, "cpu").projector.proj.weight, seed.proj.weight)
+    # ... which params.yaml as it is would refuse
+    with pytest.raises(ParamsError, match=rf"{seed_file}: was made with train_projector.init = 'random', params.yaml "
+                                          r"has 'ridge'"):
+        check_meta_provenance(seed_file, seed_meta, p, MAIN)
 
 
 def test_projector_keeps_its_best_held_out_epoch(workdir):
