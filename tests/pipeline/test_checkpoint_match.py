@@ -178,3 +178,12 @@ def test_a_map_file_without_a_role_is_refused_naming_the_stage_that_rewrites_it(
         load_parts(tmp_path, PARAMS, PLAN, GEO, role=MAIN)
     assert str(err.value) == (f"{path}: records no role (written before map files named their branch): rebuild it "
                               "with `dvc repro train_adapters`")
+
+
+@pytest.mark.parametrize("branch,pair", [("main", "csa2"), ("seed_init", "bogus"), ("objective:attn_out", None),
+                                         ("objective:attn_out", "ced"), ("objective:", "csa2"), ("tuned", None)])
+def test_a_role_outside_the_vocabulary_is_refused(branch, pair):
+    from ced_csa2.pipeline.map_roles import Role
+
+    with pytest.raises(ValueError, match=r"(unknown map branch|an objective branch names one of)"):
+        Role(branch, pair)

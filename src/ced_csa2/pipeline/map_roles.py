@@ -63,7 +63,7 @@ class Role:
         if not objective and self.branch not in ("main", SEED_INIT, "mode_a"):
             raise ValueError(f"unknown map branch {self.branch!r}: 'main', {SEED_INIT!r}, 'mode_a' or "
                              f"'{OBJECTIVE_PREFIX}<name>'")
-        if (self.pair in PAIRS) != objective:
+        if (self.pair not in PAIRS) if objective else (self.pair is not None):
             raise ValueError(f"branch {self.branch!r} with pair {self.pair!r}: an objective branch names one of "
                              f"{list(PAIRS)}, the others none")
 
