@@ -10,7 +10,7 @@ dtype=...)``), once per ``--dtypes`` entry; the plan is ``params.plan`` (it must
 attention layer above the cut, as ``eval_ppl``'s Mode A requires).  The maps are the ones
 ``eval_ppl`` runs Mode A with (:func:`~ced_csa2.ced_runtime.load_mode_a_parts` of ``--workdir``:
 ``mode_a.maps``, with the sink's constants under ``mode_a.sink: mean``; or ``--models``, a
-folder of maps, through :func:`~ced_csa2.ced_runtime.load_parts`), float32 as in ``eval_ppl``,
+folder of the main branch's maps, through :func:`~ced_csa2.ced_runtime.load_parts`), float32 as in ``eval_ppl``,
 when they are there and match, else random maps of the right shapes (speed does not depend on
 the weights); the output says which.  Every arm runs with ``mode_a.sink`` (random arms: random
 constants).  ``--head-widths w ...`` adds, in the same paired run, one
@@ -48,6 +48,7 @@ from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.eval.perplexity import eval_ids, prefill_bound
 from ced_csa2.model_utils import load_model_and_tokenizer
+from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL
 from ced_csa2.pipeline.timing import PROTOCOL, BoundExceeded, check_bound, paired_seconds
 from ced_csa2.plan import load_plan
@@ -96,7 +97,8 @@ def main() -> None:
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     ap.add_argument("--workdir", type=Path, default=Path("."), help="where data/corpus/eval.jsonl is")
     ap.add_argument("--models", type=Path, default=None,
-                    help="a folder of maps (default: the ones eval_ppl's Mode A reads from --workdir)")
+                    help="a folder of the main branch's maps (default: the ones eval_ppl's Mode A reads from "
+                         "--workdir)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=5)
@@ -118,7 +120,7 @@ def main() -> None:
         device = next(model.parameters()).device
         where = args.models or args.workdir
         try:
-            parts = (load_parts(args.models, params, plan, geo, device=device) if args.models
+            parts = (load_parts(args.models, params, plan, geo, role=MAIN, device=device) if args.models
                      else load_mode_a_parts(args.workdir, params, plan, geo, device=device))
             if parts.sink is None:  # a folder of maps without the sink's constants: random ones (a timing)
                 parts.sink = random_parts(geo, plan).sink

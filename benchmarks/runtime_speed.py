@@ -33,6 +33,7 @@ from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.data.records import read_records
 from ced_csa2.eval.perplexity import prefill_bound
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
+from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL
 from ced_csa2.pipeline.timing import PROTOCOL, check_bound, paired_seconds
 from ced_csa2.plan import LayerPlan, load_plan
@@ -58,7 +59,7 @@ def main() -> None:
     device = resolve_device(params.eval_ppl.device)
     model, tok = load_model_and_tokenizer(params.model, device=device)
     try:
-        parts, source = load_parts("models", params, plan, geo, device=device, low_rank=True), "trained"
+        parts, source = load_parts("models", params, plan, geo, role=MAIN, device=device, low_rank=True), "trained"
     except (OSError, ValueError):
         parts, source = random_parts(geo, plan), "random"
     texts = [r["text"] for r in read_records(EVAL_JSONL)[: args.records]]

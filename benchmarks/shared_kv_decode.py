@@ -65,6 +65,7 @@ from ced_csa2.eval.stats import ratio_bootstrap
 from ced_csa2.kv.kv_bytes import bytes_per_token
 from ced_csa2.maps.indexer import IndexerConfig, LightningIndexer, key_bytes, load_indexer
 from ced_csa2.model_utils import attention, geometry, load_model_and_tokenizer
+from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import LayerPlan
 from ced_csa2.projector import KVProjector
@@ -80,7 +81,8 @@ def maps(models_dir: Path, plan: LayerPlan, geo, params, model) -> tuple[CEDPart
     device = next(model.parameters()).device
     files = [models_dir / f"projector_k{plan.source}v{plan.source}.pt", models_dir / "adapters.pt"]
     if all(f.is_file() for f in files):
-        return load_parts(models_dir, params, plan, geo, device=device, dtype=dtype), f"trained maps from {models_dir}/"
+        trained = load_parts(models_dir, params, plan, geo, role=MAIN, device=device, dtype=dtype)
+        return trained, f"trained maps from {models_dir}/"
     cfg = params.train_adapters
     adapters = CSA2Adapters(plan.targets, geo.kv_dim, width_mult=cfg.width_mult, activation=cfg.activation,
                             input=cfg.input, device=device, dtype=dtype)

@@ -57,6 +57,7 @@ from ced_csa2.maps.indexer import LightningIndexer, load_indexer
 from ced_csa2.model_utils import Geometry, attention, load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
+from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.runtime.layer_modes import LayerModes, sparse_layers
@@ -150,7 +151,7 @@ def run(params: Params, study: Study, workdir: Path = Path("."), *, model_and_to
     t0 = time.perf_counter()
     device = resolve_device(params.eval_ppl.device)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
-    parts = parts or load_parts(workdir / MODELS, params, plan, geo, device=device, extra_sources=False)
+    parts = parts or load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device, extra_sources=False)
     seqs = joined_sequences(tok, workdir / EVAL_JSONL, study.context, study.sequences)
     trained = {}
     if "trained" in study.selectors:

@@ -38,6 +38,7 @@ from ced_csa2.eval.perplexity import eval_ids, groups_ppl
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_tsv
 from ced_csa2.pipeline.checkpoint import check_meta_provenance, expected_meta
+from ced_csa2.pipeline.map_roles import MODE_A
 from ced_csa2.pipeline.paths import MODE_A_SINK
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.sink import SinkGroup
@@ -129,7 +130,7 @@ def main() -> None:
     model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
     ids = eval_ids(params, tok, Path("."))
     constants, meta = load_sink(MODE_A_SINK, expected_meta(params, plan, geo)["sink"])
-    check_meta_provenance(MODE_A_SINK, meta, params)
+    check_meta_provenance(MODE_A_SINK, meta, params, MODE_A)
     arms = {}  # (branch, group, sink) -> (runtime, the phase that trained its maps)
     for branch in study.branches:
         online = replaced(params.train.online, records=branch.records)

@@ -37,6 +37,7 @@ from ced_csa2.eval.stats import paired_deltas
 from ced_csa2.maps.residual_projector import HeadConfig, train_residual_projector
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
+from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import DUMP_PATH, MODELS, RIDGE_PATH
 from ced_csa2.plan import load_plan
 from ced_csa2.train.projector_training import ridge_fitted
@@ -71,7 +72,7 @@ def run(params: Params, study: Study, workdir: Path = Path("."), *, model_and_to
     t0 = time.perf_counter()
     dump, ridge = workdir / DUMP_PATH, workdir / RIDGE_PATH
     train_mask, val_mask = split_masks(dump, params, plan, geo, [plan.source], tokens_per_record=0)
-    main = load_parts(workdir / MODELS, params, plan, geo, extra_sources=False)  # the main branch's adapters
+    main = load_parts(workdir / MODELS, params, plan, geo, role=MAIN, extra_sources=False)  # the main branch's adapters
     reference = ridge_fitted(params, dump, ridge, [plan.source], geo, val_mask, 4096)
     heads = {"ridge": (reference.projectors[plan.source], {**_fit(reference.layers[plan.source]), "width": 0,
                                                            "parameters": 2 * geo.kv_dim * (geo.hidden_size + 1),

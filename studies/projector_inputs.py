@@ -47,6 +47,7 @@ from ced_csa2.maps.ridge import RidgeAccumulator
 from ced_csa2.model_utils import attention, load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_tsv
 from ced_csa2.pipeline.checkpoint import check_meta_provenance, expected_meta
+from ced_csa2.pipeline.map_roles import MODE_A
 from ced_csa2.pipeline.paths import MODE_A_SINK
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.sink import SinkGroup
@@ -201,7 +202,7 @@ def main() -> None:
     model.requires_grad_(False)
     attention(model, plan.split)  # a clear error when the cut's layer has no softmax attention (no K/V there)
     constants, meta = load_sink(MODE_A_SINK, expected_meta(params, plan, geo)["sink"])
-    check_meta_provenance(MODE_A_SINK, meta, params)
+    check_meta_provenance(MODE_A_SINK, meta, params, MODE_A)
     rows, val_rows = online_records(params, tok, Path("."), study.records)
     t0 = time.perf_counter()
     maps = fit_maps(model, plan, geo, study, rows, val_rows, params.ridge.lam, tok.pad_token_id)

@@ -48,6 +48,7 @@ from ced_csa2.maps.indexer import load_indexer
 from ced_csa2.model_utils import attention, load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
+from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.groups import GROUP_NAMES, LOW_RANK_GROUPS
@@ -126,7 +127,7 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
     t0 = time.perf_counter()
     device = resolve_device(params.eval_ppl.device)
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
-    parts = parts or load_parts(workdir / MODELS, params, plan, geo, device=device, extra_sources=False,
+    parts = parts or load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device, extra_sources=False,
                                 low_rank=any(g in LOW_RANK_GROUPS for g in study.groups))
     if indexers is None:
         rope, model_id = _rope_fn(attention(model, plan.source)), params.model.hf_id or params.model.name

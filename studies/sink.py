@@ -35,6 +35,7 @@ from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import write_tsv
 from ced_csa2.pipeline.checkpoint import check_meta_provenance, expected_meta
 from ced_csa2.pipeline.figures import write_png
+from ced_csa2.pipeline.map_roles import MAIN, MODE_A
 from ced_csa2.pipeline.paths import MODE_A_SINK, MODELS
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.sink import SinkGroup
@@ -79,8 +80,8 @@ def main() -> None:
     model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
     ids = eval_ids(params, tok, Path("."))
     constants, meta = load_sink(MODE_A_SINK, expected_meta(params, plan, geo)["sink"])
-    check_meta_provenance(MODE_A_SINK, meta, params)
-    maps = {"main": load_parts(MODELS, params, plan, geo),
+    check_meta_provenance(MODE_A_SINK, meta, params, MODE_A)
+    maps = {"main": load_parts(MODELS, params, plan, geo, role=MAIN),
             "attn_out": load_objective_parts(Path("."), "attn_out", params, plan, geo, None)}
     runtimes, keys = {}, {}
     for name, groups in GROUPS.items():

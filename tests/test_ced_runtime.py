@@ -320,11 +320,12 @@ def test_fp32_maps_drive_a_bf16_model(group):
 def test_the_sink_file_round_trips_and_is_refused_when_missing_or_made_for_another_plan(tmp_path):
     from ced_csa2.ced_runtime import load_sink, save_sink
     from ced_csa2.pipeline.checkpoint import CheckpointError
+    from ced_csa2.pipeline.map_roles import MODE_A
 
     geo, plan = geometry(tiny_llama().config), LayerPlan(2, 3, (5, 6), (4,))
     sink = SinkKV(plan.kv_layers, geo.kv_dim)
     torch.nn.init.normal_(sink.k), torch.nn.init.normal_(sink.v)
-    meta = {"model": "tiny", "kv_dim": geo.kv_dim, "plan": {"split": 2}}
+    meta = {"role": MODE_A.as_meta(), "model": "tiny", "kv_dim": geo.kv_dim, "plan": {"split": 2}}
     path = save_sink(tmp_path / "sink.pt", sink, meta)
     back, got = load_sink(path, {"model": "tiny", "layers": list(plan.kv_layers), "kv_dim": geo.kv_dim})
     for layer in plan.kv_layers:  # stored in FP16, as every map file

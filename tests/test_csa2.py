@@ -6,8 +6,10 @@ import torch.nn.functional as F
 
 from ced_csa2.csa2 import CSA2Adapters, KVAdapter, ResidualMLP, load_adapters, mlp_width, save_adapters
 from ced_csa2.pipeline.checkpoint import CheckpointError
+from ced_csa2.pipeline.map_roles import MAIN
 
-META = {"source": 20, "split": 16, "plan": {"split": 16, "source": 20, "targets": [24, 28, 32]},
+META = {"role": MAIN.as_meta(), "source": 20, "split": 16,
+        "plan": {"split": 16, "source": 20, "targets": [24, 28, 32]},
         "model": "qwen3_5_4b", "model_id": "Qwen/Qwen3.5-4B", "hidden_size": 64, "params_hash": "0123456789abcdef"}
 
 
@@ -74,35 +76,35 @@ def test_forward_applies_the_layer_s_k_and_v_adapters():
 def test_round_trip_is_bit_exact_in_fp16(tmp_path):
     a = trained_like()
     path = save_adapters(tmp_path / "adapters.pt", a, META)
-    half = load_adapters(path, device="cpu", dtype=torch.float16)
+    half = load_adapters(path, device="cpu", dtype=torch.float16, role=MAIN)
     assert half.meta == {**META, "layers": [24, 28], "kv_dim": 32, "width": 48, "activation": "gelu",
                          "input": "kv"}
     for name, t in a.state_dict().items():
         assert torch.equal(half.state_dict()[name], t.half()), name
-    full = load_adapters(path)
+    full = load_adapters(path, role=MAIN)
     assert not full.training and full.k["24"].base.weight.dtype == torch.float32
     assert torch.equal(full.v["28"].mlp.down.weight, a.v["28"].mlp.down.weight.half().float())
 
 
 def test_expect_mismatch_names_file_key_and_both_values(tmp_path):
     path = save_adapters(tmp_path / "adapters.pt", trained_like(), META)
-    load_adapters(path, expect={"kv_dim": 32, "layers": (24, 28), "source": 20, "model": "qwen3_5_4b"})
+    load_adapters(path, expect={"kv_dim": 32, "layers": (24, 28), "source": 20, "model": "qwen3_5_4b"}, role=MAIN)
     with pytest.raises(CheckpointError, match=r"adapters\.pt: 'layers' is \[24, 28\] in the checkpoint, "
                                               r"expected \[24, 28, 32\]"):
-        load_adapters(path, expect={"layers": [24, 28, 32]})
+        load_adapters(path, expect={"layers": [24, 28, 32]}, role=MAIN)
     with pytest.raises(CheckpointError, match=r"'model' is 'qwen3_5_4b' in the checkpoint, expected 'smollm2_135m'"):
-        load_adapters(path, expect={"model": "smollm2_135m"})
+        load_adapters(path, expect={"model": "smollm2_135m"}, role=MAIN)
 
 
 def test_corrupt_or_foreign_files_are_clear_errors(tmp_path):
     bad = tmp_path / "adapters.pt"
     bad.write_bytes(b"not a zip file at all")
     with pytest.raises(CheckpointError, match=r"adapters\.pt: not a readable checkpoint"):
-        load_adapters(bad)
+        load_adapters(bad, role=MAIN)
     with pytest.raises(CheckpointError, match="not found"):
-        load_adapters(tmp_path / "absent.pt")
+        load_adapters(tmp_path / "absent.pt", role=MAIN)
     from ced_csa2.projector import KVProjector, save_projector
 
     proj = save_projector(tmp_path / "p.pt", KVProjector(8, 4), {**META, "layer": 20})
     with pytest.raises(CheckpointError, match="not a ced_csa2.adapters checkpoint"):
-        load_adapters(proj)
+        load_adapters(proj, role=MAIN)

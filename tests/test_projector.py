@@ -5,9 +5,11 @@ import torch
 import torch.nn.functional as F
 
 from ced_csa2.pipeline.checkpoint import FORMAT_VERSION, CheckpointError
+from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.projector import KVProjector, load_projector, load_projectors, save_projector, save_projectors
 
-META = {"layer": 20, "split": 16, "plan": {"split": 16, "source": 20, "targets": [24, 28, 32]},
+META = {"role": MAIN.as_meta(), "layer": 20, "split": 16,
+        "plan": {"split": 16, "source": 20, "targets": [24, 28, 32]},
         "model": "qwen3_5_4b", "model_id": "Qwen/Qwen3.5-4B", "params_hash": "0123456789abcdef"}
 
 
@@ -41,38 +43,38 @@ def test_init_from_ridge_predicts_the_ridge_map_exactly():
 def test_round_trip_is_bit_exact_in_fp16(tmp_path):
     p = small()
     path = save_projector(tmp_path / "projector_k20v20.pt", p, META)
-    half, meta = load_projector(path, dtype=torch.float16)
+    half, meta = load_projector(path, dtype=torch.float16, role=MAIN)
     assert meta == {**META, "hidden_size": 64, "kv_dim": 32, "mlp_width": 0, "activation": "gelu"}
     for name, t in p.state_dict().items():
         assert torch.equal(half.state_dict()[name], t.half())
-    full, _ = load_projector(path)  # default float32 holds the FP16 values exactly
+    full, _ = load_projector(path, role=MAIN)  # default float32 holds the FP16 values exactly
     assert full.proj.weight.dtype == torch.float32 and not full.training
     assert torch.equal(full.proj.weight, p.proj.weight.half().float())
 
 
 def test_expect_mismatch_names_file_key_and_both_values(tmp_path):
     path = save_projector(tmp_path / "p.pt", small(), META)
-    load_projector(path, expect={"hidden_size": 64, "kv_dim": 32, "layer": 20, "model": "qwen3_5_4b"})
+    load_projector(path, expect={"hidden_size": 64, "kv_dim": 32, "layer": 20, "model": "qwen3_5_4b"}, role=MAIN)
     with pytest.raises(CheckpointError, match=r"p\.pt: 'layer' is 20 in the checkpoint, expected 18"):
-        load_projector(path, expect={"layer": 18})
+        load_projector(path, expect={"layer": 18}, role=MAIN)
     with pytest.raises(CheckpointError, match=r"'kv_dim' is 32 in the checkpoint, expected 1024"):
-        load_projector(path, expect={"kv_dim": 1024})
+        load_projector(path, expect={"kv_dim": 1024}, role=MAIN)
     with pytest.raises(CheckpointError, match=r"has no 'tokenizer'"):
-        load_projector(path, expect={"tokenizer": "x"})
+        load_projector(path, expect={"tokenizer": "x"}, role=MAIN)
 
 
 def test_missing_corrupt_or_foreign_files_are_clear_errors(tmp_path):
     with pytest.raises(CheckpointError, match="not found"):
-        load_projector(tmp_path / "absent.pt")
+        load_projector(tmp_path / "absent.pt", role=MAIN)
     path = save_projector(tmp_path / "p.pt", small(), META)
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(path.read_bytes()[:200])
     with pytest.raises(CheckpointError, match=r"truncated\.pt: not a readable checkpoint"):
-        load_projector(truncated)
+        load_projector(truncated, role=MAIN)
     foreign = tmp_path / "foreign.pt"
     torch.save({"weight": torch.zeros(2)}, foreign)
     with pytest.raises(CheckpointError, match="not a ced_csa2.projector checkpoint"):
-        load_projector(foreign)
+        load_projector(foreign, role=MAIN)
 
 
 def test_a_file_of_an_older_format_version_is_refused_by_its_version(tmp_path):
@@ -80,7 +82,7 @@ def test_a_file_of_an_older_format_version_is_refused_by_its_version(tmp_path):
     torch.save({**torch.load(path, weights_only=True), "format_version": FORMAT_VERSION - 1}, path)
     with pytest.raises(CheckpointError, match=rf"p\.pt: format_version {FORMAT_VERSION - 1}, "
                                               rf"expected {FORMAT_VERSION}"):
-        load_projector(path)
+        load_projector(path, role=MAIN)
 
 
 def test_save_refuses_metadata_that_cannot_identify_the_projector(tmp_path):
@@ -92,13 +94,14 @@ def test_save_refuses_metadata_that_cannot_identify_the_projector(tmp_path):
 def test_several_projectors_in_one_file_and_an_empty_one(tmp_path):
     meta = {k: v for k, v in META.items() if k != "layer"} | {"hidden_size": 64, "kv_dim": 32}
     many = {16: small(1), 17: small(2)}
-    loaded, m = load_projectors(save_projectors(tmp_path / "extra.pt", many, meta), expect={"layers": [16, 17]})
+    loaded, m = load_projectors(save_projectors(tmp_path / "extra.pt", many, meta), role=MAIN,
+                                expect={"layers": [16, 17]})
     assert sorted(loaded) == [16, 17] and m["layers"] == [16, 17]
     assert torch.equal(loaded[17].proj.weight, many[17].proj.weight.half().float())
-    empty, m = load_projectors(save_projectors(tmp_path / "empty.pt", {}, meta))
+    empty, m = load_projectors(save_projectors(tmp_path / "empty.pt", {}, meta), role=MAIN)
     assert empty == {} and m["layers"] == [] and m["kv_dim"] == 32
     with pytest.raises(CheckpointError, match="not a ced_csa2.projector checkpoint"):
-        load_projector(tmp_path / "empty.pt")
+        load_projector(tmp_path / "empty.pt", role=MAIN)
 
 
 def headed(seed=0, hidden=64, kv=32, width=16):
@@ -141,7 +144,7 @@ def test_a_residual_head_round_trips_with_its_form_and_stats(tmp_path):
     p = headed()
     with torch.no_grad():
         p.mlp.down.weight.normal_()
-    loaded, meta = load_projector(save_projector(tmp_path / "p.pt", p, META))
+    loaded, meta = load_projector(save_projector(tmp_path / "p.pt", p, META), role=MAIN)
     assert (meta["mlp_width"], meta["activation"]) == (16, "gelu") and loaded.mlp_width == 16
     for name, t in p.state_dict().items():  # weights and the input standardisation, as FP16
         assert torch.equal(loaded.state_dict()[name], t.half().float()), name
@@ -150,7 +153,8 @@ def test_a_residual_head_round_trips_with_its_form_and_stats(tmp_path):
     h = torch.randn(5, 64)
     assert torch.equal(torch.cat(loaded(h), -1), torch.cat(rounded(h), -1))
     meta_many = {k: v for k, v in META.items() if k != "layer"} | {"hidden_size": 64, "kv_dim": 32}
-    many, m = load_projectors(save_projectors(tmp_path / "extra.pt", {16: headed(1), 17: headed(2)}, meta_many))
+    many, m = load_projectors(save_projectors(tmp_path / "extra.pt", {16: headed(1), 17: headed(2)}, meta_many),
+                              role=MAIN)
     assert m["mlp_width"] == 16 and all(q.mlp_width == 16 for q in many.values())
     with pytest.raises(ValueError, match="different heads"):
         save_projectors(tmp_path / "mixed.pt", {16: headed(1), 17: small(2)}, meta_many)

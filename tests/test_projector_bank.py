@@ -6,12 +6,14 @@ import torch
 
 from ced_csa2.ced_runtime import CEDParts
 from ced_csa2.pipeline.checkpoint import CheckpointError
+from ced_csa2.pipeline.map_roles import MODE_A
 from ced_csa2.plan import LayerPlan
 from ced_csa2.projector import KVProjector, ProjectorBank, load_bank, reduced_rank, save_bank
 
 HIDDEN, KV = 16, 4
 LAYERS = (5, 3, 7)  # the bank keeps its layers' order: the plan's source first
-META = {"split": 2, "plan": {"split": 2, "source": 5, "targets": [8], "extra_sources": [3, 7]},
+META = {"role": MODE_A.as_meta(), "split": 2,
+        "plan": {"split": 2, "source": 5, "targets": [8], "extra_sources": [3, 7]},
         "model": "tiny", "model_id": "tiny", "params_hash": "0123456789abcdef"}
 FP32 = dict(rtol=1e-4, atol=1e-5)  # float32 matmuls of float64-fitted weights
 
@@ -97,13 +99,13 @@ def test_a_bank_round_trips_in_fp16_and_a_file_for_other_layers_is_refused(tmp_p
     torch.manual_seed(0)
     bank = ProjectorBank(HIDDEN, KV, LAYERS, 3)
     path = save_bank(tmp_path / "projector_bank.pt", bank, META)
-    loaded, meta = load_bank(path, expect={"model": "tiny", "layers": list(LAYERS), "hidden_size": HIDDEN})
+    loaded, meta = load_bank(path, expect={"model": "tiny", "layers": list(LAYERS), "hidden_size": HIDDEN}, role=MODE_A)
     assert (meta["rank"], loaded.layers) == (3, LAYERS)
     for name, t in bank.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], t.half().float()), name
     with pytest.raises(CheckpointError, match=r"projector_bank\.pt: 'layers' is \[5, 3, 7\] in the checkpoint, "
                                               r"expected \[5, 3\]$"):
-        load_bank(path, expect={"layers": [5, 3]})
+        load_bank(path, expect={"layers": [5, 3]}, role=MODE_A)
 
 
 def test_a_bank_needs_a_basis():

@@ -48,7 +48,8 @@ from .maps.xkv import XKVBasis, load_xkv
 from .model_utils import Geometry, attention, decoder_layer, geometry, layer_type, rotary
 from .pipeline.checkpoint import (check_meta_provenance, expected_meta, load_checkpoint, load_state,
                                   save_checkpoint)
-from .pipeline.paths import SEED_INIT, SEED_INIT_MODELS, objective_models, projector_path
+from .pipeline.map_roles import MAIN, MODE_A, PAIRS, SEED_INIT_ROLE, Role, objective
+from .pipeline.paths import SEED_INIT_MODELS, objective_pair_models, projector_path
 from .plan import LayerPlan
 from .runtime.groups import GROUPS
 from .runtime.groups import group as lookup_group
@@ -157,12 +158,14 @@ BANK_FILE = "projector_bank.pt"  # Mode A's projectors as one bank (mode_a.train
 
 def save_sink(path: Path | str, sink: SinkKV, meta: Mapping) -> Path:
     """Write ``sink`` with ``meta`` (:func:`~ced_csa2.pipeline.checkpoint.checkpoint_meta`'s ``"sink"``)."""
-    return save_checkpoint(path, SINK_KIND, sink, {**meta, "layers": list(sink.layers)}, ("model", "layers", "kv_dim"))
+    return save_checkpoint(path, SINK_KIND, sink, {**meta, "layers": list(sink.layers)},
+                           ("role", "model", "layers", "kv_dim"))
 
 
 def load_sink(path: Path | str, expect: Mapping, device=None) -> tuple[SinkKV, dict]:
-    """A file of :func:`save_sink`, refused unless it holds ``expect`` (model, layers, geometry, plan)."""
-    state, meta = load_checkpoint(path, SINK_KIND, expect)
+    """A file of :func:`save_sink`, refused unless it is ``tune_mode_a``'s (role ``mode_a``) and holds
+    ``expect`` (model, layers, geometry, plan)."""
+    state, meta = load_checkpoint(path, SINK_KIND, expect, role=MODE_A)
     sink = SinkKV(meta["layers"], meta["kv_dim"])
     load_state(Path(path), sink, state)
     return sink.to(device=device, dtype=torch.float32), meta
@@ -180,9 +183,8 @@ def _run(owner, fn, *xs: torch.Tensor) -> KV:
     return k.to(xs[0].device, xs[0].dtype), v.to(xs[0].device, xs[0].dtype)
 
 
-def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geometry, *, device=None, dtype=None,
-               also: Mapping | None = None, extra_sources: bool = True, low_rank: bool = False,
-               bank: bool = False) -> CEDParts:
+def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geometry, *, role: Role, device=None,
+               dtype=None, extra_sources: bool = True, low_rank: bool = False, bank: bool = False) -> CEDParts:
     """Load the maps of ``plan`` from ``models_dir``, each refused unless it was made for them.
 
     Parameters
@@ -192,10 +194,11 @@ def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geo
     params, plan, geo
         What every file must say it is for (:func:`ced_csa2.pipeline.checkpoint.expected_meta`):
         model name, the layer(s) it maps, ``hidden_size``/``kv_dim`` and the plan.
+    role
+        The branch every file must belong to (:mod:`ced_csa2.pipeline.map_roles`: ``MAIN`` for
+        ``models/``), checked first.
     device, dtype
         Where and in what dtype to build the modules (default: CPU, float32).
-    also
-        Further ``{meta key: value}`` every file must hold, e.g. ``{"objective": "distill"}``.
     extra_sources
         Load ``projectors_extra.pt`` when the plan has extra sources (Mode A); ``False``
         for a folder that holds none (``tune@<objective>``).
@@ -208,9 +211,9 @@ def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geo
     Raises
     ------
     CheckpointError
-        A file is missing, changed after it was written, or was made for another model,
-        layer, geometry or plan: one sentence naming the file, the key and both values,
-        before any weight is used.
+        A file is missing, of another branch, changed after it was written, or was made for
+        another model, layer, geometry or plan: one sentence naming the file, the role or key
+        and both values, before any weight is used.
     ParamsError
         A file made with other params than ``params`` (its recorded provenance).
     """
@@ -218,63 +221,64 @@ def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geo
     from .projector import load_bank, load_projector, load_projectors
 
     models_dir = Path(models_dir)
-    expect = {kind: {**want, **(also or {})} for kind, want in expected_meta(params, plan, geo).items()}
-    adapters = load_adapters(models_dir / "adapters.pt", device=device, dtype=dtype, expect=expect["adapters"])
-    check_meta_provenance(models_dir / "adapters.pt", adapters.meta, params)
+    expect = expected_meta(params, plan, geo)
+    adapters = load_adapters(models_dir / "adapters.pt", device=device, dtype=dtype, role=role,
+                             expect=expect["adapters"])
+    check_meta_provenance(models_dir / "adapters.pt", adapters.meta, params, role)
     if bank:
         path = models_dir / BANK_FILE
-        projectors, meta = load_bank(path, expect=expect["bank"], device=device, dtype=dtype)
-        check_meta_provenance(path, meta, params)
+        projectors, meta = load_bank(path, role=role, expect=expect["bank"], device=device, dtype=dtype)
+        check_meta_provenance(path, meta, params, role)
         return CEDParts(adapters=adapters, bank=projectors)
     path = models_dir / f"projector_k{plan.source}v{plan.source}.pt"
-    projector, meta = load_projector(path, expect=expect["projector"], device=device, dtype=dtype)
-    check_meta_provenance(path, meta, params)
+    projector, meta = load_projector(path, role=role, expect=expect["projector"], device=device, dtype=dtype)
+    check_meta_provenance(path, meta, params, role)
     extra = {}
     if plan.extra_sources and extra_sources:
-        extra, meta = load_projectors(models_dir / "projectors_extra.pt", expect=expect["projectors"], device=device,
-                                      dtype=dtype)
-        check_meta_provenance(models_dir / "projectors_extra.pt", meta, params)
+        extra, meta = load_projectors(models_dir / "projectors_extra.pt", role=role, expect=expect["projectors"],
+                                      device=device, dtype=dtype)
+        check_meta_provenance(models_dir / "projectors_extra.pt", meta, params, role)
     xkv = None
     if low_rank:
-        xkv = load_xkv(models_dir / "xkv.pt", device=device, dtype=dtype, expect=expect["xkv"])
-        check_meta_provenance(models_dir / "xkv.pt", xkv.meta, params)
+        xkv = load_xkv(models_dir / "xkv.pt", device=device, dtype=dtype, role=role, expect=expect["xkv"])
+        check_meta_provenance(models_dir / "xkv.pt", xkv.meta, params, role)
     return CEDParts(projector, adapters, extra, xkv)
 
 
 def load_mode_a_parts(workdir: Path | str, params: Params, plan: LayerPlan, geo: Geometry, *, device=None) -> CEDParts:
-    """The maps Mode A runs with (``mode_a.maps``): the main branch's (``models/``) or ``tune_mode_a``'s
-    (``models/mode_a/``, marked ``objective: mode_a``), checked as :func:`load_parts` checks them."""
+    """The maps Mode A runs with (``mode_a.maps``): the main branch's (``models/``, role ``main``) or
+    ``tune_mode_a``'s (``models/mode_a/``, role ``mode_a``), checked as :func:`load_parts` checks them."""
     from .pipeline.paths import MODE_A_MODELS, MODE_A_SINK, MODELS
 
     if params.mode_a.maps == "main":
-        parts = load_parts(Path(workdir) / MODELS, params, plan, geo, device=device)
+        parts = load_parts(Path(workdir) / MODELS, params, plan, geo, role=MAIN, device=device)
     else:
-        parts = load_parts(Path(workdir) / MODE_A_MODELS, params, plan, geo, device=device,
-                           also={"objective": "mode_a"}, bank=params.mode_a.train.rank > 0)
+        parts = load_parts(Path(workdir) / MODE_A_MODELS, params, plan, geo, role=MODE_A, device=device,
+                           bank=params.mode_a.train.rank > 0)
     if params.mode_a.sink == "mean":
         path = Path(workdir) / MODE_A_SINK
         parts.sink, meta = load_sink(path, expected_meta(params, plan, geo)["sink"], device=device)
-        check_meta_provenance(path, meta, params)
+        check_meta_provenance(path, meta, params, MODE_A)
     return parts
 
 
 
-def load_objective_parts(workdir: Path, objective: str, params: Params, plan: LayerPlan, geo: Geometry,
+def load_objective_parts(workdir: Path, name: str, params: Params, plan: LayerPlan, geo: Geometry,
                          device) -> dict[str, CEDParts]:
-    """The maps ``tune@<objective>`` wrote, per group: ``{group: CEDParts}`` for ``train.eval_groups``.
+    """The maps ``tune@<name>`` wrote, per group: ``{group: CEDParts}`` for ``train.eval_groups``.
 
     The groups that project the source *and* adapt it (``ced_csa2*``) get the pair trained
     for them (``.../ced_csa2/``); the others the ``ced``/``csa2`` pair.  No extra sources
     (Mode B only).  Checked as :func:`ced_csa2.ced_runtime.load_parts` checks the main
-    branch's maps (model, layer(s), ``hidden_size``/``kv_dim``, plan), plus ``objective``.
+    branch's maps (model, layer(s), ``hidden_size``/``kv_dim``, plan), each folder's files as
+    the role of its pair (:func:`ced_csa2.pipeline.map_roles.objective`).
     """
     from .config import require_listed
 
-    require_listed(params, objective)
-    folder = workdir / objective_models(objective)
-    pairs = {sub: load_parts(folder / sub, params, plan, geo, device=device, also={"objective": objective},
-                             extra_sources=False) for sub in ("", "ced_csa2")}
-    return {g: pairs["ced_csa2" if GROUPS[g].projected_source and GROUPS[g].adapters else ""]
+    require_listed(params, name)
+    pairs = {pair: load_parts(workdir / objective_pair_models(name, pair), params, plan, geo,
+                              role=objective(name, pair), device=device, extra_sources=False) for pair in PAIRS}
+    return {g: pairs["ced_csa2" if GROUPS[g].projected_source and GROUPS[g].adapters else "csa2"]
             for g in params.train.eval_groups}
 
 
@@ -282,10 +286,10 @@ def load_seed_init(workdir: Path, params: Params, plan: LayerPlan, geo: Geometry
     """``ced``'s maps under the seed's literal projector recipe (stage ``train_projector``'s reference)."""
     from .projector import load_projector
 
-    want = {**expected_meta(params, plan, geo)["projector"], "recipe": SEED_INIT}
     path = workdir / projector_path(plan.source, SEED_INIT_MODELS)
-    projector, meta = load_projector(path, expect=want, device=device)
-    check_meta_provenance(path, meta, params)
+    projector, meta = load_projector(path, role=SEED_INIT_ROLE, expect=expected_meta(params, plan, geo)["projector"],
+                                     device=device)
+    check_meta_provenance(path, meta, params, SEED_INIT_ROLE)  # against the params as that branch applies them
     return CEDParts(projector=projector)
 
 

@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 from .pipeline.checkpoint import init_linear_from_ridge, load_checkpoint, load_state, save_checkpoint
+from .pipeline.map_roles import Role
 
 KIND = "adapters"
 ACTIVATIONS = {"gelu": nn.GELU, "silu": nn.SiLU, "relu": nn.ReLU}
 # What an adapters file must say about itself besides its architecture (added by save_adapters):
 # see ced_csa2.pipeline.checkpoint.expected_meta / checkpoint_meta.
-REQUIRED_META = ("source", "split", "plan", "model", "model_id", "hidden_size", "params_hash")
+REQUIRED_META = ("role", "source", "split", "plan", "model", "model_id", "hidden_size", "params_hash")
 INPUTS = ("kv", "own")  # what each adapter reads of the source's entry: all of it, or its own kind
 
 
@@ -140,7 +141,7 @@ class CSA2Adapters(nn.Module):
 def save_adapters(path: str | Path, adapters: CSA2Adapters, meta: Mapping) -> Path:
     """Write ``adapters`` (FP16 weights) and ``meta`` to ``path`` atomically.
 
-    ``meta`` must hold :data:`REQUIRED_META` (source, split, plan, model, model_id, the
+    ``meta`` must hold :data:`REQUIRED_META` (role, source, split, plan, model, model_id, the
     model's hidden_size, params_hash; :func:`ced_csa2.pipeline.checkpoint.checkpoint_meta` gives
     them); ``layers`` (targets), ``kv_dim``, ``width``, ``activation`` and ``input`` come
     from the module, so the file describes the weights it holds.
@@ -150,7 +151,7 @@ def save_adapters(path: str | Path, adapters: CSA2Adapters, meta: Mapping) -> Pa
     return save_checkpoint(path, KIND, adapters, meta, REQUIRED_META)
 
 
-def load_adapters(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
+def load_adapters(path: str | Path, device=None, dtype: torch.dtype | None = None, *, role: Role,
                   expect: Mapping | None = None) -> CSA2Adapters:
     """Load an adapters file (the seed's API).
 
@@ -161,6 +162,10 @@ def load_adapters(path: str | Path, device=None, dtype: torch.dtype | None = Non
     device, dtype
         Where and in what dtype to build the module (default: CPU, float32 -- which
         holds the stored FP16 values exactly).
+    role
+        The branch (and, for an objective's, the pair) it must belong to
+        (:mod:`ced_csa2.pipeline.map_roles`): another one is refused naming the file and both
+        roles, before its tensors are read.
     expect
         Metadata the file must match, e.g. ``{"kv_dim": 1024, "layers": [24, 28, 32],
         "source": 20}`` (the pipeline passes ``expected_meta(...)["adapters"]``, see
@@ -173,7 +178,7 @@ def load_adapters(path: str | Path, device=None, dtype: torch.dtype | None = Non
     CSA2Adapters
         In eval mode; the file's metadata is attached as ``.meta``.
     """
-    state, meta = load_checkpoint(path, KIND, expect)
+    state, meta = load_checkpoint(path, KIND, expect, role=role)
     adapters = CSA2Adapters(meta["layers"], meta["kv_dim"], width=meta["width"], activation=meta["activation"],
                             input=meta["input"], device="meta")
     adapters.to_empty(device="cpu")

@@ -35,13 +35,14 @@ from torch import nn
 
 from .csa2 import ResidualMLP
 from .pipeline.checkpoint import init_linear_from_ridge, load_checkpoint, load_state, save_checkpoint
+from .pipeline.map_roles import Role
 
 KIND = "projector"
 KIND_MANY = "projectors"  # one file of several single-layer projectors
 KIND_BANK = "projector_bank"  # one file of a ProjectorBank
 # What a projector file must say about itself besides its dims (added by save_projector):
 # see ced_csa2.pipeline.checkpoint.expected_meta / checkpoint_meta.
-REQUIRED_META = ("layer", "split", "plan", "model", "model_id", "params_hash")
+REQUIRED_META = ("role", "layer", "split", "plan", "model", "model_id", "params_hash")
 
 
 class KVProjector(nn.Module):
@@ -105,7 +106,7 @@ class KVProjector(nn.Module):
 def save_projector(path: str | Path, projector: KVProjector, meta: Mapping) -> Path:
     """Write ``projector`` (FP16 weights) and ``meta`` to ``path`` atomically.
 
-    ``meta`` must hold :data:`REQUIRED_META` (layer, split, plan, model, model_id,
+    ``meta`` must hold :data:`REQUIRED_META` (role, layer, split, plan, model, model_id,
     params_hash; :func:`ced_csa2.pipeline.checkpoint.checkpoint_meta` gives them); ``hidden_size``
     and ``kv_dim`` are taken from the module, so the file describes the weights it holds.
     """
@@ -124,7 +125,7 @@ def _empty(meta: Mapping) -> KVProjector:
                        activation=meta.get("activation", "gelu"), device="meta")
 
 
-def load_projector(path: str | Path, *, expect: Mapping | None = None, device=None,
+def load_projector(path: str | Path, *, role: Role, expect: Mapping | None = None, device=None,
                    dtype: torch.dtype | None = None) -> tuple[KVProjector, dict]:
     """Load a projector file.
 
@@ -132,6 +133,9 @@ def load_projector(path: str | Path, *, expect: Mapping | None = None, device=No
     ----------
     path
         A file written by :func:`save_projector`.
+    role
+        The branch it must belong to (:mod:`ced_csa2.pipeline.map_roles`): another one is refused
+        naming the file and both roles, before its tensors are read.
     expect
         Metadata the file must match, e.g. ``{"hidden_size": 2560, "kv_dim": 1024,
         "layer": 20, "model": "qwen3_5_4b"}`` (the pipeline passes
@@ -147,7 +151,7 @@ def load_projector(path: str | Path, *, expect: Mapping | None = None, device=No
     (projector, meta)
         The module in eval mode and the file's metadata dict.
     """
-    state, meta = load_checkpoint(path, KIND, expect)
+    state, meta = load_checkpoint(path, KIND, expect, role=role)
     projector = _empty(meta)
     projector.to_empty(device="cpu")
     load_state(Path(path), projector, state)
@@ -175,10 +179,10 @@ def save_projectors(path: str | Path, projectors: Mapping[int, KVProjector], met
     return save_checkpoint(path, KIND_MANY, module, {**meta, "layers": [int(k) for k in projectors]}, required)
 
 
-def load_projectors(path: str | Path, *, expect: Mapping | None = None, device=None,
+def load_projectors(path: str | Path, *, role: Role, expect: Mapping | None = None, device=None,
                     dtype: torch.dtype | None = None) -> tuple[dict[int, KVProjector], dict]:
     """Load a file of :func:`save_projectors`: ``({layer: projector}, meta)``, as :func:`load_projector` does."""
-    state, meta = load_checkpoint(path, KIND_MANY, expect)
+    state, meta = load_checkpoint(path, KIND_MANY, expect, role=role)
     module = nn.ModuleDict({str(layer): _empty(meta) for layer in meta["layers"]})
     module.to_empty(device="cpu")
     load_state(Path(path), module, state)
@@ -283,10 +287,10 @@ def save_bank(path: str | Path, bank: ProjectorBank, meta: Mapping) -> Path:
     return save_checkpoint(path, KIND_BANK, bank, {**meta, **form}, required)
 
 
-def load_bank(path: str | Path, *, expect: Mapping | None = None, device=None,
+def load_bank(path: str | Path, *, role: Role, expect: Mapping | None = None, device=None,
               dtype: torch.dtype | None = None) -> tuple[ProjectorBank, dict]:
     """Load a file of :func:`save_bank`: ``(bank, meta)``, checked as :func:`load_projector` checks its file."""
-    state, meta = load_checkpoint(path, KIND_BANK, expect)
+    state, meta = load_checkpoint(path, KIND_BANK, expect, role=role)
     bank = ProjectorBank(meta["hidden_size"], meta["kv_dim"], meta["layers"], meta["rank"], device="meta")
     bank.to_empty(device="cpu")
     load_state(Path(path), bank, state)

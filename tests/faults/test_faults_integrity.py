@@ -30,6 +30,7 @@ from ced_csa2.maps.ridge import load_ridge, save_ridge
 from ced_csa2.pipeline import paths
 from ced_csa2.pipeline.atomic_files import write_json
 from ced_csa2.pipeline.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.plan import load_plan
 from ced_csa2.stages import (
     dump,
@@ -48,6 +49,7 @@ from ced_csa2.stages import (
 )
 
 MARK = 1234.5  # a float32 value whose bytes occur once in the saved file
+MADE_FOR = {"model": "m", "role": MAIN.as_meta()}  # a map file of the main branch, all else aside
 
 
 def flip_inside(path, value: torch.Tensor) -> None:
@@ -64,12 +66,12 @@ def test_a_flipped_byte_in_a_map_file_is_refused_naming_it(tmp_path):
     linear = nn.Linear(4, 4)
     with torch.no_grad():
         linear.weight.fill_(MARK)
-    path = save_checkpoint(tmp_path / "adapters.pt", "adapters", linear, {"model": "m"}, ("model",))
-    state, _ = load_checkpoint(path, "adapters")  # intact: loads
+    path = save_checkpoint(tmp_path / "adapters.pt", "adapters", linear, MADE_FOR, ("model",))
+    state, _ = load_checkpoint(path, "adapters", role=MAIN)  # intact: loads
     flip_inside(path, state["weight"])
     with pytest.raises(CheckpointError, match=rf"{path}: its tensors' sha256 is .* not the .* it was written "
                                               r"with: the file changed after it was written"):
-        load_checkpoint(path, "adapters")
+        load_checkpoint(path, "adapters", role=MAIN)
 
 
 def test_a_flipped_byte_in_ridge_maps_is_refused_naming_it(tmp_path):
@@ -135,18 +137,18 @@ def test_map_files_of_other_training_params_are_refused_by_the_evaluation(fitted
     plan, geo = load_plan(changed.plan, changed.model)
     with pytest.raises(ParamsError, match=rf"{workdir / paths.ADAPTERS_PATH}: was made with train_adapters.epochs = "
                                           r"12, params.yaml has 13"):
-        load_parts(workdir / "models", changed, plan, geo, extra_sources=False)
+        load_parts(workdir / "models", changed, plan, geo, extra_sources=False, role=MAIN)
 
 
 def test_a_digest_mismatch_shows_the_digests_up_to_where_they_differ(tmp_path):
     """Digests that differ after the 16 digits shown would read as 'sha256 is abc..., not the abc...'."""
-    path = save_checkpoint(tmp_path / "adapters.pt", "adapters", nn.Linear(4, 4), {"model": "m"}, ("model",))
+    path = save_checkpoint(tmp_path / "adapters.pt", "adapters", nn.Linear(4, 4), MADE_FOR, ("model",))
     blob = torch.load(path, weights_only=True)
     actual = blob["sha256"]
     blob["sha256"] = written = actual[:20] + ("1" if actual[20] == "0" else "0") + actual[21:]  # its 21st digit
     torch.save(blob, path)
     with pytest.raises(CheckpointError) as err:
-        load_checkpoint(path, "adapters")
+        load_checkpoint(path, "adapters", role=MAIN)
     assert f"{path}: its tensors' sha256 is {actual[:21]}..., not the {written[:21]}... it was written with" in str(
         err.value), str(err.value)
 

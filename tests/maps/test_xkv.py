@@ -23,6 +23,7 @@ from ced_csa2.maps.xkv import GramAccumulator, XKVBasis, load_xkv, save_xkv, top
 from ced_csa2.model_utils import attention, geometry
 from ced_csa2.pipeline import paths
 from ced_csa2.pipeline.checkpoint import CheckpointError, checkpoint_meta, expected_meta
+from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.stages import fit_xkv
 
@@ -137,7 +138,7 @@ def test_stage_writes_the_bases_and_their_held_out_fit(dumped, rank, rel_err_bel
         assert 0 < energy["val"] <= 1 + 1e-6 and 0 < energy["train"] <= 1 + 1e-12
         if rank != 4:  # the rows: rank 16, plus the offset (uncentred: one more direction), plus 1% noise
             assert energy["train"] > 0.999 and energy["val"] > 0.999
-    basis = load_xkv(dumped / paths.XKV_PATH, expect=expected_meta(params, PLAN, GEO)["xkv"])
+    basis = load_xkv(dumped / paths.XKV_PATH, expect=expected_meta(params, PLAN, GEO)["xkv"], role=MAIN)
     assert basis.layers == LAYERS and basis.rank == run["rank"] and basis.k.dtype == torch.float32
     assert basis.meta["n_train_rows"] == run["n_train_rows"] and basis.meta["val_fraction"] == 0.2
     assert not list(dumped.rglob(".*tmp*"))
@@ -151,7 +152,7 @@ def test_stage_refuses_a_rank_above_the_stacked_width(dumped):
 # ----------------------------------------------------------------------------- checkpoint checks
 
 def save_basis(models, *, params=PARAMS, plan=PLAN, geo=GEO, rank=8):
-    meta = checkpoint_meta(params, plan, geo, params.plan, params.xkv)["xkv"]
+    meta = checkpoint_meta(params, plan, geo, params.plan, params.xkv, role=MAIN)["xkv"]
     basis = XKVBasis((plan.source, *plan.targets), geo.kv_dim, rank)
     models.mkdir(parents=True, exist_ok=True)
     save_xkv(models / paths.XKV_PATH.name, basis, meta)
@@ -170,11 +171,11 @@ def test_a_checkpoint_made_for_something_else_is_refused(tmp_path, made_for, sen
 
     save_maps(tmp_path)
     save_basis(tmp_path)
-    assert load_parts(tmp_path, PARAMS, PLAN, GEO, low_rank=True).xkv.layers == LAYERS
-    assert load_parts(tmp_path, PARAMS, PLAN, GEO).xkv is None  # only when asked for
+    assert load_parts(tmp_path, PARAMS, PLAN, GEO, low_rank=True, role=MAIN).xkv.layers == LAYERS
+    assert load_parts(tmp_path, PARAMS, PLAN, GEO, role=MAIN).xkv is None  # only when asked for
     save_basis(tmp_path, **made_for)
     with pytest.raises(CheckpointError, match=sentence) as err:
-        load_parts(tmp_path, PARAMS, PLAN, GEO, low_rank=True)
+        load_parts(tmp_path, PARAMS, PLAN, GEO, low_rank=True, role=MAIN)
     assert str(err.value).startswith(f"{tmp_path}/xkv.pt: ") and "\n" not in str(err.value)
 
 

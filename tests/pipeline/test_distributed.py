@@ -229,10 +229,11 @@ def save_random_maps(workdir: Path, params) -> None:
     from ced_csa2 import csa2, projector
     from ced_csa2.pipeline import paths
     from ced_csa2.pipeline.checkpoint import checkpoint_meta
+    from ced_csa2.pipeline.map_roles import MAIN
     from ced_csa2.plan import load_plan
 
     plan, geo = load_plan(params.plan, params.model)
-    meta = checkpoint_meta(params, plan, geo, params.model, params.plan)
+    meta = checkpoint_meta(params, plan, geo, params.model, params.plan, role=MAIN)
     torch.manual_seed(0)
     maps = {layer: projector.KVProjector(geo.hidden_size, geo.kv_dim) for layer in (plan.source, *plan.extra_sources)}
     projector.save_projector(paths.projector_path(plan.source, workdir / paths.MODELS), maps.pop(plan.source),

@@ -13,7 +13,10 @@ from ced_csa2.csa2 import load_adapters
 from ced_csa2.data.dump_file import DumpError
 from ced_csa2.maps.ridge import load_ridge
 from ced_csa2.pipeline import paths
-from ced_csa2.pipeline.checkpoint import expected_meta
+from ced_csa2.ced_runtime import load_seed_init
+from ced_csa2.config import ParamsError
+from ced_csa2.pipeline.checkpoint import check_meta_provenance, expected_meta
+from ced_csa2.pipeline.map_roles import MAIN, SEED_INIT_ROLE
 from ced_csa2.plan import load_plan
 from ced_csa2.projector import load_projector, load_projectors
 from ced_csa2.stages import extra_projectors, ridge, train_adapters, train_projector
@@ -77,15 +80,38 @@ def test_projector_learns_and_reruns_identically(workdir, tmp_path_factory):
     assert not (workdir / "metrics/plots").exists()
 
     expect = expected_meta(p, *load_plan(p.plan, p.model))  # what every consumer checks
-    proj, meta = load_projector(workdir / "models/projector_k20v20.pt", expect=expect["projector"])
+    proj, meta = load_projector(workdir / "models/projector_k20v20.pt", expect=expect["projector"], role=MAIN)
     assert (meta["split"], meta["layer"], meta["hidden_size"], meta["kv_dim"]) == (16, 20, HIDDEN, KV)
     assert not (workdir / paths.PROJECTORS_EXTRA).exists()  # the extra_projectors stage's
 
     again = tmp_path_factory.mktemp("again")
     shutil.copytree(workdir / "data", again / "data")
     assert without_wall_time(train_projector.run(p, again)) == without_wall_time(m)
-    proj2, _ = load_projector(again / "models/projector_k20v20.pt")
+    proj2, _ = load_projector(again / "models/projector_k20v20.pt", role=MAIN)
     assert torch.equal(proj.proj.weight, proj2.proj.weight)
+
+
+def test_the_seed_literal_projector_records_the_recipe_it_was_trained_with(workdir):
+    """params.yaml says ``init: ridge, keep: best_val``; the seed-literal reference trains with ``init: random,
+    keep: last`` and its file says so, its reader checks it against the same, and it is no main-branch file."""
+    p = params(projector={"init": "ridge", "keep": "best_val"})
+    train_projector.run(p, workdir)
+    plan, geo = load_plan(p.plan, p.model)
+    seed_file = workdir / paths.projector_path(plan.source, paths.SEED_INIT_MODELS)
+    seed, seed_meta = load_projector(seed_file, role=SEED_INIT_ROLE)
+    _, main_meta = load_projector(workdir / paths.projector_path(plan.source), role=MAIN)
+    recipe = ("train_projector.init", "train_projector.keep")
+    assert [seed_meta["provenance"][k] for k in recipe] == ["random", "last"]
+    assert [main_meta["provenance"][k] for k in recipe] == ["ridge", "best_val"]
+    assert seed_meta["provenance"]["train_projector.lr"] == main_meta["provenance"]["train_projector.lr"]
+    assert "ridge.lambda" in main_meta["provenance"] and "ridge.lambda" not in seed_meta["provenance"]  # no ridge start
+    assert seed_meta["params_hash"] != main_meta["params_hash"]
+    # eval_objectives' reader checks it against params.yaml as the seed-literal branch applies them ...
+    assert torch.equal(load_seed_init(workdir, p, plan, geo, "cpu").projector.proj.weight, seed.proj.weight)
+    # ... which params.yaml as it is would refuse
+    with pytest.raises(ParamsError, match=rf"{seed_file}: was made with train_projector.init = 'random', params.yaml "
+                                          r"has 'ridge'"):
+        check_meta_provenance(seed_file, seed_meta, p, MAIN)
 
 
 def test_projector_keeps_its_best_held_out_epoch(workdir):
@@ -96,7 +122,7 @@ def test_projector_keeps_its_best_held_out_epoch(workdir):
     assert min(val[1:]) > val[0]  # every trained epoch is worse than the start
     # the curve table keeps 8 significant digits (5e-8 relative); otherwise the same float
     assert kept["kept_epoch"] == 0 and kept["val_loss"] == pytest.approx(val[0], rel=1e-6)
-    proj, _ = load_projector(workdir / "models/projector_k20v20.pt")
+    proj, _ = load_projector(workdir / "models/projector_k20v20.pt", role=MAIN)
     maps, _ = load_ridge(workdir / paths.RIDGE_PATH)
     # the start itself, as saved (fp16)
     assert torch.equal(proj.proj.weight, maps["proj_20"]["W"].T.half().to(proj.proj.weight.dtype))
@@ -128,7 +154,7 @@ def test_adapters_improve_on_ridge_and_rerun_identically(workdir, tmp_path_facto
             assert (val_loss[-1], val_cos[-1]) == pytest.approx((r["trained"]["mse"], r["trained"]["cos"]), rel=1e-6)
 
     adapters = load_adapters(workdir / paths.ADAPTERS_PATH, expect=expected_meta(p, *load_plan(p.plan, p.model))[
-        "adapters"])  # what every consumer checks
+        "adapters"], role=MAIN)  # what every consumer checks
     assert (adapters.meta["layers"], adapters.meta["kv_dim"], adapters.meta["source"]) == ([24, 28, 32], KV, 20)
     assert adapters.width == 48
 
@@ -148,7 +174,7 @@ def test_extra_projectors_are_the_ridge_maps_or_trained(workdir, tmp_path):
     fits = ridge.run(p, workdir)
     m = extra_projectors.run(p, workdir)
     expect = expected_meta(p, *load_plan(p.plan, p.model))["projectors"]
-    extra, meta = load_projectors(workdir / paths.PROJECTORS_EXTRA, expect=expect)
+    extra, meta = load_projectors(workdir / paths.PROJECTORS_EXTRA, expect=expect, role=MAIN)
     assert list(extra) == [32] and meta["maps"] == "ridge"
     maps, _ = load_ridge(workdir / paths.RIDGE_PATH)
     W, b = maps["proj_32"]["W"], maps["proj_32"]["b"]
@@ -162,11 +188,11 @@ def test_extra_projectors_are_the_ridge_maps_or_trained(workdir, tmp_path):
     trained = dataclasses.replace(p, extra_projectors="trained")
     m = extra_projectors.run(trained, workdir)
     assert m["layers"]["32"]["maps"] == "trained" and m["layers"]["32"]["val_loss"] < m["layers"]["32"]["val_loss_init"]
-    assert load_projectors(workdir / paths.PROJECTORS_EXTRA, expect=expect)[1]["maps"] == "trained"
+    assert load_projectors(workdir / paths.PROJECTORS_EXTRA, expect=expect, role=MAIN)[1]["maps"] == "trained"
 
     # A plan without extra sources reads nothing and writes an empty file.
     assert extra_projectors.run(params(), tmp_path)["layers"] == {}
-    assert load_projectors(tmp_path / paths.PROJECTORS_EXTRA)[0] == {}
+    assert load_projectors(tmp_path / paths.PROJECTORS_EXTRA, role=MAIN)[0] == {}
 
 
 def test_stages_check_their_inputs_before_training(workdir):

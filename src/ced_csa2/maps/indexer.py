@@ -269,7 +269,7 @@ def load_indexer(path: str | Path, rope: Callable, *, expect: Mapping) -> Lightn
     ``expect`` holds what the model and layer fix (``model_id``, ``layer``, ``hidden_size``,
     ``kv_dim``, ``head_dim``): a mismatch is refused naming the file and key, before any weight is read.
     """
-    state, meta = load_checkpoint(path, KIND, expect)
+    state, meta = load_checkpoint(path, KIND, expect, role=None)  # a study's file: no branch of the pipeline
     indexer = LightningIndexer(meta["hidden_size"], meta["kv_dim"], meta["head_dim"], meta["heads"], rope,
                                key_heads=meta["key_heads"], offset=meta["offset"], rotate_keys=meta["rotate_keys"],
                                key_copies=meta.get("key_copies", 1))

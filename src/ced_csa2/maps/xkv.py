@@ -31,12 +31,13 @@ import torch
 from torch import nn
 
 from ..pipeline.checkpoint import load_checkpoint, load_state, save_checkpoint
+from ..pipeline.map_roles import Role
 
 KIND = "xkv"
 KINDS = ("k", "v")
 # What an xkv file must say about itself besides its shape (layers, kv_dim, rank come from
 # the module): see ced_csa2.pipeline.checkpoint.expected_meta / checkpoint_meta.
-REQUIRED_META = ("model", "model_id", "hidden_size", "plan", "split", "params_hash")
+REQUIRED_META = ("role", "model", "model_id", "hidden_size", "plan", "split", "params_hash")
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -192,7 +193,7 @@ def save_xkv(path: str | Path, basis: XKVBasis, meta: Mapping) -> Path:
     return save_checkpoint(path, KIND, basis, meta, REQUIRED_META)
 
 
-def load_xkv(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
+def load_xkv(path: str | Path, device=None, dtype: torch.dtype | None = None, *, role: Role,
              expect: Mapping | None = None) -> XKVBasis:
     """Load an xkv file written by :func:`save_xkv`.
 
@@ -202,6 +203,8 @@ def load_xkv(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
         The file.
     device, dtype
         Where and in what dtype to build the module (default: CPU, float32).
+    role
+        The branch it must belong to (:mod:`ced_csa2.pipeline.map_roles`; the pipeline's is ``main``).
     expect
         Metadata the file must match (the pipeline passes ``expected_meta(...)["xkv"]``:
         model, layers, hidden_size, kv_dim, plan); a mismatch raises
@@ -213,7 +216,7 @@ def load_xkv(path: str | Path, device=None, dtype: torch.dtype | None = None, *,
     XKVBasis
         In eval mode, the file's metadata attached as ``.meta``.
     """
-    state, meta = load_checkpoint(path, KIND, expect)
+    state, meta = load_checkpoint(path, KIND, expect, role=role)
     basis = XKVBasis(meta["layers"], meta["kv_dim"], meta["rank"])
     load_state(Path(path), basis, state)
     basis = basis.to(device=device, dtype=dtype or torch.float32).eval()

@@ -6,14 +6,16 @@ A checkpoint is ``torch.save`` of a plain dict (loadable with ``weights_only=Tru
      "format_version": 3,
      "state": {name: fp16 tensor},   # the module's state_dict, rounded to FP16
      "sha256": hex,                  # of the state (names, dtypes, shapes, bytes): state_digest
-     "meta": {...}}                  # what it is for: model, layer(s), geometry, plan; provenance
+     "meta": {...}}                  # what it is for: role, model, layer(s), geometry, plan; provenance
 
-Loading checks the format, the tensors against their sha256 (a flipped byte is refused,
-naming the file), then every ``expect`` key against ``meta``, before any tensor is used;
-each failure raises :class:`CheckpointError` naming the file (and the key with both
-values).  ``meta["provenance"]`` is the params the file was made from, its inputs'
-included (:func:`ced_csa2.config.provenance`); :func:`check_meta_provenance` refuses a file
-made with other params than the current ones.  :func:`expected_meta` is what a file made for a given model,
+Loading checks the format, the branch the file belongs to (``meta["role"]``,
+:mod:`ced_csa2.pipeline.map_roles`) against the one asked for, the tensors against their
+sha256 (a flipped byte is refused, naming the file), then every ``expect`` key against
+``meta``, before any tensor is used; each failure raises :class:`CheckpointError` naming the
+file (and the key, or the role, with both values).  ``meta["provenance"]`` is the params the
+file was made from as its branch applied them, its inputs' included
+(:func:`ced_csa2.config.provenance`); :func:`check_meta_provenance` refuses a file made with
+other params than the current ones.  :func:`expected_meta` is what a file made for a given model,
 plan and geometry says about itself: writers store it (:func:`checkpoint_meta`) and
 every consumer passes it as ``expect``.  :func:`init_linear_from_ridge` copies a
 closed-form map of the ridge stage into an ``nn.Linear``.
@@ -33,6 +35,8 @@ from torch import nn
 
 from ..config import check_provenance, params_hash
 from .atomic_files import atomic_write_bytes
+
+from .map_roles import Role, applied, describe
 
 if TYPE_CHECKING:
     from ..config import Params
@@ -96,23 +100,27 @@ def expected_meta(params: Params, plan: LayerPlan, geo: Geometry) -> dict[str, d
             "bank": {**model, "layers": list(plan.projected), **fit}}
 
 
-def checkpoint_meta(params: Params, plan: LayerPlan, geo: Geometry, *sections,
+def checkpoint_meta(params: Params, plan: LayerPlan, geo: Geometry, *sections, role: Role,
                     provenance: Mapping | None = None) -> dict[str, dict]:
-    """:func:`expected_meta` plus provenance, for the writers.
+    """:func:`expected_meta` plus role and provenance, for the writers.
 
-    Each kind's dict also holds ``split``, ``model_id`` (``model.hf_id`` or the name),
-    ``seed``, ``params_hash`` (:func:`ced_csa2.config.params_hash` of ``sections``, the
-    params sections that determine the weights) and ``provenance`` (the writer's
-    :func:`ced_csa2.config.provenance`, its inputs' merged in), checked by every reader.
+    Each kind's dict also holds ``role`` (``role.as_meta()``: the branch the files belong to),
+    ``split``, ``model_id`` (``model.hf_id`` or the name), ``seed``, ``params_hash``
+    (:func:`ced_csa2.config.params_hash` of ``sections``, the params sections that determine the
+    weights, as applied) and ``provenance`` (the writer's :func:`ced_csa2.config.provenance` of
+    :func:`ced_csa2.pipeline.map_roles.applied` params, its inputs' merged in), checked by every reader.
     """
-    made = {"split": plan.split, "model_id": params.model.hf_id or params.model.name, "seed": params.seed,
-            "params_hash": params_hash(*sections), "provenance": dict(provenance or {})}
+    made = {"role": role.as_meta(), "split": plan.split, "model_id": params.model.hf_id or params.model.name,
+            "seed": params.seed, "params_hash": params_hash(*sections), "provenance": dict(provenance or {})}
     return {kind: {**want, **made} for kind, want in expected_meta(params, plan, geo).items()}
 
 
-def check_meta_provenance(path: str | Path, meta: Mapping, params: Params) -> None:
-    """Refuse a map file whose recorded provenance is not ``params`` (:func:`ced_csa2.config.check_provenance`)."""
-    check_provenance(path, meta.get("provenance") or {}, params)
+def check_meta_provenance(path: str | Path, meta: Mapping, params: Params, role: Role) -> None:
+    """Refuse a map file of ``role`` whose recorded provenance is not ``params`` as ``role``'s branch applies them.
+
+    (:func:`ced_csa2.pipeline.map_roles.applied`, :func:`ced_csa2.config.check_provenance`.)
+    """
+    check_provenance(path, meta.get("provenance") or {}, applied(params, role))
 
 
 def state_digest(state: Mapping[str, torch.Tensor]) -> str:
@@ -162,7 +170,8 @@ def save_checkpoint(path: str | Path, kind: str, module: nn.Module, meta: Mappin
     return path
 
 
-def load_checkpoint(path: str | Path, kind: str, expect: Mapping | None = None) -> tuple[dict, dict]:
+def load_checkpoint(path: str | Path, kind: str, expect: Mapping | None = None, *,
+                    role: Role | None) -> tuple[dict, dict]:
     """``(state, meta)`` of a checkpoint written by :func:`save_checkpoint`, after all checks.
 
     Parameters
@@ -195,6 +204,14 @@ def load_checkpoint(path: str | Path, kind: str, expect: Mapping | None = None) 
     if blob.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {blob.get('format_version')!r}, expected {FORMAT_VERSION} "
                               "(written by another version: rebuild it with `dvc repro`)")
+    meta = blob["meta"]
+    if role is not None and meta.get("role") != role.as_meta():
+        stage = f"`dvc repro {role.writer(kind)}`"
+        if "role" not in meta:
+            raise CheckpointError(f"{path}: records no role (written before map files named their branch): "
+                                  f"rebuild it with {stage}")
+        raise CheckpointError(f"{path}: holds the {kind} of {describe(meta['role'])}, asked for the {kind} of "
+                              f"{role} (another branch's file?): rebuild it with {stage}")
     try:
         digest = state_digest(blob["state"])
     except Exception as exc:  # a flip that breaks a tensor's structure
@@ -204,7 +221,6 @@ def load_checkpoint(path: str | Path, kind: str, expect: Mapping | None = None) 
         raise CheckpointError(f"{path}: its tensors' sha256 is {_up_to_difference(digest, written)}, not the "
                               f"{_up_to_difference(written, digest)} it was written with: the file changed after it "
                               "was written (rebuild it with `dvc repro`)")
-    meta = blob["meta"]
     for key, want in (expect or {}).items():
         if key not in meta:
             raise CheckpointError(f"{path}: metadata has no '{key}' (expected {want!r})")

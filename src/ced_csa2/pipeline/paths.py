@@ -100,6 +100,12 @@ def objective_models(objective: str) -> Path:
     return MODELS / "objectives" / objective
 
 
+def objective_pair_models(objective: str, pair: str) -> Path:
+    """Folder of one of ``tune@<objective>``'s two pairs (``ced_csa2.pipeline.map_roles.PAIRS``): ``csa2``'s is the
+    branch's folder, ``ced_csa2``'s its ``ced_csa2/``."""
+    return objective_models(objective) / "ced_csa2" if pair == "ced_csa2" else objective_models(objective)
+
+
 OBJECTIVES_EVAL = METRICS / "objectives" / "eval.json"  # eval_objectives: every objective's scores
 
 # tune_mode_a: the maps Mode A runs with under mode_a.maps: trained

@@ -44,6 +44,7 @@ from ..eval import generation as gen
 from ..eval.perplexity import EVAL_SAMPLE_STREAM
 from ..model_utils import load_config, load_model_and_tokenizer, load_tokenizer, resolve_device
 from ..pipeline.atomic_files import write_json
+from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import EVAL_JSONL, GENERATION_METRICS, MODELS
 from ..pipeline.stage_runner import record_timing, run_stage
 from ..pipeline.timing import MIN_REPEATS
@@ -67,7 +68,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     model, _ = load_model_and_tokenizer(params.model, device=resolve_device(cfg.device))
     device = next(model.parameters()).device
     prompts = prompts.to(device)
-    parts = load_parts(workdir / MODELS, params, plan, geo, device=device, extra_sources=False)
+    parts = load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device, extra_sources=False)
     covered = not plan.uncovered(geo)
     jobs = {g: dict(groups=[g]) for g in gen.supported_groups()}
     if covered:

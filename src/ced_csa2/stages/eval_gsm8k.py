@@ -32,6 +32,7 @@ from ..eval.gsm8k import (
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline import distributed
 from ..pipeline.atomic_files import write_json
+from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import GOLD_PATH, GSM8K_JSONL, MODELS
 from ..pipeline.paths import GSM8K_METRICS as METRICS_PATH
 from ..pipeline.stage_runner import record_timing, run_stage
@@ -79,7 +80,8 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     low_rank = any(GROUPS[g].low_rank for g in cfg.groups)  # xkv: models/xkv.pt
     given = parts
     if parts is None and (any(GROUPS[g].uses_maps for g in cfg.groups) or low_rank):
-        parts = load_parts(workdir / MODELS, params, plan, geo, device=model.device, low_rank=low_rank)
+        parts = load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=model.device,
+                           low_rank=low_rank)
     check_chat_template(tok, params)
     lm = DataParallelLM(pretrained=model, tokenizer=tok, batch_size=cfg.batch_size)
     log.info("GSM8K (%s, %d problems, %d-shot, max_gen_toks %d): generation for %s, gold NLL for %s",

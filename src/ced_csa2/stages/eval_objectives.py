@@ -42,6 +42,7 @@ from ..eval.gsm8k import groups_gold_nll, load_gold_pairs, prompt_protocol
 from ..eval.perplexity import eval_ids, groups_ppl, protocol
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.atomic_files import read_json, write_json
+from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import EVAL_JSONL, GOLD_PATH, GSM8K_METRICS, MODELS, OBJECTIVES_EVAL, PPL_METRICS, SEED_INIT
 from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
@@ -105,7 +106,7 @@ def main_branch_rows(workdir: Path, params: Params, plan, geo, device) -> dict[s
     groups = [g for g in params.train.eval_groups if g in params.eval_ppl.groups and g in params.eval_gsm8k.groups]
     if not groups:
         return {}
-    main = load_parts(workdir / MODELS, params, plan, geo, device=device, extra_sources=False)
+    main = load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device, extra_sources=False)
     ppl, gsm8k = (read_json(workdir / path) for path in (PPL_METRICS, GSM8K_METRICS))
     return {maps_digest(g, main): {**ppl["groups"][g], "gold_nll": gsm8k["groups"][g]["gold_nll"]} for g in groups}
 

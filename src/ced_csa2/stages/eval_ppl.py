@@ -47,6 +47,7 @@ from ..eval.perplexity import eval_ids, groups_ppl, mode_a_prefix, protocol
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline import distributed
 from ..pipeline.atomic_files import write_json
+from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import EVAL_JSONL, MODELS, PPL_METRICS, domain_jsonl
 from ..pipeline.stage_runner import record_timing, run_stage
 from ..plan import load_plan
@@ -77,7 +78,7 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
     given = parts
     if parts is None:
-        parts = load_parts(workdir / MODELS, params, plan, geo, device=device,
+        parts = load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device,
                            low_rank=any(g in LOW_RANK_GROUPS for g in cfg.groups))  # models/xkv.pt
     # Every domain's records before any scoring: a missing or short domain file fails in seconds.
     ids = {None: eval_ids(params, tok, workdir), **{d.name: eval_ids(params, tok, workdir, d.name)

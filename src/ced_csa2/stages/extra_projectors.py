@@ -29,6 +29,7 @@ from ..config import Params, provenance
 from ..maps.ridge import ridge_provenance
 from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import checkpoint_meta
+from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import DUMP_PATH, EXTRA_METRICS, PROJECTORS_EXTRA, RIDGE_PATH
 from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
@@ -60,7 +61,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     trained = (recipe,) if params.extra_projectors == "trained" else ()
     made_from = {**(ridge_provenance(workdir / RIDGE_PATH) if layers else {}), **provenance(params, *PROVENANCE)}
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, *trained,
-                           provenance=made_from)["projectors"]
+                           role=MAIN, provenance=made_from)["projectors"]
     save_projectors(workdir / PROJECTORS_EXTRA, fitted.projectors, {**meta, "maps": params.extra_projectors})
     metrics = {"layers": {str(layer): m for layer, m in fitted.layers.items()},
                "run": {"maps": params.extra_projectors, **fitted.run}}

@@ -31,6 +31,7 @@ from ..maps.xkv import XKVBasis, group_layers, save_xkv, top_eigenvectors
 from ..maps.xkv_fit import BLOCK_ROWS, xkv_heldout, xkv_statistics
 from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import SAVE_DTYPE, checkpoint_meta
+from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import DUMP_PATH, XKV_METRICS, XKV_PATH
 from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
@@ -71,7 +72,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     log.info("captured energy: %s", {k: {s: round(v, 4) for s, v in e.items()} for k, e in energy.items()})
     n_train, n_val = int(train_mask.sum()), int(val_mask.sum())
     made_from = {**dump_provenance(dump), **provenance(params, *PROVENANCE)}
-    meta = {**checkpoint_meta(params, plan, geo, params.plan, params.xkv, provenance=made_from)["xkv"],
+    meta = {**checkpoint_meta(params, plan, geo, params.plan, params.xkv, role=MAIN, provenance=made_from)["xkv"],
             "val_fraction": params.split.val_fraction, "n_train_rows": n_train, "dump": dump_attrs,
             "energy_train": {kind: e["train"] for kind, e in energy.items()}}
     save_xkv(workdir / XKV_PATH, stored, meta)

@@ -41,6 +41,7 @@ from ..model_utils import resolve_device
 from ..pipeline import distributed
 from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import checkpoint_meta
+from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import ADAPTERS_CURVES, ADAPTERS_METRICS, ADAPTERS_PATH, DUMP_PATH, RIDGE_PATH
 from ..pipeline.stage_runner import run_stage
 from ..plan import load_plan
@@ -85,7 +86,7 @@ def _run(params: Params, workdir: Path) -> dict:
 
     made_from = {**ridge_provenance(workdir / RIDGE_PATH), **provenance(params, *PROVENANCE)}
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
-                           params.train_adapters, provenance=made_from)["adapters"]
+                           params.train_adapters, role=MAIN, provenance=made_from)["adapters"]
 
     layers: dict[str, dict] = {}
     for h, r, tr, epoch in zip(heads, ridge, trained, kept):

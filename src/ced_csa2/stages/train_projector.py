@@ -40,18 +40,18 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..config import Params, provenance, replaced
+from ..config import Params, provenance
 from ..data.dump_file import dump_provenance
 from ..maps.ridge import ridge_provenance
 from ..pipeline import distributed
 from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import checkpoint_meta
+from ..pipeline.map_roles import MAIN, SEED_INIT_ROLE, applied
 from ..pipeline.paths import (
     DUMP_PATH,
     PROJECTOR_CURVES,
     PROJECTOR_METRICS,
     RIDGE_PATH,
-    SEED_INIT,
     SEED_INIT_MODELS,
     projector_path,
 )
@@ -78,27 +78,38 @@ def _run(params: Params, workdir: Path) -> dict:
     train_mask, val_mask = split_masks(dump, params, plan, geo, [plan.source], tokens_per_record=0)
     fitted = train_projectors(params, dump, (plan.source,), geo, train_mask, val_mask, desc="train_projector",
                                ridge=workdir / RIDGE_PATH)
-    literal = replaced(params.train_projector, init="random", keep="last")
+    # The seed-literal reference is the same stage under SEED_INIT_RECIPE: its file records the
+    # params as applied (init: random, keep: last), which its reader checks it against.
+    seed_params = applied(params, SEED_INIT_ROLE)
+    literal = seed_params.train_projector
     seed = fitted if literal == params.train_projector else train_projectors(
         params, dump, (plan.source,), geo, train_mask, val_mask, desc="train_projector (seed init)",
         ridge=workdir / RIDGE_PATH, cfg=literal)
-    made_from = {**dump_provenance(dump), **(ridge_provenance(workdir / RIDGE_PATH) if params.train_projector.init
-                                             == "ridge" else {}), **provenance(params, *PROVENANCE)}
-    meta, seed_meta = (checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, cfg,
-                                       provenance=made_from)["projector"] for cfg in (params.train_projector, literal))
+    dumped = dump_provenance(dump)
+    meta, seed_meta = (
+        checkpoint_meta(p, plan, geo, p.model, p.plan, p.split, p.train_projector, role=role,
+                        provenance=made_from(p, workdir, dumped))["projector"]
+        for p, role in ((params, MAIN), (seed_params, SEED_INIT_ROLE)))
     metrics = {"layers": {str(layer): m for layer, m in fitted.layers.items()},
                "run": fitted.run,
                "seed_init": {"layers": {str(layer): m for layer, m in seed.layers.items()}, "run": seed.run}}
     if distributed.is_main():
         save_projector(workdir / projector_path(plan.source), fitted.projectors[plan.source], meta)
         save_projector(workdir / projector_path(plan.source, SEED_INIT_MODELS), seed.projectors[plan.source],
-                       {**seed_meta, "recipe": SEED_INIT})
+                       seed_meta)
         write_curves(workdir / PROJECTOR_CURVES, fitted.curves, x="epoch")
         write_json(workdir / PROJECTOR_METRICS, metrics)
     for layer, m in metrics["layers"].items():
         log.info("projector H_%d -> KV_%s: val R2 K %.4f V %.4f, cos K %.4f V %.4f", plan.split, layer,
                  m["k"]["r2"], m["v"]["r2"], m["k"]["cos"], m["v"]["cos"])
     return metrics
+
+
+def made_from(params: Params, workdir: Path, dumped: dict) -> dict:
+    """The provenance of a projector trained with ``params``: the dump's (``dumped``), the ridge maps'
+    (``init: ridge`` only: a random start reads none) and its own params."""
+    ridge = ridge_provenance(workdir / RIDGE_PATH) if params.train_projector.init == "ridge" else {}
+    return {**dumped, **ridge, **provenance(params, *PROVENANCE)}
 
 
 def main() -> None:

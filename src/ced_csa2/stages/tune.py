@@ -41,7 +41,8 @@ from ..data.records import check_prepared
 from ..maps.ridge import ridge_provenance
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.atomic_files import write_json
-from ..pipeline.paths import RIDGE_PATH, TRAIN_JSONL, objective_curves, objective_metrics, objective_models
+from ..pipeline.map_roles import PAIRS
+from ..pipeline.paths import RIDGE_PATH, TRAIN_JSONL, objective_curves, objective_metrics
 from ..pipeline.stage_runner import objective_arg, run_stage
 from ..plan import load_plan
 from ..train.training import Curves, write_curves
@@ -67,12 +68,11 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
         model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device("auto"))
         metrics["phases"], curves, metrics["protocol"] = train_branch(objective, params, plan, served, model, tok,
                                                                       workdir)
-    out = workdir / objective_models(objective)
     # The ridge export does not depend on the online budget or the data it reads: same params, same bytes.
     keys = PROVENANCE if objective == "ridge" else (*PROVENANCE, *ONLINE_PROVENANCE)
     made_from = {**ridge_provenance(workdir / RIDGE_PATH), **provenance(params, *keys)}
-    save_parts(out, objective, served["csa2"], params, plan, geo, made_from)
-    save_parts(out / "ced_csa2", objective, served["ced_csa2"], params, plan, geo, made_from)
+    for pair in PAIRS:
+        save_parts(workdir, objective, pair, served[pair], params, plan, geo, made_from)
     # ridge trains nothing: its (declared) curve table is the header alone, not a flat line
     write_curves(workdir / objective_curves(objective), curves, x="step")
     write_json(workdir / objective_metrics(objective) / "train.json", metrics)

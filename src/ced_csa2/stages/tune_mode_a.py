@@ -39,6 +39,7 @@ from ..maps.ridge import ridge_provenance
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import checkpoint_meta
+from ..pipeline.map_roles import MODE_A
 from ..pipeline.paths import (
     MODE_A_CURVES,
     MODE_A_METRICS,
@@ -115,17 +116,17 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
                                   if k in ("seq_len", "batch_size", "warmup_fraction", "weight_decay")}}
     made_from = {**ridge_provenance(ridge), **provenance(params, *PROVENANCE)}
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
-                           params.train.online, params.mode_a.train, provenance=made_from)
-    out, mark = workdir / MODE_A_MODELS, {"objective": OBJECTIVE}
+                           params.train.online, params.mode_a.train, role=MODE_A, provenance=made_from)
+    out = workdir / MODE_A_MODELS
     if parts.bank is not None:
-        save_bank(out / BANK_FILE, parts.bank.cpu(), {**meta["bank"], **mark})
+        save_bank(out / BANK_FILE, parts.bank.cpu(), meta["bank"])
     else:
-        save_projector(out / projector_path(plan.source).name, parts.projector.cpu(), {**meta["projector"], **mark})
+        save_projector(out / projector_path(plan.source).name, parts.projector.cpu(), meta["projector"])
         save_projectors(out / "projectors_extra.pt", {l: p.cpu() for l, p in parts.extra.items()},
-                        {**meta["projectors"], **mark})
-    save_adapters(out / "adapters.pt", parts.adapters.cpu(), {**meta["adapters"], **mark})
+                        meta["projectors"])
+    save_adapters(out / "adapters.pt", parts.adapters.cpu(), meta["adapters"])
     if parts.sink is not None:
-        save_sink(workdir / MODE_A_SINK, parts.sink.cpu(), {**meta["sink"], **mark})
+        save_sink(workdir / MODE_A_SINK, parts.sink.cpu(), meta["sink"])
     write_curves(workdir / MODE_A_CURVES, curves, x="step")
     write_json(workdir / MODE_A_METRICS, metrics)
     return metrics
