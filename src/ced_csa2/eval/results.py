@@ -284,7 +284,7 @@ def _generation_columns(g: dict) -> dict:
 
 
 def _retrieval_columns(r: dict) -> dict:
-    """A ``retrieval.json`` row as ``passkey_pct`` and (not the baseline's) ``dpasskey_points``, with ``_lo``/``_hi``."""
+    """A ``retrieval.json`` row as ``passkey_pct`` and, but for the baseline, ``dpasskey_points`` (``_lo``/``_hi``)."""
     row = {"passkey_pct": r["accuracy_pct"], "passkey_pct_lo": r["accuracy_ci95"][0],
            "passkey_pct_hi": r["accuracy_ci95"][1]}
     if "delta_points" in r:

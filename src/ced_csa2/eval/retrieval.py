@@ -198,9 +198,19 @@ def group_hits(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | 
                kv_format: str | None, batch_size: int) -> list[bool]:
     """Per record: is the answer ``group``'s greedy continuation through the cache that holds its bytes?
 
-    Each batch gets a fresh :func:`~ced_csa2.eval.generation.group_cache` (refused in one line for a
-    group without one) and runs inside its context: the prompts prefilled, the answers decoded
-    (:func:`answer_hits`).
+    Parameters
+    ----------
+    model, plan, parts, kv_format
+        As for :func:`~ced_csa2.eval.generation.group_cache`, which builds a fresh cache per batch
+        (refused in one line for a group without one); every forward runs inside its context.
+    records
+        Scored ``batch_size`` at a time among records of one prompt length: each batch's prompts
+        ``(B, T)`` prefilled in one call, its answers ``(B, A)`` decoded (:func:`answer_hits`).
+
+    Returns
+    -------
+    list[bool]
+        One per record, in the order of ``records``.
     """
     def scored():
         for batch in _batches(model, records, batch_size):
@@ -219,6 +229,11 @@ def mode_a_hits(model: nn.Module, plan: LayerPlan, parts: CEDParts, records: Seq
     :class:`~ced_csa2.ced_runtime.CEDModeARuntime` (``replay``, ``sink`` as there), which returns an
     ordinary cache; the last prompt token and the answers then decode through every layer, as
     :func:`~ced_csa2.eval.generation.mode_a_generation` continues.  Needs a covering plan.
+
+    Returns
+    -------
+    list[bool]
+        One per record, in the order of ``records``.
     """
     runtime = CEDModeARuntime(model, plan, geometry(model.config), parts, replay=replay, sink=sink)
 
