@@ -21,8 +21,8 @@ fails anyway; ``records`` 8 is what the pipeline's time budget buys (the generat
 <= 15% to ``make repro``'s ~23 min, ``eval_generation`` ~2 min of it: ~100 s left for this stage,
 at ~1.3 s per 1,024-token record and label on 2 CPU cores -- the study's 65 s per 50 records --
 and 9 labels; measured: 173 CPU-seconds on one thread, model load included).  Eight records
-catch a broken cache (a baseline at 6-7 of 8 against ~0: Mode A's prefill skip retrieves none),
-not a 5-point loss: that takes the paired test of ``studies/retrieval.yaml``'s n.
+catch a broken cache (the baseline's ~88% is ~7 of 8, a cache that loses the needle 0), not a
+5-point loss: that takes the paired test of ``studies/retrieval.yaml``'s n.
 
 Records: ``eval_retrieval.records`` passkey prompts of exactly ``eval_retrieval.length`` tokens
 from the root ``seed``, the filler the held-out records joined (``data/corpus/eval.jsonl``).
