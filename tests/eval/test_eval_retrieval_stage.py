@@ -55,6 +55,11 @@ def test_hits_through_each_cache_are_its_own_greedy_generation(tiny_model, tmp_p
         assert hits == [at is None for at in changed], label
         if label == "csa2":  # batching only groups records: one at a time scores the same
             assert retrieval.group_hits(model, plan, label, parts, own, params.kv_format, 1) == hits
+    # answers of two lengths batch apart and come back in the records' order (3 tokens: record 2's change cut off;
+    # ``own`` holds the loop's last label's, Mode A's, continuations)
+    assert label == gen.MODE_A
+    mixed = [dataclasses.replace(r, answer=r.answer[:3]) if i % 2 == 0 else r for i, r in enumerate(own)]
+    assert retrieval.mode_a_hits(model, plan, parts, mixed, 2) == [True, False, True, True, False]
 
 
 def test_the_stage_on_the_tiny_model_writes_deterministic_metrics(tiny_model, tmp_path):

@@ -156,12 +156,12 @@ def decode_hits(model, make_cache: Callable[[], object], records: Sequence[Passk
     :mod:`ced_csa2.runtime.shared_kv`); the prompt is prefilled in one call, then each answer
     token is fed as one decode step (:func:`answer_hits`), one record at a time.
     """
-    hits = []
-    for batch in _batches(model, records, 1):
-        cache = make_cache()
-        with cache.feed():
-            hits += answer_hits(model, cache, batch.prompts, batch.answers)
-    return hits
+    def scored():
+        for batch in _batches(model, records, 1):
+            cache = make_cache()
+            with cache.feed():
+                yield batch, answer_hits(model, cache, batch.prompts, batch.answers)
+    return _in_order(len(records), scored())
 
 
 @dataclass(frozen=True)
