@@ -21,7 +21,9 @@ needle at stratified depths) and scores, per record, whether greedy decoding ret
 The baseline alone is also scored at ``baseline_lengths`` (where the unchanged model still
 retrieves: the study's lengths are chosen below that).  Per group and length: accuracy with
 its Wilson 95% interval, and the change in points against the baseline on the same records
-(paired bootstrap over records).  Model dtype: the root params' (float32 on the default).
+(paired bootstrap over records; :func:`~ced_csa2.eval.retrieval.accuracy_row`, as the pipeline's
+``eval_retrieval`` stage reports it).  ``records`` is sized so that this paired change can tell a
+5-point loss from none (``studies/retrieval.yaml``).  Model dtype: the root params' (float32 on the default).
 
 Writes ``studies/retrieval/metrics.json``, ``retrieval.md`` and ``accuracy_vs_length.png``.
 Params: ``studies/retrieval.yaml`` and the root ``params.yaml``.
@@ -35,7 +37,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import yaml
 from tqdm import tqdm
 
@@ -43,7 +44,6 @@ from ced_csa2.ced_runtime import CEDModeBRuntime, _rope_fn, load_parts
 from ced_csa2.config import from_dict, load_params
 from ced_csa2.data.records import read_records
 from ced_csa2.eval import retrieval
-from ced_csa2.eval.stats import ratio_bootstrap
 from ced_csa2.maps.indexer import load_indexer
 from ced_csa2.model_utils import attention, load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
@@ -167,16 +167,10 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
 
     rows: dict[str, dict[int, dict]] = {}
     for length, by_group in hits.items():
-        base = np.array(by_group["baseline"], dtype=np.float64)
         for g, h in by_group.items():
-            h = np.array(h, dtype=np.float64)
-            r = {"retrieved": int(h.sum()), "n": len(h), "accuracy_pct": 100 * float(h.mean()),
-                 "accuracy_ci95": [100 * x for x in retrieval.wilson(int(h.sum()), len(h))],
-                 "seconds": round(seconds[length][g], 1)}
-            if g != "baseline":
-                d = ratio_bootstrap(h - base, np.ones_like(h), scale=100.0, seed=params.seed)
-                r.update(delta_points=d["value"], delta_points_ci95=d["ci95"])
-            rows.setdefault(g, {})[length] = r
+            base = None if g == "baseline" else by_group["baseline"]
+            rows.setdefault(g, {})[length] = {**retrieval.accuracy_row(h, base, params.seed),
+                                              "seconds": round(seconds[length][g], 1)}
     return {"protocol": {"model": params.model.hf_id or params.model.name, "dtype": str(model.dtype).removeprefix("torch."),
                          "task": "passkey retrieval (Mohtashami & Jaggi 2023): instruction, filler with one needle "
                                  "sentence, question; retrieved = greedy decoding returns every answer token "

@@ -136,6 +136,12 @@ def test_groups_table_and_summary_are_the_detailed_results(repo, reproduced):
         assert set(scored["groups"]) == set(params["eval_ppl"]["groups"]) and scored["mode_a"]["covered"]
         assert number(rows["csa2"], f"{domain}_dppl_pct") == scored["groups"]["csa2"]["delta_pct"]
         assert number(rows["mode_a"], f"{domain}_dppl_pct") == scored["mode_a"]["delta_pct"]
+    retrieval = json.loads((repo / "metrics/retrieval.json").read_text())  # every label through its cache
+    assert set(retrieval["groups"]) == {*params["eval_ppl"]["groups"], "mode_a"} - set(retrieval["protocol"]["not_run"])
+    for label, r in retrieval["groups"].items():
+        assert summary[label]["passkey_pct"] == r["accuracy_pct"] and r["n"] == params["eval_retrieval"]["records"]
+        if label != "baseline":
+            assert number(rows[label], "dpasskey_points") == r["delta_points"]
     assert summary["csa2"]["worst_domain_dppl_pct"] == max(ppl["domains"][d]["groups"]["csa2"]["delta_pct"]
                                                            for d in domains)
     for objective in params["train"]["objectives"]:

@@ -689,6 +689,24 @@ class EvalGenerationConfig(Section):
 
 
 @dataclass(frozen=True)
+class EvalRetrievalConfig(Section):
+    """Passkey retrieval through every group's own cache (stage ``eval_retrieval``; records drawn from ``seed``)."""
+
+    length: int  # tokens of every record, prompt + answer (at most the model's window)
+    records: int  # seeded passkey records, the same needles for every group
+    digits: int  # digits of each key
+    batch_size: int  # records prefilled together
+    device: str
+
+    def __post_init__(self):
+        _check(self.records >= 2, "eval_retrieval.records",
+               f"must be at least 2 (the change against the baseline resamples records), got {self.records}")
+        _check(1 <= self.digits <= 9, "eval_retrieval.digits", f"must be in [1, 9], got {self.digits}")
+        _check_positive(self, "eval_retrieval", "length", "batch_size")
+        _check_device(self.device, "eval_retrieval.device")
+
+
+@dataclass(frozen=True)
 class EvalGSM8KConfig(Section):
     groups: list[str]  # gold-solution NLL
     # lm-eval generation (EM), of groups; never a low-rank group (it compresses a finished prefill, no cached decoding)
@@ -740,6 +758,7 @@ class Params(Section):
     eval_ppl: EvalPPLConfig
     eval_gsm8k: EvalGSM8KConfig
     eval_generation: EvalGenerationConfig
+    eval_retrieval: EvalRetrievalConfig
     mode_a: ModeAConfig
     # A covering plan's extra sources (stage extra_projectors): the ridge maps as they are, or
     # trained with train_projector's recipe.

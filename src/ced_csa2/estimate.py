@@ -536,6 +536,18 @@ def est_eval_generation(s: Setup) -> StageEstimate:
                          host=host, device=device, seconds=seconds, note=f"{labels} groups and Mode A, greedy")
 
 
+def est_eval_retrieval(s: Setup) -> StageEstimate:
+    cfg = s.params.eval_retrieval
+    labels = len(supported_groups()) + mode_a_covered(s)
+    # per label: each record's prompt prefilled, then its answer decoded (a key's digits and its space at most)
+    seconds = labels * generation_seconds(s, cfg.records, cfg.batch_size, cfg.digits + 1, cfg.length)
+    context = cfg.batch_size * cfg.length
+    cache = context * 2 * s.model.geo.kv_dim * len(s.model.geo.attention_layers) * s.b + layer_bytes(s, context)
+    host, device = peaks(s, model=True, device_work=cache)
+    return StageEstimate("eval_retrieval", f"{cfg.records} passkey records x {cfg.length:,} tokens", host=host,
+                         device=device, seconds=seconds, note=f"{labels} labels (groups, Mode A): prefill + answer")
+
+
 def online_counts(s: Setup, records: int | None = None) -> tuple[int, int, int]:
     """``(train records, val records, tokens per record)`` of the online objectives (``train.online``;
     ``records`` train records instead of ``train.online.records``, as ``tune_mode_a`` asks)."""
@@ -627,7 +639,8 @@ def estimate(s: Setup) -> list[StageEstimate]:
     stages = [est_prepare(s), est_dump(s), est_ridge(s), est_fit_xkv(s),
               projector_training(s, "train_projector", (s.plan.source,), trained=True), est_extra_projectors(s),
               est_train_adapters(s), est_tune_mode_a(s), est_eval_ppl(s), est_eval_gsm8k(s),
-              *(est_tune(s, o) for o in objectives), est_eval_objectives(s), est_eval_generation(s)]
+              *(est_tune(s, o) for o in objectives), est_eval_objectives(s), est_eval_generation(s),
+              est_eval_retrieval(s)]
     return [e for e in stages if e is not None]
 
 

@@ -245,10 +245,10 @@ def test_the_headline_names_mode_a_s_own_reference():
     lines = headline_table({"baseline": {"ppl": 20.0, "gold_nll": 1.5},
                             "mode_a": {"dppl_pct": 4.0, "kl": 0.06, "dgold_nll": 0.2},
                             "csa2": {"dppl_pct": 6.0, "kl": 0.07, "dgold_nll": 0.1}})
-    assert lines[2:] == ["| baseline | 20.000 | – | 1.5000 | – | – | – |",
+    assert lines[2:] == ["| baseline | 20.000 | – | 1.5000 | – | – | – | – |",
                          "| mode_a (ΔPPL, KL: against the plain prefill, on each record's second half) | +4.00 | 0.0600 "
-                         "| +0.2000 | – | – | – |",
-                         "| csa2 | +6.00 | 0.0700 | +0.1000 | – | – | – |"]
+                         "| +0.2000 | – | – | – | – |",
+                         "| csa2 | +6.00 | 0.0700 | +0.1000 | – | – | – | – |"]
 
 
 def with_domains(ppl: dict) -> dict:
@@ -281,7 +281,7 @@ def test_each_domain_s_figures_and_the_worst_domain_reach_groups_tsv_the_summary
     head = summary(rows)
     assert head["ced"]["worst_domain_dppl_pct"] == 33.0 and head["mode_a"]["worst_domain_dppl_pct"] == 8.0
     assert all(isinstance(v, float) for r in head.values() for v in r.values())  # DVC metrics: numbers only
-    assert headline_table(head)[4] == "| ced | +25.00 | 0.5000 | +0.5000 | +33.00 | – | – |"
+    assert headline_table(head)[4] == "| ced | +25.00 | 0.5000 | +0.5000 | +33.00 | – | – | – |"
     table = domains_table(rows, ppl)
     assert table[0] == ("| group | wiki (held out) | fiction (trained on) | math | worst ÷ held out "
                         "| GSM8K gold solutions |")

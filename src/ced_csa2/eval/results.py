@@ -12,8 +12,8 @@ from ..config import Params, check_provenance
 from ..maps.ridge import adapter_map
 from ..pipeline.atomic_files import read_json
 from ..pipeline.figures import write_png
-from ..pipeline.paths import (GENERATION_METRICS, GSM8K_METRICS, METRICS, OBJECTIVES_EVAL, PPL_METRICS, SEED_INIT,
-                              STORAGE_METRICS)
+from ..pipeline.paths import (GENERATION_METRICS, GSM8K_METRICS, METRICS, OBJECTIVES_EVAL, PPL_METRICS,
+                              RETRIEVAL_METRICS, SEED_INIT, STORAGE_METRICS)
 from ..runtime.groups import GROUP_NAMES, GROUPS
 
 BASES = ("decoder_attention", "all_attention", "all_attention_amortised_32k")
@@ -205,7 +205,7 @@ def copied_note(evals: dict) -> list[str]:
 
 
 def group_rows(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict], groups: list[str],
-               generation: dict | None = None) -> dict:
+               generation: dict | None = None, retrieval: dict | None = None) -> dict:
     """Every scored group's numbers, flat: ``metrics/groups.tsv`` (all of them) and the headline's source.
 
     ``{group: {...}}`` for every runtime group of ``ppl.json``:
@@ -223,6 +223,10 @@ def group_rows(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict],
       ``gen_agreement`` (fraction of generated positions agreeing) and ``gen_dnll`` (Δ plausibility,
       nats/token), each with ``_lo`` / ``_hi`` (bootstrap 95% CI over prompts), for every group and
       ``mode_a`` decoded through its cache -- from ``generation.json`` (``generation``);
+    * ``passkey_pct`` (% of the passkey records retrieved through the group's own cache, Wilson 95%
+      ``_lo`` / ``_hi``) for the baseline, every group with such a cache and ``mode_a``, and
+      ``dpasskey_points`` (the change against the baseline on the same records, points, paired
+      bootstrap 95% ``_lo`` / ``_hi``) -- from ``retrieval.json`` (``retrieval``);
 
     plus ``{"<group>@<objective>": {"ppl", "dppl_pct", "kl", "top1", "gold_nll", "dgold_nll", ...}}``
     (with their CIs) for each ``train.eval_groups`` group under each tuned objective
@@ -264,6 +268,9 @@ def group_rows(ppl: dict, gsm: dict, storage: dict, objectives: dict[str, dict],
     for name, g in (generation or {}).get("groups", {}).items():
         if name in out and name != "baseline":
             out[name] |= _generation_columns(g)
+    for name, r in (retrieval or {}).get("groups", {}).items():
+        if name in out:
+            out[name] |= _retrieval_columns(r)
     return out
 
 
@@ -273,6 +280,16 @@ def _generation_columns(g: dict) -> dict:
     for name, key in (("gen_first_divergence", "first_divergence_mean"), ("gen_agreement", "agreement"),
                       ("gen_dnll", "delta_nll")):
         row |= {name: g[key], f"{name}_lo": g[f"{key}_ci95"][0], f"{name}_hi": g[f"{key}_ci95"][1]}
+    return row
+
+
+def _retrieval_columns(r: dict) -> dict:
+    """A ``retrieval.json`` row as ``passkey_pct`` and, but for the baseline, ``dpasskey_points`` (``_lo``/``_hi``)."""
+    row = {"passkey_pct": r["accuracy_pct"], "passkey_pct_lo": r["accuracy_ci95"][0],
+           "passkey_pct_hi": r["accuracy_ci95"][1]}
+    if "delta_points" in r:
+        row |= {"dpasskey_points": r["delta_points"], "dpasskey_points_lo": r["delta_points_ci95"][0],
+                "dpasskey_points_hi": r["delta_points_ci95"][1]}
     return row
 
 
@@ -300,8 +317,9 @@ def _domain_columns(results: dict[str, dict]) -> dict:
     return row
 
 
-# per compressed group; the baseline: ppl, gold_nll
-HEADLINE = ("dppl_pct", "kl", "dgold_nll", "worst_domain_dppl_pct", "gen_agreement", "gen_dnll")
+# per compressed group; the baseline: BASELINE_HEADLINE
+HEADLINE = ("dppl_pct", "kl", "dgold_nll", "worst_domain_dppl_pct", "gen_agreement", "gen_dnll", "passkey_pct")
+BASELINE_HEADLINE = ("ppl", "gold_nll", "passkey_pct")
 # Rows whose ΔPPL and KL are not against the baseline's PPL of the headline's first row.
 HEADLINE_LABELS = {"mode_a": "mode_a (ΔPPL, KL: against the plain prefill, on each record's second half)"}
 
@@ -309,13 +327,15 @@ HEADLINE_LABELS = {"mode_a": "mode_a (ΔPPL, KL: against the plain prefill, on e
 def summary(rows: dict[str, dict[str, float]]) -> dict:
     """``metrics/summary.json``, the DVC metrics: a screen of numbers that `dvc metrics diff` compares.
 
-    Of :func:`group_rows`: the baseline's ``ppl`` and ``gold_nll``; for every other runtime group
-    and ``mode_a``, the changes :data:`HEADLINE` (no intervals, no fits, no timings; the
+    Of :func:`group_rows`: the baseline's ``ppl``, ``gold_nll`` and ``passkey_pct``; for every other runtime
+    group and ``mode_a``, the changes :data:`HEADLINE` (no intervals, no fits, no timings; the
     ``<group>@<objective>`` rows, intervals, top-1, EM, bytes and each domain's figures are in
     ``metrics/groups.tsv``).  ``worst_domain_dppl_pct``: ΔPPL % on the other domain where it is largest;
-    ``gen_agreement`` / ``gen_dnll``: greedy decoding through the group's own cache against the baseline's.
+    ``gen_agreement`` / ``gen_dnll``: greedy decoding through the group's own cache against the baseline's;
+    ``passkey_pct``: % of the passkey records retrieved through it (the baseline's too, which the others'
+    are read against: a group's paired change with its interval is in ``metrics/groups.tsv``).
     """
-    return {group: {k: row[k] for k in (HEADLINE if "dppl_pct" in row else ("ppl", "gold_nll")) if k in row}
+    return {group: {k: row[k] for k in (HEADLINE if "dppl_pct" in row else BASELINE_HEADLINE) if k in row}
             for group, row in rows.items() if "@" not in group}
 
 
@@ -323,17 +343,19 @@ def headline_table(summary: dict[str, dict[str, float]]) -> list[str]:
     """The headline as a Markdown table, from ``metrics/summary.json`` alone (the report's and README's first table).
 
     One row per group in the summary's order: the baseline's PPL and gold NLL, then each
-    group's ΔPPL %, KL, Δ gold NLL, ΔPPL % on its worst other domain, and its greedy decoding's
-    agreement with the baseline and Δ plausibility ("–" where the group has none).
+    group's ΔPPL %, KL, Δ gold NLL, ΔPPL % on its worst other domain, its greedy decoding's
+    agreement with the baseline and Δ plausibility, and the passkey records it retrieves (the
+    baseline's too; "–" where the group has none).
     """
     lines = ["| group | ΔPPL % (baseline: PPL) | KL nats/token | Δ gold NLL (baseline: NLL) "
-             "| ΔPPL % worst other domain | greedy agreement | Δ plausibility nats/token |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| ΔPPL % worst other domain | greedy agreement | Δ plausibility nats/token | passkey % |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     formats = {"kl": ".4f", "dgold_nll": "+.4f", "worst_domain_dppl_pct": "+.2f", "gen_agreement": ".3f",
-               "gen_dnll": "+.4f"}
+               "gen_dnll": "+.4f", "passkey_pct": ".0f"}
     for group, row in summary.items():
         if "dppl_pct" not in row:
-            cells = [f"{row['ppl']:.3f}", "–", f"{row['gold_nll']:.4f}" if "gold_nll" in row else "–", "–", "–", "–"]
+            cells = [f"{row['ppl']:.3f}", "–", f"{row['gold_nll']:.4f}" if "gold_nll" in row else "–", "–", "–", "–",
+                     f"{row['passkey_pct']:{formats['passkey_pct']}}" if "passkey_pct" in row else "–"]
         else:
             cells = [f"{row['dppl_pct']:+.2f}", *(f"{row[k]:{f}}" if k in row else "–" for k, f in formats.items())]
         lines.append(f"| {HEADLINE_LABELS.get(group, group)} | " + " | ".join(cells) + " |")
@@ -362,6 +384,25 @@ def generation_table(generation: dict) -> list[str]:
             f"{ci(r['agreement'], r['agreement_ci95'], '.3f')} | {ci(r['delta_nll'], r['delta_nll_ci95'], '+.4f')} | "
             f"{r['used_bytes_per_token']:,.0f} | {r['allocated_bytes_per_token']:,.0f} | "
             f"{r['used_ratio_to_baseline']:.3f} | {r['allocated_ratio_to_baseline']:.3f} |")
+    lines += ["", "Not run (no cache holds their bytes yet): "
+              + "; ".join(f"`{g}`: {why}" for g, why in p["not_run"].items()) + "."]
+    return lines
+
+
+def retrieval_table(retrieval: dict) -> list[str]:
+    """``retrieval.json`` as the report's table: per label the records retrieved, accuracy [Wilson 95%] and the
+    change against the baseline on the same records [paired bootstrap 95%], with the protocol first."""
+    p = retrieval["protocol"]
+    lines = [f"Passkey retrieval through each group's own cache: {p['model']} ({p['dtype']}), n = {p['records']} "
+             f"records of {p['length']:,} tokens, {p['digits']}-digit keys, seed {p['seed']}, filler {p['filler']} "
+             f"(domain {p['domain']}), needle depth {p['depth']}; {p['task']}; FP4 format {p['kv_format']}; "
+             f"CIs: {p['ci']}.", "",
+             "| group | retrieved | accuracy % | Δ points vs baseline |", "|---|---:|---:|---:|"]
+    for g, r in retrieval["groups"].items():
+        lo, hi = r["accuracy_ci95"]
+        delta = (f"{r['delta_points']:+.1f} [{r['delta_points_ci95'][0]:+.1f}, {r['delta_points_ci95'][1]:+.1f}]"
+                 if "delta_points" in r else "–")
+        lines.append(f"| {g} | {r['retrieved']}/{r['n']} | {r['accuracy_pct']:.1f} [{lo:.1f}, {hi:.1f}] | {delta} |")
     lines += ["", "Not run (no cache holds their bytes yet): "
               + "; ".join(f"`{g}`: {why}" for g, why in p["not_run"].items()) + "."]
     return lines
@@ -679,12 +720,13 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
     """``reports/results.md``'s text, :func:`group_rows` and the figures' inputs (ppl, adapters, storage and
     the :func:`frontier`) from the detailed results under ``workdir``."""
     workdir = Path(workdir)
-    ppl, gsm, storage, generation = (_load(workdir, n) for n in ("ppl", "gsm8k", "storage", "generation"))
+    ppl, gsm, storage, generation, retrieval = (_load(workdir, n) for n in ("ppl", "gsm8k", "storage", "generation",
+                                                                            "retrieval"))
     # The report itself reads no kv_format: figures of the FP4 groups measured (and bytes counted) in
     # another format than params.yaml's are refused, as every artifact made with other params is.
     # gsm8k.json and objectives/eval.json are held to ppl.json's format below (RUN_PROTOCOL).
     for path, made in ((PPL_METRICS, ppl["protocol"]), (STORAGE_METRICS, storage),
-                       (GENERATION_METRICS, generation["protocol"])):
+                       (GENERATION_METRICS, generation["protocol"]), (RETRIEVAL_METRICS, retrieval["protocol"])):
         check_provenance(workdir / path, {"kv_format": made.get("kv_format")}, params)
     ridge, projector, adapters = (_load(workdir, n) for n in ("ridge", "projector", "adapters"))
     evals = _load(workdir, Path("objectives") / "eval")
@@ -702,7 +744,7 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
     groups = params.train.eval_groups
     windows = window_line(storage)
     rows = group_rows(ppl, gsm, storage, objectives | {SEED_INIT: {"eval": {"groups": evals[SEED_INIT]}}}, groups,
-                      generation)
+                      generation, retrieval)
     points = frontier(rows)
     text = "\n".join([
         "# Results", "", protocol_line(ppl, gsm), "", *([windows, ""] if windows else []),
@@ -712,6 +754,7 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
            *domains_table(rows, ppl), ""] if ppl.get("domains") else []),
         "## Generation through each group's own cache", "", *generation_table(generation), "",
         "![agreement by position](agreement.png)", "",
+        "## Passkey retrieval through each group's own cache", "", *retrieval_table(retrieval), "",
         "## Mode A: true CED (prefill skip)", "", *mode_a_table(ppl, gsm, _load(workdir, Path("mode_a") / "train")), "",
         "## Training objectives", "",
         "Same PPL and gold-NLL protocols as above; Δ against the baseline. `kv_mse (seed)` is the main "

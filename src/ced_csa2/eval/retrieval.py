@@ -19,6 +19,11 @@ cut at a seeded offset.
 * :func:`decode_hits` scores them through a KV cache as generation runs: the prompt
   prefilled, then one decode step per answer token (the sparse decode reads only at
   decode steps);
+* :func:`group_hits` and :func:`mode_a_hits` score them so through the cache that holds a
+  group's bytes (:func:`~ced_csa2.eval.generation.group_cache`) and after Mode A's prefill
+  skip, records of one prompt length batched (all of them, when the key's tokens do not vary);
+* :func:`accuracy_row` is one group's accuracy with its Wilson interval and its paired change
+  against the baseline over the same records;
 * :func:`wilson` is the interval of an accuracy.
 """
 
@@ -27,10 +32,17 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
+from torch import nn
+from transformers.cache_utils import Cache
 
+from ..ced_runtime import CEDModeARuntime, CEDParts
+from ..model_utils import geometry
+from ..plan import LayerPlan
+from . import generation, stats
 from .scoring import continuation_logprob, final_hidden
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -110,28 +122,148 @@ def forward_hits(model, records: Sequence[Passkey], batch_size: int = 1) -> list
 
 
 @torch.inference_mode()
+def answer_hits(model: nn.Module, cache: Cache, fed: torch.Tensor, answers: torch.Tensor) -> list[bool]:
+    """Per row: is the answer the greedy continuation, decoded through ``cache``?
+
+    Parameters
+    ----------
+    cache
+        Holds the prompts' positions before ``fed`` (none, or Mode A's prefill); the caller has
+        opened whatever context its forwards need.
+    fed : torch.Tensor, shape (B, t)
+        The prompts' positions ``cache`` does not hold yet, fed in one call.
+    answers : torch.Tensor, shape (B, A)
+        The answers: each token checked against the argmax, then fed as one decode step --
+        exactly what greedy generation does while it agrees.  Decoding stops once no row
+        agrees any more.
+    """
+    ok = torch.ones(answers.shape[0], dtype=torch.bool, device=answers.device)
+    step = fed
+    for i in range(answers.shape[1]):
+        logits = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        ok &= logits.argmax(-1) == answers[:, i]
+        if not ok.any():
+            break
+        step = answers[:, i:i + 1]
+    return ok.tolist()
+
+
+@torch.inference_mode()
 def decode_hits(model, make_cache: Callable[[], object], records: Sequence[Passkey]) -> list[bool]:
     """Per record: is the answer the greedy continuation, decoded through a fresh ``make_cache()``?
 
     ``make_cache()`` returns a cache with a ``feed()`` context (the shared stores of
     :mod:`ced_csa2.runtime.shared_kv`); the prompt is prefilled in one call, then each answer
-    token is fed as one decode step, stopping at the first token that is not the argmax.
+    token is fed as one decode step (:func:`answer_hits`), one record at a time.
     """
+    def scored():
+        for batch in _batches(model, records, 1):
+            cache = make_cache()
+            with cache.feed():
+                yield batch, answer_hits(model, cache, batch.prompts, batch.answers)
+    return _in_order(len(records), scored())
+
+
+@dataclass(frozen=True)
+class _Batch:
+    index: list[int]  # the records' positions in the caller's list
+    prompts: torch.Tensor  # (B, T)
+    answers: torch.Tensor  # (B, A)
+
+
+def _batches(model: nn.Module, records: Sequence[Passkey], batch_size: int) -> Iterator[_Batch]:
+    """``records`` in batches of at most ``batch_size`` that share one prompt length (records of one length
+    share it unless their keys tokenise to different counts), on the model's device."""
     device = next(model.parameters()).device
-    hits = []
-    for r in records:
-        cache = make_cache()
-        with cache.feed():
-            step = torch.tensor([r.prompt], device=device)
-            ok = True
-            for want in r.answer:
-                logits = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-                if int(logits.argmax()) != want:
-                    ok = False
-                    break
-                step = torch.tensor([[want]], device=device)
-        hits.append(ok)
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, r in enumerate(records):
+        by_shape.setdefault((len(r.prompt), len(r.answer)), []).append(i)
+    for index in by_shape.values():
+        for lo in range(0, len(index), batch_size):
+            chunk = index[lo:lo + batch_size]
+            yield _Batch(chunk, torch.tensor([records[i].prompt for i in chunk], device=device),
+                         torch.tensor([records[i].answer for i in chunk], device=device))
+
+
+def _in_order(n: int, scored: Iterator[tuple[_Batch, list[bool]]]) -> list[bool]:
+    hits: list[bool | None] = [None] * n
+    for batch, ok in scored:
+        for i, hit in zip(batch.index, ok):
+            hits[i] = hit
     return hits
+
+
+@torch.inference_mode()
+def group_hits(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None, records: Sequence[Passkey],
+               kv_format: str | None, batch_size: int) -> list[bool]:
+    """Per record: is the answer ``group``'s greedy continuation through the cache that holds its bytes?
+
+    Parameters
+    ----------
+    model, plan, parts, kv_format
+        As for :func:`~ced_csa2.eval.generation.group_cache`, which builds a fresh cache per batch
+        (refused in one line for a group without one); every forward runs inside its context.
+    records
+        Scored ``batch_size`` at a time among records of one prompt length: each batch's prompts
+        ``(B, T)`` prefilled in one call, its answers ``(B, A)`` decoded (:func:`answer_hits`).
+
+    Returns
+    -------
+    list[bool]
+        One per record, in the order of ``records``.
+    """
+    def scored():
+        for batch in _batches(model, records, batch_size):
+            built = generation.group_cache(model, plan, group, parts, kv_format)
+            with built.context:
+                yield batch, answer_hits(model, built.cache, batch.prompts, batch.answers)
+    return _in_order(len(records), scored())
+
+
+@torch.inference_mode()
+def mode_a_hits(model: nn.Module, plan: LayerPlan, parts: CEDParts, records: Sequence[Passkey], batch_size: int,
+                *, replay: int = 0, sink: str = "none") -> list[bool]:
+    """Per record: is the answer the greedy continuation after Mode A's prefill skip?
+
+    Each batch's prompts but their last token are prefilled by
+    :class:`~ced_csa2.ced_runtime.CEDModeARuntime` (``replay``, ``sink`` as there), which returns an
+    ordinary cache; the last prompt token and the answers then decode through every layer, as
+    :func:`~ced_csa2.eval.generation.mode_a_generation` continues.  Needs a covering plan.
+
+    Returns
+    -------
+    list[bool]
+        One per record, in the order of ``records``.
+    """
+    runtime = CEDModeARuntime(model, plan, geometry(model.config), parts, replay=replay, sink=sink)
+
+    def scored():
+        for batch in _batches(model, records, batch_size):
+            cache = runtime.prefill(batch.prompts[:, :-1])
+            yield batch, answer_hits(model, cache, batch.prompts[:, -1:], batch.answers)
+    return _in_order(len(records), scored())
+
+
+def accuracy_row(hits: Sequence[bool], base: Sequence[bool] | None, seed: int) -> dict:
+    """One group's accuracy over ``n`` records and, against the baseline's ``base`` on the same records, its change.
+
+    Returns
+    -------
+    dict
+        ``retrieved``, ``n``, ``accuracy_pct`` and ``accuracy_ci95`` (:func:`wilson`, %); with ``base``:
+        ``delta_points`` and ``delta_points_ci95`` (percentage points, paired bootstrap over records,
+        95%: :func:`~ced_csa2.eval.stats.ratio_bootstrap` of the per-record differences, whose
+        resamples the seed fixes).
+    """
+    h = np.asarray(hits, dtype=np.float64)
+    row = {"retrieved": int(h.sum()), "n": len(h), "accuracy_pct": 100 * float(h.mean()),
+           "accuracy_ci95": [100 * x for x in wilson(int(h.sum()), len(h))]}
+    if base is not None:
+        if len(base) != len(h):
+            raise ValueError(f"accuracy_row: {len(h)} records against a baseline of {len(base)}; pair the same records")
+        d = stats.ratio_bootstrap(h - np.asarray(base, dtype=np.float64), np.ones_like(h), scale=100.0, seed=seed)
+        row |= {"delta_points": d["value"], "delta_points_ci95": d["ci95"]}
+    return row
 
 
 def wilson(hits: int, n: int, z: float = 1.959963984540054) -> list[float]:

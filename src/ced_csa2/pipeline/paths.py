@@ -78,6 +78,7 @@ XKV_METRICS = METRICS / "xkv.json"
 PPL_METRICS = METRICS / "ppl.json"
 GSM8K_METRICS = METRICS / "gsm8k.json"
 GENERATION_METRICS = METRICS / "generation.json"
+RETRIEVAL_METRICS = METRICS / "retrieval.json"
 GOLD_PATH = DATA / "gsm8k_gold.json"
 STORAGE_METRICS = METRICS / "storage.json"
 SUMMARY = METRICS / "summary.json"  # the DVC metrics (the headline)

@@ -6,7 +6,8 @@ Writes ``reports/results.md`` (group x PPL, ΔPPL %, KL to the baseline and top-
 GSM8K exact match with Wilson 95% interval, gold-solution NLL, KV bytes/token and
 compression, each with its protocol line; Mode A against the plain prefill with its
 prefill speed-up; then one row per (group, training objective) of ``train.objectives``
-next to the seed's ``kv_mse`` and ``share_plain``),
+next to the seed's ``kv_mse`` and ``share_plain``; greedy generation and passkey retrieval through each
+group's own cache, from ``metrics/{generation,retrieval}.json``),
 ``reports/{ppl_by_group,adapter_cosine,bytes_vs_ppl}.png``, the headline numbers
 ``metrics/summary.json`` (:func:`~ced_csa2.eval.results.summary`: the DVC metrics) and every group's numbers with
 their intervals, ``metrics/groups.tsv`` (:func:`~ced_csa2.eval.results.groups_table`: a DVC plot).  Every

@@ -1,0 +1,135 @@
+"""``eval_retrieval`` stage: the passkey task through every group's own cache, against the baseline on the same needles.
+
+    python -m ced_csa2.stages.eval_retrieval       # what `dvc repro eval_retrieval` runs
+
+Every other quality figure of the pipeline is next-token PPL/KL or greedy agreement on short
+records; sharing K/V across layers is what a retrieval test at length would break.  Here the
+passkey task of :mod:`ced_csa2.eval.retrieval` (a 5-digit key hidden in held-out filler at a
+stratified depth, asked for at the end; retrieved when greedy decoding returns every token of
+it) runs for each group with a cache that holds its bytes
+(:func:`ced_csa2.eval.generation.supported_groups`, each through
+:func:`~ced_csa2.eval.generation.group_cache`) and for Mode A (the prefill skip, decoding on the
+ordinary cache it returns; covering plans), as ``eval_generation`` decodes them.  Per label:
+accuracy with its Wilson 95% interval and its change against the baseline in points over the
+same records (paired bootstrap 95%); the report's headline shows the accuracy
+(``passkey_pct``), so a compression that breaks retrieval shows in ``dvc metrics diff``.
+
+Why the defaults (``eval_retrieval`` in ``conf/config.yaml``): ``length`` 1,024 is the longest
+length where the embedded default's baseline still retrieves >= 80% (``studies/retrieval``:
+88% [76, 94] of 50 at 1,024, 78% at 2,048), so a group's loss is not hidden by a baseline that
+fails anyway; ``records`` 8 is what the pipeline's time budget buys (the generation work adds
+<= 15% to ``make repro``'s ~23 min, ``eval_generation`` ~2 min of it: ~100 s left for this stage,
+at ~1.3 s per 1,024-token record and label on 2 CPU cores -- the study's 65 s per 50 records --
+and 9 labels; measured: 173 CPU-seconds on one thread, model load included).  Eight records
+catch a broken cache (the baseline's ~88% is ~7 of 8, a cache that loses the needle 0), not a
+5-point loss: that takes the paired test of ``studies/retrieval.yaml``'s n.
+
+Records: ``eval_retrieval.records`` passkey prompts of exactly ``eval_retrieval.length`` tokens
+from the root ``seed``, the filler the held-out records joined (``data/corpus/eval.jsonl``).
+A length beyond the model's window, or a filler shorter than one record's share, is refused
+in one line before the model is loaded.  Maps: the main pipeline's (``models/``), Mode A's per
+``mode_a.maps``.
+
+Writes ``metrics/retrieval.json`` (``protocol``, ``groups``: one row per label, with each
+record's hit); wall seconds per label go to ``timings/eval_retrieval.json``, never into the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from ..ced_runtime import CEDParts, load_mode_a_parts, load_parts
+from ..config import Params
+from ..data.records import check_prepared, read_records
+from ..eval import generation as gen
+from ..eval import retrieval
+from ..model_utils import load_config, load_model_and_tokenizer, load_tokenizer, resolve_device
+from ..pipeline.atomic_files import write_json
+from ..pipeline.paths import EVAL_JSONL, MODELS, RETRIEVAL_METRICS
+from ..pipeline.stage_runner import record_timing, run_stage
+from ..plan import load_plan
+from ..runtime.groups import GROUPS
+
+log = logging.getLogger(__name__)
+
+
+def passkey_records(params: Params, workdir: Path, tok) -> list[retrieval.Passkey]:
+    """The stage's records (from the tokenizer alone); refused in one line naming the key or file at fault.
+
+    Raises
+    ------
+    ValueError
+        ``eval_retrieval.length`` beyond the model's window, or ``data/corpus/eval.jsonl`` too short
+        to fill one record.
+    """
+    cfg, path = params.eval_retrieval, workdir / EVAL_JSONL
+    window = getattr(load_config(params.model).get_text_config(), "max_position_embeddings", None)
+    if window is not None and cfg.length > window:
+        raise ValueError(f"eval_retrieval.length {cfg.length} is beyond the model's window ({window} positions)")
+    filler = tok("\n\n".join(r["text"] for r in read_records(path)), add_special_tokens=False)["input_ids"]
+    try:
+        return retrieval.passkey_prompts(tok, filler, cfg.length, cfg.records, params.seed, cfg.digits)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e} (eval_retrieval.length {cfg.length})") from None
+
+
+def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = None, model_and_tok=None) -> dict:
+    """Score every group and Mode A; returns the metrics written to ``metrics/retrieval.json``.
+
+    ``parts`` / ``model_and_tok`` override loading (tests): given ``parts`` serve Mode A too.
+    """
+    workdir, cfg = Path(workdir), params.eval_retrieval
+    plan, geo = load_plan(params.plan, params.model)
+    check_prepared(params, workdir, EVAL_JSONL)
+    tok = model_and_tok[1] if model_and_tok else load_tokenizer(params.model)
+    records = passkey_records(params, workdir, tok)  # refusals before the model loads
+    model, _ = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device(cfg.device))
+    device = next(model.parameters()).device
+    given = parts is not None
+    if not given:
+        parts = load_parts(workdir / MODELS, params, plan, geo, device=device, extra_sources=False)
+    covered = not plan.uncovered(geo)
+    jobs = {g: (lambda g=g: retrieval.group_hits(model, plan, g, parts, records, params.kv_format, cfg.batch_size))
+            for g in gen.supported_groups()}
+    if covered:
+        mode_a = parts if given else load_mode_a_parts(workdir, params, plan, geo, device=device)
+        jobs[gen.MODE_A] = lambda: retrieval.mode_a_hits(model, plan, mode_a, records, cfg.batch_size,
+                                                         replay=params.mode_a.replay, sink=params.mode_a.sink)
+    hits, seconds = {}, {}
+    for label, job in jobs.items():
+        t0 = time.perf_counter()
+        hits[label] = job()
+        seconds[label] = round(time.perf_counter() - t0, 2)
+        log.info("%s: %d/%d retrieved in %.1f s", label, sum(hits[label]), len(records), seconds[label])
+    record_timing(seconds=seconds)
+    base = hits["baseline"]
+    rows = {label: {**retrieval.accuracy_row(h, None if label == "baseline" else base, params.seed),
+                    "hits": [int(x) for x in h]} for label, h in hits.items()}
+    protocol = {"model": params.model.hf_id or params.model.name, "dtype": str(model.dtype).removeprefix("torch."),
+                "data": str(EVAL_JSONL), "domain": params.data.name, "records": len(records), "length": cfg.length,
+                "digits": cfg.digits, "seed": params.seed, "kv_format": params.kv_format,
+                "task": ("passkey retrieval (Mohtashami & Jaggi 2023): instruction, filler with one needle sentence, "
+                         "question; retrieved = greedy decoding returns every answer token"),
+                "filler": f"{EVAL_JSONL} records joined with blank lines, a seeded offset per record",
+                "depth": "stratified: record i's needle inside the i-th of n equal slices of the filler",
+                "decoding": "each group through the cache that holds its bytes: the prompt prefilled, the answer "
+                            "decoded one step per token",
+                "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
+                "mode_a": ({"replay": params.mode_a.replay, "sink": params.mode_a.sink,
+                            "maps": "given" if given else params.mode_a.maps}
+                           if covered else "not run: the plan does not cover every attention layer above the cut"),
+                "ci": "accuracy: Wilson 95%; change vs baseline: paired bootstrap over the same records, 95%",
+                "not_run": {g: gen.cache_refusal(g) for g in GROUPS if gen.cache_refusal(g)}}
+    metrics = {"protocol": protocol, "groups": rows}
+    write_json(workdir / RETRIEVAL_METRICS, metrics)
+    return metrics
+
+
+def main() -> None:
+    run_stage(run)
+
+
+if __name__ == "__main__":
+    main()
