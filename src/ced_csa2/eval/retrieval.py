@@ -215,7 +215,7 @@ def group_hits(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | 
     def scored():
         for batch in _batches(model, records, batch_size):
             built = generation.group_cache(model, plan, group, parts, kv_format)
-            with built.context:
+            with built.open():
                 yield batch, answer_hits(model, built.cache, batch.prompts, batch.answers)
     return _in_order(len(records), scored())
 
