@@ -131,6 +131,8 @@ def test_compose_cli_keeps_hand_edits_unless_forced_and_answers_in_one_line(tmp_
     assert diff[:2] == ["--- params.yaml", "+++ composition"] and "-kv_format: mxfp4" in diff
     assert "+kv_format: nvfp4" in diff and (tmp_path / "params.yaml").read_text() == before
     for bad, message in ((["modle=x"], "Could not override 'modle'"),
+                         (["model=gpt5"], "Could not find 'model/gpt5'; Available options in 'model': "
+                                          + ", ".join(sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))),
                          (["eval_ppl.records=-1"], "'eval_ppl.records' must be 0 (all) or at least 2")):
         with pytest.raises(SystemExit) as exc:
             main(bad)

@@ -46,7 +46,12 @@ def compose_or_exit(overrides: list[str]) -> str:
         raise SystemExit(f"error: {exc}") from None
     except Exception as exc:  # Hydra's override errors: keep their first line, drop the traceback
         if type(exc).__module__.startswith(("hydra", "omegaconf")):
-            raise SystemExit(f"error: overrides {list(overrides)}: {str(exc).splitlines()[0]}") from None
+            lines = str(exc).splitlines()
+            text = lines[0]
+            if getattr(exc, "options", None):  # a bad group option: Hydra lists the good ones a line each
+                heading = next((line for line in lines if line.startswith("Available options")), "Available options")
+                text += f"; {heading.rstrip(':')}: {', '.join(exc.options)}"
+            raise SystemExit(f"error: overrides {list(overrides)}: {text}") from None
         raise
 
 
