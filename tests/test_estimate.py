@@ -3,11 +3,12 @@
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import h5py
 import pytest
 import yaml
-from conftest import ROOT, compose, tiny_params
+from conftest import ROOT, TINY_OVERRIDES, compose, tiny_params
 
 from ced_csa2 import estimate
 from ced_csa2.config import Params, from_dict, load_params, to_dict
@@ -111,3 +112,97 @@ def test_full_profile_offline_and_the_gpu_guide_shows_its_output(tmp_path, capsy
     assert shown, f"docs/gpu.md shows no `$ {command}` block"
     estimate.main([*FULL, "--device", "cuda", "--workdir", str(tmp_path)])
     assert capsys.readouterr().out.rstrip("\n") == shown.group(1)
+
+
+def test_rates_scale_to_this_cpu_s_probe_cached_per_cpu_flags_cores_and_threads(tmp_path):
+    import os
+
+    import torch
+
+    key = estimate.cpu_key()
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.is_file() else set()
+    assert key["flags"] == [f for f in estimate.PROBE_FLAGS if f in flags]
+    assert (key["cores"], key["torch_threads"]) == (os.cpu_count(), torch.get_num_threads())
+    fitted, cache = estimate.RATES["cpu"], tmp_path / "cpu_probe.json"
+    # this CPU's cached probe at half the fitted CPU's: its compute rates halve (exactly: a power of two), disk's stay
+    cache.write_text(json.dumps({json.dumps(key, sort_keys=True): {
+        "flops": estimate.PROBE_REFERENCE_FLOPS / 2, "when": "2026-12-06 08:00", "load": None}}))
+    rates = estimate.calibrated_rates(cache=cache)
+    assert (rates.model_flops, rates.map_flops, rates.f64_flops, rates.logits) == (
+        fitted.model_flops / 2, fitted.map_flops / 2, fitted.f64_flops / 2, fitted.logits / 2)
+    assert rates.decode_step_s == 2 * fitted.decode_step_s and rates.read_bytes == fitted.read_bytes
+    assert rates.basis.startswith("calibrated here: 0.50x") and "2026-12-06 08:00" in rates.basis
+    # another machine's entry (one core more) is not this one's: probed afresh, kept only from a quiet machine
+    other = json.dumps({**key, "cores": key["cores"] + 1}, sort_keys=True)
+    cache.write_text(json.dumps({other: {"flops": 1.0, "when": "then", "load": None}}))
+    rates = estimate.calibrated_rates(cache=cache)
+    saved = json.loads(cache.read_text())
+    assert saved[other]["flops"] == 1.0 and rates.model_flops != fitted.model_flops / estimate.PROBE_REFERENCE_FLOPS
+    assert (json.dumps(key, sort_keys=True) in saved) == ("not cached" not in rates.basis)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan.targets=[99]"], "plan target layer 99 does not exist"),
+    (["-S", "ridge.lamda=3"], "'ridge.lamda=3']: Could not override 'ridge.lamda'"),  # as `dvc exp run -S` takes it
+    (["--workdir", "{tmp}"], "{tmp}/params.yaml: params key 'ridge_lambda' is not a"),
+])
+def test_cli_answers_a_bad_param_in_one_line(tmp_path, argv, message):
+    text = (ROOT / "params.yaml").read_text()
+    (tmp_path / "params.yaml").write_text(text + "ridge_lambda: 10.0\n")  # meant: ridge.lambda
+    tiny = [] if "--workdir" in argv else TINY_OVERRIDES
+    with pytest.raises(SystemExit) as exc:
+        estimate.main([*tiny, *(a.format(tmp=tmp_path) for a in argv)])
+    text = str(exc.value)
+    assert text.startswith("error: ") and message.format(tmp=tmp_path) in text and "\n" not in text
+
+
+# Two stages as dvc.yaml's read params.yaml: `a` one key, `b` another and `a`'s output.
+DVC_YAML = """stages:
+  a:
+    cmd: echo a > a.txt
+    params: [ridge.lambda]
+    outs: [a.txt]
+  b:
+    cmd: cat a.txt > b.txt
+    deps: [a.txt]
+    params: [kv_format]
+    outs: [b.txt]
+"""
+PARAMS = "ridge:\n  lambda: 1.0\nkv_format: nvfp4\n"
+
+
+def test_changed_previews_a_composition_without_writing_params_yaml(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    def sh(*args):
+        done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True,
+                              env=dict(os.environ, DVC_NO_ANALYTICS="1"))
+        assert done.returncode == 0, done.stderr
+
+    dvc = str(Path(sys.executable).parent / "dvc")
+    monkeypatch.chdir(tmp_path)  # DVC names stages relative to where it runs, as the command line runs
+    sh("git", "init", "-q")
+    sh(dvc, "init", "-q")
+    (tmp_path / "dvc.yaml").write_text(DVC_YAML)
+    params = tmp_path / "params.yaml"
+    params.write_text(PARAMS)
+    sh(dvc, "repro", "-q")
+    assert estimate.rerun_plan(tmp_path) == [] == estimate.rerun_plan(tmp_path, PARAMS)
+    mxfp4 = PARAMS.replace("nvfp4", "mxfp4")
+    assert estimate.rerun_plan(tmp_path, mxfp4) == [("b", "changed: changed deps")]
+    assert estimate.rerun_plan(tmp_path, PARAMS.replace("1.0", "2.0")) == [
+        ("a", "changed: changed deps"), ("b", "downstream of a")]
+    assert params.read_text() == PARAMS  # previewed, not written
+    # hand edits of params.yaml are not what `dvc exp run -S` runs: the composition's values decide
+    params.write_text(PARAMS.replace("1.0", "5.0"))
+    assert estimate.rerun_plan(tmp_path) == [("a", "changed: changed deps"), ("b", "downstream of a")]
+    assert estimate.rerun_plan(tmp_path, PARAMS) == []
+    # a composition DVC has run before comes from the run cache
+    params.write_text(mxfp4)
+    sh(dvc, "repro", "-q")
+    params.write_text(PARAMS)
+    sh(dvc, "repro", "-q")
+    assert estimate.rerun_plan(tmp_path, mxfp4) == [("b", "run cache")]

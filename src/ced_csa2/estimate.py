@@ -2,6 +2,8 @@
 
     python -m ced_csa2.estimate                      # params.yaml as committed, on this machine's device
     python -m ced_csa2.estimate model=qwen3_5_4b data=wikitext plan=qwen3_5 budget=recipe --device cuda
+    python -m ced_csa2.estimate --changed            # what `dvc repro` would re-run now, why, and its minutes
+    python -m ced_csa2.estimate --changed -S ridge.lambda=10   # ... what `dvc exp run -S ridge.lambda=10` would
 
 Overrides compose ``conf/`` in memory as ``python -m ced_csa2.compose`` would (``params.yaml``
 is left as it is); without them ``params.yaml`` is read.  Nothing heavy runs: the model is
@@ -27,8 +29,12 @@ What the columns count:
   a CPU run puts it all on the host.
 * **steps** -- optimizer steps of the stages that train.
 * **time** -- the stage's work over :data:`RATES` (FLOPs of its matmuls, dump bytes read and
-  written, generation steps): measured on this project's CPU, *assumed* for a GPU.  An order
-  of magnitude, not a promise.
+  written, generation steps): measured on this project's CPU, *assumed* for a GPU.  On a CPU the
+  command line scales the compute rates to the machine it runs on (:func:`calibrated_rates`: a
+  two-second matmul probe against the same probe on the CPU the rates were fitted on, cached in
+  ``<asset cache>/estimate/cpu_probe.json`` per CPU model, flags, cores and torch threads) and
+  prints the load average when other work shares the CPU.  How close it comes:
+  ``docs/costs.md``, "The estimate on your CPU".
 
 Stages that need seconds and no model (``check_params``, ``storage``, ``gold_pairs``,
 ``report``) are not listed.
@@ -37,8 +43,11 @@ Stages that need seconds and no model (``check_params``, ``storage``, ``gold_pai
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +57,7 @@ import yaml
 
 from .ced_runtime import prompt_tokens
 from .eval.generation import supported_groups
-from .config import Params, ParamsError, from_dict, load_params
+from .config import Params, from_dict, load_params
 from .csa2 import mlp_width
 from .data.dump_file import DumpLayout
 from .data.loader import record_split
@@ -79,7 +88,7 @@ class Rates:
     basis: str
 
 
-# This project's 2-core AVX512 Xeon (no AMX, so fp32), fitted to the embedded default's measured stages
+# This project's 2-core AVX-512 Xeon in fp32 (the default's dtype on every CPU), fitted to the embedded default's measured stages
 # (benchmarks/results/repro_e2e.md, metrics/*.json) with this module's own work model: the dump's forward
 # passes, 1.36e13 FLOPs in 66.3 s less its writes; both trainers, 6.2e12 FLOPs in 30.0 s less their reads;
 # ridge, 5.4e11 float64 FLOPs in 8.4 s less its reads; the four scoring stages, 3.6e10 scored logits in the
@@ -102,6 +111,15 @@ RATES = {
                   basis="ASSUMED (no GPU measured): 100 TFLOP/s bf16 for the model, 50 for the maps, 5e10 scored "
                         "logits/s, 40 ms per generation step; host CPU work and dump I/O at this project's CPU rates"),
 }
+# The probe: SmolLM2's MLP up-projection over 4,096 positions, float32, the decoder's commonest product.  A stand-in
+# for the model's forward because it needs no weights (the full profile's model cannot run on most CPUs at all), takes
+# two seconds whatever the profile, and measures what the fitted rates depend on: the BLAS kernels (AVX2, AVX-512) and
+# the cores torch uses.  On the CPU that fitted _CPU it ran at 300 GFLOP/s, the decoder's matmuls at 210 (docs/costs.md,
+# "Where the time goes").
+PROBE_SHAPE = (4096, 576, 1536)
+PROBE_REFERENCE_FLOPS = 3.0e11
+PROBE_SECONDS = 2.0
+PROBE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides the kernels (fp32, and bf16 if asked)
 # Peak RSS of a stage that imports torch + transformers and loads no model (the storage stage, 308 MiB, repro_e2e.md).
 RUNTIME_HOST = 308 * MiB
 CUDA_CONTEXT = 512 * MiB  # ASSUMED: what the CUDA context and kernels take on the device before any tensor
@@ -654,6 +672,72 @@ def setup(params: Params, device: str, workdir: Path = Path(".")) -> Setup:
                  prompt, workdir)
 
 
+# ----------------------------------------------------------------------------- this machine's rates
+
+def cpu_key() -> dict:
+    """What makes one CPU's rates another's: its model name, :data:`PROBE_FLAGS` present, cores, torch threads."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)  # the last CPU's lines: all alike
+    flags = set(fields.get("flags\t\t", "").split())
+    return {"cpu": fields.get("model name\t", "unknown").strip(), "flags": [f for f in PROBE_FLAGS if f in flags],
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+
+
+def probe_flops(seconds: float = PROBE_SECONDS) -> float:
+    """FLOP/s of :data:`PROBE_SHAPE`'s float32 product, repeated for ``seconds`` after one warm-up (thread pool, buffers)."""
+    m, k, n = PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    a @ b
+    reps, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        a @ b
+        reps += 1
+    return 2.0 * m * k * n * reps / elapsed
+
+
+def busy_load() -> float | None:
+    """The 1-minute load average when other work holds over half the cores (times then stretch), else ``None``."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return load if load > 0.5 * (os.cpu_count() or 1) else None
+
+
+def calibrated_rates(reprobe: bool = False, cache: Path | None = None) -> Rates:
+    """:data:`RATES` ``["cpu"]``'s compute rates scaled to this CPU, its ``basis`` saying how (the report prints it).
+
+    The probe's result is cached per :func:`cpu_key` in ``cache`` (default ``<asset cache>/estimate/cpu_probe.json``)
+    when the machine was quiet: a busy moment's rate would slow every later estimate.  Dump I/O keeps the fitted rates
+    (disk, not cores).  ``reprobe``: measure again.
+    """
+    from .assets import cache_root
+    from .pipeline.atomic_files import atomic_write_text
+
+    path = cache or cache_root() / "estimate" / "cpu_probe.json"
+    key = cpu_key()
+    name = json.dumps(key, sort_keys=True)
+    probes = json.loads(path.read_text()) if path.is_file() else {}
+    probe = None if reprobe else probes.get(name)
+    if probe is None:
+        load = busy_load()
+        probe = {"flops": probe_flops(), "when": time.strftime("%Y-%m-%d %H:%M"), "load": load}
+        if load is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps({**probes, name: probe}, indent=1, sort_keys=True))
+    scale = probe["flops"] / PROBE_REFERENCE_FLOPS
+    rates = dataclasses.replace(
+        _CPU, model_flops=_CPU.model_flops * scale, map_flops=_CPU.map_flops * scale,
+        f64_flops=_CPU.f64_flops * scale, logits=_CPU.logits * scale, decode_step_s=_CPU.decode_step_s / scale,
+        basis=(f"calibrated here: {scale:.2f}x the fitted CPU's compute rates (probe {probe['flops'] / 1e9:.0f} of "
+               f"{PROBE_REFERENCE_FLOPS / 1e9:.0f} GFLOP/s fp32, {probe['when']}"
+               + (f", under load {probe['load']:.1f}, not cached" if probe["load"] is not None else "")
+               + f"; {key['cores']} cores, {key['torch_threads']} torch threads, {' '.join(key['flags']) or 'no AVX2'})"))
+    now = busy_load()
+    if now is not None:
+        rates = dataclasses.replace(rates, basis=rates.basis + f"; BUSY now: load {now:.1f} on {key['cores']} cores, "
+                                                               "the times stretch while it lasts")
+    return rates
+
+
 # ----------------------------------------------------------------------------- output
 
 def fmt_bytes(n: int | None) -> str:
@@ -698,7 +782,7 @@ def report(s: Setup, stages: list[StageEstimate]) -> str:
     return "\n".join(lines)
 
 
-def rerun_plan(workdir: Path) -> list[tuple[str, str]]:
+def rerun_plan(workdir: Path, params_text: str | None = None) -> list[tuple[str, str]]:
     """What ``dvc repro`` of ``dvc.yaml`` would do now, stage by stage in pipeline order: ``[(stage, why)]``.
 
     In ``dvc.yaml``'s order.  A stage DVC reports changed (``dvc status``) whose inputs are all
@@ -706,22 +790,52 @@ def rerun_plan(workdir: Path) -> list[tuple[str, str]]:
     there (restored in seconds, nothing computed), else ``"changed: <what>"``.  Stages downstream
     of a changed one get ``"downstream of <stage>"``: they re-run unless the run cache also holds
     the inputs their upstream stages will write (which is only known once those ran).
+
+    ``params_text``: a composed ``params.yaml`` (what ``dvc exp run -S ...`` would write) read in place of the
+    workspace's, which stays as it is: each stage's params are compared with ``dvc.lock``'s and looked up in the
+    run cache with those values.
     """
+    import tempfile
+
     import networkx as nx
+    from dvc.dependency.param import ParamsDependency, read_param_file
+    from dvc.fs import LocalFileSystem
     from dvc.repo import Repo
 
-    with Repo(str(workdir)) as repo:
+    with Repo(str(workdir)) as repo, tempfile.TemporaryDirectory() as tmp:
+        composed = Path(tmp) / "params.yaml"
+        if params_text is not None:
+            composed.write_text(params_text)
+
+        def params_values(dep):  # the composition's values of a stage's params, flattened as DVC records them
+            return read_param_file(LocalFileSystem(), str(composed), list(dep.params) or None, flatten=True)
+
         graph = repo.index.graph  # an edge points from a stage to a stage it depends on
         status = repo.status(targets=[str(workdir / "dvc.yaml")])
-        plan, target = [], (workdir / "dvc.yaml").resolve()
+        target = (workdir / "dvc.yaml").resolve()
         # dvc.yaml's order (already an order its dependencies respect); studies/dvc.yaml is not
         # what `dvc repro` runs
-        for stage in (s for s in repo.index.stages if Path(s.path).resolve() == target):
+        stages = [s for s in repo.index.stages if Path(s.path).resolve() == target]
+        if params_text is not None:  # the composition's verdict on params in place of the workspace file's
+            for stage in stages:
+                params = [d for d in stage.deps if isinstance(d, ParamsDependency)]
+                changes = [c for c in status.get(stage.addressing, [])
+                           if not (isinstance(c, dict) and set(c) == {"changed deps"}
+                                   and set(c["changed deps"]) <= {str(d) for d in params})]
+                if any(params_values(d) != (d.hash_info.value or {}) for d in params):
+                    changes.append({"changed deps": {str(d): "modified" for d in params}})
+                status[stage.addressing] = changes
+            status = {name: changes for name, changes in status.items() if changes}
+        plan = []
+        for stage in stages:
             upstream = sorted(d.addressing for d in nx.descendants(graph, stage) if d.addressing in status)
             if upstream:
                 plan.append((stage.addressing, f"downstream of {', '.join(upstream)}"))
             elif stage.addressing in status:
                 stage.save_deps()  # the inputs' current hashes (in memory): the run cache's key
+                if params_text is not None:
+                    for dep in (d for d in stage.deps if isinstance(d, ParamsDependency)):
+                        dep.fill_values(params_values(dep))
                 # DVC's own lookup (no public API asks "is this run cached?"; restore(dry=True)
                 # answers from dvc.lock for a stage whose definition is unchanged)
                 cache = repo.stage_cache._load(stage)
@@ -767,33 +881,40 @@ def measured_seconds(workdir: Path) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m ced_csa2.estimate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/ (none: read params.yaml)")
+    ap.add_argument("-S", "--set-param", action="append", default=[], metavar="KEY=VALUE", dest="set_params",
+                    help="an override as `dvc exp run -S` takes it (the same as a positional one)")
     ap.add_argument("--device", choices=list(RATES), default=None,
                     help="where the model stages run (default: cuda when this machine has it, else cpu)")
     ap.add_argument("--workdir", type=Path, default=Path("."), help="where data/ and metrics/ are (default: here)")
     ap.add_argument("--changed", action="store_true",
-                    help="preview the edit: the stages `dvc repro` would run now (params.yaml against dvc.lock), "
-                         "why, and their minutes")
+                    help="preview the edit: the stages `dvc repro` would run now (params.yaml against dvc.lock; with "
+                         "overrides, their composition, as `dvc exp run -S` would write it), why, and their minutes")
+    ap.add_argument("--probe", action="store_true", help="measure this CPU's rate again (else the cached probe)")
     args = ap.parse_args(argv)
-    if args.overrides:
-        from .compose import compose_or_exit
+    overrides = [*args.overrides, *args.set_params]
+    try:
+        if overrides:
+            from .compose import compose_or_exit
 
-        params = from_dict(Params, yaml.safe_load(compose_or_exit(args.overrides)))
-    else:
-        try:
-            params = load_params(args.workdir / "params.yaml")
-        except ParamsError as exc:  # none there, or a bad one: one line, as for a bad override
-            raise SystemExit(f"error: {exc}") from None
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    s = setup(params, device, args.workdir)
+            text = compose_or_exit(overrides)
+            params = from_dict(Params, yaml.safe_load(text))
+        else:
+            text, params = None, load_params(args.workdir / "params.yaml")
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        s = setup(params, device, args.workdir)
+        if device == "cpu":  # after setup: a bad params file answers before the probe's seconds
+            s = dataclasses.replace(s, rates=calibrated_rates(args.probe))
+        stages = estimate(s)
+    except ValueError as exc:  # a bad params file, plan or profile (ParamsError, PlanError, ...): one line
+        raise SystemExit(f"error: {exc}") from None
     if args.changed:
-        if args.overrides:
-            ap.error("--changed previews params.yaml as it is: give no overrides")
-        estimated = {e.stage: e.seconds for e in estimate(s) if e.seconds is not None}
-        print(changed_report(rerun_plan(args.workdir), estimated, measured_seconds(args.workdir)))
+        estimated = {e.stage: e.seconds for e in stages if e.seconds is not None}
+        print(changed_report(rerun_plan(args.workdir, text), estimated, measured_seconds(args.workdir)))
         return
-    print(report(s, estimate(s)))
+    print(report(s, stages))
 
 
 if __name__ == "__main__":
