@@ -155,3 +155,23 @@ def test_experiment_names_resolve_like_revisions_and_sit_side_by_side(project):
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr == ("error: 'lam1' is neither a git revision nor a `dvc exp` "
                                                   "experiment (`dvc exp list` names them)\n")
+
+
+def test_make_repro_ends_naming_the_baseline_and_make_baseline_sets_it(project):
+    """The Makefile's own recipes (``make -n``: the pipeline and the venv are not what is tested), run here."""
+    root = Path(__file__).resolve().parents[1]
+
+    def recipe(target):
+        lines = run(root, "make", "-n", "-o", ".venv/.installed", target).splitlines()
+        assert lines[-1].startswith("python -m ced_csa2.diff ")
+        return lines
+
+    repro, baseline = recipe("repro"), recipe("baseline")
+    assert repro[0] == "dvc repro" and len(baseline) == 1
+
+    def after(lines):  # what the recipe's last command prints in the project
+        return diff(project, *lines[-1].split()[3:])
+
+    assert after(repro).startswith("next diff: against HEAD") and after(repro).count("\n") == 1
+    after(baseline)
+    assert after(repro).startswith("next diff: against your baseline 'baseline'")
