@@ -146,6 +146,7 @@ def test_experiment_names_resolve_like_revisions_and_sit_side_by_side(project):
     assert "| csa2 * | +9.00 → +5.00 [+4.00, +6.00] |" in out
     assert starred(diff(project, "HEAD", "lam10")) == {"csa2"}
 
+    assert "`dvc exp` experiment" in " ".join(diff(project, "--help").split())  # --help says what it takes
     shown = diff(project, "--exps").splitlines()
     assert max(map(len, shown)) <= 100
     assert shown[1].split() == ["group", "HEAD", "lam10"]
