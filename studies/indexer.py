@@ -49,11 +49,13 @@ import yaml
 from ced_csa2.ced_runtime import _rope_fn
 from ced_csa2.config import from_dict, load_params, provenance
 from ced_csa2.data.joined import joined_sequences
+from ced_csa2.data.records import check_prepared
 from ced_csa2.kv.kv_bytes import bytes_per_token, kv_copies
 from ced_csa2.maps.indexer import IndexerConfig, key_bytes, load_indexer, save_indexer
 from ced_csa2.model_utils import attention, load_model_and_tokenizer
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.paths import EVAL_JSONL, TRAIN_JSONL
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.layer_modes import sparse_layers
 from ced_csa2.train import indexer_training as it
@@ -221,11 +223,13 @@ def markdown(m: dict) -> str:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.manual_seed(0)
-    metrics = run(load_params(Path("params.yaml")), load_study())
+    params = load_params(Path("params.yaml"))
+    check_prepared(params, Path("."), TRAIN_JSONL, EVAL_JSONL)
+    metrics = run(params, load_study())
     write_json(OUT / "metrics.json", metrics)
     atomic_write_text(OUT / "indexer.md", markdown(metrics))
     log.info("done in %.0f s:\n%s", metrics["seconds"], markdown(metrics))
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -39,6 +39,7 @@ import numpy as np
 import yaml
 
 from ced_csa2.config import Params, from_dict, load_params
+from ced_csa2.data.records import check_prepared
 from ced_csa2.eval.perplexity import agreement, eval_ids
 from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_deltas
@@ -46,6 +47,8 @@ from ced_csa2.kv.formats import FormatRuntime, KVFormat, StreamFormat
 from ced_csa2.model_utils import geometry, load_model_and_tokenizer, qwen3_5_4b_config, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
+from ced_csa2.pipeline.paths import EVAL_JSONL
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 
 STUDY_PARAMS = Path("studies/kv_formats.yaml")
@@ -185,7 +188,9 @@ def plot(m: dict, path: Path) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    metrics = run(load_params(Path("params.yaml")), load_study())
+    params = load_params(Path("params.yaml"))
+    check_prepared(params, Path("."), EVAL_JSONL)
+    metrics = run(params, load_study())
     write_json(OUT / "metrics.json", metrics)
     atomic_write_text(OUT / "formats.md", markdown(metrics))
     plot(metrics, OUT / "bytes_vs_ppl.png")
@@ -193,4 +198,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -49,6 +49,7 @@ import yaml
 from ced_csa2.ced_runtime import CEDModeBRuntime, _rope_fn, load_parts
 from ced_csa2.config import Params, from_dict, load_params
 from ced_csa2.data.joined import joined_sequences
+from ced_csa2.data.records import check_prepared
 from ced_csa2.eval.perplexity import agreement
 from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_deltas
@@ -59,6 +60,7 @@ from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.runtime.layer_modes import LayerModes, sparse_layers
 from ced_csa2.runtime.sparse_attention import HSI, SelectionStats, SparseAttention, SparseGroup, SparseReads
@@ -337,7 +339,9 @@ def plot(metrics: dict, path: Path) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    metrics = run(load_params(Path("params.yaml")), load_study())
+    params = load_params(Path("params.yaml"))
+    check_prepared(params, Path("."), EVAL_JSONL)
+    metrics = run(params, load_study())
     write_json(OUT / "metrics.json", metrics)
     atomic_write_text(OUT / "modes.md", markdown(metrics))
     plot(metrics, OUT / "quality_vs_k.png")
@@ -345,4 +349,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

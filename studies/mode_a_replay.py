@@ -36,12 +36,14 @@ from pathlib import Path
 
 from ced_csa2.ced_runtime import CEDModeARuntime, load_mode_a_parts
 from ced_csa2.config import load_params
+from ced_csa2.data.records import check_prepared
 from ced_csa2.eval.gsm8k import _offline, groups_gold_nll, load_gold_pairs, mode_a_gold_rows
 from ced_csa2.eval.perplexity import eval_ids, mode_a_prefix
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import write_tsv
 from ced_csa2.pipeline.figures import write_png
-from ced_csa2.pipeline.paths import GOLD_PATH, RIDGE_PATH
+from ced_csa2.pipeline.paths import EVAL_JSONL, GOLD_PATH, RIDGE_PATH
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.train.objectives import ridge_parts
 from ced_csa2.train.projector_training import ridge_projectors
@@ -84,6 +86,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     params = load_params(Path("params.yaml"))
+    check_prepared(params, Path("."), EVAL_JSONL)
     plan, geo = load_plan(params.plan, params.model)
     plan.require_covering(geo)
     cfg = params.eval_ppl
@@ -130,4 +133,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -34,12 +34,14 @@ import yaml
 
 from ced_csa2.ced_runtime import CEDModeBRuntime, load_sink
 from ced_csa2.config import from_dict, load_params, replaced
+from ced_csa2.data.records import check_prepared
 from ced_csa2.eval.perplexity import eval_ids, groups_ppl
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_tsv
 from ced_csa2.pipeline.checkpoint import check_meta_provenance, expected_meta
 from ced_csa2.pipeline.map_roles import MODE_A
-from ced_csa2.pipeline.paths import MODE_A_SINK
+from ced_csa2.pipeline.paths import EVAL_JSONL, MODE_A_SINK, TRAIN_JSONL
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.sink import SinkGroup
 from ced_csa2.train.objectives import PHASE_GROUPS, online_records
@@ -125,7 +127,9 @@ def row(key: tuple[Branch, str, str], score: dict, phase: dict, eval_records: in
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    params, study = load_params(Path("params.yaml")), load_study()
+    params = load_params(Path("params.yaml"))
+    check_prepared(params, Path("."), TRAIN_JSONL, EVAL_JSONL)
+    study = load_study()
     plan, geo = load_plan(params.plan, params.model)
     model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
     ids = eval_ids(params, tok, Path("."))
@@ -160,4 +164,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -31,6 +31,7 @@ import yaml
 
 from ced_csa2.ced_runtime import CEDModeBRuntime, load_parts
 from ced_csa2.config import Params, from_dict, load_params
+from ced_csa2.data.records import check_prepared
 from ced_csa2.eval.perplexity import agreement, eval_ids
 from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_deltas
@@ -38,7 +39,8 @@ from ced_csa2.maps.residual_projector import HeadConfig, train_residual_projecto
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.map_roles import MAIN
-from ced_csa2.pipeline.paths import DUMP_PATH, MODELS, RIDGE_PATH
+from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, MODELS, RIDGE_PATH
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.train.projector_training import ridge_fitted
 from ced_csa2.train.training import split_masks
@@ -141,11 +143,13 @@ def markdown(m: dict) -> str:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    metrics = run(load_params(Path("params.yaml")), load_study())
+    params = load_params(Path("params.yaml"))
+    check_prepared(params, Path("."), EVAL_JSONL)
+    metrics = run(params, load_study())
     write_json(OUT / "metrics.json", metrics)
     atomic_write_text(OUT / "heads.md", markdown(metrics))
     log.info("done in %.0f s:\n%s", metrics["seconds"], markdown(metrics))
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

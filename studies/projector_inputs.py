@@ -40,7 +40,7 @@ from tqdm import tqdm
 from ced_csa2 import kv_hooks
 from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_sink
 from ced_csa2.config import from_dict, load_params
-from ced_csa2.data.records import batches
+from ced_csa2.data.records import batches, check_prepared
 from ced_csa2.eval.perplexity import eval_ids, groups_ppl
 from ced_csa2.maps.fit_metrics import FitStats
 from ced_csa2.maps.ridge import RidgeAccumulator
@@ -48,7 +48,8 @@ from ced_csa2.model_utils import attention, load_model_and_tokenizer, resolve_de
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_tsv
 from ced_csa2.pipeline.checkpoint import check_meta_provenance, expected_meta
 from ced_csa2.pipeline.map_roles import MODE_A
-from ced_csa2.pipeline.paths import MODE_A_SINK
+from ced_csa2.pipeline.paths import EVAL_JSONL, MODE_A_SINK, TRAIN_JSONL
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.sink import SinkGroup
 from ced_csa2.train.objectives import online_records
@@ -196,7 +197,9 @@ def table(rows: list[dict], params) -> str:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    params, study = load_params(Path("params.yaml")), load_study()
+    params = load_params(Path("params.yaml"))
+    check_prepared(params, Path("."), TRAIN_JSONL, EVAL_JSONL)
+    study = load_study()
     plan, geo = load_plan(params.plan, params.model)
     model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
     model.requires_grad_(False)
@@ -232,4 +235,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

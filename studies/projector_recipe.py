@@ -32,13 +32,15 @@ from pathlib import Path
 
 from ced_csa2.ced_runtime import CEDParts
 from ced_csa2.config import load_params
+from ced_csa2.data.records import check_prepared
 from ced_csa2.eval.perplexity import eval_ids
 from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_bootstrap
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import write_tsv
 from ced_csa2.pipeline.figures import write_png
-from ced_csa2.pipeline.paths import DUMP_PATH, RIDGE_PATH
+from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.train.projector_training import ridge_fitted, train_projectors
 from ced_csa2.train.training import split_masks
@@ -87,6 +89,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     params = load_params(Path("params.yaml"))
+    check_prepared(params, Path("."), EVAL_JSONL)
     plan, geo = load_plan(params.plan, params.model)
     train_mask, val_mask = split_masks(DUMP_PATH, params, plan, geo, [plan.source], tokens_per_record=0)
     model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
@@ -131,4 +134,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from ced_csa2.ced_runtime import CEDModeBRuntime, _rope_fn, load_parts
 from ced_csa2.config import from_dict, load_params
-from ced_csa2.data.records import read_records
+from ced_csa2.data.records import check_prepared, read_records
 from ced_csa2.eval import retrieval
 from ced_csa2.maps.indexer import load_indexer
 from ced_csa2.model_utils import attention, load_model_and_tokenizer, resolve_device
@@ -50,6 +50,7 @@ from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.groups import GROUP_NAMES, LOW_RANK_GROUPS
 from ced_csa2.runtime.layer_modes import LayerModes
@@ -248,7 +249,9 @@ def plot(m: dict, path: Path) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    metrics = run(load_params(Path("params.yaml")), load_study())
+    params = load_params(Path("params.yaml"))
+    check_prepared(params, Path("."), EVAL_JSONL)
+    metrics = run(params, load_study())
     write_json(OUT / "metrics.json", metrics)
     atomic_write_text(OUT / "retrieval.md", markdown(metrics))
     plot(metrics, OUT / "accuracy_vs_length.png")
@@ -256,4 +259,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

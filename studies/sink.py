@@ -30,13 +30,15 @@ from pathlib import Path
 
 from ced_csa2.ced_runtime import CEDModeBRuntime, load_objective_parts, load_parts, load_sink
 from ced_csa2.config import load_params
+from ced_csa2.data.records import check_prepared
 from ced_csa2.eval.perplexity import eval_ids, groups_ppl
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import write_tsv
 from ced_csa2.pipeline.checkpoint import check_meta_provenance, expected_meta
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.map_roles import MAIN, MODE_A
-from ced_csa2.pipeline.paths import MODE_A_SINK, MODELS
+from ced_csa2.pipeline.paths import EVAL_JSONL, MODE_A_SINK, MODELS
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.sink import SinkGroup
 
@@ -76,6 +78,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     params = load_params(Path("params.yaml"))
+    check_prepared(params, Path("."), EVAL_JSONL)
     plan, geo = load_plan(params.plan, params.model)
     model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
     ids = eval_ids(params, tok, Path("."))
@@ -108,4 +111,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

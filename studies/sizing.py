@@ -33,25 +33,20 @@ from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.config import load_params
 from ced_csa2.data.dump_file import DumpReader
 from ced_csa2.data.loader import aligned_block_rows, record_split, row_mask
-from ced_csa2.data.records import read_records, tokenize
+from ced_csa2.data.records import check_prepared, read_records, tokenize
 from ced_csa2.eval.scoring import sequence_nll
 from ced_csa2.eval.stats import paired_bootstrap
 from ced_csa2.maps.ridge import evaluate_maps, fit_maps, map_groups, save_ridge
 from ced_csa2.model_utils import load_model_and_tokenizer
+from ced_csa2.pipeline.atomic_files import atomic_write_text, write_tsv
 from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.groups import GROUP_NAMES
 from ced_csa2.train.objectives import ridge_parts
 
 OUT = Path(__file__).resolve().parent / "sizing"
 log = logging.getLogger("sizing")
-
-
-def write_tsv(path: Path, rows: list[dict]) -> None:
-    cols = list(rows[0])
-    lines = ["\t".join(cols)] + ["\t".join(f"{r[c]:.6g}" if isinstance(r[c], float) else str(r[c]) for c in cols)
-                                 for r in rows]
-    path.write_text("\n".join(lines) + "\n")
 
 
 def ridge_curve(workdir: Path, params, plan, sizes: list[int]) -> tuple[list[dict], dict]:
@@ -112,9 +107,9 @@ def main() -> None:
                     help="groups whose ΔPPL CI is measured (each costs one pass over the eval records)")
     args = ap.parse_args()
     params = load_params(args.workdir / "params.yaml")
+    check_prepared(params, args.workdir, EVAL_JSONL)
     plan, geo = load_plan(params.plan, params.model)
     torch.manual_seed(params.seed)
-    OUT.mkdir(exist_ok=True)
     ridge_rows, maps = ridge_curve(args.workdir, params, plan, args.ridge_sizes)
     write_tsv(OUT / "ridge_r2_vs_rows.tsv", ridge_rows)
     ci_rows, scored = ci_curve(args.workdir, params, plan, geo, maps, args.eval_sizes, args.groups)
@@ -122,8 +117,8 @@ def main() -> None:
     protocol = {"model": params.model.name, "data": params.data.name, "dtype": scored["dtype"],
                 "plan": [plan.split, plan.source, list(plan.targets)], "kv_format": params.kv_format,
                 "maps": f"ridge (lambda {params.ridge.lam:g}) on all train records of the dump"}
-    (OUT / "per_record_nll.json").write_text(json.dumps({"protocol": protocol, "nll": scored["nll"]}))
+    atomic_write_text(OUT / "per_record_nll.json", json.dumps({"protocol": protocol, "nll": scored["nll"]}))
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -45,6 +45,7 @@ from tqdm import tqdm
 from ced_csa2.ced_runtime import _rope_fn, load_parts
 from ced_csa2.config import from_dict, load_params
 from ced_csa2.data.joined import joined_sequences
+from ced_csa2.data.records import check_prepared
 from ced_csa2.eval.generation import group_cache
 from ced_csa2.eval.stats import paired_bootstrap
 from ced_csa2.maps.indexer import load_indexer
@@ -53,6 +54,7 @@ from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.shared_kv import cache_bytes
 from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
@@ -224,7 +226,9 @@ def plot(m: dict, path: Path) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    metrics = run(load_params(Path("params.yaml")), load_study())
+    params = load_params(Path("params.yaml"))
+    check_prepared(params, Path("."), EVAL_JSONL)
+    metrics = run(params, load_study())
     write_json(OUT / "metrics.json", metrics)
     atomic_write_text(OUT / "decode.md", markdown(metrics))
     plot(metrics, OUT / "quality_vs_k.png")
@@ -232,4 +236,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -45,10 +45,12 @@ import yaml
 from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.config import MixEntry, Params, from_dict, load_params
 from ced_csa2.data.corpus import TokenBudget, build_records, mix_train, records_jsonl, write_prepared
+from ced_csa2.data.records import check_prepared
 from ced_csa2.eval.perplexity import eval_ids, groups_ppl
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json, write_tsv
-from ced_csa2.pipeline.paths import TIMINGS, TRAIN_JSONL
+from ced_csa2.pipeline.paths import EVAL_JSONL, TIMINGS, TRAIN_JSONL, domain_jsonl
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.stages import dump, ridge
 from ced_csa2.train.tuning import ridge_served
@@ -170,7 +172,9 @@ def table(rows: list[dict], mixes: dict, choice: dict, params: Params, study: St
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     t0 = time.perf_counter()
-    params, study = load_params(Path("params.yaml")), load_study()
+    params = load_params(Path("params.yaml"))
+    check_prepared(params, Path("."), EVAL_JSONL, *(domain_jsonl(d.name) for d in params.data.domains))
+    study = load_study()
     mixes = arms(study)
     arm_set = {a: arm_params(params, mix, study.rows) for a, mix in mixes.items()}  # refuses a bad mix before work
     plan, geo = load_plan(params.plan, params.model)
@@ -215,4 +219,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -1,6 +1,7 @@
 """The offline ``dvc plots show`` page: DVC's HTML template with Vega, Vega-Lite and Vega-Embed inlined.
 
     python -m ced_csa2.plots_page      # rewrite .dvc/plots/offline.html (after changing the pin below)
+    python -m ced_csa2.plots_page --out <file or folder>   # elsewhere (a folder: offline.html in it)
 
 DVC's own page loads the three libraries from a CDN, so without network it is blank.  This
 template carries them, from the bundle of the pinned ``vl-convert-python`` wheel (a test
@@ -58,15 +59,22 @@ def bundle() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ced_csa2.plots_page", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=TEMPLATE, help=f"where to write the template (default {TEMPLATE})")
+    parser.add_argument("--out", type=Path, default=TEMPLATE,
+                        help=f"where to write the template (default {TEMPLATE}; a folder: {TEMPLATE.name} in it)")
     args = parser.parse_args(argv)
+    # A folder names where the template goes, as it does for ``cp``: ``--out .dvc/plots`` means the file DVC reads.
+    out = args.out / TEMPLATE.name if args.out.is_dir() else args.out
     try:
         text = page(bundle())
     except (ImportError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    atomic_write_text(args.out, text)
-    print(f"wrote {args.out} ({len(text):,} characters)")
+    try:
+        atomic_write_text(out, text)
+    except OSError as e:  # the path or the machine (a file where a folder should be, permissions, a full disk)
+        print(f"error: {out}: cannot write the template: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {out} ({len(text):,} characters)")
 
 
 if __name__ == "__main__":
