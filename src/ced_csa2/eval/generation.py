@@ -162,6 +162,14 @@ def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts |
     return GroupCache(group, cache, lambda: runtime, storage, kind)  # the runtime re-enters
 
 
+def runs_protocol(plan: LayerPlan, mode_a, covered: bool) -> dict:
+    """What a stage that runs every group through its own cache records of what ran: the plan, Mode A's
+    settings (``mode_a``: a dict; or why it did not run) and the groups without such a cache, with why."""
+    return {"plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
+            "mode_a": mode_a if covered else "not run: the plan does not cover every attention layer above the cut",
+            "not_run": {g: cache_refusal(g) for g in GROUPS if cache_refusal(g)}}
+
+
 # ----------------------------------------------------------------------------- decoding
 
 

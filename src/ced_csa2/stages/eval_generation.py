@@ -50,7 +50,6 @@ from ..pipeline.stage_runner import record_timing, run_stage
 from ..pipeline.timing import MIN_REPEATS
 from ..pipeline.timing import PROTOCOL as TIMING_PROTOCOL
 from ..plan import load_plan
-from ..runtime.groups import GROUPS
 
 log = logging.getLogger(__name__)
 
@@ -95,16 +94,14 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
                 "data": str(EVAL_JSONL), "domain": params.data.name, "prompts": len(prompts),
                 "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens,
                 "cached_positions": runs["baseline"].positions, "kv_format": params.kv_format,
-                "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
-                "mode_a": ({"replay": params.mode_a.replay, "sink": params.mode_a.sink, "maps": params.mode_a.maps}
-                           if covered else "not run: the plan does not cover every attention layer above the cut"),
                 "decoding": "greedy, each group through the cache that holds its bytes",
                 "reference": "the baseline's own greedy continuation of the same prompts",
                 "plausibility": ("the plain model's NLL per token of the continuation (teacher-forced) minus "
                                  "that of the baseline's"),
                 "bytes": "K/V entries per cached position and prompt after the last step, used == accounted checked",
                 "ci": "bootstrap over prompts, 95% (paired for the NLL difference)",
-                "not_run": {g: gen.cache_refusal(g) for g in GROUPS if gen.cache_refusal(g)}}
+                **gen.runs_protocol(plan, {"replay": params.mode_a.replay, "sink": params.mode_a.sink,
+                                           "maps": params.mode_a.maps}, covered)}
     metrics = {"protocol": protocol, "groups": rows}
     write_json(workdir / GENERATION_METRICS, metrics)
     return metrics

@@ -50,7 +50,6 @@ from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import EVAL_JSONL, MODELS, RETRIEVAL_METRICS
 from ..pipeline.stage_runner import record_timing, run_stage
 from ..plan import load_plan
-from ..runtime.groups import GROUPS
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +115,9 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
                 "depth": "stratified: record i's needle inside the i-th of n equal slices of the filler",
                 "decoding": "each group through the cache that holds its bytes: the prompt prefilled, the answer "
                             "decoded one step per token",
-                "plan": {"split": plan.split, "source": plan.source, "targets": list(plan.targets)},
-                "mode_a": ({"replay": params.mode_a.replay, "sink": params.mode_a.sink,
-                            "maps": "given" if given else params.mode_a.maps}
-                           if covered else "not run: the plan does not cover every attention layer above the cut"),
                 "ci": "accuracy: Wilson 95%; change vs baseline: paired bootstrap over the same records, 95%",
-                "not_run": {g: gen.cache_refusal(g) for g in GROUPS if gen.cache_refusal(g)}}
+                **gen.runs_protocol(plan, {"replay": params.mode_a.replay, "sink": params.mode_a.sink,
+                                           "maps": "given" if given else params.mode_a.maps}, covered)}
     metrics = {"protocol": protocol, "groups": rows}
     write_json(workdir / RETRIEVAL_METRICS, metrics)
     return metrics
