@@ -33,6 +33,11 @@ def test_changed_rows_are_marked_and_show_old_to_new_with_the_new_interval(tmp_p
     assert rows["ced *"][0] == "– → +5.00 [+4.00, +6.00]"  # new in this revision
 
 
+def test_a_cell_that_is_not_a_number_is_refused_naming_the_table_group_and_column(tmp_path):
+    with pytest.raises(ValueError, match=r"^t.tsv: group 'csa2', column 'kl': 'n/a' is not a number"):
+        table([OLD[0], {**OLD[1], "kl": "n/a"}], tmp_path)
+
+
 def git(cwd, *args):
     return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
 

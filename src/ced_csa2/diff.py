@@ -95,7 +95,15 @@ def parse_table(text: str, source: str) -> dict[str, dict[str, str]]:
     if not lines or lines[0][0] != "group":
         raise ValueError(f"{source}: not a groups table (no 'group' header)")
     header = lines[0]
-    return {row[0]: dict(zip(header[1:], row[1:])) for row in lines[1:]}
+    table = {row[0]: dict(zip(header[1:], row[1:])) for row in lines[1:]}
+    for group, row in table.items():  # every cell is a number or empty ("–"): refuse anything else here, named
+        for column, cell in row.items():
+            try:
+                float(cell or 0)
+            except ValueError:
+                raise ValueError(f"{source}: group {group!r}, column {column!r}: {cell!r} is not a number "
+                                 "(rebuild it with `dvc repro report`)") from None
+    return table
 
 
 def read_table(rev: str | None, root: Path = Path(".")) -> dict[str, dict[str, str]]:
