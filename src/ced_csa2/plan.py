@@ -51,10 +51,12 @@ class LayerPlan:
                 raise PlanError(f"plan {role} layer {layer} does not exist: the model has layers 1..{geo.n_layers}")
         if not self.targets:
             raise PlanError("plan has no target layers")
-        if len(set(self.targets)) != len(self.targets) or len(set(self.kv_layers)) != len(self.targets) + len(
-                self.projected):
+        kv_named = [self.source, *self.targets, *self.extra_sources]
+        twice = sorted({layer for layer in kv_named if kv_named.count(layer) > 1})
+        if twice:
             raise PlanError(f"plan names a layer twice: source {self.source}, targets {list(self.targets)}, "
-                            f"extra sources {list(self.extra_sources)}")
+                            f"extra sources {list(self.extra_sources)} (layer {', '.join(map(str, twice))} more than "
+                            "once)")
         if not self.split < self.source:
             raise PlanError(f"plan source layer {self.source} must come after split layer {self.split}")
         for t in self.targets:
