@@ -26,7 +26,8 @@ Arms (``arms``): the groups nested, outermost first: a sharing group run by ever
 (``csa2``: sharing alone; ``csa2_fp4_rot``: the Full layers' stored entries in rotated FP4, every
 other layer dense; ``ced_csa2``), optionally inside an every-layer FP4 group (``baseline_fp4``,
 ``baseline_fp4_rot``: every stored copy in FP4, the readers storing nothing).  Scored with the
-pipeline's ``pipeline_groups`` (its own maps, ``models/``) in one :func:`~ced_csa2.eval.perplexity.groups_ppl`
+pipeline's ``pipeline_groups`` (the plan's own groups; those with maps at the ``ridge`` objective's,
+``models/ridge.pt``, like every arm here) in one :func:`~ced_csa2.eval.perplexity.groups_ppl`
 call -- one baseline, paired bootstrap 95% intervals over the same records -- on the held-out
 records of ``data/corpus/eval.jsonl`` (``eval_ppl.records``).  Bytes per token (bf16, as the
 report's frontier) on both bases (:func:`~ced_csa2.runtime.sub_plans.nested_copies`), adapter and
@@ -49,7 +50,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_parts
+from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.config import Params, PlanConfig, check_provenance, from_dict, load_params, provenance, to_dict
 from ced_csa2.csa2 import mlp_width
 from ced_csa2.data.dump_file import DumpReader
@@ -63,8 +64,7 @@ from ced_csa2.maps.ridge import MapGroup, evaluate_maps, fit_maps, map_groups, s
 from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json, write_tsv
 from ced_csa2.pipeline.figures import write_png
-from ced_csa2.pipeline.map_roles import MAIN
-from ced_csa2.pipeline.paths import DUMP_PATH, MODELS, RIDGE_PATH, TIMINGS
+from ced_csa2.pipeline.paths import DUMP_PATH, RIDGE_PATH, TIMINGS
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.runtime.sub_plans import NestedRuntimes, nested_copies, spaced_full_layers, sub_plans
@@ -104,6 +104,11 @@ def load_study(path: Path = STUDY_PARAMS) -> Study:
 
 def arm_name(k: int, arm: list[str]) -> str:
     return f"k{k}/{'+'.join(arm)}"
+
+
+def pipeline_name(group: str) -> str:
+    """A pipeline group's row: ``pipeline:<group>``, ``@ridge`` where it runs maps (the ridge objective's)."""
+    return f"pipeline:{group}" + ("@ridge" if GROUPS[group].uses_maps else "")
 
 
 def study_plans(geo: Geometry, split: int, study: Study) -> dict[int, list[LayerPlan]]:
@@ -220,7 +225,7 @@ def table(rows: list[dict], params: Params, study: Study, n: int, tokens: int, d
              f"Bytes per token counted in {BYTES} (FP4: {params.kv_format}), on the whole cache (all attention layers) "
              f"and the decoder basis (attention layers above the cut); compression against the baseline's. Map "
              f"parameters are weights, not per-token bytes. `pipeline:` rows are the pipeline's own groups (plan "
-             f"source {params.plan.source}, readers {list(params.plan.targets)}, its trained maps), scored in the same "
+             f"source {params.plan.source}, readers {list(params.plan.targets)}; `@ridge`: the ridge stage's maps), scored in the same "
              f"run. Embedded default, not a Qwen3.5-4B result. Study wall time {seconds / 60:.1f} min.", "",
              "| arm | Full layers | readers | B/token whole | × whole | B/token decoder | × decoder | ΔPPL % [95% CI] | "
              "KL | top-1 % | readers' ridge R² | map params | front whole / decoder |",
@@ -279,13 +284,13 @@ def main() -> None:
         raise ValueError(f"{STUDY_PARAMS}: a ced_csa2 arm reads csa2's ridge adapters (train.ced_csa2_start: csa2); "
                          f"params.yaml has train.ced_csa2_start: {params.train.ced_csa2_start}")
     fp4_group = FORMATS[params.kv_format]().group
-    model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
-    model.requires_grad_(False)
-    pipeline_parts = (load_parts(Path(MODELS), params, plan, geo, role=MAIN, extra_sources=False)
-                      if any(GROUPS[g].uses_maps for g in study.pipeline_groups) else None)
+    # The maps first (checked against params.yaml, fitted in seconds), then the model.
+    pipeline_parts = ridge_served(params, plan, geo, Path("."))  # the pipeline's ridge objective: models/ridge.pt
     distinct = list(dict.fromkeys(p for ps in plans.values() for p in ps))
     with tempfile.TemporaryDirectory(prefix="sharing_") as scratch:
         parts, r2 = fit_sub_plans(params, distinct, geo, Path("."), Path(scratch))
+    model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
+    model.requires_grad_(False)
     runtimes = {arm_name(k, arm): arm_runtime(model, arm, ps, parts, params.kv_format)
                 for k, ps in plans.items() for arm in study.arms}
     ids = eval_ids(params, tok, Path("."))
@@ -293,15 +298,15 @@ def main() -> None:
              len(ids))
     scores = groups_ppl(model, plan, study.pipeline_groups, pipeline_parts, ids, params, tok.pad_token_id,
                         extra=runtimes)
-    arms = {f"pipeline:{g}": (0, [g], [plan]) for g in study.pipeline_groups}
+    arms = {pipeline_name(g): (0, [g], [plan]) for g in study.pipeline_groups}
     arms |= {arm_name(k, arm): (k, arm, ps) for k, ps in plans.items() for arm in study.arms}
     rows = []
     for name, (k, arm, ps) in arms.items():
-        s = scores[name.removeprefix("pipeline:")] if k == 0 else scores[name]
+        s = scores[arm[0]] if k == 0 else scores[name]
         shares = GROUPS[arm[-1]].shares_source_kv
         row = {"arm": name, "k": k, "full_layers": " ".join(str(p.source) for p in ps) if shares else "–",
                "readers": sum(len(p.targets) for p in ps) if shares else 0,
-               "family": "fp4_alone" if name.removeprefix("pipeline:") in FP4_ALONE else
+               "family": "fp4_alone" if k == 0 and arm[0] in FP4_ALONE else
                ("sharing" if shares else "baseline")}
         for basis in BASES:
             row[f"bytes_{basis}"] = arm_bytes(geo, arm, ps, basis, fp4_group)

@@ -19,7 +19,7 @@ from ced_csa2.stages import dump, ridge  # noqa: E402
 from ced_csa2.train.tuning import ridge_served  # noqa: E402
 
 TINY_STUDY = {"full_layers": [1, 2], "arms": [["csa2"], ["baseline_fp4_rot", "csa2"], ["ced_csa2"]],
-              "pipeline_groups": ["baseline", "baseline_fp4_rot"]}
+              "pipeline_groups": ["baseline", "baseline_fp4_rot", "csa2"]}
 
 
 def test_the_committed_study_params_load_and_plan_the_embedded_default():
@@ -57,12 +57,13 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
     params = load_params(in_tiny_folder / "params.yaml")
     corpus.prepare(params, load_tokenizer(params.model), in_tiny_folder)
     dump.run(params, in_tiny_folder)  # the tiny plan's dump holds every attention layer above the cut (20..32)
+    ridge.run(params, in_tiny_folder)  # models/ridge.pt: the pipeline's csa2 row runs its maps
     (in_tiny_folder / "studies").mkdir()
     (in_tiny_folder / "studies" / "sharing.yaml").write_text(yaml.safe_dump(TINY_STUDY))
     study_mod.main()
 
     rows = read_tsv(in_tiny_folder / "studies" / "sharing" / "sharing.tsv")
-    assert list(rows) == ["pipeline:baseline", "pipeline:baseline_fp4_rot", "k1/csa2", "k1/baseline_fp4_rot+csa2",
+    assert list(rows) == ["pipeline:baseline", "pipeline:baseline_fp4_rot", "pipeline:csa2@ridge", "k1/csa2", "k1/baseline_fp4_rot+csa2",
                           "k1/ced_csa2", "k2/csa2", "k2/baseline_fp4_rot+csa2", "k2/ced_csa2"]
     assert rows["k2/csa2"]["full_layers"] == "20 28" and rows["k2/csa2"]["readers"] == "2"
     # bf16 bytes, layer by layer: 8 attention layers of K and V, 2 x 16 channels each (2 B dense; FP4: 16 + 2)
@@ -73,8 +74,7 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
     for arm, (whole, decoder) in expect.items():
         assert (float(rows[arm]["bytes_all_attention"]), float(rows[arm]["bytes_decoder_attention"])) == (whole, decoder)
     # k = 1 on the tiny profile is the pipeline's own plan (20 -> 24, 28, 32): its arm must be the pipeline's csa2 at
-    # the ridge stage's maps, scored the pipeline's way
-    ridge.run(params, in_tiny_folder)
+    # the ridge stage's maps, in the study's run and scored apart the pipeline's way
     plan, geo = load_plan(params.plan, params.model)
     assert study_mod.study_plans(geo, plan.split, study_mod.load_study())[1] == [LayerPlan(16, 20, (24, 28, 32))]
     model, tok = load_model_and_tokenizer(params.model)
@@ -82,6 +82,7 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
                      eval_ids(params, tok, in_tiny_folder), params, tok.pad_token_id)["csa2"]
     # the same maps from the same rows, the same scoring: equal to the TSV's 6 significant digits
     assert (rows["k1/csa2"]["ppl"], rows["k1/csa2"]["dppl_pct"]) == (f"{ref['ppl']:.6g}", f"{ref['delta_pct']:.6g}")
+    assert rows["pipeline:csa2@ridge"]["dppl_pct"] == rows["k1/csa2"]["dppl_pct"]
     assert rows["k2/csa2"]["dppl_pct"] != f"{ref['delta_pct']:.6g}"  # another plan
     for basis in ("all_attention", "decoder_attention"):  # on the front: no other row at most as many bytes and ΔPPL
         pts = {a: (float(r[f"bytes_{basis}"]), float(r["dppl_pct"])) for a, r in rows.items()}
