@@ -60,7 +60,7 @@ from ced_csa2.eval.results import frontier
 from ced_csa2.kv.fp4 import FORMATS
 from ced_csa2.kv.kv_bytes import BASES, DTYPE_BYTES, adapter_params_per_target, bytes_per_token, kv_copies, \
     projector_params
-from ced_csa2.maps.ridge import MapGroup, evaluate_maps, fit_maps, map_groups, save_ridge
+from ced_csa2.maps.ridge import MapGroup, adapter_map, evaluate_maps, fit_maps, map_groups, save_ridge
 from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json, write_tsv
 from ced_csa2.pipeline.figures import write_png
@@ -153,8 +153,8 @@ def fit_sub_plans(params: Params, plans: list[LayerPlan], geo: Geometry, workdir
         save_ridge(folder / RIDGE_PATH, own, {"plan": to_dict(params_p.plan),
                                               "provenance": provenance(params_p, *ridge.PROVENANCE)})
         parts[p] = ridge_served(params_p, p, geo, folder)
-        kv = [f"{kind}_{t}_from_kv@{p.source}" for t in p.targets for kind in "kv"]
-        r2[p] = sum(fits[n]["r2"] for n in kv) / len(kv)
+        read = [f"{adapter_map(kind, t, params.train_adapters.input)}@{p.source}" for t in p.targets for kind in "kv"]
+        r2[p] = sum(fits[n]["r2"] for n in read) / len(read)
     return parts, r2
 
 
@@ -215,20 +215,23 @@ def budget_answer(rows: list[dict], basis: str) -> list[str]:
     return [f"- from {b:,.0f} B/token up to {end}: {what}" for (b, what), end in zip(segments, ends)]
 
 
-def table(rows: list[dict], params: Params, study: Study, n: int, tokens: int, dtype: str, seconds: float) -> str:
+def table(rows: list[dict], params: Params, n: int, tokens: int, dtype: str, seconds: float) -> str:
     """``sharing.md``: the protocol, one row per arm, the Pareto fronts and the byte-budget answer."""
-    lines = [f"Cross-layer sharing on {params.model.name} ({dtype}), cut after layer {params.plan.split}: k Full layers "
-             f"above the cut (evenly spaced from the first), every other attention layer above the cut a reader of the "
-             f"Full layer below it; ridge maps (the `ridge` objective, untrained) fitted on the pipeline's dump. "
-             f"ΔPPL %, KL and top-1 against the baseline with paired bootstrap 95% intervals over {n} held-out "
-             f"{params.data.name} records ({tokens:,} scored tokens, teacher-forced, eval_ppl.records), in domain. "
-             f"Bytes per token counted in {BYTES} (FP4: {params.kv_format}), on the whole cache (all attention layers) "
-             f"and the decoder basis (attention layers above the cut); compression against the baseline's. Map "
-             f"parameters are weights, not per-token bytes. `pipeline:` rows are the pipeline's own groups (plan "
-             f"source {params.plan.source}, readers {list(params.plan.targets)}; `@ridge`: the ridge stage's maps), scored in the same "
-             f"run. Embedded default, not a Qwen3.5-4B result. Study wall time {seconds / 60:.1f} min.", "",
-             "| arm | Full layers | readers | B/token whole | × whole | B/token decoder | × decoder | ΔPPL % [95% CI] | "
-             "KL | top-1 % | readers' ridge R² | map params | front whole / decoder |",
+    protocol = (
+        f"Cross-layer sharing on {params.model.name} ({dtype}), cut after layer {params.plan.split}: k Full layers "
+        "above the cut (evenly spaced from the first), every other attention layer above the cut a reader of the "
+        "Full layer below it; ridge maps (the `ridge` objective, untrained) fitted on the pipeline's dump. "
+        f"ΔPPL %, KL and top-1 against the baseline with paired bootstrap 95% intervals over {n} held-out "
+        f"{params.data.name} records ({tokens:,} scored tokens, teacher-forced, eval_ppl.records), in domain. "
+        f"Bytes per token counted in {BYTES} (FP4: {params.kv_format}), on the whole cache (all attention layers) "
+        "and the decoder basis (attention layers above the cut); compression against the baseline's. Map "
+        "parameters are weights, not per-token bytes. `pipeline:` rows are the pipeline's own groups (plan "
+        f"source {params.plan.source}, readers {list(params.plan.targets)}; `@ridge`: the ridge stage's maps), "
+        "scored in the same run. Embedded default, not a Qwen3.5-4B result. "
+        f"Study wall time {seconds / 60:.1f} min.")
+    lines = [protocol, "",
+             "| arm | Full layers | readers | B/token whole | × whole | B/token decoder | × decoder | "
+             "ΔPPL % [95% CI] | KL | top-1 % | readers' ridge R² | map params | front whole / decoder |",
              "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|:---:|"]
     for r in rows:
         d = "–" if r["arm"] == "pipeline:baseline" else \
@@ -236,8 +239,9 @@ def table(rows: list[dict], params: Params, study: Study, n: int, tokens: int, d
         r2 = f"{r['ridge_r2']:.3f}" if r["ridge_r2"] is not None else "–"
         front = f"{'✓' if r['front_all_attention'] else '·'} / {'✓' if r['front_decoder_attention'] else '·'}"
         lines.append(f"| {r['arm']} | {r['full_layers']} | {r['readers']} | {r['bytes_all_attention']:,.0f} | "
-                     f"{r['x_all_attention']:.2f} | {r['bytes_decoder_attention']:,.0f} | {r['x_decoder_attention']:.2f} | "
-                     f"{d} | {r['kl']:.4f} | {r['top1_pct']:.1f} | {r2} | {r['map_params']:,} | {front} |")
+                     f"{r['x_all_attention']:.2f} | {r['bytes_decoder_attention']:,.0f} | "
+                     f"{r['x_decoder_attention']:.2f} | {d} | {r['kl']:.4f} | {r['top1_pct']:.1f} | {r2} | "
+                     f"{r['map_params']:,} | {front} |")
     for basis in ("all_attention", "decoder_attention"):
         lines += ["", f"Where sharing (alone or with FP4) beats FP4 alone ({', '.join(FP4_ALONE)}), by budget on the "
                       f"{basis} basis (the best row of each family within the budget, point estimates; "
@@ -328,7 +332,7 @@ def main() -> None:
             r[f"front_{basis}"] = r["arm"] in front
     seconds = time.perf_counter() - t0
     write_tsv(OUT / "sharing.tsv", rows)
-    atomic_write_text(OUT / "sharing.md", table(rows, params, study, len(ids), rows[0]["tokens"], rows[0]["dtype"],
+    atomic_write_text(OUT / "sharing.md", table(rows, params, len(ids), rows[0]["tokens"], rows[0]["dtype"],
                                                 seconds))
     plot(rows, OUT / "frontier.png", params.model.name)
     write_json(TIMINGS / "study_sharing.json", {"seconds": round(time.perf_counter() - t0, 1),

@@ -55,8 +55,8 @@ class LayerPlan:
         twice = sorted({layer for layer in kv_named if kv_named.count(layer) > 1})
         if twice:
             raise PlanError(f"plan names a layer twice: source {self.source}, targets {list(self.targets)}, "
-                            f"extra sources {list(self.extra_sources)} (layer {', '.join(map(str, twice))} more than "
-                            "once)")
+                            f"extra sources {list(self.extra_sources)} "
+                            f"(layer {', '.join(map(str, twice))} more than once)")
         if not self.split < self.source:
             raise PlanError(f"plan source layer {self.source} must come after split layer {self.split}")
         for t in self.targets:

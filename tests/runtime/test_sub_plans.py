@@ -31,7 +31,8 @@ def llama():
     geo = geometry(model.config)
     plans = sub_plans(geo, SPLIT, spaced_full_layers(geo, SPLIT, 2))
     torch.manual_seed(3)
-    return model, geo, plans, [random_parts(geo, p, seed=i) for i, p in enumerate(plans)], torch.randint(0, 300, (2, 13))
+    parts = [random_parts(geo, p, seed=i) for i, p in enumerate(plans)]
+    return model, geo, plans, parts, torch.randint(0, 300, (2, 13))
 
 
 def nested(model, plans, parts, group="csa2", outer=None):
