@@ -73,3 +73,44 @@ def test_sliding_source_feeds_only_readers_within_its_window():
     narrow = Geometry(**{**vars(GEMMA), "windows": ((8, 128), (10, 512))})
     with pytest.raises(PlanError, match="target layer 10 has a sliding window of 512"):
         plan(7, 8, (10,)).validate(narrow)
+
+
+# ----------------------------------------------------------------------------- plans with many readers (issue 67)
+
+def test_committed_share_all_plan_makes_every_layer_above_the_cut_a_reader():
+    import yaml
+    from conftest import ROOT
+
+    cfg = PlanConfig(**yaml.safe_load((ROOT / "conf" / "plan" / "smollm2_135m_share_all.yaml").read_text()))
+    p = LayerPlan.from_config(cfg).validate(SMOL)
+    assert (p.split, p.source, p.targets) == (15, 16, tuple(range(17, 31)))
+    assert p.require_covering(SMOL) is p  # Mode A runs on it without extra sources
+
+
+@pytest.mark.parametrize("model,plan_cfg", [
+    ("tiny_qwen3_5", PlanConfig("all_readers", 16, 20, [24, 28, 32], [])),  # every attention layer above 16
+    ("tiny_gemma3", PlanConfig("all_readers", 2, 3, [4, 5, 6, 7, 8], [])),  # a full source, sliding and full readers
+])
+def test_a_plan_with_every_layer_above_the_cut_as_a_reader_loads_on_the_tiny_profiles(model, plan_cfg):
+    import yaml
+    from conftest import TINY_GEMMA3_OVERRIDES, TINY_OVERRIDES, compose
+
+    from ced_csa2.config import Params, from_dict
+
+    overrides = {"tiny_qwen3_5": TINY_OVERRIDES, "tiny_gemma3": TINY_GEMMA3_OVERRIDES}[model]
+    p, geo = load_plan(plan_cfg, from_dict(Params, yaml.safe_load(compose(overrides))).model)
+    assert p.uncovered(geo) == [] and set(p.targets) == {la for la in geo.attention_layers if la > p.source}
+
+
+@pytest.mark.parametrize("plan_cfg,message", [
+    (PlanConfig("twice", 16, 20, [24, 28, 24], []), r"plan names a layer twice: source 20, targets \[24, 28, 24\]"),
+    (PlanConfig("twice", 16, 20, [20, 24], []), r"plan names a layer twice: source 20, targets \[20, 24\]"),  # the source reads itself
+    (PlanConfig("twice", 16, 20, [24, 28], [28]), r"plan names a layer twice: .*extra sources \[28\]$"),  # a reader also projected
+    (PlanConfig("gdn", 16, 20, [21, 24, 28, 32], []),
+     r"^plan target layer 21 is not a softmax-attention layer \(it has no K/V\); attention layers are \[4, 8, "),
+])
+def test_a_reader_named_twice_or_without_attention_is_refused_in_one_line_from_the_config(plan_cfg, message):
+    # load_plan reads the model's config alone: the refusal comes before any weight is loaded
+    with pytest.raises(PlanError, match=message) as err:
+        load_plan(plan_cfg, tiny_params().model)
+    assert "\n" not in str(err.value)

@@ -1,0 +1,343 @@
+"""How far retrofitted adapters push cross-layer sharing: k Full layers above the cut, every other layer a reader.
+
+    dvc repro studies/dvc.yaml:sharing       # runs: python studies/sharing.py
+
+The default plan shares 4 of the embedded model's 30 attention layers (source 18, readers
+22/26/30): the cache shrinks by 10% and rotated FP4 on every layer is the whole Pareto front.
+V4.1 instead keeps a few *Full* layers and lets every other global layer reuse one of them.
+Here ``k`` Full layers (``full_layers``, each ``k`` an arm family) are evenly spaced from the first
+attention layer above the cut (:func:`ced_csa2.runtime.sub_plans.spaced_full_layers`: SmolLM2,
+cut after 15: 16 | 16, 23 | 16, 21, 26 | 16, 19, 23, 27) and each serves the attention layers
+above it up to the next -- ``k`` single-source sub-plans over disjoint layers, scored as
+:class:`~ced_csa2.runtime.sub_plans.NestedRuntimes` of the pipeline's own Mode B runtimes.
+Even spacing, not a greedy choice by held-out fit: it is fixed before any data is seen (no
+selection to over-fit on 32 eval records), it is V4.1's own layout (Full layers every 6th), and
+it makes the furthest reader as near its Full layer as ``k`` allows (the adapters' fit falls
+with distance: the held-out R² below).
+
+Maps: the ``ridge`` objective's (:func:`~ced_csa2.train.tuning.ridge_served`: ridge-initialised
+adapters of ``train_adapters``' form, MLPs at their zero start), fitted on the ridge stage's train
+records of the pipeline's dump (``data/dump``, which holds every attention layer above the cut
+on the embedded default: its plan covers them for Mode A), all sub-plans in one streaming pass
+(:func:`~ced_csa2.maps.ridge.fit_maps`; a map from one source to one reader is the same map in
+every ``k``).  ``ced_csa2`` also projects every Full layer from ``H_split`` (its ridge projector).
+
+Arms (``arms``): the groups nested, outermost first: a sharing group run by every sub-plan
+(``csa2``: sharing alone; ``csa2_fp4_rot``: the Full layers' stored entries in rotated FP4, every
+other layer dense; ``ced_csa2``), optionally inside an every-layer FP4 group (``baseline_fp4``,
+``baseline_fp4_rot``: every stored copy in FP4, the readers storing nothing).  Scored with the
+pipeline's ``pipeline_groups`` (the plan's own groups; those with maps at the ``ridge`` objective's,
+``models/ridge.pt``, like every arm here) in one :func:`~ced_csa2.eval.perplexity.groups_ppl`
+call -- one baseline, paired bootstrap 95% intervals over the same records -- on the held-out
+records of ``data/corpus/eval.jsonl`` (``eval_ppl.records``).  Bytes per token (bf16, as the
+report's frontier) on both bases (:func:`~ced_csa2.runtime.sub_plans.nested_copies`), adapter and
+projector parameters apart.
+
+Writes ``studies/sharing/sharing.tsv`` (one row per arm), ``sharing.md`` (the table, the Pareto
+fronts and the byte budgets at which sharing beats FP4 alone) and ``frontier.png``; the wall
+time to ``timings/study_sharing.json``.  Params: ``studies/sharing.yaml`` and ``params.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from ced_csa2.ced_runtime import CEDModeBRuntime
+from ced_csa2.config import Params, PlanConfig, check_provenance, from_dict, load_params, provenance, to_dict
+from ced_csa2.csa2 import mlp_width
+from ced_csa2.data.dump_file import DumpReader
+from ced_csa2.data.loader import aligned_block_rows, record_split, row_mask
+from ced_csa2.eval.perplexity import eval_ids, groups_ppl
+from ced_csa2.eval.results import frontier
+from ced_csa2.kv.fp4 import FORMATS
+from ced_csa2.kv.kv_bytes import BASES, DTYPE_BYTES, adapter_params_per_target, bytes_per_token, kv_copies, \
+    projector_params
+from ced_csa2.maps.ridge import MapGroup, adapter_map, evaluate_maps, fit_maps, map_groups, save_ridge
+from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
+from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json, write_tsv
+from ced_csa2.pipeline.figures import write_png
+from ced_csa2.pipeline.paths import DUMP_PATH, RIDGE_PATH, TIMINGS
+from ced_csa2.plan import LayerPlan, load_plan
+from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.runtime.sub_plans import NestedRuntimes, nested_copies, spaced_full_layers, sub_plans
+from ced_csa2.stages import ridge
+from ced_csa2.train.tuning import ridge_served
+
+STUDY_PARAMS = Path("studies/sharing.yaml")
+OUT = Path("studies/sharing")
+BYTES = "bf16"  # the dtype the bytes are counted in: the report's frontier's
+FP4_ALONE = ("baseline_fp4", "baseline_fp4_rot")  # what sharing must beat
+log = logging.getLogger("sharing")
+
+
+@dataclass(frozen=True)
+class Study:
+    full_layers: list[int]  # k: one arm family per entry
+    arms: list[list[str]]  # groups nested, outermost first: [every-layer FP4 group,] sharing group
+    pipeline_groups: list[str]  # the pipeline's own groups, scored beside (baseline among them)
+
+
+def load_study(path: Path = STUDY_PARAMS) -> Study:
+    """The study's params, typed and checked, each failure one line naming the file and key."""
+    study = from_dict(Study, yaml.safe_load(path.read_text()))
+    if not study.full_layers or not study.arms:  # from_dict has refused a count or an arm listed twice
+        raise ValueError(f"{path}: full_layers and arms must each list at least one entry")
+    for arm in study.arms:
+        known = [g for g in arm if g in GROUPS]
+        if known != arm or not 1 <= len(arm) <= 2 or not GROUPS[arm[-1]].shares_source_kv or any(
+                GROUPS[g].fp4 != "every_layer" for g in arm[:-1]) or (len(arm) == 2 and GROUPS[arm[-1]].is_fp4):
+            raise ValueError(f"{path}: arms entry {arm}: give a sharing group without FP4 of its own after at most "
+                             f"one every-layer FP4 group (baseline_fp4, baseline_fp4_rot), or a sharing group alone")
+    if "baseline" not in study.pipeline_groups or not set(study.pipeline_groups) <= set(GROUPS):
+        raise ValueError(f"{path}: pipeline_groups must be known groups, baseline among them; got "
+                         f"{study.pipeline_groups}")
+    return study
+
+
+def arm_name(k: int, arm: list[str]) -> str:
+    return f"k{k}/{'+'.join(arm)}"
+
+
+def pipeline_name(group: str) -> str:
+    """A pipeline group's row: ``pipeline:<group>``, ``@ridge`` where it runs maps (the ridge objective's)."""
+    return f"pipeline:{group}" + ("@ridge" if GROUPS[group].uses_maps else "")
+
+
+def study_plans(geo: Geometry, split: int, study: Study) -> dict[int, list[LayerPlan]]:
+    """``{k: sub-plans}`` (refuses a ``k`` that leaves a Full layer without readers)."""
+    return {k: sub_plans(geo, split, spaced_full_layers(geo, split, k)) for k in study.full_layers}
+
+
+def fit_sub_plans(params: Params, plans: list[LayerPlan], geo: Geometry, workdir: Path, scratch: Path
+                  ) -> tuple[dict, dict]:
+    """Ridge maps of every sub-plan, one streaming pass over ``workdir``'s dump, as the ridge stage fits them.
+
+    Returns ``({plan: {"csa2" | "ced_csa2": CEDParts}}, {plan: mean held-out R² of its readers' K/V maps})``.
+    Each sub-plan's maps are written to ``scratch`` as a ridge file made for its own params (the
+    root's, with that plan), which :func:`~ced_csa2.train.tuning.ridge_served` reads back.
+    """
+    plan0 = plans[0]
+    served: dict[int, set[int]] = {}
+    for p in plans:
+        served.setdefault(p.source, set()).update(p.targets)
+    by_source = {s: LayerPlan(plan0.split, s, tuple(sorted(t))) for s, t in served.items()}
+    # One input, one Gram matrix: the projectors share H_split's; each Full layer's readers share its K/V's.
+    groups = [MapGroup("h_split", {f"proj_{s}": (f"k_{s}", f"v_{s}") for s in by_source})]
+    groups += [MapGroup(g.x, {f"{name}@{s}": ys for name, ys in g.maps.items()})
+               for s, p in by_source.items() for g in map_groups(p)[1:]]
+    with DumpReader(workdir / DUMP_PATH) as reader:
+        reader.check(kv_layers={la for p in plans for la in p.kv_layers})
+        check_provenance(reader.path, reader.provenance(), params)
+        train, val = record_split(reader.n_records, params.split.val_fraction, params.seed)
+        train_mask = row_mask(reader.record_offsets, train, 0, params.seed)
+        val_mask = row_mask(reader.record_offsets, val, 0, params.seed)
+        block_rows = aligned_block_rows(reader, params.ridge.block_rows)
+        log.info("ridge maps of %d sub-plans (Full layers %s) on %d train records", len(plans), sorted(by_source),
+                 len(train))
+        maps = fit_maps(reader, groups, train_mask, block_rows, params.ridge.lam)
+        fits = evaluate_maps(reader, groups, maps, val_mask, block_rows)
+    parts, r2 = {}, {}
+    for p in plans:
+        params_p = sub_plan_params(params, p)
+        names = [n for g in map_groups(p) for n in g.maps]
+        own = {n: maps[n if n.startswith("proj_") else f"{n}@{p.source}"] for n in names}
+        folder = scratch / f"s{p.source}_t{p.targets[0]}-{p.targets[-1]}"
+        save_ridge(folder / RIDGE_PATH, own, {"plan": to_dict(params_p.plan),
+                                              "provenance": provenance(params_p, *ridge.PROVENANCE)})
+        parts[p] = ridge_served(params_p, p, geo, folder)
+        read = [f"{adapter_map(kind, t, params.train_adapters.input)}@{p.source}" for t in p.targets for kind in "kv"]
+        r2[p] = sum(fits[n]["r2"] for n in read) / len(read)
+    return parts, r2
+
+
+def sub_plan_params(params: Params, plan: LayerPlan) -> Params:
+    """``params`` with ``plan`` as its layer plan (what that sub-plan's ridge file is made for)."""
+    cfg = PlanConfig(f"{params.plan.name}:s{plan.source}", plan.split, plan.source, list(plan.targets), [])
+    return dataclasses.replace(params, plan=cfg)
+
+
+def arm_runtime(model, arm: list[str], plans: list[LayerPlan], parts: dict, kv_format: str) -> NestedRuntimes:
+    """The arm's runtimes nested: its every-layer FP4 group outside, its sharing group once per sub-plan."""
+    *outer, group = arm
+    pair = "ced_csa2" if GROUPS[group].projected_source else "csa2"
+    return NestedRuntimes([CEDModeBRuntime(model, plans[0], g, kv_format=kv_format) for g in outer]
+                          + [CEDModeBRuntime(model, p, group, parts[p][pair], kv_format=kv_format) for p in plans])
+
+
+def arm_bytes(geo: Geometry, arm: list[str], plans: list[LayerPlan], basis: str, fp4_group: int) -> float:
+    """Bytes per token (:data:`BYTES`) of the arm's caches on ``basis``."""
+    *outer, group = arm
+    return bytes_per_token(nested_copies(
+        [kv_copies(geo, plans[0], g, basis, DTYPE_BYTES[BYTES], fp4_group) for g in outer]
+        + [kv_copies(geo, p, group, basis, DTYPE_BYTES[BYTES], fp4_group) for p in plans]))
+
+
+def map_params(geo: Geometry, params: Params, group: str, plans: list[LayerPlan]) -> int:
+    """Adapter parameters of every reader, plus one projector per Full layer for a CED group."""
+    cfg = params.train_adapters
+    readers = sum(len(p.targets) for p in plans)
+    n = readers * adapter_params_per_target(geo.kv_dim, mlp_width(geo.kv_dim, cfg.width_mult), cfg.input)
+    return n + (len(plans) * projector_params(geo.hidden_size, geo.kv_dim) if GROUPS[group].projected_source else 0)
+
+
+def budget_answer(rows: list[dict], basis: str) -> list[str]:
+    """At which byte budgets on ``basis`` the best sharing row has a lower ΔPPL than the best FP4-alone row.
+
+    At each budget (every row's bytes, fewest first) the best row of each family that fits it;
+    consecutive budgets with the same winner are merged into one line.
+    """
+    key = f"bytes_{basis}"
+    sharing = [r for r in rows if r["family"] == "sharing"]
+    fp4 = [r for r in rows if r["family"] == "fp4_alone"]
+    segments: list[tuple[float, str]] = []  # (the budget a verdict starts at, the verdict)
+    for b in sorted({r[key] for r in rows}):
+        best = {name: min((r for r in fam if r[key] <= b), key=lambda r: r["dppl_pct"], default=None)
+                for name, fam in (("sharing", sharing), ("fp4", fp4))}
+        s, f = best["sharing"], best["fp4"]
+        if s is None:
+            continue
+        winner = "sharing" if f is None or s["dppl_pct"] < f["dppl_pct"] else "FP4 alone"
+        what = (f"{winner}: best sharing {s['arm']} {s['dppl_pct']:+.2f}% [{s['dppl_ci_low']:+.2f}, "
+                f"{s['dppl_ci_high']:+.2f}]" + ("; FP4 alone does not fit" if f is None else
+                                                  f" vs {f['arm']} {f['dppl_pct']:+.2f}% [{f['dppl_ci_low']:+.2f}, "
+                                                  f"{f['dppl_ci_high']:+.2f}]"))
+        if not segments or segments[-1][1] != what:
+            segments.append((b, what))
+    ends = [f"{b:,.0f}" for b, _ in segments[1:]] + ["the baseline's bytes, and above"]
+    return [f"- from {b:,.0f} B/token up to {end}: {what}" for (b, what), end in zip(segments, ends)]
+
+
+def table(rows: list[dict], params: Params, n: int, tokens: int, dtype: str, seconds: float) -> str:
+    """``sharing.md``: the protocol, one row per arm, the Pareto fronts and the byte-budget answer."""
+    protocol = (
+        f"Cross-layer sharing on {params.model.name} ({dtype}), cut after layer {params.plan.split}: k Full layers "
+        "above the cut (evenly spaced from the first), every other attention layer above the cut a reader of the "
+        "Full layer below it; ridge maps (the `ridge` objective, untrained) fitted on the pipeline's dump. "
+        f"ΔPPL %, KL and top-1 against the baseline with paired bootstrap 95% intervals over {n} held-out "
+        f"{params.data.name} records ({tokens:,} scored tokens, teacher-forced, eval_ppl.records), in domain. "
+        f"Bytes per token counted in {BYTES} (FP4: {params.kv_format}), on the whole cache (all attention layers) "
+        "and the decoder basis (attention layers above the cut); compression against the baseline's. Map "
+        "parameters are weights, not per-token bytes. `pipeline:` rows are the pipeline's own groups (plan "
+        f"source {params.plan.source}, readers {list(params.plan.targets)}; `@ridge`: the ridge stage's maps), "
+        "scored in the same run. Embedded default, not a Qwen3.5-4B result. "
+        f"Study wall time {seconds / 60:.1f} min.")
+    lines = [protocol, "",
+             "| arm | Full layers | readers | B/token whole | × whole | B/token decoder | × decoder | "
+             "ΔPPL % [95% CI] | KL | top-1 % | readers' ridge R² | map params | front whole / decoder |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|:---:|"]
+    for r in rows:
+        d = "–" if r["arm"] == "pipeline:baseline" else \
+            f"{r['dppl_pct']:+.2f} [{r['dppl_ci_low']:+.2f}, {r['dppl_ci_high']:+.2f}]"
+        r2 = f"{r['ridge_r2']:.3f}" if r["ridge_r2"] is not None else "–"
+        front = f"{'✓' if r['front_all_attention'] else '·'} / {'✓' if r['front_decoder_attention'] else '·'}"
+        lines.append(f"| {r['arm']} | {r['full_layers']} | {r['readers']} | {r['bytes_all_attention']:,.0f} | "
+                     f"{r['x_all_attention']:.2f} | {r['bytes_decoder_attention']:,.0f} | "
+                     f"{r['x_decoder_attention']:.2f} | {d} | {r['kl']:.4f} | {r['top1_pct']:.1f} | {r2} | "
+                     f"{r['map_params']:,} | {front} |")
+    for basis in ("all_attention", "decoder_attention"):
+        lines += ["", f"Where sharing (alone or with FP4) beats FP4 alone ({', '.join(FP4_ALONE)}), by budget on the "
+                      f"{basis} basis (the best row of each family within the budget, point estimates; "
+                      "intervals against the baseline):", "", *budget_answer(rows, basis)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, model: str) -> None:
+    """Whole-cache bytes vs ΔPPL (log), every row numbered, the Pareto front joined."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    pts = [r for r in rows if r["arm"] != "pipeline:baseline"]
+    floor = 0.1
+    for i, r in enumerate(pts, 1):
+        y = max(r["dppl_pct"], floor)
+        err = [[y - max(min(r["dppl_ci_low"], y), floor)], [max(r["dppl_ci_high"], y) - y]]
+        ax.errorbar(r["bytes_all_attention"], y, yerr=err, marker="o", capsize=2, linewidth=0.8,
+                    color="#dd8452" if r["front_all_attention"] else ("#55a868" if r["family"] == "fp4_alone"
+                                                                     else "#4c72b0"))
+        ax.annotate(str(i), (r["bytes_all_attention"], y), textcoords="offset points", xytext=(4, 2), fontsize=7)
+    front = sorted((r for r in rows if r["front_all_attention"]), key=lambda r: r["bytes_all_attention"])
+    ax.plot([r["bytes_all_attention"] for r in front], [max(r["dppl_pct"], floor) for r in front],
+            drawstyle="steps-post", color="#dd8452", linewidth=1, label="Pareto front (orange points)")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"stored KV bytes/token ({BYTES}, whole cache: all attention layers)")
+    ax.set_ylabel("ΔPPL % vs baseline (log; bars: paired 95% CI)")
+    ax.set_title(f"Cross-layer sharing vs FP4 ({model}; green: FP4 alone)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    key = "\n".join(f"{i} {r['arm']}" + (" *" if r["front_all_attention"] else "") for i, r in enumerate(pts, 1))
+    ax.text(1.02, 1.0, key + "\n(* on the front)", transform=ax.transAxes, va="top", fontsize=6.5, family="monospace")
+    write_png(fig, path)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    t0 = time.perf_counter()
+    params, study = load_params(Path("params.yaml")), load_study()
+    plan, geo = load_plan(params.plan, params.model)
+    plans = study_plans(geo, plan.split, study)  # refuses a k that leaves a Full layer without readers
+    if any(GROUPS[a[-1]].projected_source for a in study.arms) and params.train.ced_csa2_start != "csa2":
+        raise ValueError(f"{STUDY_PARAMS}: a ced_csa2 arm reads csa2's ridge adapters (train.ced_csa2_start: csa2); "
+                         f"params.yaml has train.ced_csa2_start: {params.train.ced_csa2_start}")
+    fp4_group = FORMATS[params.kv_format]().group
+    # The maps first (checked against params.yaml, fitted in seconds), then the model.
+    pipeline_parts = ridge_served(params, plan, geo, Path("."))  # the pipeline's ridge objective: models/ridge.pt
+    distinct = list(dict.fromkeys(p for ps in plans.values() for p in ps))
+    with tempfile.TemporaryDirectory(prefix="sharing_") as scratch:
+        parts, r2 = fit_sub_plans(params, distinct, geo, Path("."), Path(scratch))
+    model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
+    model.requires_grad_(False)
+    runtimes = {arm_name(k, arm): arm_runtime(model, arm, ps, parts, params.kv_format)
+                for k, ps in plans.items() for arm in study.arms}
+    ids = eval_ids(params, tok, Path("."))
+    log.info("scoring %d arms and %d pipeline groups on %d records", len(runtimes), len(study.pipeline_groups),
+             len(ids))
+    scores = groups_ppl(model, plan, study.pipeline_groups, pipeline_parts, ids, params, tok.pad_token_id,
+                        extra=runtimes)
+    arms = {pipeline_name(g): (0, [g], [plan]) for g in study.pipeline_groups}
+    arms |= {arm_name(k, arm): (k, arm, ps) for k, ps in plans.items() for arm in study.arms}
+    rows = []
+    for name, (k, arm, ps) in arms.items():
+        s = scores[arm[0]] if k == 0 else scores[name]
+        shares = GROUPS[arm[-1]].shares_source_kv
+        row = {"arm": name, "k": k, "full_layers": " ".join(str(p.source) for p in ps) if shares else "–",
+               "readers": sum(len(p.targets) for p in ps) if shares else 0,
+               "family": "fp4_alone" if k == 0 and arm[0] in FP4_ALONE else
+               ("sharing" if shares else "baseline")}
+        for basis in BASES:
+            row[f"bytes_{basis}"] = arm_bytes(geo, arm, ps, basis, fp4_group)
+        row |= {"dppl_pct": s.get("delta_pct", 0.0), "dppl_ci_low": s.get("delta_pct_ci95", (0.0, 0.0))[0],
+                "dppl_ci_high": s.get("delta_pct_ci95", (0.0, 0.0))[1], "kl": s.get("kl", 0.0),
+                "top1_pct": s.get("top1_pct", 100.0), "ppl": s["ppl"],
+                "ridge_r2": round(sum(r2[p] for p in ps) / len(ps), 4) if k else None,
+                "map_params": map_params(geo, params, arm[-1], ps) if GROUPS[arm[-1]].uses_maps else 0,
+                "records": len(ids), "tokens": s["tokens"], "dtype": str(model.dtype).removeprefix("torch."),
+                "kv_format": params.kv_format}
+        rows.append(row)
+    base = {basis: next(r for r in rows if r["arm"] == "pipeline:baseline")[f"bytes_{basis}"] for basis in BASES}
+    for basis in BASES:
+        points = frontier({r["arm"]: {"kv_bytes": r[f"bytes_{basis}"], "kv_compression": 1.0,
+                                      "dppl_pct": r["dppl_pct"]} for r in rows})
+        front = {p["name"] for p in points if p["front"]}
+        for r in rows:
+            r[f"x_{basis}"] = base[basis] / r[f"bytes_{basis}"]
+            r[f"front_{basis}"] = r["arm"] in front
+    seconds = time.perf_counter() - t0
+    write_tsv(OUT / "sharing.tsv", rows)
+    atomic_write_text(OUT / "sharing.md", table(rows, params, len(ids), rows[0]["tokens"], rows[0]["dtype"],
+                                                seconds))
+    plot(rows, OUT / "frontier.png", params.model.name)
+    write_json(TIMINGS / "study_sharing.json", {"seconds": round(time.perf_counter() - t0, 1),
+                                                "threads": torch.get_num_threads()})
+
+
+if __name__ == "__main__":
+    main()

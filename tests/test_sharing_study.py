@@ -1,0 +1,97 @@
+"""studies/sharing.py: the committed params load, bad ones are refused in one line, and a run on the tiny profile
+whose one-Full-layer arm is the pipeline's own csa2 at the ridge maps and whose bytes are counted layer by layer."""
+
+import sys
+
+import pytest
+import yaml
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "studies"))
+import sharing as study_mod  # noqa: E402
+
+from ced_csa2.config import load_params  # noqa: E402
+from ced_csa2.data import corpus  # noqa: E402
+from ced_csa2.eval.perplexity import eval_ids, groups_ppl  # noqa: E402
+from ced_csa2.model_utils import load_model_and_tokenizer, load_tokenizer  # noqa: E402
+from ced_csa2.plan import LayerPlan, load_plan  # noqa: E402
+from ced_csa2.stages import dump, ridge  # noqa: E402
+from ced_csa2.train.tuning import ridge_served  # noqa: E402
+
+TINY_STUDY = {"full_layers": [1, 2], "arms": [["csa2"], ["baseline_fp4_rot", "csa2"], ["ced_csa2"]],
+              "pipeline_groups": ["baseline", "baseline_fp4_rot", "csa2"]}
+
+
+def test_the_committed_study_params_load_and_plan_the_embedded_default():
+    study = study_mod.load_study(ROOT / "studies" / "sharing.yaml")
+    params = load_params(ROOT / "params.yaml")
+    plan, geo = load_plan(params.plan, params.model)
+    plans = study_mod.study_plans(geo, plan.split, study)
+    assert [[p.source for p in ps] for ps in plans.values()] == [[16], [16, 23], [16, 21, 26], [16, 19, 23, 27]]
+    for ps in plans.values():  # every attention layer above the cut is a Full layer or a reader, once
+        assert sorted(la for p in ps for la in p.kv_layers) == list(range(16, 31))
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"arms": [["baseline_fp4"]]}, r"arms entry \['baseline_fp4'\]: give a sharing group"),
+    ({"arms": [["csa2", "baseline_fp4"]]}, "after at most one every-layer FP4 group"),
+    ({"arms": [["baseline_fp4", "csa2_fp4"]]}, "without FP4 of its own"),
+    ({"arms": [["csa3"]]}, r"arms entry \['csa3'\]"),
+    ({"pipeline_groups": ["csa2"]}, "baseline among them"),
+    ({"full_layers": []}, "full_layers and arms must each list at least one entry"),
+])
+def test_bad_study_params_are_refused_in_one_line(tmp_path, change, message):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({**TINY_STUDY, **change}))
+    with pytest.raises(ValueError, match=message) as err:
+        study_mod.load_study(path)
+    assert str(err.value).startswith(str(path)) and "\n" not in str(err.value)
+
+
+def read_tsv(path):
+    lines = [line.split("\t") for line in path.read_text().splitlines()]
+    return {r[0]: dict(zip(lines[0], r)) for r in lines[1:]}
+
+
+def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
+    params = load_params(in_tiny_folder / "params.yaml")
+    corpus.prepare(params, load_tokenizer(params.model), in_tiny_folder)
+    dump.run(params, in_tiny_folder)  # the tiny plan's dump holds every attention layer above the cut (20..32)
+    ridge.run(params, in_tiny_folder)  # models/ridge.pt: the pipeline's csa2 row runs its maps
+    (in_tiny_folder / "studies").mkdir()
+    (in_tiny_folder / "studies" / "sharing.yaml").write_text(yaml.safe_dump(TINY_STUDY))
+    study_mod.main()
+
+    rows = read_tsv(in_tiny_folder / "studies" / "sharing" / "sharing.tsv")
+    assert list(rows) == ["pipeline:baseline", "pipeline:baseline_fp4_rot", "pipeline:csa2@ridge",
+                          *(f"k{k}/{arm}" for k in (1, 2) for arm in ("csa2", "baseline_fp4_rot+csa2", "ced_csa2"))]
+    assert rows["k2/csa2"]["full_layers"] == "20 28" and rows["k2/csa2"]["readers"] == "2"
+    # bf16 bytes, layer by layer: 8 attention layers of K and V, 2 x 16 channels each (2 B dense; FP4: 16 + 2)
+    dense, fp4 = 2 * 32 * 2, 2 * (16 + 2)
+    expect = {"pipeline:baseline": (8 * dense, 4 * dense), "pipeline:baseline_fp4_rot": (8 * fp4, 4 * fp4),
+              "k1/csa2": (5 * dense, dense), "k1/baseline_fp4_rot+csa2": (5 * fp4, fp4),
+              "k2/csa2": (6 * dense, 2 * dense), "k2/baseline_fp4_rot+csa2": (6 * fp4, 2 * fp4)}
+    for arm, (whole, decoder) in expect.items():
+        got = float(rows[arm]["bytes_all_attention"]), float(rows[arm]["bytes_decoder_attention"])
+        assert got == (whole, decoder), arm
+    # k = 1 on the tiny profile is the pipeline's own plan (20 -> 24, 28, 32): its arm must be the pipeline's csa2 at
+    # the ridge stage's maps, in the study's run and scored apart the pipeline's way
+    plan, geo = load_plan(params.plan, params.model)
+    assert study_mod.study_plans(geo, plan.split, study_mod.load_study())[1] == [LayerPlan(16, 20, (24, 28, 32))]
+    model, tok = load_model_and_tokenizer(params.model)
+    ref = groups_ppl(model, plan, ["baseline", "csa2"], ridge_served(params, plan, geo, in_tiny_folder)["csa2"],
+                     eval_ids(params, tok, in_tiny_folder), params, tok.pad_token_id)["csa2"]
+    # the same maps from the same rows, the same scoring: equal to the TSV's 6 significant digits
+    assert (rows["k1/csa2"]["ppl"], rows["k1/csa2"]["dppl_pct"]) == (f"{ref['ppl']:.6g}", f"{ref['delta_pct']:.6g}")
+    assert rows["pipeline:csa2@ridge"]["dppl_pct"] == rows["k1/csa2"]["dppl_pct"]
+    assert rows["k2/csa2"]["dppl_pct"] != f"{ref['delta_pct']:.6g}"  # another plan
+    for basis in ("all_attention", "decoder_attention"):  # on the front: no other row at most as many bytes and ΔPPL
+        pts = {a: (float(r[f"bytes_{basis}"]), float(r["dppl_pct"])) for a, r in rows.items()}
+        for a, (b, d) in pts.items():
+            beaten = any(q != (b, d) and q[0] <= b and q[1] <= d for q in pts.values())
+            assert rows[a][f"front_{basis}"] == str(not beaten), (basis, a)
+    md = (in_tiny_folder / "studies" / "sharing" / "sharing.md").read_text()
+    assert f"over {len(eval_ids(params, tok, in_tiny_folder))} held-out" in md
+    fewest = min(float(r["bytes_all_attention"]) for r in rows.values() if r["family"] == "sharing")
+    assert f"- from {fewest:,.0f} B/token up to " in md  # the budget answer starts where the first sharing row fits
+    assert (in_tiny_folder / "studies" / "sharing" / "frontier.png").stat().st_size > 0
