@@ -47,6 +47,7 @@ from ..eval import generation as gen
 from ..eval import retrieval
 from ..model_utils import load_config, load_model_and_tokenizer, load_tokenizer, resolve_device
 from ..pipeline.atomic_files import write_json
+from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import EVAL_JSONL, MODELS, RETRIEVAL_METRICS
 from ..pipeline.stage_runner import record_timing, run_stage
 from ..plan import load_plan
@@ -88,7 +89,7 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     device = next(model.parameters()).device
     given = parts is not None
     if not given:
-        parts = load_parts(workdir / MODELS, params, plan, geo, device=device, extra_sources=False)
+        parts = load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device, extra_sources=False)
     covered = not plan.uncovered(geo)
     jobs = {g: (lambda g=g: retrieval.group_hits(model, plan, g, parts, records, params.kv_format, cfg.batch_size))
             for g in gen.supported_groups()}
