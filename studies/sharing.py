@@ -54,6 +54,7 @@ from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.config import Params, PlanConfig, check_provenance, from_dict, load_params, provenance, to_dict
 from ced_csa2.csa2 import mlp_width
 from ced_csa2.data.dump_file import DumpReader
+from ced_csa2.data.records import check_prepared
 from ced_csa2.data.loader import aligned_block_rows, record_split, row_mask
 from ced_csa2.eval.perplexity import eval_ids, groups_ppl
 from ced_csa2.eval.results import frontier
@@ -64,7 +65,8 @@ from ced_csa2.maps.ridge import MapGroup, adapter_map, evaluate_maps, fit_maps, 
 from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json, write_tsv
 from ced_csa2.pipeline.figures import write_png
-from ced_csa2.pipeline.paths import DUMP_PATH, RIDGE_PATH, TIMINGS
+from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH, TIMINGS
+from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.runtime.sub_plans import NestedRuntimes, nested_copies, spaced_full_layers, sub_plans
@@ -281,7 +283,9 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     t0 = time.perf_counter()
-    params, study = load_params(Path("params.yaml")), load_study()
+    params = load_params(Path("params.yaml"))
+    check_prepared(params, Path("."), EVAL_JSONL)  # before the model loads: a corpus made for other params
+    study = load_study()
     plan, geo = load_plan(params.plan, params.model)
     plans = study_plans(geo, plan.split, study)  # refuses a k that leaves a Full layer without readers
     if any(GROUPS[a[-1]].projected_source for a in study.arms) and params.train.ced_csa2_start != "csa2":
@@ -340,4 +344,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_study(main)

@@ -36,6 +36,7 @@ def test_changed_rows_are_marked_and_show_old_to_new_with_the_new_interval(tmp_p
 def test_a_cell_that_is_not_a_number_is_refused_naming_the_table_group_and_column(tmp_path):
     with pytest.raises(ValueError, match=r"^t.tsv: group 'csa2', column 'kl': 'n/a' is not a number"):
         table([OLD[0], {**OLD[1], "kl": "n/a"}], tmp_path)
+    assert table([{**OLD[0], "worst_domain": "code"}], tmp_path)["baseline"]["worst_domain"] == "code"  # text column
 
 
 def git(cwd, *args):
@@ -70,7 +71,9 @@ DVC_YAML = "stages:\n  report:\n    cmd: 'true'\n    metrics:\n      - metrics/s
 
 
 def run(cwd, *args):
-    env = dict(os.environ, DVC_NO_ANALYTICS="1")
+    # Under `make test` the parent make's MAKEFLAGS/MAKELEVEL would make a nested `make -n` print its directory.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    env["DVC_NO_ANALYTICS"] = "1"
     done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     return done.stdout

@@ -33,6 +33,7 @@ from pathlib import Path
 from .pipeline.paths import GROUPS_TABLE
 
 COLUMNS = (("dppl_pct", "ΔPPL %", "+.2f"), ("kl", "KL", ".4f"), ("dgold_nll", "Δ gold NLL", "+.3f"))
+NUMERIC_COLUMNS = {key + end for key, _, _ in COLUMNS for end in ("", "_lo", "_hi")}  # what the diff reads as numbers
 BASELINE = "baseline"  # the tag --save-baseline writes and the default diff reads
 # What a baseline records: the run's inputs (params.yaml), its outputs' hashes (dvc.lock: the DVC-cached
 # metrics of the run stay readable by `dvc metrics diff`) and the metrics git tracks.
@@ -96,8 +97,10 @@ def parse_table(text: str, source: str) -> dict[str, dict[str, str]]:
         raise ValueError(f"{source}: not a groups table (no 'group' header)")
     header = lines[0]
     table = {row[0]: dict(zip(header[1:], row[1:])) for row in lines[1:]}
-    for group, row in table.items():  # every cell is a number or empty ("–"): refuse anything else here, named
+    for group, row in table.items():  # every cell the diff reads is a number or empty ("–"): refuse others, named
         for column, cell in row.items():
+            if column not in NUMERIC_COLUMNS:
+                continue
             try:
                 float(cell or 0)
             except ValueError:

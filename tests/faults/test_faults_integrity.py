@@ -221,7 +221,8 @@ def test_results_of_another_kv_format_are_refused_by_the_report(tmp_path):
     mxfp4 = dataclasses.replace(nvfp4, kv_format="mxfp4")
 
     def measured(fmt):
-        for name in (paths.PPL_METRICS, paths.GSM8K_METRICS, paths.GENERATION_METRICS):  # the eval stages' protocols
+        for name in (paths.PPL_METRICS, paths.GSM8K_METRICS, paths.GENERATION_METRICS,  # the eval stages' protocols
+                     paths.RETRIEVAL_METRICS):
             write_json(tmp_path / name, {"protocol": {"kv_format": fmt}})
 
     measured("nvfp4")
@@ -237,5 +238,10 @@ def test_results_of_another_kv_format_are_refused_by_the_report(tmp_path):
     storage.run(mxfp4, tmp_path)
     write_json(tmp_path / paths.GENERATION_METRICS, {"protocol": {"kv_format": "nvfp4"}})  # decoded in NVFP4
     with pytest.raises(ParamsError, match=rf"^{tmp_path / paths.GENERATION_METRICS}: was made with kv_format = "
+                                          r"'nvfp4', params.yaml has 'mxfp4'"):
+        report.run(mxfp4, tmp_path)
+    write_json(tmp_path / paths.GENERATION_METRICS, {"protocol": {"kv_format": "mxfp4"}})
+    write_json(tmp_path / paths.RETRIEVAL_METRICS, {"protocol": {"kv_format": "nvfp4"}})  # retrieved in NVFP4
+    with pytest.raises(ParamsError, match=rf"^{tmp_path / paths.RETRIEVAL_METRICS}: was made with kv_format = "
                                           r"'nvfp4', params.yaml has 'mxfp4'"):
         report.run(mxfp4, tmp_path)

@@ -64,7 +64,7 @@ def test_one_sub_plan_nested_is_the_single_runtime_and_not_the_baseline(llama):
         with nested(model, [plan], [parts]):
             got = model(x).logits
     assert torch.equal(got, single)
-    assert not torch.allclose(got, base, atol=1e-3)
+    assert not torch.allclose(got, base, atol=1e-3)  # sharing moves the logits far beyond float32 rounding
 
 
 def test_each_reader_reads_its_own_full_layer_as_the_modified_pass_computes_it(llama):
