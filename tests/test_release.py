@@ -275,3 +275,20 @@ def test_every_number_in_the_card_is_a_value_of_the_metrics_files_or_the_release
         decimals = len(text.split(".")[1]) if "." in text else 0
         half = 0.5 * 10 ** -decimals * (1 + 1e-9)
         assert any(abs(value - v) <= half for v in known), text
+
+
+def test_a_safetensors_file_is_the_same_bytes_in_every_process():
+    """safetensors orders its header from a per-process hash map; the release's files must not change with it."""
+    code = ("import hashlib, sys, torch; from ced_csa2.release import safetensors_bytes; "
+            "b = safetensors_bytes({'w': torch.arange(6.).view(2, 3), 'b': torch.ones(3)}, "
+            "{k: k * 3 for k in 'abcdefghij'}); sys.stdout.write(hashlib.sha256(b).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+               for _ in range(4)}
+    assert len(digests) == 1
+    from safetensors.torch import load
+
+    from ced_csa2.release import safetensors_bytes
+    raw = safetensors_bytes({"w": torch.arange(6.).view(2, 3)}, {"é": "ü", "a": "b"})
+    assert torch.equal(load(raw)["w"], torch.arange(6.).view(2, 3))
+    n = int.from_bytes(raw[:8], "little")
+    assert json.loads(raw[8:8 + n])["__metadata__"] == {"a": "b", "é": "ü"}

@@ -124,9 +124,21 @@ def header(kind: str, meta: Mapping, layers, base: Mapping, source: str, source_
 
 
 def safetensors_bytes(state: Mapping[str, torch.Tensor], header: Mapping[str, str]) -> bytes:
+    """A safetensors file of ``state`` with ``header`` as its metadata, byte for byte the same on every run.
+
+    safetensors writes its JSON header from a hash map, so the keys' order (and with it the
+    file's digest) changes from one process to the next; the header is rewritten here with its
+    keys sorted -- the same JSON, the same length, so the tensors' offsets stay valid.
+    """
     from safetensors.torch import save
 
-    return save({k: v.detach().cpu().contiguous() for k, v in state.items()}, metadata=dict(header))
+    raw = save({k: v.detach().cpu().contiguous() for k, v in state.items()}, metadata=dict(header))
+    n = int.from_bytes(raw[:8], "little")
+    ordered = json.dumps(json.loads(raw[8:8 + n]), sort_keys=True, separators=(",", ":"),
+                         ensure_ascii=False).encode()
+    if len(ordered) > n:  # the same JSON re-ordered is never longer; refuse rather than shift the tensors
+        raise ReleaseError(f"safetensors header of {len(ordered)} bytes does not fit its {n}")
+    return raw[:8] + ordered.ljust(n) + raw[8 + n:]
 
 
 def adapters_by_target(state: Mapping[str, torch.Tensor], targets) -> dict[int, dict[str, torch.Tensor]]:
