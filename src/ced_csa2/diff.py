@@ -98,9 +98,8 @@ def parse_table(text: str, source: str) -> dict[str, dict[str, str]]:
     header = lines[0]
     table = {row[0]: dict(zip(header[1:], row[1:])) for row in lines[1:]}
     for group, row in table.items():  # every cell the diff reads is a number or empty ("–"): refuse others, named
-        for column, cell in row.items():
-            if column not in NUMERIC_COLUMNS:
-                continue
+        for column in NUMERIC_COLUMNS & row.keys():
+            cell = row[column]
             try:
                 float(cell or 0)
             except ValueError:

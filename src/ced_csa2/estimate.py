@@ -522,6 +522,12 @@ def generation_seconds(s: Setup, problems: int, batch: int, new_tokens: int, pro
     return batches * new_tokens * step + forward_flops(s.model, problems * prompt_tokens) / s.rates.model_flops
 
 
+def decode_bytes(s: Setup, context: int) -> float:
+    """Device bytes of decoding ``context`` positions (batch rows x positions): every attention layer's K/V cache
+    in the model's dtype, and one layer's activations over them."""
+    return context * 2 * s.model.geo.kv_dim * len(s.model.geo.attention_layers) * s.b + layer_bytes(s, context)
+
+
 def est_eval_gsm8k(s: Setup) -> StageEstimate:
     cfg, n = s.params.eval_gsm8k, len(s.gold.tokens)
     seconds = len(cfg.generate) * generation_seconds(s, n, cfg.batch_size, cfg.max_gen_toks, s.prompt_tokens)
@@ -530,10 +536,10 @@ def est_eval_gsm8k(s: Setup) -> StageEstimate:
     seconds += scoring_seconds(s, cfg.groups, s.gold.total, passes=2 if mode_a else 0)
     if mode_a and cfg.mode_a == "generate":
         seconds += generation_seconds(s, n, 1, cfg.max_gen_toks, s.prompt_tokens)
-    geo, longest = s.model.geo, int(s.gold.tokens.max()) if s.gold.exact else GOLD_MAX_TOKENS
+    longest = int(s.gold.tokens.max()) if s.gold.exact else GOLD_MAX_TOKENS
     # generation holds a batch's KV cache (attention layers) and prefills its prompts; gold NLL scores in batches
     context = cfg.batch_size * (s.prompt_tokens + cfg.max_gen_toks)
-    generate = context * 2 * geo.kv_dim * len(geo.attention_layers) * s.b + layer_bytes(s, context)
+    generate = decode_bytes(s, context)
     host, device = peaks(s, model=True, device_work=max(generate, scoring_bytes(s, cfg.batch_size * longest,
                                                                                   cfg.groups)))
     return StageEstimate("eval_gsm8k", f"{n:,} problems, {s.gold.total:,} gold tokens", host=host, device=device,
@@ -548,7 +554,7 @@ def est_eval_generation(s: Setup) -> StageEstimate:
     scoring = forward_flops(s.model, cfg.prompts * (cfg.prompt_tokens + cfg.new_tokens)) / s.rates.model_flops
     seconds = labels * (generation_seconds(s, cfg.prompts, cfg.batch_size, cfg.new_tokens, cfg.prompt_tokens) + scoring)
     context = cfg.batch_size * (cfg.prompt_tokens + cfg.new_tokens)
-    cache = context * 2 * s.model.geo.kv_dim * len(s.model.geo.attention_layers) * s.b + layer_bytes(s, context)
+    cache = decode_bytes(s, context)
     host, device = peaks(s, model=True, device_work=cache)
     return StageEstimate("eval_generation", f"{cfg.prompts} prompts x {cfg.prompt_tokens} + {cfg.new_tokens} tokens",
                          host=host, device=device, seconds=seconds, note=f"{labels} groups and Mode A, greedy")
@@ -560,7 +566,7 @@ def est_eval_retrieval(s: Setup) -> StageEstimate:
     # per label: each record's prompt prefilled, then its answer decoded (a key's digits and its space at most)
     seconds = labels * generation_seconds(s, cfg.records, cfg.batch_size, cfg.digits + 1, cfg.length)
     context = cfg.batch_size * cfg.length
-    cache = context * 2 * s.model.geo.kv_dim * len(s.model.geo.attention_layers) * s.b + layer_bytes(s, context)
+    cache = decode_bytes(s, context)
     host, device = peaks(s, model=True, device_work=cache)
     return StageEstimate("eval_retrieval", f"{cfg.records} passkey records x {cfg.length:,} tokens", host=host,
                          device=device, seconds=seconds, note=f"{labels} labels (groups, Mode A): prefill + answer")
