@@ -445,6 +445,8 @@ class CEDModeBRuntime:
                 repl[(t, "k")] = lambda out, t=t, read=read: read(t)[0]
                 repl[(t, "v")] = lambda out, t=t, read=read: read(t)[1]
         stack.enter_context(kv_hooks.inject(self.model, repl))
+        if spec.sink:  # entered after the replacements: it restores their first entries
+            stack.enter_context(kv_hooks.keep_initial(self.model, self.replaced_layers, spec.sink))
         self._stack = stack
         return self
 

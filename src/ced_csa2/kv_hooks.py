@@ -88,6 +88,69 @@ def inject(model: nn.Module, replacements: Mapping[tuple[int, str], Replacement]
         yield
 
 
+@contextmanager
+def keep_initial(model: nn.Module, layers: Iterable[int], positions: int,
+                 constants: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None) -> Iterator[None]:
+    """Keep the first ``positions`` positions' K/V of ``layers`` while other hooks replace the rest.
+
+    Enter it *after* the hooks that replace ``k_proj``/``v_proj`` outputs (:func:`inject`): at a
+    kept position the output is the layer's own (recorded by a hook that runs before every other)
+    or, with ``constants``, ``constants(layer) -> (k, v)`` each ``(kv_dim,)``, for position 0
+    only.  Kept positions are read from the ``position_ids`` the model's forward hands each
+    decoder layer, not from the index in the call: a cached decode step (position ``t``, one
+    token) keeps nothing, a left-padded row keeps its own first tokens (a pad also sits at a
+    position below ``positions`` and may be kept: the mask hides it from every query).
+
+    Raises ``RuntimeError`` on a forward whose decoder layer gets no ``position_ids``.
+    """
+    if constants is not None and positions != 1:
+        raise ValueError(f"keep_initial: constants stand for position 0 only, got positions={positions}")
+    state: dict = {}
+
+    def read_positions(layer: int):
+        def hook(module, args, kwargs):
+            pos = kwargs.get("position_ids")
+            if pos is None:
+                raise RuntimeError(f"decoder layer {layer} got no position_ids: the positions whose K/V are kept "
+                                   "cannot be told")
+            state[layer] = pos
+        return hook
+
+    def record(layer: int, kind: str):
+        def hook(mod, inp, out):  # prepended: the layer's own output, before any replacement
+            state[layer, kind] = out
+        return hook
+
+    def keep(layer: int, i: int, kind: str):
+        def hook(mod, inp, out):  # appended: after the replacement
+            pos = state[layer]  # (1 | B, T)
+            kept = (pos < positions)[..., None]
+            if not kept.any():
+                return out
+            first = state[layer, kind] if constants is None else constants(layer)[i].to(out)
+            return torch.where(kept, first, out)
+        return hook
+
+    def factory():
+        handles = []
+        for layer in layers:
+            handles.append(decoder_layer(model, layer).register_forward_pre_hook(read_positions(layer),
+                                                                                 with_kwargs=True))
+            attn = attention(model, layer)
+            for i, kind in enumerate("kv"):
+                proj = getattr(attn, f"{kind}_proj")
+                if constants is None:
+                    handles.append(proj.register_forward_hook(record(layer, kind), prepend=True))
+                handles.append(proj.register_forward_hook(keep(layer, i, kind)))
+        return handles
+
+    try:
+        with _installed(factory):
+            yield
+    finally:
+        state.clear()
+
+
 # ----------------------------------------------------------------------------- replaying the upper layers
 
 class StopLayers(Exception):

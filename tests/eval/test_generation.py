@@ -59,7 +59,7 @@ def dense_twin(group: str) -> str:
 
 
 def test_the_supported_groups_are_those_with_a_store():
-    assert gen.supported_groups() == ("baseline", "share_plain", "ced", "csa2", "ced_csa2", "baseline_fp4",
+    assert gen.supported_groups() == ("baseline", "share_plain", "ced", "ced_sink", "csa2", "ced_csa2", "baseline_fp4",
                                       "csa2_fp4", "ced_csa2_fp4", "baseline_fp4_rot", "csa2_fp4_rot",
                                       "ced_csa2_fp4_rot")
     assert set(GROUPS) - set(gen.supported_groups()) == {"xkv"} and GROUPS["xkv"].cache_kind == "low_rank"
@@ -112,7 +112,7 @@ def test_the_cache_is_chosen_from_the_group_s_flags(tiny_model):
         else:
             assert spec.cache_kind == "ordinary"
             assert type(built.cache) is DynamicCache and built.storage == "bf16"
-            assert isinstance(built.open(), CEDModeBRuntime) and built.open().spec.projected_source == (name == "ced")
+            assert isinstance(built.open(), CEDModeBRuntime) and built.open().spec.projected_source == (name in ("ced", "ced_sink"))
 
 
 def test_used_bytes_are_the_accounted_bytes_counted_independently(setup):

@@ -81,7 +81,7 @@ def test_branch_points():
     model = tiny_llama()
     parts = random_parts(geometry(model.config), LLAMA_PLAN)
     got = {g: branch_point(CEDModeBRuntime(model, LLAMA_PLAN, g, parts, kv_format="nvfp4"), 6) for g in GROUP_NAMES}
-    assert got == {"baseline": 7, "share_plain": 5, "ced": 3, "csa2": 5, "ced_csa2": 3, "baseline_fp4": 1,
+    assert got == {"baseline": 7, "share_plain": 5, "ced": 3, "ced_sink": 3, "csa2": 5, "ced_csa2": 3, "baseline_fp4": 1,
                    "csa2_fp4": 3, "ced_csa2_fp4": 3, "xkv": 3, "baseline_fp4_rot": 1, "csa2_fp4_rot": 3,
                    "ced_csa2_fp4_rot": 3}
 

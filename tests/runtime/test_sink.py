@@ -87,3 +87,52 @@ def test_refusals(setup):
         SinkGroup(runtime, "exact", positions=0)
     with pytest.raises(ValueError, match="'mean' holds constants for position 0 only"):
         SinkGroup(runtime, "mean", SinkKV(plan.kv_layers, geo.kv_dim), positions=4)
+
+
+def test_the_ced_sink_group_is_ced_with_four_exact_sink_positions(setup):
+    """The registry's ``ced_sink`` runs as the study's ``SinkGroup(ced, exact, 4)``, and differs from ``ced``."""
+    model, plan, geo, x = setup
+    parts = random_parts(geo, plan)
+    group = logits(model, CEDModeBRuntime(model, plan, "ced_sink", parts, kv_format=None), x)
+    study = logits(model, SinkGroup(CEDModeBRuntime(model, plan, "ced", parts, kv_format=None), "exact", positions=4), x)
+    assert torch.equal(group, study)
+    ced = logits(model, CEDModeBRuntime(model, plan, "ced", parts, kv_format=None), x)
+    assert not torch.allclose(group, ced, atol=1e-3)  # ~8400 eps32 of O(1) logits: a real difference
+
+
+def test_a_cached_decode_keeps_only_the_first_positions(setup):
+    """Greedy decoding through the ordinary cache under ``ced_sink`` writes the tokens its teacher-forced pass
+    predicts: a decode step (one token at position t >= 4) keeps the projection.  Taken by index, as the sink did
+    before it read position ids, each step's token would be kept as a first position."""
+    from ced_csa2.eval import generation as gen
+
+    model, plan, geo, x = setup
+    parts = random_parts(geo, plan)
+    prompts, new = x[:, :6], 8
+    tokens = gen.generate(model, plan, "ced_sink", parts, prompts, new, None).tokens
+    full = torch.cat([prompts, tokens], dim=1)
+    forced = logits(model, CEDModeBRuntime(model, plan, "ced_sink", parts, kv_format=None), full)
+    assert torch.equal(forced[:, prompts.shape[1] - 1:-1].argmax(-1), tokens)
+
+
+def test_a_left_padded_row_keeps_its_own_first_positions():
+    """Position ids, not indices: a row left-padded by 3 gives its real tokens the logits it gets alone."""
+    model, plan = tiny_llama(), LLAMA_PLAN.validate(geometry(tiny_llama().config))
+    parts = random_parts(geometry(model.config), plan)
+    torch.manual_seed(2)
+    row = torch.randint(1, 300, (1, 10))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), row], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 10, dtype=torch.long)], dim=1)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate() derives from the mask
+    with torch.no_grad(), CEDModeBRuntime(model, plan, "ced_sink", parts, kv_format=None):
+        alone = model(row).logits
+        both = model(padded, attention_mask=mask, position_ids=position_ids).logits
+    torch.testing.assert_close(both[:, 3:], alone, **FORWARD32)
+
+
+def test_a_sink_needs_an_ordinary_cache_with_a_projected_source():
+    from ced_csa2.runtime.groups import Group
+
+    with pytest.raises(ValueError, match="sink keeps the projected source's first entries in an ordinary cache"):
+        Group("csa2_sink", False, True, True, "none", "doc", sink=4)
+    assert Group("ced_sink2", True, False, False, "none", "doc", sink=2).sink == 2

@@ -84,10 +84,9 @@ def supported_groups() -> tuple[str, ...]:
 
 
 def _dense_twin(spec: Group) -> str:
-    """The group that maps and shares as ``spec`` does, with no FP4 entries (``csa2_fp4`` -> ``csa2``)."""
-    flags = (spec.projected_source, spec.shares_source_kv, spec.adapters, spec.low_rank)
+    """The group that maps, shares and keeps as ``spec`` does, with no FP4 entries (``csa2_fp4`` -> ``csa2``)."""
     return next(name for name, g in GROUPS.items()
-                if (g.projected_source, g.shares_source_kv, g.adapters, g.low_rank) == flags and not g.is_fp4)
+                if g.layout == spec.layout and g.sink == spec.sink and not g.is_fp4)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import yaml
 
 QWEN = "qwen3_5_4b"
 # The headline's rows, in the summary's order; the maps each reads from the release.
-READS = {"ced": "projector", "csa2": "adapters", "ced_csa2": "projector + adapters", "ced_csa2_fp4": "projector + adapters",
+READS = {"ced": "projector", "ced_sink": "projector", "csa2": "adapters", "ced_csa2": "projector + adapters", "ced_csa2_fp4": "projector + adapters",
          "ced_csa2_fp4_rot": "projector + adapters", "csa2_fp4": "adapters", "csa2_fp4_rot": "adapters",
          "mode_a": "mode_a/"}
 BASIS = "decoder_attention"  # the groups' KV bytes per token: bf16, the attention layers above the split

@@ -563,16 +563,23 @@ GROUP_GOALS = {"ced": 2.0, "csa2": 4.0, "ced_csa2": 9.0}
 KV_4BIT_GOAL = (2.0, 3.0)  # ΔPPL % at most, at a compression of at least (x), by a group storing 4-bit KV
 
 
+def _counts_for(row: str, group: str) -> bool:
+    """Whether ``row`` (a group or ``<group>@<objective>``) is a way of running ``group``: the same maps and
+    sharing (:attr:`~ced_csa2.runtime.groups.Group.layout`), no FP4 entries (``ced_sink`` counts for ``ced``)."""
+    base = GROUPS.get(row.split("@")[0])
+    return base is not None and base.layout == GROUPS[group].layout and not base.is_fp4
+
+
 def goals(rows: dict[str, dict[str, float]]) -> list[dict]:
     """The quality goals against this run's rows of :func:`group_rows`: the best row for each, and whether it meets it.
 
     Each: ``goal`` (its wording), ``best`` (the row's name, ``None`` when no row qualifies), ``dppl_pct``
-    with ``_lo``/``_hi``, ``met``.  A group's goal takes its own row and its ``<group>@<objective>``
-    recipes; the 4-bit goal takes the groups that store FP4 entries (``Group.is_fp4``) and compress
+    with ``_lo``/``_hi``, ``met``.  A group's goal takes its own row, its ``<group>@<objective>``
+    recipes and the rows of groups that only keep other entries (:func:`_counts_for`); the 4-bit goal takes the groups that store FP4 entries (``Group.is_fp4``) and compress
     at least ``KV_4BIT_GOAL[1]``x.
     """
     out = []
-    candidates = [(f"`{group}` ≤ +{limit:g}%", limit, [n for n in rows if n.split("@")[0] == group])
+    candidates = [(f"`{group}` ≤ +{limit:g}%", limit, [n for n in rows if _counts_for(n, group)])
                   for group, limit in GROUP_GOALS.items()]
     limit, ratio = KV_4BIT_GOAL
     candidates.append((f"4-bit KV ≤ +{limit:g}% at ≥ {ratio:g}×", limit,

@@ -10,6 +10,7 @@ group                   projector  targets read     adapters  FP4 entries
 ``baseline``            no         no               no        none
 ``share_plain``         no         yes (verbatim)   no        none
 ``ced``                 yes        no               no        none
+``ced_sink`` [#sink]_   yes        no               no        none
 ``csa2``                no         yes              yes       none
 ``ced_csa2``            yes        yes              yes       none
 ``baseline_fp4``        no         no               no        every layer
@@ -24,6 +25,11 @@ group                   projector  targets read     adapters  FP4 entries
 .. [#xkv] ``low_rank``: source and targets store one entry of ``xkv.rank`` cross-layer
    SVD coefficients per token for K and one for V (rank ``kv_dim``: csa2's bytes) and read
    their blocks of its reconstruction; the bases (``models/xkv.pt``) are weights.
+.. [#sink] ``sink``: as ``ced``, but the first four positions of every sequence keep the
+   source layer's own K/V (its ``k_proj``/``v_proj`` on four tokens; the ordinary cache holds
+   them as it holds every entry: no bytes).  Four is StreamingLLM's number of sink tokens
+   (Xiao et al., 2024); ``studies/sink.py`` measured why: CED's projector loses more than half
+   its cost at the first position, which carries the model's massive activations.
 .. [#rot] ``rotate``: as the plain twin (same entries in FP4, same bytes per token), but
    each FP4 entry is rotated per head by a fixed randomised Hadamard matrix before FP4 and
    rotated back after reading (:mod:`ced_csa2.kv.rotation`): ``read = Rᵀ dequant(FP4(R x))``,
@@ -77,6 +83,10 @@ class Group:
         The FP4 entries are rotated per head by a fixed orthogonal matrix before FP4 and
         rotated back after reading (:mod:`ced_csa2.kv.rotation`; FP4 groups only).  Same bytes
         per token as the group without it.
+    sink
+        The first ``sink`` positions of every sequence keep the plain model's K/V in each layer
+        the group replaces (:func:`ced_csa2.kv_hooks.keep_initial`); 0: none.  Only for a group
+        whose entries an ordinary cache holds (``ced``): the shared store keeps no per-layer entries.
     """
 
     name: str
@@ -87,6 +97,7 @@ class Group:
     doc: str
     low_rank: bool = False
     rotate: bool = False
+    sink: int = 0
 
     def __post_init__(self):
         if self.adapters and not self.shares_source_kv:
@@ -98,11 +109,24 @@ class Group:
             raise ValueError(f"group {self.name!r}: low_rank (xKV) combines with no projection, sharing or FP4")
         if self.rotate and not self.is_fp4:
             raise ValueError(f"group {self.name!r}: rotate applies to FP4 entries, and the group stores none")
+        if self.sink and not (self.projected_source and self.cache_kind == "ordinary"):
+            # The kept entries are the layer's own; only an ordinary cache holds per-layer entries to keep.
+            raise ValueError(f"group {self.name!r}: sink keeps the projected source's first entries in an "
+                             "ordinary cache, and this group has none")
 
     @property
     def uses_maps(self) -> bool:
         """Needs a trained projector or adapters."""
         return self.projected_source or self.adapters
+
+    @property
+    def layout(self) -> tuple[bool, bool, bool, bool]:
+        """What the group maps and shares: (projected source, shared source, adapters, low rank).
+
+        Groups of one layout read the same maps; they differ in how entries are stored (FP4,
+        rotated) or which are kept (:attr:`sink`).
+        """
+        return self.projected_source, self.shares_source_kv, self.adapters, self.low_rank
 
     @property
     def is_fp4(self) -> bool:
@@ -137,6 +161,9 @@ GROUPS: dict[str, Group] = {g.name: g for g in (
           "stores as csa2, but targets reuse the source's KV unchanged: no adapter weights"),
     Group("ced", True, False, False, "none",
           "as baseline: CED replaces the source's k_proj/v_proj by the projector, which changes compute, not bytes"),
+    Group("ced_sink", True, False, False, "none",
+          "as ced (same bytes), the first 4 positions' K/V the source layer's own (StreamingLLM's attention sinks)",
+          sink=4),
     Group("csa2", False, True, True, "none",
           "targets store nothing; they recompute K/V from the source's stored KV through the adapters"),
     Group("ced_csa2", True, True, True, "none", "stores as csa2 (the stored source KV is the projected one)"),

@@ -15,9 +15,10 @@ Position 0 attends to itself only, so with ``exact`` its whole path is the plain
 default one record carries a massive activation at position 1).  ``mean`` has constants for
 position 0 only.
 
-Teacher-forced passes only: every forward must start at position 0 (what
-:func:`ced_csa2.eval.scoring.multi_group_nll` runs); a cached decoding step would be taken for
-the first position.  Measured by ``studies/sink.py``.
+The kept positions are read from the position ids each decoder layer gets
+(:func:`ced_csa2.kv_hooks.keep_initial`), so the group also decodes through a cache.  Measured by
+``studies/sink.py``; the pipeline's ``ced_sink`` group is ``ced`` with ``exact`` at four positions
+(:attr:`ced_csa2.runtime.groups.Group.sink`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from ..ced_runtime import SinkKV
-from ..model_utils import attention
+from .. import kv_hooks
 
 SINK_MODES = ("exact", "mean")
 
@@ -72,32 +73,11 @@ class SinkGroup:
     def __enter__(self) -> "SinkGroup":
         with ExitStack() as stack:
             stack.enter_context(self.runtime)
-            self._install(stack)
+            constants = None if self.mode == "exact" else self.constants
+            stack.enter_context(kv_hooks.keep_initial(self.runtime.model, self.replaced_layers, self.positions,
+                                                      constants))
             self._stack = stack.pop_all()
         return self
-
-    def _install(self, stack: ExitStack) -> None:
-        """The hooks that keep the first ``positions`` positions, removed by ``stack``."""
-        true_first: dict = {}
-        n = self.positions
-        for layer in self.replaced_layers:
-            for i, kind in enumerate("kv"):
-                proj = getattr(attention(self.runtime.model, layer), f"{kind}_proj")
-                key = (layer, kind)
-
-                def stash(mod, inp, out, key=key):  # runs before the group's replacement: the true output
-                    true_first[key] = out[:, :n]
-
-                def keep(mod, inp, out, key=key, i=i, layer=layer):  # runs after it
-                    first = (true_first[key] if self.mode == "exact"
-                             else self.constants(layer)[i].to(out).expand(out.shape[0], 1, -1))
-                    out = out.clone()
-                    out[:, :n] = first
-                    return out
-
-                if self.mode == "exact":
-                    stack.callback(proj.register_forward_hook(stash, prepend=True).remove)
-                stack.callback(proj.register_forward_hook(keep).remove)
 
     def __exit__(self, *exc) -> None:
         stack, self._stack = self._stack, None
