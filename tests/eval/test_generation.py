@@ -15,7 +15,7 @@ from ced_csa2.kv.kv_bytes import fp4_entry_bytes
 from ced_csa2.kv.rotation import layer_rotation
 from ced_csa2.model_utils import geometry
 from ced_csa2.runtime.groups import GROUPS
-from ced_csa2.runtime.shared_kv import FP4KVCache, FP4Layer, SharedKVCache, greedy_generate
+from ced_csa2.runtime.shared_kv import FP4KVCache, BlockLayer, SharedKVCache, greedy_generate
 
 PROMPT, NEW = 11, 6  # 16 cached positions: past the tiny Gemma-3's window of 6
 FP32_BYTES = 4
@@ -207,7 +207,7 @@ def test_the_rotated_fp4_baseline_rounds_v_as_mode_b_and_k_after_rope(tiny_model
     mode_b = CEDModeBRuntime(model, QWEN_PLAN, "baseline_fp4_rot", None, kv_format=storage)
     for layer in geo.attention_layers:
         cached = built.cache.layers[layer - 1]
-        assert isinstance(cached, FP4Layer)
+        assert isinstance(cached, BlockLayer)
         r = layer_rotation(geo.head_dim, layer)
         v = seen["v"][layer]
         assert torch.equal(cached.v_store.data.elements, fmt.quantize(r.rotate(v)).elements), layer
