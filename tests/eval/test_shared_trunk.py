@@ -83,7 +83,7 @@ def test_branch_points():
     got = {g: branch_point(CEDModeBRuntime(model, LLAMA_PLAN, g, parts, kv_format="nvfp4"), 6) for g in GROUP_NAMES}
     assert got == {"baseline": 7, "share_plain": 5, "ced": 3, "csa2": 5, "ced_csa2": 3, "baseline_fp4": 1,
                    "csa2_fp4": 3, "ced_csa2_fp4": 3, "xkv": 3, "baseline_fp4_rot": 1, "csa2_fp4_rot": 3,
-                   "ced_csa2_fp4_rot": 3}
+                   "ced_csa2_fp4_rot": 3, "baseline_k6v4_rot": 1}
 
 
 def test_the_trunk_runs_once_per_batch(tiny_model):
