@@ -225,7 +225,7 @@ def test_a_token_store_growing_past_its_reserve_holds_every_entry_once(storage):
 
 def test_fp4_layer_returns_the_fp4_round_trip_of_what_it_was_given():
     fmt = FORMATS["nvfp4"]()
-    layer = BlockLayer(fmt)
+    layer = BlockLayer(fmt, fmt)
     k1, v1, k2, v2 = (torch.randn(2, 3, n, 32) for n in (5, 5, 1, 1))
     layer.update(k1, v1)
     k, v = layer.update(k2, v2)
@@ -262,7 +262,7 @@ def test_a_rotated_fp4_layer_returns_the_rotated_round_trip_of_what_it_was_given
     """Each stream rotated by its own ``R`` (here K by one matrix, V by another, to tell them apart) before FP4."""
     fmt = FORMATS["nvfp4"]()
     rk, rv = layer_rotation(32, 2), layer_rotation(32, 3)
-    layer = BlockLayer(fmt, rotations={"k": rk, "v": rv})
+    layer = BlockLayer(fmt, fmt, rotations={"k": rk, "v": rv})
     k1, v1, k2, v2 = (torch.randn(2, 3, n, 32) for n in (5, 5, 1, 1))
     layer.update(k1, v1)
     k, v = layer.update(k2, v2)
@@ -392,7 +392,7 @@ def test_refusals(tiny_model):
         SharedKVCache(llama, LLAMA_PLAN, "share_plain", storage="mxfp4")
     with pytest.raises(ValueError, match="needs an FP4 storage"):
         FP4KVCache(model.config, "bf16")
-    with pytest.raises(ValueError, match="a rotation applies to FP4 entries"):
+    with pytest.raises(ValueError, match="a rotation applies to block-format entries"):
         TokenStore(None, layer_rotation(16, 1))
 
     cache = SharedKVCache(model, QWEN_PLAN, "share_plain")
