@@ -9,7 +9,7 @@ distinct storage behind them, counted once.
 
 from transformers.cache_utils import DynamicLayer
 
-from ced_csa2.runtime.shared_kv import FP4Layer, _SharedLayer
+from ced_csa2.runtime.shared_kv import BlockLayer, _SharedLayer
 
 
 def kv_tensors(cache):
@@ -23,7 +23,7 @@ def kv_tensors(cache):
             kept = getattr(store, "adapted", None)
             if kept is not None:
                 yield from (*kept.k.values(), *kept.v.values())
-        elif isinstance(layer, FP4Layer):
+        elif isinstance(layer, BlockLayer):
             yield from (*layer.k_store._buffers, *layer.v_store._buffers)
         elif isinstance(layer, DynamicLayer) and layer.is_initialized:
             yield from (layer.keys, layer.values)

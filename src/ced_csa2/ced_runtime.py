@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from . import kv_hooks
+from .kv.formats import format_replacements, group_format
 from .kv.fp4 import FORMATS as FP4_FORMATS
 from .kv.rotation import HeadRotation, fp4_round_trip, stream_rotations
 from .maps.xkv import XKVBasis, load_xkv
@@ -344,7 +345,10 @@ class CEDModeBRuntime:
         the shared store keeps them.  Ignored (pass ``None``) for the other groups.  The
         ``*_fp4_rot`` groups rotate each FP4 entry's streams of
         :data:`ced_csa2.kv.rotation.ROTATED_STREAMS` per head first (``Rᵀ dequant(FP4(R x))``),
-        with layer ``l``'s fixed matrix :func:`ced_csa2.kv.rotation.layer_rotation`.
+        with layer ``l``'s fixed matrix :func:`ced_csa2.kv.rotation.layer_rotation`.  A group with its
+        own ``stream_formats`` (``baseline_k6v4_rot``) rounds every attention layer's K and V in those
+        (:func:`ced_csa2.kv.formats.group_format`), pre-k_norm and pre-RoPE, exactly as the
+        ``kv_formats`` study's round trip does; ``kv_format`` does not apply to it.
     """
 
     def __init__(self, model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None = None, *,
@@ -374,7 +378,7 @@ class CEDModeBRuntime:
     @property
     def replaced_layers(self) -> tuple[int, ...]:
         """Layers whose K/V this group replaces (or, for FP4 groups, stores quantised)."""
-        if self.spec.fp4 == "every_layer":
+        if self.spec.fp4 == "every_layer" or self.spec.stream_formats is not None:
             return geometry(self.model.config).attention_layers
         return (*self._stored_source, *self._read_targets)
 
@@ -432,7 +436,10 @@ class CEDModeBRuntime:
             return store[key][1]
 
         repl: dict = {}
-        if spec.fp4 == "every_layer":  # baseline_fp4: every attention layer's own K/V, FP4-rounded
+        if spec.stream_formats is not None:  # every attention layer's own K and V in the group's formats
+            head_dim = geometry(self.model.config).head_dim
+            repl = format_replacements(group_format(spec), self.replaced_layers, head_dim)
+        elif spec.fp4 == "every_layer":  # baseline_fp4: every attention layer's own K/V, FP4-rounded
             for layer in self.replaced_layers:
                 for kind in "kv":
                     repl[(layer, kind)] = lambda out, layer=layer, kind=kind: self._fake_quant(out, layer, kind)

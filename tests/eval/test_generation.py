@@ -15,7 +15,8 @@ from ced_csa2.kv.kv_bytes import fp4_entry_bytes
 from ced_csa2.kv.rotation import layer_rotation
 from ced_csa2.model_utils import geometry
 from ced_csa2.runtime.groups import GROUPS
-from ced_csa2.runtime.shared_kv import FP4KVCache, FP4Layer, SharedKVCache, greedy_generate
+from ced_csa2.kv.formats import group_format
+from ced_csa2.runtime.shared_kv import BlockKVCache, BlockLayer, FP4KVCache, SharedKVCache, greedy_generate
 
 PROMPT, NEW = 11, 6  # 16 cached positions: past the tiny Gemma-3's window of 6
 FP32_BYTES = 4
@@ -46,11 +47,18 @@ def no_hooks(model):
     return all(not (m._forward_hooks or m._forward_pre_hooks) for m in model.modules())
 
 
-# Every supported group whose real cache rounds as its Mode B twin does.  baseline_fp4(_rot)'s FP4KVCache rounds K
-# after k_norm and RoPE, Mode B's before: same bytes, another rounding of K, so those two are checked on bytes,
-# determinism and what their stores hold below (V rounded as Mode B's, K not).
-MODE_B_TWINS = [g for g in gen.supported_groups() if GROUPS[g].cache_kind != "fp4_every_layer"]
+# Every supported group whose real cache rounds as its Mode B twin does.  baseline_fp4(_rot)'s FP4KVCache and
+# baseline_k6v4_rot's BlockKVCache round K after k_norm and RoPE, Mode B's before: same bytes, another rounding of
+# K, so those are checked on bytes, determinism and what their stores hold below (V rounded as Mode B's, K not).
+MODE_B_TWINS = [g for g in gen.supported_groups()
+                if GROUPS[g].cache_kind not in ("fp4_every_layer", "formats_every_layer")]
 ROTATED = [g for g in GROUPS if GROUPS[g].rotate]
+
+
+def fitting_groups(geo) -> list[str]:
+    """The supported groups whose blocks fit ``geo``: the tiny Llama's kv_dim 16 holds no block of 32 channels, so
+    baseline_k6v4_rot runs on the tiny Qwen3.5 and Gemma-3 only (its cache refuses kv_dim 16: test_shared_kv)."""
+    return [g for g in gen.supported_groups() if GROUPS[g].stream_formats is None or geo.kv_dim % 32 == 0]
 
 
 def dense_twin(group: str) -> str:
@@ -61,7 +69,7 @@ def dense_twin(group: str) -> str:
 def test_the_supported_groups_are_those_with_a_store():
     assert gen.supported_groups() == ("baseline", "share_plain", "ced", "ced_sink", "csa2", "ced_csa2", "baseline_fp4",
                                       "csa2_fp4", "ced_csa2_fp4", "baseline_fp4_rot", "csa2_fp4_rot",
-                                      "ced_csa2_fp4_rot")
+                                      "ced_csa2_fp4_rot", "baseline_k6v4_rot")
     assert set(GROUPS) - set(gen.supported_groups()) == {"xkv"} and GROUPS["xkv"].cache_kind == "low_rank"
     assert set(ROTATED) == {"baseline_fp4_rot", "csa2_fp4_rot", "ced_csa2_fp4_rot"}
 
@@ -84,7 +92,8 @@ def test_the_tokens_tell_the_caches_apart():
     torch.manual_seed(1)
     prompts = torch.randint(0, 300, (2, PROMPT))
     parts = random_parts(geometry(model.config), LLAMA_PLAN)
-    tokens = {g: gen.generate(model, LLAMA_PLAN, g, parts, prompts, NEW, FORMAT).tokens for g in gen.supported_groups()}
+    tokens = {g: gen.generate(model, LLAMA_PLAN, g, parts, prompts, NEW, FORMAT).tokens
+              for g in fitting_groups(geometry(model.config))}
     for group, t in tokens.items():
         assert group == "baseline" or not torch.equal(t, tokens["baseline"]), group
         if GROUPS[group].is_fp4:
@@ -105,6 +114,10 @@ def test_the_cache_is_chosen_from_the_group_s_flags(tiny_model):
             assert isinstance(built.cache, SharedKVCache) and built.cache.storage == built.storage
             assert built.storage == (FORMAT if spec.is_fp4 else "bf16") and built.cache.rotate == spec.rotate
             assert built.kind == f"SharedKVCache({built.storage}{rotated})"
+        elif spec.stream_formats is not None:
+            assert spec.cache_kind == "formats_every_layer" and built.storage == "bf16"
+            assert isinstance(built.cache, BlockKVCache) and built.cache.formats == group_format(spec)
+            assert built.kind == "BlockKVCache(k fp6/32 rotated, v mxfp4/32 rotated)"
         elif spec.is_fp4:
             assert spec.cache_kind == "fp4_every_layer"
             assert isinstance(built.cache, FP4KVCache) and built.storage == FORMAT and built.cache.rotate == spec.rotate
@@ -118,13 +131,14 @@ def test_the_cache_is_chosen_from_the_group_s_flags(tiny_model):
 def test_used_bytes_are_the_accounted_bytes_counted_independently(setup):
     """Every supported group's used bytes after the last step, counted from the geometry without the accounting
     module: each storing layer holds its positions (a sliding one its last window - 1) of K and V entries, dense at
-    the model's dtype or FP4 blocks of ``kv_dim / 2 + kv_dim / 16`` bytes."""
+    the model's dtype, FP4 blocks of ``kv_dim / 2 + kv_dim / 16`` bytes, or baseline_k6v4_rot's FP6 K and MXFP4 V."""
     model, plan, parts, prompts = setup
     geo = geometry(model.config)
     positions = PROMPT + NEW - 1
     dense, fp4 = 2 * geo.kv_dim * FP32_BYTES, 2 * fp4_entry_bytes(geo.kv_dim, 16)
+    k6v4 = 3 * geo.kv_dim // 4 + geo.kv_dim // 2 + 2 * (geo.kv_dim // 32)  # a scale byte per 32 channels each
     used = {}
-    for group in gen.supported_groups():
+    for group in fitting_groups(geo):
         spec = GROUPS[group]
         run = gen.generate(model, plan, group, parts, prompts, NEW, FORMAT)
         expected = 0
@@ -133,7 +147,8 @@ def test_used_bytes_are_the_accounted_bytes_counted_independently(setup):
                 continue
             held = positions if geo.window(layer) is None else min(positions, geo.window(layer) - 1)
             in_fp4 = spec.fp4 == "every_layer" or (spec.fp4 == "shared_source" and layer == plan.source)
-            expected += prompts.shape[0] * held * (fp4 if in_fp4 else dense)
+            entry = k6v4 if spec.stream_formats is not None else fp4 if in_fp4 else dense
+            expected += prompts.shape[0] * held * entry
         assert run.bytes.used == run.accounted == expected, group
         assert run.bytes.allocated >= run.bytes.used
         used[group] = run.used_per_token
@@ -207,7 +222,7 @@ def test_the_rotated_fp4_baseline_rounds_v_as_mode_b_and_k_after_rope(tiny_model
     mode_b = CEDModeBRuntime(model, QWEN_PLAN, "baseline_fp4_rot", None, kv_format=storage)
     for layer in geo.attention_layers:
         cached = built.cache.layers[layer - 1]
-        assert isinstance(cached, FP4Layer)
+        assert isinstance(cached, BlockLayer)
         r = layer_rotation(geo.head_dim, layer)
         v = seen["v"][layer]
         assert torch.equal(cached.v_store.data.elements, fmt.quantize(r.rotate(v)).elements), layer
@@ -333,3 +348,32 @@ def test_decode_steps_are_timed_alternated_through_each_group_s_cache(setup, mon
     assert [b.kind for b in built] == ["DynamicCache", "SharedKVCache(bf16)", "SharedKVCache(nvfp4)"]
     assert all(b.cache.get_seq_length() == PROMPT + steps + 1 for b in built)
     assert no_hooks(model)
+
+
+def test_baseline_k6v4_rot_s_cache_rounds_v_as_mode_b_and_k_after_rope(tiny_model):
+    """``baseline_k6v4_rot``'s every-layer store, captured in the same prefill: each attention layer's V store is
+    the MXFP4 blocks of ``R_l v`` (its ``v_proj`` output), so read back it is the study's (Mode B's) rounding of V
+    bit for bit; its K store holds FP6 blocks (3 bytes per 4 channels) of K after k_norm and RoPE: not Mode B's
+    rounding of the ``k_proj`` output (the caveat ``baseline_fp4_rot`` documents).  Mode B's own pass is compared
+    at the first attention layer only: above it the two passes' inputs differ by that K rounding."""
+    model, _ = tiny_model
+    geo = geometry(model.config)
+    fmt = group_format(GROUPS["baseline_k6v4_rot"])
+    prompts = torch.randint(0, 250, (2, PROMPT))
+    built = gen.group_cache(model, QWEN_PLAN, "baseline_k6v4_rot", None, None)
+    with torch.no_grad(), built.open(), kv_hooks.capture(model, list(geo.attention_layers)) as seen:
+        model(input_ids=prompts, cache=built.cache, use_cache=True)
+    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "baseline_k6v4_rot", None, kv_format=None), \
+            kv_hooks.capture(model, list(geo.attention_layers)) as rounded:
+        model(input_ids=prompts)
+    for layer in geo.attention_layers:
+        cached = built.cache.layers[layer - 1]
+        assert isinstance(cached, BlockLayer)
+        r = layer_rotation(geo.head_dim, layer)
+        v = seen["v"][layer]
+        assert torch.equal(cached.v_store.data.elements, FORMATS["mxfp4"]().quantize(r.rotate(v)).elements), layer
+        assert torch.equal(cached.v_store.read(), fmt.v.round_trip(v, r)) and not torch.equal(cached.v_store.read(), v)
+        assert cached.k_store.data.elements.shape[-1] == 3 * geo.kv_dim // 4, layer
+    first = built.cache.layers[geo.attention_layers[0] - 1]
+    assert torch.equal(first.v_store.read(), rounded["v"][geo.attention_layers[0]])
+    assert not torch.equal(first.k_store.read(), rounded["k"][geo.attention_layers[0]])

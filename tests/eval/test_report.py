@@ -222,22 +222,25 @@ def test_each_goal_takes_the_best_qualifying_row_and_says_whether_it_meets_its_l
 
     rows = {"baseline": {"ppl": 20.0, "kv_compression": 1.0},
             "ced": row(4.7, 1.0), "ced@x": row(1.9), "ced@y": row(2.5),   # a recipe meets ced's +2%
+            "ced_sink": row(1.85, 1.0),                                   # ced with its sink kept: a way of running ced
             "csa2": row(6.0, 1.25), "csa2@x": row(4.5),                  # none meets +4%
+            "csa2_fp4": row(3.0, 3.2),                                    # FP4 entries: not a way of running csa2
             "ced_csa2": row(15.0, 1.25),
             "xced_csa2": row(0.5, 1.25),                                  # another group, not a ced_csa2 recipe
             "baseline_fp4": row(1.5, 2.9),                                # 4-bit but under 3x: not a candidate
-            "csa2_fp4": row(3.0, 3.2), "baseline_fp4_rot": row(2.0, 3.5),  # at the limit: met
-            "xkv": row(0.1, 4.0)}                                         # not 4-bit
+            "baseline_fp4_rot": row(2.0, 3.5),                            # at the limit, but k6v4 is lower
+            "baseline_k6v4_rot": row(1.1, 3.05),                          # a block format of its own: a candidate
+            "xkv": row(0.1, 4.0)}                                         # no block format
     met = {g["goal"]: g for g in goals(rows)}
     assert [(g["best"], g["dppl_pct"], g["met"]) for g in met.values()] == [
-        ("ced@x", 1.9, True), ("csa2@x", 4.5, False), ("ced_csa2", 15.0, False), ("baseline_fp4_rot", 2.0, True)]
-    assert list(met) == ["`ced` ≤ +2%", "`csa2` ≤ +4%", "`ced_csa2` ≤ +9%", "4-bit KV ≤ +2% at ≥ 3×"]
+        ("ced_sink", 1.85, True), ("csa2@x", 4.5, False), ("ced_csa2", 15.0, False), ("baseline_k6v4_rot", 1.1, True)]
+    assert list(met) == ["`ced` ≤ +2%", "`csa2` ≤ +4%", "`ced_csa2` ≤ +9%", "KV format ≤ +2% at ≥ 3×"]
     table = goals_table(list(met.values()))
-    assert table[2] == "| `ced` ≤ +2% | ced@x | +1.90 [+0.90, +2.90] | yes |"
+    assert table[2] == "| `ced` ≤ +2% | ced_sink | +1.85 [+0.85, +2.85] | yes |"
     assert table[3].endswith("| no |")
     none = goals({"baseline": {"ppl": 20.0}, "baseline_fp4": row(1.0, 2.0)})
     assert [g["best"] for g in none] == [None] * 4 and not any(g["met"] for g in none)
-    assert goals_table(none)[-1] == "| 4-bit KV ≤ +2% at ≥ 3× | none qualifies | – | no |"
+    assert goals_table(none)[-1] == "| KV format ≤ +2% at ≥ 3× | none qualifies | – | no |"
 
 
 def test_the_headline_names_mode_a_s_own_reference():

@@ -19,7 +19,7 @@ from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.eval.scoring import branch_point, multi_group_nll, sequence_nll
 from ced_csa2.model_utils import geometry
 from ced_csa2.plan import LayerPlan
-from ced_csa2.runtime.groups import GROUP_NAMES
+from ced_csa2.runtime.groups import GROUP_NAMES, GROUPS
 
 
 def separate(model, plan, group, parts, seqs, cut, batch_size):
@@ -52,7 +52,8 @@ def test_every_group_exact_on_hybrid_qwen3_5(tiny_model):
 
 
 def test_every_group_exact_on_all_attention_llama(llama):
-    check_exact(llama, LLAMA_PLAN, GROUP_NAMES)
+    # the tiny Llama's kv_dim (16) holds no 32-channel block: the block-format groups run on the other two models
+    check_exact(llama, LLAMA_PLAN, [g for g in GROUP_NAMES if GROUPS[g].stream_formats is None])
 
 
 def test_every_group_exact_on_sliding_window_gemma3():
@@ -83,7 +84,7 @@ def test_branch_points():
     got = {g: branch_point(CEDModeBRuntime(model, LLAMA_PLAN, g, parts, kv_format="nvfp4"), 6) for g in GROUP_NAMES}
     assert got == {"baseline": 7, "share_plain": 5, "ced": 3, "ced_sink": 3, "csa2": 5, "ced_csa2": 3, "baseline_fp4": 1,
                    "csa2_fp4": 3, "ced_csa2_fp4": 3, "xkv": 3, "baseline_fp4_rot": 1, "csa2_fp4_rot": 3,
-                   "ced_csa2_fp4_rot": 3}
+                   "ced_csa2_fp4_rot": 3, "baseline_k6v4_rot": 1}
 
 
 def test_the_trunk_runs_once_per_batch(tiny_model):

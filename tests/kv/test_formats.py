@@ -1,19 +1,24 @@
 """4-bit formats per stream: the token axis against an independent per-channel implementation, the
-channel axis equal to the FP4 groups' round trip, exact bytes, and a runtime scored like baseline_fp4."""
+channel axis equal to the FP4 groups' round trip, exact bytes, a runtime scored like baseline_fp4, and the
+study's winning format as the pipeline group baseline_k6v4_rot."""
 
 import math
+import sys
 
 import pytest
 import torch
-from conftest import nearest_on_grid, tiny_llama
-from tiny_maps import LLAMA_PLAN, rows
+from conftest import ROOT, nearest_on_grid, tiny_llama
+from tiny_maps import LLAMA_PLAN, QWEN_PLAN, rows
 
 from ced_csa2.eval.scoring import multi_group_nll
-from ced_csa2.kv.formats import FormatRuntime, KVFormat, StreamFormat
+from ced_csa2.kv.formats import FormatRuntime, KVFormat, StreamFormat, group_format
 from ced_csa2.kv.fp4 import FORMATS
-from ced_csa2.kv.kv_bytes import fp4_entry_bytes
+from ced_csa2.kv.kv_bytes import fp4_entry_bytes, kv_copies, rotation_params
 from ced_csa2.kv.rotation import fp4_round_trip, layer_rotation
-from ced_csa2.model_utils import geometry
+from ced_csa2.model_utils import Geometry, geometry
+from ced_csa2.plan import LayerPlan
+from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.runtime.shared_kv import accounted_copies
 
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -136,3 +141,38 @@ def test_exact_channels_cost_16_bits_each_and_the_format_the_rest():
         StreamFormat(exact=300).round_trip(torch.randn(1, 2, 512), None, 256)
     with pytest.raises(ValueError, match="exact must be an int >= 0"):
         StreamFormat(exact=-1)
+
+
+def test_baseline_k6v4_rot_scores_exactly_as_the_study_s_winning_format(tiny_model):
+    """The pipeline group ``baseline_k6v4_rot`` is the kv_formats study's ``k_fp6_v_mx32_rot`` row, bit for bit
+    (its format read from the committed study params, scored through the shared trunk beside it), and that
+    format's rounding is not NVFP4's nor none."""
+    sys.path.insert(0, str(ROOT / "studies"))
+    import kv_formats as study_mod
+
+    model, _ = tiny_model
+    geo = geometry(model.config)
+    study = study_mod.load_study(ROOT / "studies" / "kv_formats.yaml")["k_fp6_v_mx32_rot"]
+    assert group_format(GROUPS["baseline_k6v4_rot"]) == study
+    extra = {"study": FormatRuntime(model, study, geo.attention_layers, geo.head_dim)}
+    seqs, cut = rows(250)
+    nll = multi_group_nll(model, QWEN_PLAN, ["baseline", "baseline_fp4_rot", "baseline_k6v4_rot"], None, seqs, cut,
+                          1, 0, kv_format="nvfp4", extra=extra)
+    assert torch.equal(nll["study"], nll["baseline_k6v4_rot"])
+    assert not torch.equal(nll["baseline_k6v4_rot"], nll["baseline"])
+    assert not torch.equal(nll["baseline_k6v4_rot"], nll["baseline_fp4_rot"])
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_baseline_k6v4_rot_accounts_fp6_keys_and_mxfp4_values_and_a_rotation_per_layer():
+    """Per attention layer and token: K ``3D/4 + D/32`` bytes, V ``D/2 + D/32`` (3.05x fewer than bf16 on
+    SmolLM2's D = 192), whatever ``fp4_group`` says; one ``head_dim²`` rotation per attention layer."""
+    geo = Geometry(n_layers=30, hidden_size=576, n_kv_heads=3, head_dim=64, attention_layers=tuple(range(1, 31)))
+    plan = LayerPlan(split=16, source=20, targets=(24, 28))
+    copies = {c.name: c.entry_bytes for c in kv_copies(geo, plan, "baseline_k6v4_rot", "all_attention", 2, 16)}
+    assert copies == {f"{kind}{layer}": {"K": 144 + 6, "V": 96 + 6}[kind] for layer in range(1, 31) for kind in "KV"}
+    assert 2 * 192 * 2 / (150 + 102) == pytest.approx(3.05, abs=0.005)  # the study's figure; rounding of the ratio
+    assert rotation_params(geo, plan, "baseline_k6v4_rot") == 30 * 64 ** 2
+    assert rotation_params(geo, plan, "baseline_fp4") == 0
+    with pytest.raises(ValueError, match="fixes its own stream_formats"):
+        accounted_copies(geo, plan, "baseline_k6v4_rot", "nvfp4", 2)

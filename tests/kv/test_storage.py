@@ -14,7 +14,7 @@ from ced_csa2.pipeline.paths import STORAGE_METRICS as METRICS_PATH
 from ced_csa2.stages.storage import run
 
 GROUPS = {"baseline", "ced", "ced_sink", "csa2", "ced_csa2", "share_plain", "baseline_fp4", "csa2_fp4", "ced_csa2_fp4", "xkv",
-          "baseline_fp4_rot", "csa2_fp4_rot", "ced_csa2_fp4_rot"}
+          "baseline_fp4_rot", "csa2_fp4_rot", "ced_csa2_fp4_rot", "baseline_k6v4_rot"}
 BASES = {"decoder_attention", "all_attention", "all_attention_amortised_4k", "all_attention_amortised_32k",
          "all_attention_amortised_128k"}
 

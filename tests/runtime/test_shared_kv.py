@@ -16,11 +16,14 @@ from ced_csa2.kv import rotation
 from ced_csa2.kv.kv_bytes import bytes_per_token, fp4_entry_bytes, kv_copies
 from ced_csa2.kv.rotation import fp4_round_trip, layer_rotation
 from ced_csa2.model_utils import geometry
+from ced_csa2.kv.formats import group_format
 from ced_csa2.plan import LayerPlan
+from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.runtime.shared_kv import (
     SHARED_GROUPS,
+    BlockKVCache,
+    BlockLayer,
     FP4KVCache,
-    FP4Layer,
     SharedKVCache,
     TokenStore,
     _SharedLayer,
@@ -222,7 +225,7 @@ def test_a_token_store_growing_past_its_reserve_holds_every_entry_once(storage):
 
 def test_fp4_layer_returns_the_fp4_round_trip_of_what_it_was_given():
     fmt = FORMATS["nvfp4"]()
-    layer = FP4Layer(fmt)
+    layer = BlockLayer(fmt, fmt)
     k1, v1, k2, v2 = (torch.randn(2, 3, n, 32) for n in (5, 5, 1, 1))
     layer.update(k1, v1)
     k, v = layer.update(k2, v2)
@@ -259,7 +262,7 @@ def test_a_rotated_fp4_layer_returns_the_rotated_round_trip_of_what_it_was_given
     """Each stream rotated by its own ``R`` (here K by one matrix, V by another, to tell them apart) before FP4."""
     fmt = FORMATS["nvfp4"]()
     rk, rv = layer_rotation(32, 2), layer_rotation(32, 3)
-    layer = FP4Layer(fmt, rotations={"k": rk, "v": rv})
+    layer = BlockLayer(fmt, fmt, rotations={"k": rk, "v": rv})
     k1, v1, k2, v2 = (torch.randn(2, 3, n, 32) for n in (5, 5, 1, 1))
     layer.update(k1, v1)
     k, v = layer.update(k2, v2)
@@ -279,7 +282,7 @@ def test_the_rotated_caches_rotate_the_streams_of_rotated_streams_with_each_laye
     for la in geo.attention_layers:
         stores = cache.layers[la - 1].k_store, cache.layers[la - 1].v_store
         assert all(torch.equal(s.rotation.matrix, layer_rotation(geo.head_dim, la).matrix) for s in stores), la
-    assert all(s.rotation is None for la in FP4KVCache(model.config, "nvfp4").layers if isinstance(la, FP4Layer)
+    assert all(s.rotation is None for la in FP4KVCache(model.config, "nvfp4").layers if isinstance(la, BlockLayer)
                for s in (la.k_store, la.v_store))
     monkeypatch.setattr(rotation, "ROTATED_STREAMS", ("k",))
     shared = SharedKVCache(model, QWEN_PLAN, "csa2", random_parts(geo, QWEN_PLAN), "nvfp4", rotate=True)
@@ -311,12 +314,13 @@ def slack(geo, plan, kind: str, batch: int, positions: int) -> int:
     ``DynamicLayer`` holds exactly its entries (a concatenation per step).
     """
     dense, fp4 = 2 * geo.kv_dim * FP32_BYTES, 2 * fp4_entry_bytes(geo.kv_dim, 16)
+    k6v4 = 3 * geo.kv_dim // 4 + geo.kv_dim // 2 + 2 * (geo.kv_dim // 32)  # FP6 K + MXFP4 V, a scale per 32 each
     reserve = -(-positions // TokenStore.GROW) * TokenStore.GROW - positions
     total = 0
     for la in geo.attention_layers:
         sliding = geo.window(la) is not None
-        if kind.startswith("fp4"):
-            total += 0 if sliding else reserve * fp4
+        if kind.startswith("fp4") or kind == "k6v4":
+            total += 0 if sliding else reserve * (k6v4 if kind == "k6v4" else fp4)
         elif kind.startswith("shared") and la == plan.source:
             total += 0 if sliding else reserve * (fp4 if kind.startswith("shared_nvfp4") else dense)
         elif not (kind.startswith("shared") and la in plan.targets):
@@ -324,18 +328,23 @@ def slack(geo, plan, kind: str, batch: int, positions: int) -> int:
     return batch * total
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "shared", "shared_nvfp4", "shared_nvfp4_rot", "fp4", "fp4_rot"])
+@pytest.mark.parametrize("kind", ["dynamic", "shared", "shared_nvfp4", "shared_nvfp4_rot", "fp4", "fp4_rot", "k6v4"])
 def test_allocated_bytes_are_the_storages_of_the_cache_s_tensors(setup, kind):
     """At 191 cached positions: ``allocated`` is the distinct storages' bytes, found from the cache's tensors
     (the store once, however many layers read it), and exceeds ``used`` (the accounting's bytes) by the
     stores' reserves (fewer than ``GROW`` positions each) and the sliding layers' views.  A rotated store's
-    bytes are its unrotated twin's (the same accounting)."""
+    bytes are its unrotated twin's (the same accounting); ``baseline_k6v4_rot``'s (K FP6, V MXFP4) are its own."""
     model, plan, parts, _ = setup
     geo = geometry(model.config)
     torch.manual_seed(2)
     prompt = torch.randint(0, 250, (2, LONG))
+    if kind == "k6v4" and geo.kv_dim % 32:  # tiny Llama: kv_dim 16 holds no block of 32 channels
+        with pytest.raises(ValueError, match="FP6 stores groups of 32 channels, which do not divide kv_dim = 16"):
+            BlockKVCache(model.config, group_format(GROUPS["baseline_k6v4_rot"]))
+        return
     cache = {"dynamic": lambda: DynamicCache(config=model.config), "fp4": lambda: FP4KVCache(model.config, "nvfp4"),
              "fp4_rot": lambda: FP4KVCache(model.config, "nvfp4", rotate=True),
+             "k6v4": lambda: BlockKVCache(model.config, group_format(GROUPS["baseline_k6v4_rot"])),
              "shared": lambda: SharedKVCache(model, plan, "csa2", parts),
              "shared_nvfp4": lambda: SharedKVCache(model, plan, "csa2", parts, "nvfp4"),
              "shared_nvfp4_rot": lambda: SharedKVCache(model, plan, "csa2", parts, "nvfp4", rotate=True)}[kind]()
@@ -345,10 +354,11 @@ def test_allocated_bytes_are_the_storages_of_the_cache_s_tensors(setup, kind):
     assert cache.get_seq_length() == positions == 191
     got = cache_bytes(cache)
     assert got.allocated == storage_sizes(cache)
-    group, storage = ("csa2" if kind.startswith("shared") else "baseline"), ("nvfp4" if "fp4" in kind else "bf16")
+    group = {"k6v4": "baseline_k6v4_rot"}.get(kind, "csa2" if kind.startswith("shared") else "baseline")
+    storage = "nvfp4" if "fp4" in kind else "bf16"
     assert got.used == accounted(geo, plan, group, storage, prompt)
     assert got.allocated - got.used == slack(geo, plan, kind, prompt.shape[0], positions)
-    stores = [t for la in cache.layers if isinstance(la, FP4Layer) for t in (la.k_store, la.v_store)]
+    stores = [t for la in cache.layers if isinstance(la, BlockLayer) for t in (la.k_store, la.v_store)]
     stores += [t for la in cache.layers[plan.source - 1:plan.source] if isinstance(la, _SharedLayer)
                for t in (la.store.k, la.store.v)]
     assert bool(stores) == (kind != "dynamic")
@@ -382,7 +392,7 @@ def test_refusals(tiny_model):
         SharedKVCache(llama, LLAMA_PLAN, "share_plain", storage="mxfp4")
     with pytest.raises(ValueError, match="needs an FP4 storage"):
         FP4KVCache(model.config, "bf16")
-    with pytest.raises(ValueError, match="a rotation applies to FP4 entries"):
+    with pytest.raises(ValueError, match="a rotation applies to block-format entries"):
         TokenStore(None, layer_rotation(16, 1))
 
     cache = SharedKVCache(model, QWEN_PLAN, "share_plain")

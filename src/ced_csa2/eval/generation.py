@@ -21,12 +21,14 @@ bytes (:func:`group_cache`, the one place that builds it, from the group's
   ``Rᵀ dequant(.)``, exactly what Mode B's rotated groups round; the unrotated twin's bytes;
 * ``fp4_every_layer`` (``baseline_fp4``; ``baseline_fp4_rot`` with ``rotate=True``) --
   :class:`~ced_csa2.runtime.shared_kv.FP4KVCache` (``kv_format``);
+* ``formats_every_layer`` (``baseline_k6v4_rot``) -- :class:`~ced_csa2.runtime.shared_kv.BlockKVCache`
+  of the group's own ``stream_formats`` (K in FP6, V in MXFP4, both rotated; not ``kv_format``);
 * ``low_rank`` (``xkv``) -- refused: xKV compresses a finished clean prefill, and its runtime
   refuses a forward with a cache.
 
-``baseline_fp4``'s and ``baseline_fp4_rot``'s real caches are not their teacher-forced twins:
-:class:`FP4KVCache` quantises what a ``DynamicLayer`` holds (K after k_norm and RoPE), while Mode
-B quantises K before them, as the shared store does.  Same bytes, other roundings of K (V, which
+``baseline_fp4``'s, ``baseline_fp4_rot``'s and ``baseline_k6v4_rot``'s real caches are not their
+teacher-forced twins: :class:`FP4KVCache` and :class:`BlockKVCache` quantise what a ``DynamicLayer``
+holds (K after k_norm and RoPE), while Mode B quantises K before them, as the shared store does.  Same bytes, other roundings of K (V, which
 has neither, is rounded as Mode B rounds it, rotated or not).
 
 Mode A (:func:`mode_a_generation`): :meth:`CEDModeARuntime.prefill <ced_csa2.ced_runtime.CEDModeARuntime.prefill>`
@@ -63,7 +65,16 @@ from ..pipeline.timing import Paired, paired_seconds
 from ..plan import LayerPlan
 from ..runtime.groups import GROUPS, Group
 from ..runtime.groups import group as lookup_group
-from ..runtime.shared_kv import CacheBytes, FP4KVCache, SharedKVCache, accounted_copies, cache_bytes, greedy_generate
+from ..kv.formats import group_format
+from ..runtime.shared_kv import (
+    BlockKVCache,
+    CacheBytes,
+    FP4KVCache,
+    SharedKVCache,
+    accounted_copies,
+    cache_bytes,
+    greedy_generate,
+)
 from . import stats
 from .scoring import sequence_nll
 
@@ -84,9 +95,10 @@ def supported_groups() -> tuple[str, ...]:
 
 
 def _dense_twin(spec: Group) -> str:
-    """The group that maps, shares and keeps as ``spec`` does, with no FP4 entries (``csa2_fp4`` -> ``csa2``)."""
+    """The group that maps, shares and keeps as ``spec`` does, with no FP4 or block-format entries
+    (``csa2_fp4`` -> ``csa2``)."""
     return next(name for name, g in GROUPS.items()
-                if g.layout == spec.layout and g.sink == spec.sink and not g.is_fp4)
+                if g.layout == spec.layout and g.sink == spec.sink and not g.is_fp4 and g.stream_formats is None)
 
 
 @dataclass
@@ -98,7 +110,8 @@ class GroupCache:
     group
         The group (or :data:`MODE_A`).
     cache
-        A fresh ``DynamicCache``, :class:`SharedKVCache` or :class:`FP4KVCache` (rotated or not).
+        A fresh ``DynamicCache``, :class:`SharedKVCache`, :class:`FP4KVCache` (rotated or not) or
+        :class:`BlockKVCache`.
     open
         A fresh context manager to run forwards in, at each call: opened once around a whole
         decode, or around each step (:func:`decode_step_seconds`, where groups alternate): the
@@ -106,10 +119,12 @@ class GroupCache:
         runtime of the group's dense twin (a no-op for ``baseline``, the projector for ``ced``).
     storage
         What the accounting calls its entries (:func:`accounted_copies`): ``"bf16"`` (the model's
-        dtype) or the FP4 format.
+        dtype; for a group with its own ``stream_formats``, no FP4 storage: they fix its entries) or
+        the FP4 format.
     kind
         The cache in words, for tables: ``"DynamicCache"``, ``"SharedKVCache(nvfp4)"``,
-        ``"SharedKVCache(nvfp4, rotated)"``, ``"FP4KVCache"``, ``"FP4KVCache(rotated)"``, ...
+        ``"SharedKVCache(nvfp4, rotated)"``, ``"FP4KVCache"``, ``"FP4KVCache(rotated)"``,
+        ``"BlockKVCache(k fp6/32 rotated, v mxfp4/32 rotated)"``, ...
     """
 
     group: str
@@ -151,10 +166,15 @@ def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts |
     if spec.cache_kind == "shared_store":  # the source stores once (FP4 or not, rotated or not), the targets nothing
         cache = SharedKVCache(model, plan, twin, parts, storage=storage, rotate=spec.rotate)
         return GroupCache(group, cache, cache.feed, storage, f"SharedKVCache({storage}{', rotated' if spec.rotate else ''})")
-    # Every layer stores its own entry: ordinary, or FP4 everywhere; the projector (ced) changes compute only.
+    # Every layer stores its own entry: ordinary, or FP4 / block formats everywhere; the projector (ced) changes compute only.
     if spec.cache_kind == "fp4_every_layer":
         cache = FP4KVCache(model.config, storage, rotate=spec.rotate)
         kind = "FP4KVCache(rotated)" if spec.rotate else "FP4KVCache"
+    elif spec.cache_kind == "formats_every_layer":
+        cache = BlockKVCache(model.config, group_format(spec))
+        kind = "BlockKVCache({})".format(", ".join(
+            f"{stream} {s.element}/{s.group}{' rotated' if s.rotate else ''}"
+            for stream, s in zip("kv", spec.stream_formats)))
     else:
         cache, kind = DynamicCache(config=model.config), "DynamicCache"
     runtime = CEDModeBRuntime(model, plan, twin, parts, kv_format=None)

@@ -560,14 +560,21 @@ def frontier_table(points: list[dict]) -> list[str]:
 
 # Quality goals beyond the seed's contract, ΔPPL % vs baseline: a group's own row or one of its recipes.
 GROUP_GOALS = {"ced": 2.0, "csa2": 4.0, "ced_csa2": 9.0}
-KV_4BIT_GOAL = (2.0, 3.0)  # ΔPPL % at most, at a compression of at least (x), by a group storing 4-bit KV
+# ΔPPL % at most, at a compression of at least (x), by a group storing its entries in a block format (FP4, FP6)
+KV_FORMAT_GOAL = (2.0, 3.0)
 
 
 def _counts_for(row: str, group: str) -> bool:
     """Whether ``row`` (a group or ``<group>@<objective>``) is a way of running ``group``: the same maps and
-    sharing (:attr:`~ced_csa2.runtime.groups.Group.layout`), no FP4 entries (``ced_sink`` counts for ``ced``)."""
+    sharing (:attr:`~ced_csa2.runtime.groups.Group.layout`), no block-format entries (``ced_sink`` counts for
+    ``ced``, ``csa2_fp4`` not for ``csa2``)."""
     base = GROUPS.get(row.split("@")[0])
-    return base is not None and base.layout == GROUPS[group].layout and not base.is_fp4
+    return base is not None and base.layout == GROUPS[group].layout and not _block_format(base)
+
+
+def _block_format(spec) -> bool:
+    """Whether a group stores entries in a block format: FP4 (``kv_format``) or its own ``stream_formats``."""
+    return spec.is_fp4 or spec.stream_formats is not None
 
 
 def goals(rows: dict[str, dict[str, float]]) -> list[dict]:
@@ -575,15 +582,16 @@ def goals(rows: dict[str, dict[str, float]]) -> list[dict]:
 
     Each: ``goal`` (its wording), ``best`` (the row's name, ``None`` when no row qualifies), ``dppl_pct``
     with ``_lo``/``_hi``, ``met``.  A group's goal takes its own row, its ``<group>@<objective>``
-    recipes and the rows of groups that only keep other entries (:func:`_counts_for`); the 4-bit goal takes the groups that store FP4 entries (``Group.is_fp4``) and compress
-    at least ``KV_4BIT_GOAL[1]``x.
+    recipes and the rows of groups that only keep other entries (:func:`_counts_for`); the format goal
+    takes the groups that store block-format entries (:func:`_block_format`) and compress at least
+    ``KV_FORMAT_GOAL[1]``x.
     """
     out = []
     candidates = [(f"`{group}` ≤ +{limit:g}%", limit, [n for n in rows if _counts_for(n, group)])
                   for group, limit in GROUP_GOALS.items()]
-    limit, ratio = KV_4BIT_GOAL
-    candidates.append((f"4-bit KV ≤ +{limit:g}% at ≥ {ratio:g}×", limit,
-                       [n for n, r in rows.items() if n in GROUPS and GROUPS[n].is_fp4
+    limit, ratio = KV_FORMAT_GOAL
+    candidates.append((f"KV format ≤ +{limit:g}% at ≥ {ratio:g}×", limit,
+                       [n for n, r in rows.items() if n in GROUPS and _block_format(GROUPS[n])
                         and r.get("kv_compression", 0) >= ratio]))
     for goal, limit, names in candidates:
         best = min(names, key=lambda n: rows[n]["dppl_pct"], default=None)

@@ -42,14 +42,14 @@ from dataclasses import dataclass
 import torch
 
 from .. import kv_hooks
-from ..runtime.groups import GROUPS
+from ..runtime.groups import GROUPS, Group
 from .fp4 import FORMATS as FP4_FORMATS
 from .fp6 import FORMATS as FP6_FORMATS
+from .kv_bytes import ELEMENT_BITS
 from .rotation import HeadRotation, layer_rotation
 
 AXES = ("channels", "tokens")
 ELEMENTS = {**FP4_FORMATS, **FP6_FORMATS}  # element name -> block format (called with the group)
-ELEMENT_BITS = {**dict.fromkeys(FP4_FORMATS, 4), **dict.fromkeys(FP6_FORMATS, 6)}
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,24 @@ class KVFormat:
         return self.k.bytes_per_token(kv_dim, head_dim) + self.v.bytes_per_token(kv_dim, head_dim)
 
 
+def group_format(spec: Group) -> KVFormat:
+    """The :class:`KVFormat` of a group with its own ``stream_formats`` (channel axis, no exact channels)."""
+    if spec.stream_formats is None:
+        raise ValueError(f"group {spec.name!r} has no stream_formats of its own (its FP4 entries follow kv_format)")
+    return KVFormat(*(StreamFormat(s.element, s.group, rotate=s.rotate) for s in spec.stream_formats))
+
+
+def format_replacements(fmt: KVFormat, layers, head_dim: int) -> dict:
+    """``{(layer, "k" | "v"): out -> round_trip(out)}`` for :func:`ced_csa2.kv_hooks.inject`: each of ``layers``'
+    K and V read back from ``fmt``, rotated by the layer's matrix where its stream says so."""
+    streams = {"k": fmt.k, "v": fmt.v}
+    # A stream with exact channels rotates the rest of each head only (the layer's seed all the same).
+    rotations = {(layer, kind): layer_rotation(head_dim - s.exact, layer) if s.exact < head_dim else None
+                 for layer in layers for kind, s in streams.items()}
+    return {(layer, kind): lambda out, s=streams[kind], r=rotations[layer, kind]: s.round_trip(out, r, head_dim)
+            for layer in layers for kind in "kv"}
+
+
 class FormatRuntime:
     """Every attention layer's K and V read back from a :class:`KVFormat`: one context, scored like a group.
 
@@ -181,12 +199,7 @@ class FormatRuntime:
     def __init__(self, model, fmt: KVFormat, attention_layers, head_dim: int):
         self.model, self.fmt, self.spec = model, fmt, GROUPS["baseline_fp4"]
         self.replaced_layers = tuple(attention_layers)
-        streams = {"k": fmt.k, "v": fmt.v}
-        # A stream with exact channels rotates the rest of each head only (the layer's seed all the same).
-        rotations = {(layer, kind): layer_rotation(head_dim - s.exact, layer) if s.exact < head_dim else None
-                     for layer in self.replaced_layers for kind, s in streams.items()}
-        self._replacements = {(layer, kind): lambda out, s=streams[kind], r=rotations[layer, kind]: s.round_trip(
-            out, r, head_dim) for layer in self.replaced_layers for kind in "kv"}
+        self._replacements = format_replacements(fmt, self.replaced_layers, head_dim)
         self._hooks = None
 
     def seed(self, **kwargs) -> None:

@@ -22,6 +22,7 @@ Two parts:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -38,6 +39,8 @@ CONTEXTS = {"4k": 4096, "32k": 32768, "128k": 131072}
 BASES = ("decoder_attention", "all_attention")
 # Both FP4 scale formats of seed 003 §4.4 (E4M3 and E8M0) are one byte per group.
 FP4_SCALE_BYTES = 1
+# Bits per element of each block format (:data:`ced_csa2.kv.formats.ELEMENTS`): E2M1 (FP4) and E2M3 (FP6).
+ELEMENT_BITS = {"nvfp4": 4, "mxfp4": 4, "fp6": 6, "mxfp6": 6}
 
 
 # ----------------------------------------------------------------------------- generic rule
@@ -113,6 +116,26 @@ def fp4_entry_bytes(channels: int, group: int) -> int:
     return channels // 2 + channels // group * FP4_SCALE_BYTES
 
 
+def block_entry_bytes(channels: int, element: str, group: int) -> int:
+    """Bytes of an entry in a block format on the channel axis: ``D · bits/8 + D/G`` (FP4: :func:`fp4_entry_bytes`).
+
+    FP6 (E2M3) packs four elements to three bytes, so ``D`` must be a multiple of 4 (FP4: of 2).
+
+    Raises
+    ------
+    ValueError
+        An unknown ``element``, or ``channels`` that do not split into packed runs and groups.
+    """
+    if element not in ELEMENT_BITS:
+        raise ValueError(f"unknown block element {element!r}; choose one of {list(ELEMENT_BITS)}")
+    bits = ELEMENT_BITS[element]
+    pack = 8 // math.gcd(8, bits)  # values per whole number of bytes: 2 (4-bit), 4 (6-bit)
+    if channels % pack or channels % group:
+        raise ValueError(f"a {element} entry needs channels divisible by {pack} and by the group: "
+                         f"got {channels} channels in groups of {group}")
+    return channels * bits // 8 + channels // group * FP4_SCALE_BYTES
+
+
 # ----------------------------------------------------------------------------- this project's groups
 
 def basis_layers(geo: Geometry, plan: LayerPlan, basis: str) -> tuple[int, ...]:
@@ -145,13 +168,19 @@ def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_byte
     the shared source) cost ``fp4_entry_bytes(kv_dim, fp4_group)`` whatever the dtype.
     Under a ``low_rank`` group (``xkv``) the source's K and V copies hold the group's
     ``rank`` cross-layer coefficients instead (default ``rank = kv_dim``: csa2's bytes).
+    A group with its own ``stream_formats`` stores each layer's K and V in its stream's block
+    format (:func:`block_entry_bytes`), whatever ``fp4_group`` and the dtype.
     """
     spec = _group(group)
     fp4 = spec.fp4_layers(geo.attention_layers, plan.source)
     fp4_bytes, dense = fp4_entry_bytes(geo.kv_dim, fp4_group), dense_entry_bytes(geo.kv_dim, dtype_bytes)
     coefficients = dense_entry_bytes(geo.kv_dim if rank is None else rank, dtype_bytes)
+    own = ({kind: block_entry_bytes(geo.kv_dim, s.element, s.group) for kind, s in zip("KV", spec.stream_formats)}
+           if spec.stream_formats is not None else None)
 
-    def entry(layer: int) -> int:
+    def entry(layer: int, kind: str) -> int:
+        if own is not None:
+            return own[kind]
         if spec.low_rank and layer == plan.source:
             return coefficients
         return fp4_bytes if layer in fp4 else dense
@@ -160,7 +189,7 @@ def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_byte
         window = geo.window(layer)
         return None if window is None else window - 1
 
-    return [StoredCopy(f"{kind}{layer}", entry(layer), max_entries=cap(layer))
+    return [StoredCopy(f"{kind}{layer}", entry(layer, kind), max_entries=cap(layer))
             for layer in stored_layers(geo, plan, group, basis) for kind in ("K", "V")]
 
 
@@ -186,15 +215,15 @@ def xkv_basis_params(plan: LayerPlan, group: str, kv_dim: int, rank: int) -> int
 
 
 def rotation_params(geo: Geometry, plan: LayerPlan, group: str) -> int:
-    """A rotated FP4 group's matrices (``*_fp4_rot``): ``head_dim²`` per FP4 layer, or 0.
+    """A rotated group's matrices (``*_fp4_rot``, ``baseline_k6v4_rot``): ``head_dim²`` per rotated layer, or 0.
 
-    One ``(head_dim, head_dim)`` matrix per layer whose entry is FP4, shared by its heads, K
-    and V (:mod:`ced_csa2.kv.rotation`).  Weights, never per token: a rotated group's
-    :func:`kv_copies` are its plain twin's.  Built from a fixed seed per layer, so nothing
-    needs storing; this is what they would take as dense matrices.
+    One ``(head_dim, head_dim)`` matrix per layer whose entry is rotated
+    (:meth:`~ced_csa2.runtime.groups.Group.rotated_layers`), shared by its heads, K and V
+    (:mod:`ced_csa2.kv.rotation`).  Weights, never per token: a rotated group's :func:`kv_copies`
+    are its unrotated twin's.  Built from a fixed seed per layer, so nothing needs storing; this
+    is what they would take as dense matrices.
     """
-    spec = _group(group)
-    return len(spec.fp4_layers(geo.attention_layers, plan.source)) * geo.head_dim ** 2 if spec.rotate else 0
+    return len(_group(group).rotated_layers(geo.attention_layers, plan.source)) * geo.head_dim ** 2
 
 
 def projector_params(hidden_size: int, kv_dim: int) -> int:

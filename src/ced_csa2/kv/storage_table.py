@@ -78,9 +78,9 @@ XKV_COUNTING = (
 
 
 ROTATION_COUNTING = (
-    "the *_fp4_rot groups' rotations (one head_dim x head_dim matrix per FP4 layer, shared by its heads, K and V) "
-    "are built from a fixed seed per layer, so they are not stored and are in no basis: a rotated group's bytes per "
-    "token are its plain FP4 twin's; rotation_params is their size as dense matrices")
+    "the rotated groups' rotations (*_fp4_rot, baseline_k6v4_rot: one head_dim x head_dim matrix per rotated layer, "
+    "shared by its heads, K and V) are built from a fixed seed per layer, so they are not stored and are in no basis: "
+    "a rotated group's bytes per token are its unrotated twin's; rotation_params is their size as dense matrices")
 
 
 def qwen3_5_4b_geometry() -> Geometry:

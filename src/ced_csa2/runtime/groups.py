@@ -4,8 +4,8 @@ Config validation, the Mode B runtime, the shared store and the byte accounting 
 read a group's meaning from here, never from its name.
 
 ======================  =========  ===============  ========  ==============
-group                   projector  targets read     adapters  FP4 entries
-                        (CED)      the source KV
+group                   projector  targets read     adapters  block-format
+                        (CED)      the source KV              entries
 ======================  =========  ===============  ========  ==============
 ``baseline``            no         no               no        none
 ``share_plain``         no         yes (verbatim)   no        none
@@ -19,6 +19,7 @@ group                   projector  targets read     adapters  FP4 entries
 ``baseline_fp4_rot``    no         no               no        every layer [#rot]_
 ``csa2_fp4_rot``        no         yes              yes       shared source [#rot]_
 ``ced_csa2_fp4_rot``    yes        yes              yes       shared source [#rot]_
+``baseline_k6v4_rot``   no         no               no        every layer [#k6v4]_
 ``xkv`` (low rank)      no         no [#xkv]_       no        none
 ======================  =========  ===============  ========  ==============
 
@@ -41,6 +42,12 @@ group                   projector  targets read     adapters  FP4 entries
    effect) and 14.92% → 7.97% with MXFP4 (−6.05 [−7.03, −5.05]; V on top of K −1.81
    [−2.65, −0.96]); ``csa2_fp4`` +0.07 [−0.10, +0.24] (NVFP4: the one FP4 entry costs csa2
    only +0.5 points) and −0.87 [−1.21, −0.52] (MXFP4).  So K and V are rotated.
+.. [#k6v4] ``stream_formats``: every attention layer's K in FP6 (E2M3 elements, an E4M3 scale per 32
+   channels) and V in MXFP4 (E2M1, an E8M0 scale per 32 channels), each head of both rotated
+   first by the layer's randomised Hadamard matrix: ``3D/4 + D/32`` + ``D/2 + D/32`` bytes per
+   layer and token (3.05x fewer than bf16).  The formats are the group's own, not ``kv_format``.
+   The winner of ``studies/kv_formats`` (its ``k_fp6_v_mx32_rot``): +1.02% ΔPPL [+0.59, +1.48] vs
+   ``baseline_fp4_rot``'s +4.35% (embedded default, 32 eval records).
 """
 
 from __future__ import annotations
@@ -51,7 +58,31 @@ from typing import Literal
 FP4Scope = Literal["none", "every_layer", "shared_source"]
 # The cache that holds a group's bytes when it decodes (Group.cache_kind; built by
 # ced_csa2.eval.generation.group_cache).
-CacheKind = Literal["ordinary", "shared_store", "fp4_every_layer", "low_rank"]
+CacheKind = Literal["ordinary", "shared_store", "fp4_every_layer", "formats_every_layer", "low_rank"]
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """How a group stores one stream (K or V) of every attention layer: a block format on the channel axis.
+
+    Plain data, so this registry stays free of torch and of :mod:`ced_csa2.kv` (whose byte accounting
+    reads it); :func:`ced_csa2.kv.formats.group_format` makes it the study's ``StreamFormat``, which
+    checks ``element`` and quantises.
+
+    Attributes
+    ----------
+    element
+        ``nvfp4``, ``mxfp4`` (E2M1 elements), ``fp6`` or ``mxfp6`` (E2M3): :data:`ced_csa2.kv.formats.ELEMENTS`.
+    group
+        Channels per scale byte.
+    rotate
+        Rotate each head by the layer's randomised Hadamard matrix before quantising
+        (:func:`ced_csa2.kv.rotation.layer_rotation`), back after reading.
+    """
+
+    element: str
+    group: int
+    rotate: bool
 
 
 @dataclass(frozen=True)
@@ -87,6 +118,9 @@ class Group:
         The first ``sink`` positions of every sequence keep the plain model's K/V in each layer
         the group replaces (:func:`ced_csa2.kv_hooks.keep_initial`); 0: none.  Only for a group
         whose entries an ordinary cache holds (``ced``): the shared store keeps no per-layer entries.
+    stream_formats
+        ``(K, V)``: every attention layer's own K and V each stored in its own block format
+        (:class:`StreamSpec`), fixed by the group; ``kv_format`` does not apply.  ``None``: none.
     """
 
     name: str
@@ -98,6 +132,11 @@ class Group:
     low_rank: bool = False
     rotate: bool = False
     sink: int = 0
+    # A per-stream spec rather than an element name or a flag: K and V need different formats (K has
+    # the outlier channels), and the byte accounting, the Mode B rounding and the cache all read the
+    # same two specs, so no name maps to a format anywhere.  Its rotation lives in the specs (per
+    # stream, as the kv_formats study sets it), not in ``rotate``, which rotates ``kv_format``'s entries.
+    stream_formats: tuple[StreamSpec, StreamSpec] | None = None
 
     def __post_init__(self):
         if self.adapters and not self.shares_source_kv:
@@ -113,6 +152,11 @@ class Group:
             # The kept entries are the layer's own; only an ordinary cache holds per-layer entries to keep.
             raise ValueError(f"group {self.name!r}: sink keeps the projected source's first entries in an "
                              "ordinary cache, and this group has none")
+        if self.stream_formats is not None and (self.uses_maps or self.shares_source_kv or self.is_fp4
+                                                or self.low_rank or self.rotate):
+            # Every layer's own entries in the group's formats: nothing yet says how they combine with the rest.
+            raise ValueError(f"group {self.name!r}: stream_formats combine with no maps, sharing, FP4, low_rank or "
+                             "rotate (the specs carry their own rotation)")
 
     @property
     def uses_maps(self) -> bool:
@@ -146,6 +190,8 @@ class Group:
             return "low_rank"
         if self.shares_source_kv:
             return "shared_store"
+        if self.stream_formats is not None:
+            return "formats_every_layer"
         return "fp4_every_layer" if self.fp4 == "every_layer" else "ordinary"
 
     def fp4_layers(self, attention_layers: tuple[int, ...], source: int) -> tuple[int, ...]:
@@ -153,6 +199,12 @@ class Group:
         if self.fp4 == "every_layer":
             return tuple(attention_layers)
         return (source,) if self.fp4 == "shared_source" else ()
+
+    def rotated_layers(self, attention_layers: tuple[int, ...], source: int) -> tuple[int, ...]:
+        """Attention layers with a rotated stored entry (each holds one ``head_dim²`` matrix for K and V)."""
+        if self.stream_formats is not None:
+            return tuple(attention_layers) if any(s.rotate for s in self.stream_formats) else ()
+        return self.fp4_layers(attention_layers, source) if self.rotate else ()
 
 
 GROUPS: dict[str, Group] = {g.name: g for g in (
@@ -182,6 +234,10 @@ GROUPS: dict[str, Group] = {g.name: g for g in (
     Group("ced_csa2_fp4_rot", True, True, True, "shared_source",
           "as ced_csa2_fp4 (same bytes), the shared source entry's K and V rotated per head by a fixed "
           "randomised Hadamard matrix before FP4 and back after reading", rotate=True),
+    Group("baseline_k6v4_rot", False, False, False, "none",
+          "as baseline, every stored entry's K in FP6 (E2M3, an E4M3 scale per 32 channels; 3D/4 + D/32 bytes) and "
+          "V in MXFP4 (D/2 + D/32 bytes), each rotated per head by a fixed randomised Hadamard matrix first",
+          stream_formats=(StreamSpec("fp6", 32, rotate=True), StreamSpec("mxfp4", 32, rotate=True))),
     Group("xkv", False, False, False, "none",
           "training-free xKV baseline: source and targets store xkv.rank cross-layer SVD coefficients per token "
           "for K and for V (rank kv_dim: csa2's bytes), plus the bases as weights", low_rank=True),

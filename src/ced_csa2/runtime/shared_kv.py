@@ -46,6 +46,12 @@ round.  In :class:`FP4KVCache` ``x`` is what each ``DynamicLayer`` holds: V as M
 ``baseline_fp4_rot`` rounds it, but K after k_norm and RoPE, which Mode B rounds before them
 -- the same caveat as the unrotated ``baseline_fp4``: same bytes, another rounding of K.
 
+:class:`BlockKVCache`, which :class:`FP4KVCache` specialises, stores each stream in its own block
+format (:class:`~ced_csa2.kv.formats.KVFormat`): ``baseline_k6v4_rot``'s K in FP6 and V in MXFP4,
+each rotated per head by the layer's ``R``, from its ``stream_formats``.  Its ``x`` is
+:class:`FP4KVCache`'s: V rounded as Mode B's ``baseline_k6v4_rot`` rounds it, K after k_norm
+and RoPE (Mode B rounds it before them) -- same bytes, another rounding of K.
+
 Limits: :class:`SharedKVCache` recomputes RoPE from cache positions, so it takes unpadded
 batches and left-padded ones (``generate``'s, as lm-eval builds them): each row's left padding is
 read from the prefill's position ids and later forwards must continue them; other position ids
@@ -71,9 +77,12 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 
 from .. import kv_hooks
 from ..ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn, require_parts
+from ..kv import rotation as kv_rotation
+from ..kv.formats import ELEMENTS, KVFormat, StreamFormat
 from ..kv.fp4 import FORMATS, Packed
+from ..kv.fp6 import Packed6
 from ..kv.kv_bytes import StoredCopy, fp4_entry_bytes, kv_copies
-from ..kv.rotation import HeadRotation, stream_rotations, work_dtype
+from ..kv.rotation import HeadRotation, layer_rotation, stream_rotations, work_dtype
 from ..model_utils import Geometry, attention, geometry, layer_type, rotary
 from ..plan import LayerPlan
 from .groups import GROUPS, SHARED_GROUPS
@@ -96,7 +105,7 @@ def _check_rotate(rotate: bool, fmt, storage: str) -> None:
         raise ValueError(f"rotate=True rotates FP4 entries; storage {storage!r} is not FP4 ({list(FORMATS)})")
 
 
-def _check_fp4_width(fmt, kv_dim: int) -> None:
+def _check_block_width(fmt, kv_dim: int) -> None:
     if fmt is not None and kv_dim % fmt.group:
         raise ValueError(f"{type(fmt).__name__} stores groups of {fmt.group} channels, which do not divide "
                          f"kv_dim = {kv_dim}")
@@ -105,7 +114,7 @@ def _check_fp4_width(fmt, kv_dim: int) -> None:
 # ----------------------------------------------------------------------------- token store
 
 class TokenStore:
-    """Entries ``(B, T, D)`` of one stream (K or V), grown along ``T``, dense or FP4-packed.
+    """Entries ``(B, T, D)`` of one stream (K or V), grown along ``T``, dense or block-packed (FP4 or FP6).
 
     Appending writes into spare capacity reserved ``GROW`` positions at a time, so a decode
     step copies its one new entry (transformers' ``DynamicCache`` concatenates: a copy of all
@@ -118,10 +127,11 @@ class TokenStore:
     Parameters
     ----------
     fmt
-        An FP4 format (:class:`~ced_csa2.kv.fp4.NVFP4` / :class:`~ced_csa2.kv.fp4.MXFP4`), or
-        ``None`` to keep plain tensors in the dtype they arrive in.
+        A block format on the channel axis (FP4: :class:`~ced_csa2.kv.fp4.NVFP4` /
+        :class:`~ced_csa2.kv.fp4.MXFP4`; FP6: :class:`~ced_csa2.kv.fp6.FP6` / :class:`~ced_csa2.kv.fp6.MXFP6`),
+        or ``None`` to keep plain tensors in the dtype they arrive in.
     rotation
-        FP4 only: each entry is stored as ``FP4(R x)`` per head and read as ``Rᵀ dequant(.)``
+        Packed only: each entry is stored as ``FP4(R x)`` (or FP6) per head and read as ``Rᵀ dequant(.)``
         (:mod:`ced_csa2.kv.rotation`); :attr:`data` holds the rotated blocks.  ``None``: unrotated.
     """
 
@@ -129,9 +139,10 @@ class TokenStore:
 
     def __init__(self, fmt=None, rotation: HeadRotation | None = None):
         if rotation is not None and fmt is None:
-            # Without FP4 the round trip RᵀR x is x: a rotation would cost two matmuls and change nothing.
-            raise ValueError("TokenStore: a rotation applies to FP4 entries; give an FP4 format")
+            # Without a block format the round trip RᵀR x is x: a rotation would cost two matmuls and change nothing.
+            raise ValueError("TokenStore: a rotation applies to block-format entries; give an FP4 or FP6 format")
         self.fmt, self.rotation = fmt, rotation
+        self._packed_type = Packed  # what fmt.quantize returns (FP4: Packed, FP6: Packed6), for views of the buffers
         self._buffers: tuple[torch.Tensor, ...] = ()  # dense: (entries,); packed: (elements, scales); capacity along dim 1
         self._n = 0
         self._batch_shape: torch.Size | None = None  # (B, ·, D) of the entries, for Packed views
@@ -141,7 +152,7 @@ class TokenStore:
         return self._n
 
     @property
-    def data(self) -> torch.Tensor | Packed | None:
+    def data(self) -> torch.Tensor | Packed | Packed6 | None:
         """The entries written, ``(B, T, D)`` (a view of the buffers), or ``None`` when empty."""
         if not self._buffers:
             return None
@@ -149,11 +160,11 @@ class TokenStore:
         if self.fmt is None:
             return views[0]
         b, _, d = self._batch_shape
-        return Packed(*views, torch.Size((b, self._n, d)), self.fmt.group, self.fmt.scale_kind)
+        return self._packed_type(*views, torch.Size((b, self._n, d)), self.fmt.group, self.fmt.scale_kind)
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the entries written: ``B·T·D·itemsize`` dense, ``B·T·fp4_entry_bytes(D, G)`` packed."""
+        """Bytes of the entries written: ``B·T·D·itemsize`` dense, ``B·T·block_entry_bytes(D, element, G)`` packed."""
         return 0 if self.data is None else self.data.nbytes
 
     @property
@@ -174,7 +185,7 @@ class TokenStore:
             parts = (x,)
         else:
             packed = self.fmt.quantize(x if self.rotation is None else self.rotation.rotate(x))
-            parts = (packed.elements, packed.scales)
+            parts, self._packed_type = (packed.elements, packed.scales), type(packed)
         end = self._n + x.shape[1]
         if not self._buffers or end > self._buffers[0].shape[1]:
             capacity = -(-end // self.GROW) * self.GROW
@@ -202,8 +213,8 @@ class TokenStore:
         if at is not None:
             if self.fmt is None:
                 return _rows(d, at)
-            d = Packed(_rows(d.elements, at), _rows(d.scales, at), torch.Size((d.shape[0], at.shape[1], d.shape[2])),
-                       d.group, d.scale_kind)
+            d = self._packed_type(_rows(d.elements, at), _rows(d.scales, at),
+                                  torch.Size((d.shape[0], at.shape[1], d.shape[2])), d.group, d.scale_kind)
         if self.fmt is None:
             return d
         if self.rotation is None:
@@ -287,21 +298,21 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
 
 
-class FP4Layer(_Windowed, _ReadOnlyShape, DynamicLayer):
-    """A ``DynamicLayer`` (or, with a ``window``, ``DynamicSlidingWindowLayer``) whose K/V
-    (post-k_norm, post-RoPE) are kept in FP4.
+class BlockLayer(_Windowed, _ReadOnlyShape, DynamicLayer):
+    """A ``DynamicLayer`` (or, with a ``window``, ``DynamicSlidingWindowLayer``) whose K and V
+    (post-k_norm, post-RoPE) are kept in block formats: ``k_fmt`` and ``v_fmt`` (FP4 or FP6).
 
     ``update`` quantises the new entries, appends them, and returns every position cached
     plus the new ones, dequantised, ``(B, n_kv, T, head_dim)`` each, in the input dtype;
     a sliding layer then keeps only the last ``window - 1``.  ``rotations`` (``{"k": R, "v": R}``,
     :func:`~ced_csa2.kv.rotation.stream_rotations`; empty: none) rotates a stream's entries per
-    head before FP4 and back after reading.
+    head before quantising and back after reading.
     """
 
-    def __init__(self, fmt, window: int | None = None, rotations: dict[str, HeadRotation] | None = None):
+    def __init__(self, k_fmt, v_fmt, window: int | None = None, rotations: dict[str, HeadRotation] | None = None):
         super().__init__()
         rotations = rotations or {}
-        self.k_store, self.v_store = TokenStore(fmt, rotations.get("k")), TokenStore(fmt, rotations.get("v"))
+        self.k_store, self.v_store = TokenStore(k_fmt, rotations.get("k")), TokenStore(v_fmt, rotations.get("v"))
         self.window, self.seen = window, 0
 
     @property
@@ -570,7 +581,7 @@ def cache_bytes(cache: Cache) -> CacheBytes:
     """
     used, tensors = 0, []
     for layer in cache.layers:
-        if isinstance(layer, (FP4Layer, _SharedLayer)):
+        if isinstance(layer, (BlockLayer, _SharedLayer)):
             used += layer.used_bytes
             tensors += layer.tensors()
         elif isinstance(layer, DynamicLayer) and layer.is_initialized:
@@ -622,7 +633,7 @@ class SharedKVCache(DynamicCache):
         _check_rotate(rotate, fmt, storage)
         geo = geometry(model.config)
         plan.validate(geo)
-        _check_fp4_width(fmt, geo.kv_dim)
+        _check_block_width(fmt, geo.kv_dim)
         super().__init__(config=model.config)
         self.plan, self.group, self.storage, self.rotate = plan, group, storage, rotate
         rotations = stream_rotations(geo.head_dim, plan.source) if rotate else {}
@@ -646,7 +657,46 @@ class SharedKVCache(DynamicCache):
             yield self
 
 
-class FP4KVCache(DynamicCache):
+class BlockKVCache(DynamicCache):
+    """``DynamicCache`` with every attention layer's K and V each stored in its own block format.
+
+    ``baseline_k6v4_rot``'s cache (``formats_every_layer``; :func:`~ced_csa2.kv.formats.group_format`
+    of its ``stream_formats``).  Each layer ``l`` holds what a ``DynamicLayer`` holds -- K after
+    k_norm and RoPE, V -- each stream packed in its format, as ``fmt(R_l x)`` per head where the
+    stream rotates (:func:`~ced_csa2.kv.rotation.layer_rotation`) and read as ``Rᵀ dequant(.)``:
+    V as Mode B rounds it, K after k_norm and RoPE (Mode B rounds it before them): not Mode B's
+    rounding of K, as :class:`FP4KVCache`.
+
+    Parameters
+    ----------
+    config
+        The model's config.
+    formats
+        K's and V's formats; channel-axis blocks without exact channels (what a cache stores per token).
+    """
+
+    def __init__(self, config, formats: KVFormat):
+        streams = {"k": formats.k, "v": formats.v}
+        bad = [kind for kind, s in streams.items() if s.axis != "channels" or s.exact]
+        if bad:  # token-axis blocks need a residual of unfilled blocks; exact channels a split store: neither built
+            raise ValueError(f"BlockKVCache stores channel-axis blocks without exact channels; stream(s) {bad} of "
+                             f"{formats} are not")
+        blocks = {kind: ELEMENTS[s.element](s.group) for kind, s in streams.items()}
+        geo = geometry(config)
+        for fmt in blocks.values():
+            _check_block_width(fmt, geo.kv_dim)
+        super().__init__(config=config)
+        self.formats = formats
+        # Every attention layer's cache (linear-attention states are not K/V): full ones, and
+        # sliding-window ones keeping their window; layers[i] is layer i + 1 (its rotation's seed).
+        self.layers = [BlockLayer(blocks["k"], blocks["v"],
+                                  layer.sliding_window if type(layer) is DynamicSlidingWindowLayer else None,
+                                  {kind: layer_rotation(geo.head_dim, i + 1) for kind, s in streams.items() if s.rotate})
+                       if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+                       for i, layer in enumerate(self.layers)]
+
+
+class FP4KVCache(BlockKVCache):
     """``baseline_fp4``: ``DynamicCache`` with every attention layer's K/V stored in FP4.
 
     Parameters
@@ -666,16 +716,10 @@ class FP4KVCache(DynamicCache):
         fmt = _format(storage)
         if fmt is None:
             raise ValueError(f"FP4KVCache needs an FP4 storage ({list(FORMATS)}), got {storage!r}")
-        geo = geometry(config)
-        _check_fp4_width(fmt, geo.kv_dim)
-        super().__init__(config=config)
+        # ROTATED_STREAMS read at the call, as stream_rotations reads it (a study may set it).
+        super().__init__(config, KVFormat(*(StreamFormat(storage, fmt.group, rotate=rotate and kind in
+                                                         kv_rotation.ROTATED_STREAMS) for kind in "kv")))
         self.storage, self.rotate = storage, rotate
-        # Every attention layer's cache (linear-attention states are not K/V): full ones, and
-        # sliding-window ones keeping their window; layers[i] is layer i + 1 (its rotation's seed).
-        self.layers = [FP4Layer(fmt, layer.sliding_window if type(layer) is DynamicSlidingWindowLayer else None,
-                                stream_rotations(geo.head_dim, i + 1) if rotate else None)
-                       if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
-                       for i, layer in enumerate(self.layers)]
 
 
 # ----------------------------------------------------------------------------- accounting
@@ -689,11 +733,15 @@ def accounted_copies(geo: Geometry, plan: LayerPlan, group: str, storage: str, d
     (dense storage only) holds ``rank`` coefficients (default ``kv_dim``) for K and for V
     per token in place of the source's and targets' entries.  An FP4 group (``*_fp4``,
     ``*_fp4_rot``) needs its ``kv_format`` as ``storage`` and holds its own FP4 entries
-    (:meth:`~ced_csa2.runtime.groups.Group.fp4_layers`); a rotation adds no per-token bytes.
+    (:meth:`~ced_csa2.runtime.groups.Group.fp4_layers`); a rotation adds no per-token bytes.  A group
+    with its own ``stream_formats`` (:class:`BlockKVCache`) holds them whatever the storage: give ``"bf16"``.
     """
     fmt = _format(storage)
     copies = kv_copies(geo, plan, group, "all_attention", dtype_bytes, rank=rank)  # refuses an unknown group
     spec = GROUPS[group]
+    if spec.stream_formats is not None and fmt is not None:
+        raise ValueError(f"group {group!r} fixes its own stream_formats; FP4 storage {storage!r} does not apply "
+                         "(give 'bf16')")
     if spec.is_fp4 and fmt is None:
         raise ValueError(f"group {group!r} stores FP4 entries: give its kv_format as storage ({list(FORMATS)}), "
                          f"got {storage!r}")
