@@ -47,7 +47,7 @@ def test_code_deps_are_exactly_the_import_closure(stage):
     declared = {d for d in stage_templates()[stage]["deps"] if d.startswith("src/")}
     closure = import_closure(f"ced_csa2.stages.{stage}")
     assert declared == closure, (f"dvc.yaml stage '{stage}': add {sorted(closure - declared)}, "
-                                 f"remove {sorted(declared - closure)}")
+                                 f"remove {sorted(declared - closure)} (python -m ced_csa2.graph)")
 
 
 def covered(key: str, declared: list[str]) -> bool:
@@ -80,7 +80,7 @@ def test_study_code_deps_are_exactly_the_import_closure():
         declared = {d for d in spec["deps"] if d.startswith("src/")}
         closure = import_closure(*file_imports(ROOT / script))
         assert declared == closure, (f"studies/dvc.yaml stage '{name}': add {sorted(closure - declared)}, "
-                                     f"remove {sorted(declared - closure)}")
+                                     f"remove {sorted(declared - closure)} (python -m ced_csa2.graph)")
 
 
 def library_modules() -> dict[str, Path]:

@@ -1,6 +1,6 @@
 """The pipeline graph's code deps: each stage's ``src/`` deps in ``dvc.yaml`` are its command's import closure.
 
-    python -m ced_csa2.graph            # rewrite the src/ deps of dvc.yaml and studies/dvc.yaml; names the files changed
+    python -m ced_csa2.graph            # rewrite the src/ deps of dvc.yaml and studies/dvc.yaml, naming each changed
     python -m ced_csa2.graph --check    # write nothing; exit status 1 naming the stale files
 
 Run it after changing what a stage module or a study script imports (``docs/extending.md``).  Only the
@@ -70,7 +70,7 @@ def import_closure(*modules: str) -> set[str]:
 
 
 def code_closure(cmd: str) -> set[str]:
-    """The ``src/`` files a stage's command can import: a stage module's closure (``python -m``), or a study script's."""
+    """The ``src/`` files a stage's command can import: its ``python -m`` module's closure, or a study script's."""
     words = cmd.split()
     if words[1] == "-m":
         return import_closure(words[2])

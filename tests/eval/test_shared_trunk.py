@@ -79,14 +79,15 @@ def test_exact_in_bf16():
 
 def test_branch_points():
     """Each group branches at the lowest layer whose K/V it changes, read off its registry flags: every attention
-    layer's entry in FP4 -> the first attention layer; the source's own entry changed (projected, FP4 or low rank)
-    -> the source; only the targets' (shared) -> the first target; nothing -> never (n_layers + 1)."""
+    layer's own entry quantised (the every-layer caches) -> the first attention layer; the source's own entry changed
+    (projected, FP4 or low rank) -> the source; only the targets' (shared) -> the first target; nothing -> never
+    (n_layers + 1)."""
     model = tiny_llama()
     parts = random_parts(geometry(model.config), LLAMA_PLAN)
     first_attention, n_layers = geometry(model.config).attention_layers[0], model.config.num_hidden_layers
 
     def expected(spec):
-        if spec.fp4 == "every_layer":
+        if spec.cache_kind.endswith("every_layer"):
             return first_attention
         if spec.projected_source or spec.fp4 == "shared_source" or spec.low_rank:
             return LLAMA_PLAN.source
