@@ -1,68 +1,29 @@
-import importlib
-
 """The pipeline graph cannot go stale: what each stage can import is what dvc.yaml declares.
 
 The params keys and artifact files a stage actually reads are checked in
 ``test_pipeline_e2e.py`` (they need a real run); here the static half: every stage's
 ``src/`` deps equal the import closure of its entry module, and stages import only
-library modules.
+library modules; and ``python -m ced_csa2.graph`` (which rewrites those deps) leaves both
+``dvc.yaml`` files as they are.
 """
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import ROOT
 
+from ced_csa2 import graph
+from ced_csa2.graph import file_imports, import_closure, project_imports
+
 SRC = ROOT / "src"
 STAGES_DIR = SRC / "ced_csa2" / "stages"
 # The public modules (the seed's entry points, the typed config, the CLIs); the rest lives in
 # one subpackage per concern.
-TOP_LEVEL = {"__init__", "assets", "ced_runtime", "compose", "config", "csa2", "diff", "estimate", "kv_hooks", "plots_page",
-             "model_utils", "plan", "projector", "release"}
-
-
-def module_file(module: str) -> Path:
-    path = SRC.joinpath(*module.split("."))
-    return path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
-
-
-def project_imports(module: str) -> set[str]:
-    """``ced_csa2`` modules imported anywhere in ``module`` (function-level imports included)."""
-    file = module_file(module)
-    return file_imports(file, module if file.name == "__init__.py" else module.rsplit(".", 1)[0])
-
-
-def file_imports(file: Path, package: str = "") -> set[str]:
-    """``ced_csa2`` modules imported anywhere in ``file`` (relative imports resolved in ``package``)."""
-    found = set()
-    for node in ast.walk(ast.parse(file.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([node.module] if node.module else []))
-            if base.startswith("ced_csa2"):
-                for alias in node.names:  # `from . import kv_hooks` names a module
-                    candidate = f"{base}.{alias.name}"
-                    found.add(candidate if module_file(candidate).is_file() else base)
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("ced_csa2")}
-    return found
-
-
-def import_closure(*modules: str) -> set[str]:
-    """Repository paths of every project module ``modules`` can import, themselves included."""
-    seen, todo = set(), list(modules)
-    while todo:
-        m = todo.pop()
-        if m not in seen:
-            seen.add(m)
-            todo += project_imports(m)
-    # Python runs every enclosing package's __init__ before a module (stages/__init__ before a stage).
-    packages = {".".join(m.split(".")[:i]) for m in seen for i in range(1, m.count(".") + 1)}
-    return {module_file(m).relative_to(ROOT).as_posix() for m in seen | packages}
+TOP_LEVEL = {"__init__", "assets", "ced_runtime", "compose", "config", "csa2", "diff", "estimate", "graph", "kv_hooks",
+             "plots_page", "model_utils", "plan", "projector", "release"}
 
 
 def stage_templates() -> dict[str, dict]:
@@ -86,7 +47,7 @@ def test_code_deps_are_exactly_the_import_closure(stage):
     declared = {d for d in stage_templates()[stage]["deps"] if d.startswith("src/")}
     closure = import_closure(f"ced_csa2.stages.{stage}")
     assert declared == closure, (f"dvc.yaml stage '{stage}': add {sorted(closure - declared)}, "
-                                 f"remove {sorted(declared - closure)}")
+                                 f"remove {sorted(declared - closure)} (python -m ced_csa2.graph)")
 
 
 def covered(key: str, declared: list[str]) -> bool:
@@ -119,7 +80,7 @@ def test_study_code_deps_are_exactly_the_import_closure():
         declared = {d for d in spec["deps"] if d.startswith("src/")}
         closure = import_closure(*file_imports(ROOT / script))
         assert declared == closure, (f"studies/dvc.yaml stage '{name}': add {sorted(closure - declared)}, "
-                                     f"remove {sorted(declared - closure)}")
+                                     f"remove {sorted(declared - closure)} (python -m ced_csa2.graph)")
 
 
 def library_modules() -> dict[str, Path]:
@@ -144,35 +105,13 @@ def test_only_the_public_modules_are_at_the_top_and_subpackage_inits_import_noth
         assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], init
 
 
-
-def code_closure(cmd: str) -> set[str]:
-    """The ``src/`` files a stage's command can import: a stage module's closure, or a study script's."""
-    words = cmd.split()
-    if words[1] == "-m":
-        return import_closure(words[2])
-    return import_closure(*file_imports(ROOT / words[1]))
-
-
-def regenerate_code_deps(path: Path) -> None:
-    """Rewrite each stage's ``src/`` deps in a ``dvc.yaml`` as its import closure (comments and order kept)."""
-    cmds = {name: spec.get("do", spec)["cmd"] for name, spec in yaml.safe_load(path.read_text())["stages"].items()}
-    lines, out, stage = path.read_text().splitlines(keepends=True), [], None
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith("  ") and not line.startswith("   ") and line.rstrip().endswith(":"):
-            stage = line.strip()[:-1]
-        if line.lstrip().startswith("- src/") and stage in cmds:
-            indent = line[:len(line) - len(line.lstrip())]
-            while i < len(lines) and lines[i].lstrip().startswith("- src/"):
-                i += 1
-            out += [f"{indent}- {d}\n" for d in sorted(code_closure(cmds[stage]))]
-            continue
-        out.append(line)
-        i += 1
-    path.write_text("".join(out))
-
-
-if __name__ == "__main__":  # python tests/test_graph.py: after changing what a stage or study imports
-    for pipeline in (ROOT / "dvc.yaml", ROOT / "studies" / "dvc.yaml"):
-        regenerate_code_deps(pipeline)
+def test_the_graph_cli_rewrites_nothing_and_restores_a_dropped_dep(tmp_path):
+    """``python -m ced_csa2.graph`` writes what the tests above ask for: on the committed files nothing; on a copy
+    missing one stage's dep, that dep back, the file byte-identical to the committed one."""
+    assert graph.stale() == []
+    committed = (ROOT / "dvc.yaml").read_text()
+    dropped = "        - src/ced_csa2/kv/rotation.py\n"  # the tune stage's, among others
+    broken = tmp_path / "dvc.yaml"
+    broken.write_text(committed.replace(dropped, "", 1))
+    assert graph.stale((broken,)) == [broken]
+    assert graph.with_code_deps(broken.read_text()) == committed

@@ -17,6 +17,7 @@ from ced_csa2.eval import gsm8k
 from ced_csa2.model_utils import geometry
 from ced_csa2.pipeline import paths
 from ced_csa2.plan import LayerPlan, load_plan
+from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.stages import eval_gsm8k, gold_pairs
 
 # Short on purpose: the tiny model's tokenizer is byte-level and its GatedDeltaNet
@@ -359,7 +360,7 @@ def test_exact_match_through_lm_eval_filters(tmp_path, tiny_model, reply, strict
 
 # ----------------------------------------------------------------------------- kv_format end to end
 
-FP4_GROUPS = ("baseline_fp4", "csa2_fp4", "ced_csa2_fp4", "baseline_fp4_rot", "csa2_fp4_rot", "ced_csa2_fp4_rot")
+FP4_GROUPS = tuple(name for name, spec in GROUPS.items() if spec.is_fp4)  # the groups kv_format stores
 
 
 def test_stage_passes_kv_format_to_every_fp4_group(tmp_path, tiny_model):

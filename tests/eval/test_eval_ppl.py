@@ -17,6 +17,7 @@ from ced_csa2.data.corpus import write_prepared
 from ced_csa2.model_utils import geometry
 from ced_csa2.pipeline import paths, stage_runner
 from ced_csa2.plan import LayerPlan
+from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.stages import eval_ppl
 
 TEXTS = ALL_TEXTS[:4]  # the tiny Qwen3.5's DeltaNet layers run the slow torch fallback
@@ -118,7 +119,7 @@ def test_mode_a_not_covered_is_explicit(tmp_path, tiny_model):
                            "note": m["mode_a"]["note"]} and "not cover" in m["mode_a"]["note"]
 
 
-FP4_GROUPS = ("baseline_fp4", "csa2_fp4", "ced_csa2_fp4", "baseline_fp4_rot", "csa2_fp4_rot", "ced_csa2_fp4_rot")
+FP4_GROUPS = tuple(name for name, spec in GROUPS.items() if spec.is_fp4)  # the groups kv_format stores
 
 
 def test_kv_format_reaches_every_fp4_group(tmp_path, tiny_model):

@@ -79,12 +79,25 @@ def test_exact_in_bf16():
 
 
 def test_branch_points():
+    """Each group branches at the lowest layer whose K/V it changes, read off its registry flags: every attention
+    layer's own entry quantised (the every-layer caches) -> the first attention layer; the source's own entry changed
+    (projected, FP4 or low rank) -> the source; only the targets' (shared) -> the first target; nothing -> never
+    (n_layers + 1)."""
     model = tiny_llama()
     parts = random_parts(geometry(model.config), LLAMA_PLAN)
-    got = {g: branch_point(CEDModeBRuntime(model, LLAMA_PLAN, g, parts, kv_format="nvfp4"), 6) for g in GROUP_NAMES}
-    assert got == {"baseline": 7, "share_plain": 5, "ced": 3, "ced_sink": 3, "csa2": 5, "ced_csa2": 3, "baseline_fp4": 1,
-                   "csa2_fp4": 3, "ced_csa2_fp4": 3, "xkv": 3, "baseline_fp4_rot": 1, "csa2_fp4_rot": 3,
-                   "ced_csa2_fp4_rot": 3, "baseline_k6v4_rot": 1}
+    first_attention, n_layers = geometry(model.config).attention_layers[0], model.config.num_hidden_layers
+
+    def expected(spec):
+        if spec.cache_kind.endswith("every_layer"):
+            return first_attention
+        if spec.projected_source or spec.fp4 == "shared_source" or spec.low_rank:
+            return LLAMA_PLAN.source
+        return min(LLAMA_PLAN.targets) if spec.shares_source_kv else n_layers + 1
+
+    got = {g: branch_point(CEDModeBRuntime(model, LLAMA_PLAN, g, parts, kv_format="nvfp4"), n_layers) for g in GROUPS}
+    assert got == {g: expected(spec) for g, spec in GROUPS.items()}
+    # four distinct layers on this plan (1 < 3 < 5 < 7), each some group's: every rule above is exercised
+    assert sorted(set(got.values())) == [first_attention, LLAMA_PLAN.source, min(LLAMA_PLAN.targets), n_layers + 1]
 
 
 def test_the_trunk_runs_once_per_batch(tiny_model):

@@ -11,10 +11,14 @@ from conftest import ROOT, TINY_OVERRIDES, compose, tiny_params
 from ced_csa2.kv.storage_table import qwen3_5_4b_geometry
 from ced_csa2.model_utils import Geometry
 from ced_csa2.pipeline.paths import STORAGE_METRICS as METRICS_PATH
+from ced_csa2.runtime.groups import GROUPS as REGISTRY
 from ced_csa2.stages.storage import run
 
-GROUPS = {"baseline", "ced", "ced_sink", "csa2", "ced_csa2", "share_plain", "baseline_fp4", "csa2_fp4", "ced_csa2_fp4", "xkv",
-          "baseline_fp4_rot", "csa2_fp4_rot", "ced_csa2_fp4_rot", "baseline_k6v4_rot"}
+GROUPS = set(REGISTRY)
+# Each rotated group's unrotated twin: the group that stores the same entries (same layout, FP4 scope and sink).
+ROTATED_TWINS = {name: twin for name, spec in REGISTRY.items() if spec.rotate
+                 for twin, other in REGISTRY.items()
+                 if not other.rotate and (other.layout, other.fp4, other.sink) == (spec.layout, spec.fp4, spec.sink)}
 BASES = {"decoder_attention", "all_attention", "all_attention_amortised_4k", "all_attention_amortised_32k",
          "all_attention_amortised_128k"}
 
@@ -70,12 +74,13 @@ def test_fp4_groups_count_packed_entries(written):
 
 def test_rotated_fp4_groups_cost_their_plain_twins_bytes(written):
     # The rotation is weights built from a seed (listed, in no basis): every per-token figure is the twin's.
+    assert ROTATED_TWINS
     for section in ("active_model", "qwen3_5_4b"):
         metrics = written[1][section]
         for table in metrics["kv"].values():
             for rows in table.values():
-                for twin in ("baseline_fp4", "csa2_fp4", "ced_csa2_fp4"):
-                    assert rows[f"{twin}_rot"] == rows[twin]
+                for rotated, twin in ROTATED_TWINS.items():
+                    assert rows[rotated] == rows[twin], (rotated, twin)
         weights = metrics["weights"]
         assert weights["rotation_params"]["baseline_fp4"] == 0 and "seed" in weights["rotation_counting"]
     qwen = written[1]["qwen3_5_4b"]["weights"]["rotation_params"]  # head_dim 256; 8 FP4 layers, or the source
