@@ -292,3 +292,13 @@ def test_a_safetensors_file_is_the_same_bytes_in_every_process():
     assert torch.equal(load(raw)["w"], torch.arange(6.).view(2, 3))
     n = int.from_bytes(raw[:8], "little")
     assert json.loads(raw[8:8 + n])["__metadata__"] == {"a": "b", "é": "ü"}
+
+
+def test_the_card_says_which_maps_each_row_reads_from_the_group_s_flags():
+    from ced_csa2.eval.model_card import reads
+    from ced_csa2.runtime.groups import GROUPS
+
+    assert reads("mode_a") == "mode_a/" and reads("baseline") == "–" and reads("share_plain") == "–"
+    assert reads("ced_sink") == "projector" and reads("csa2_fp4_rot") == "adapters"
+    for name, spec in GROUPS.items():
+        assert ("projector" in reads(name)) == spec.projected_source and ("adapters" in reads(name)) == spec.adapters

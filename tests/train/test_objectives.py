@@ -200,3 +200,17 @@ def test_map_tensors_keeps_the_tree_and_reaches_every_tensor():
     assert out["attn"][3][1]["mask"] is None and out["attn"][3][1]["other"] is marker
     assert isinstance(out["attn"][3][0], tuple) and isinstance(out["attn"][3], list)
     assert torch.equal(out["kv"]["k"][3], torch.ones(1)) and torch.equal(out["final"], torch.full((2,), 2.0))
+
+
+def test_a_held_out_loss_is_never_another_objective_s(frozen):
+    """``tuning.held_out`` refuses an objective it has no held-out loss for, rather than scoring it as distill."""
+    from ced_csa2.train.tuning import held_out, new_teachers
+
+    model, _ = frozen
+    parts = random_parts(geometry(model.config), QWEN_PLAN)
+    _, teachers = new_teachers("attn_out", model, QWEN_PLAN)
+    val = [batch()]
+    got = held_out("attn_out", model, parts, QWEN_PLAN, "ced", val, 1.0, 0.0, teachers, 64)
+    assert set(got) == {"loss", "kl"} and got["loss"] > 0
+    with pytest.raises(ValueError, match="no held-out loss for objective 'kv_mse'"):
+        held_out("kv_mse", model, parts, QWEN_PLAN, "ced", val, 1.0, 0.0, teachers, 64)

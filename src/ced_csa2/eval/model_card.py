@@ -14,11 +14,22 @@ from typing import Mapping
 
 import yaml
 
+from ..runtime.groups import GROUPS
+
 QWEN = "qwen3_5_4b"
-# The headline's rows, in the summary's order; the maps each reads from the release.
-READS = {"ced": "projector", "ced_sink": "projector", "csa2": "adapters", "ced_csa2": "projector + adapters", "ced_csa2_fp4": "projector + adapters",
-         "ced_csa2_fp4_rot": "projector + adapters", "csa2_fp4": "adapters", "csa2_fp4_rot": "adapters",
-         "mode_a": "mode_a/"}
+MODE_A_READS = "mode_a/"  # Mode A's row: its own folder of the release (bank, adapters, sink)
+
+
+def reads(group: str) -> str:
+    """The maps a headline row reads from the release, from the group's flags (``–``: none)."""
+    if group == "mode_a":
+        return MODE_A_READS
+    spec = GROUPS.get(group)
+    maps = [] if spec is None else [m for m, used in (("projector", spec.projected_source),
+                                                      ("adapters", spec.adapters)) if used]
+    return " + ".join(maps) or "–"
+
+
 BASIS = "decoder_attention"  # the groups' KV bytes per token: bf16, the attention layers above the split
 
 
@@ -80,7 +91,7 @@ def headline_table(summary: Mapping, groups: Mapping, storage: Mapping) -> list[
         cells.append(_ci(g, "passkey_pct", ".0f"))
         cells += ([f"{kv[group]['bytes_per_token']:,.0f}", f"{kv[group]['compression_vs_baseline']:.3f}×"]
                   if group in kv else ["–", "–"])
-        lines.append(f"| {group} | {READS.get(group, '–')} | " + " | ".join(cells) + " |")
+        lines.append(f"| {group} | {reads(group)} | " + " | ".join(cells) + " |")
     return lines
 
 

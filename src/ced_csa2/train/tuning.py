@@ -60,9 +60,11 @@ def held_out(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str
             kl += kl_from_hidden(model, student, teacher["final"], mask, 1.0, block_tokens).item()
             if objective == "attn_out":
                 loss += attn_out_loss(model, parts, plan, group, teacher, mask).item()
-            else:
+            elif objective == "distill":
                 loss += distill_loss(model, parts, plan, group, teacher, ids, mask, temperature, kv_weight,
                                      student=student, block_tokens=block_tokens).item()
+            else:  # a new objective must say its held-out loss, not take another's
+                raise ValueError(f"held_out: no held-out loss for objective {objective!r}")
     return {"loss": loss / len(val), "kl": kl / len(val)}
 
 
