@@ -302,3 +302,25 @@ def test_the_card_says_which_maps_each_row_reads_from_the_group_s_flags():
     assert reads("ced_sink") == "projector" and reads("csa2_fp4_rot") == "adapters"
     for name, spec in GROUPS.items():
         assert ("projector" in reads(name)) == spec.projected_source and ("adapters" in reads(name)) == spec.adapters
+
+
+def test_a_hub_id_needs_a_pinned_revision_and_a_reachable_hub(released, tiny_model, tmp_path):
+    """``release_folder``: a local folder as is (no revision); a hub id only with a revision; an offline hub (this
+    machine has none) one ReleaseError naming the id and revision, nothing loaded."""
+    folder = released[0] / "release"
+    assert rel.release_folder(folder) == folder
+    with pytest.raises(rel.ReleaseError, match="a local release folder has no revision"):
+        rel.load_release(folder, tiny_model[0], revision="main")
+    with pytest.raises(rel.ReleaseError, match=r"^someone/maps: a hub id needs revision=<commit>"):
+        rel.load_release("someone/maps", tiny_model[0])
+    with pytest.raises(rel.ReleaseError, match="no such release folder, and not a hub id"):
+        rel.release_folder(tmp_path / "missing" / "deeper")
+    code = ("import sys; from ced_csa2 import release as rel\n"
+            "try:\n    rel.release_folder('someone/maps', revision='0123abc')\n"
+            "except rel.ReleaseError as e:\n    print(e); sys.exit(3)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.startswith("someone/maps@0123abc: the release could not be downloaded (")
+    assert len(done.stdout.strip().splitlines()) == 1

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
@@ -63,6 +64,45 @@ FINGERPRINT_OF = ("sha256 over every parameter (name, shape, bytes) of the decod
 
 class ReleaseError(ValueError):
     """A release folder that is incomplete, changed after it was written, or made for another model or plan."""
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # <owner>/<name>, as the hub spells a repository
+
+
+def release_folder(source: Path | str, revision: str | None = None) -> Path:
+    """The local folder of a release: ``source`` itself, or hub repository ``source``'s snapshot at ``revision``.
+
+    Parameters
+    ----------
+    source
+        A release folder, or a hub id ``<owner>/<name>`` when no such folder exists.
+    revision
+        The hub commit to load (required with a hub id, so the maps cannot change under a user between two
+        loads; a branch name is taken as the hub resolves it); refused with a local folder.
+
+    Raises
+    ------
+    ReleaseError
+        One line: neither a folder nor a hub id, a hub id without a revision, a revision with a local folder, or
+        the snapshot not downloadable (offline, unknown repository or revision) -- nothing is loaded.
+    """
+    path = Path(source)
+    if path.is_dir():
+        if revision is not None:
+            raise ReleaseError(f"{path}: a local release folder has no revision (pass revision= with a hub id only)")
+        return path
+    if not HUB_ID.fullmatch(str(source)):
+        raise ReleaseError(f"{source}: no such release folder, and not a hub id ('<owner>/<name>')")
+    if not revision:
+        raise ReleaseError(f"{source}: a hub id needs revision=<commit> so that the maps cannot change between loads")
+    from huggingface_hub import snapshot_download  # a dependency of transformers; imported only for a hub id
+
+    try:
+        return Path(snapshot_download(str(source), revision=revision))
+    except Exception as e:  # noqa: BLE001 -- the hub client's errors (HTTP, offline, not found) share no base class
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ReleaseError(f"{source}@{revision}: the release could not be downloaded ({type(e).__name__}: {first})"
+                           ) from e
 
 
 # ----------------------------------------------------------------------------- digests
@@ -304,8 +344,8 @@ def _parts(folder: Path, config: Mapping, maps: Mapping, device, dtype) -> CEDPa
     return parts
 
 
-def _open(folder, model, plan) -> tuple[Path, dict]:
-    folder = Path(folder)
+def _open(folder, model, plan, revision) -> tuple[Path, dict]:
+    folder = release_folder(folder, revision)
     verify_manifest(folder)
     config = _json(folder / CONFIG)
     if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
@@ -316,15 +356,15 @@ def _open(folder, model, plan) -> tuple[Path, dict]:
 
 
 def load_release(folder: Path | str, model: nn.Module, *, plan: LayerPlan | None = None, device=None,
-                 dtype: torch.dtype | None = None) -> CEDParts:
+                 dtype: torch.dtype | None = None, revision: str | None = None) -> CEDParts:
     """The Mode B maps of a release (projector and adapters: groups ``ced``, ``csa2``, ``ced_csa2`` and their FP4
     twins), for :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` as :func:`~ced_csa2.ced_runtime.load_parts` gives them.
 
     Parameters
     ----------
     folder
-        A ``release/`` folder (stage ``release``), or a hub snapshot of one
-        (``huggingface_hub.snapshot_download(repo_id, revision=...)``).
+        A ``release/`` folder (stage ``release``), or the hub id of a published one, with ``revision``
+        (:func:`release_folder`).
     model
         The base model the maps will run in: refused unless its geometry fits the release's plan and its weights are
         the base model's (:func:`base_fingerprint`).
@@ -332,22 +372,24 @@ def load_release(folder: Path | str, model: nn.Module, *, plan: LayerPlan | None
         The plan the caller means to run; refused unless it is the release's (``None``: the release's own).
     device, dtype
         Where and in what dtype to build the modules (default: CPU, float32, which holds the FP16 values exactly).
+    revision
+        With a hub id: the commit to download (required).
 
     Raises
     ------
     ReleaseError
-        One line naming the file: a file missing, changed or added after the release was written, another plan,
+        One line naming the file (:func:`release_folder`'s refusals first): a file missing, changed or added after the release was written, another plan,
         another base model, a header that disagrees with ``config.json`` -- before any module is built.
     """
-    folder, config = _open(folder, model, plan)
+    folder, config = _open(folder, model, plan, revision)
     return _parts(folder, config, config["maps"]["main"], device, dtype)
 
 
 def load_release_mode_a(folder: Path | str, model: nn.Module, *, plan: LayerPlan | None = None, device=None,
-                        dtype: torch.dtype | None = None) -> tuple[CEDParts, dict]:
+                        dtype: torch.dtype | None = None, revision: str | None = None) -> tuple[CEDParts, dict]:
     """Mode A's parts of a release and how to run them: ``(parts, {"replay": r, "sink": s})`` for
     ``CEDModeARuntime(model, plan, geo, parts, **settings)``; checked as :func:`load_release` checks."""
-    folder, config = _open(folder, model, plan)
+    folder, config = _open(folder, model, plan, revision)
     if "mode_a" not in config["maps"]:
         raise ReleaseError(f"{folder / CONFIG}: the release holds no Mode A maps (its plan does not cover the layers "
                            "above the cut)")
