@@ -324,3 +324,34 @@ def test_a_hub_id_needs_a_pinned_revision_and_a_reachable_hub(released, tiny_mod
     assert done.returncode == 3, done.stderr
     assert done.stdout.startswith("someone/maps@0123abc: the release could not be downloaded (")
     assert len(done.stdout.strip().splitlines()) == 1
+
+
+def test_the_seed_s_loaders_take_the_release_folder(released, tiny_model, monkeypatch, tmp_path):
+    """``load_projector`` / ``load_adapters`` on a release folder give ``load_release``'s modules, after its checks:
+    a wrong role or metadata is refused naming the file, a changed file by the manifest."""
+    from ced_csa2.csa2 import load_adapters
+    from ced_csa2.pipeline.map_roles import MAIN, MODE_A
+    from ced_csa2.projector import load_projector
+
+    folder = released[0] / "release"
+    parts = rel.load_release(folder, tiny_model[0])
+    projector, meta = load_projector(folder, role=MAIN, expect={"layer": meta_layer(folder)})
+    adapters = load_adapters(folder, role=MAIN)
+    for got, want in ((projector, parts.projector), (adapters, parts.adapters)):
+        assert got.state_dict().keys() == want.state_dict().keys()
+        assert all(torch.equal(got.state_dict()[k], want.state_dict()[k]) for k in got.state_dict())
+    assert meta["role"] == MAIN.as_meta()
+    with pytest.raises(rel.ReleaseError, match=r"projector_k\d+v\d+\.safetensors: holds the projector of role"):
+        load_projector(folder, role=MODE_A)
+    with pytest.raises(rel.ReleaseError, match=r"\.safetensors: kv_dim = \d+, expected 7$"):
+        load_adapters(folder, role=MAIN, expect={"kv_dim": 7})
+    changed = shutil.copytree(folder, tmp_path / "release")
+    target = next(changed.glob("projector_*.safetensors"))
+    target.write_bytes(target.read_bytes()[:-1] + bytes([target.read_bytes()[-1] ^ 1]))
+    with pytest.raises(rel.ReleaseError, match="changed after the release was written"):
+        load_projector(changed, role=MAIN)
+
+
+def meta_layer(folder) -> int:
+    """The projector's layer as the release's config.json records its plan (the source)."""
+    return json.loads((folder / "config.json").read_text())["plan"]["source"]

@@ -152,13 +152,14 @@ def save_adapters(path: str | Path, adapters: CSA2Adapters, meta: Mapping) -> Pa
 
 
 def load_adapters(path: str | Path, device=None, dtype: torch.dtype | None = None, *, role: Role,
-                  expect: Mapping | None = None) -> CSA2Adapters:
-    """Load an adapters file (the seed's API).
+                  expect: Mapping | None = None, revision: str | None = None) -> CSA2Adapters:
+    """Load an adapters file (the seed's API), or a release's adapters.
 
     Parameters
     ----------
     path
-        A file written by :func:`save_adapters`.
+        A file written by :func:`save_adapters`; or a release folder or hub id (with ``revision``), whose main
+        adapters are read after the release's own checks (:func:`ced_csa2.release.load_main_map`).
     device, dtype
         Where and in what dtype to build the module (default: CPU, float32 -- which
         holds the stored FP16 values exactly).
@@ -178,6 +179,11 @@ def load_adapters(path: str | Path, device=None, dtype: torch.dtype | None = Non
     CSA2Adapters
         In eval mode; the file's metadata is attached as ``.meta``.
     """
+    from . import release  # the release reads this module's classes: imported when used
+
+    if release.is_release(path):
+        return release.load_main_map(path, KIND, role=role, expect=expect, revision=revision, device=device,
+                                     dtype=dtype)[0]
     state, meta = load_checkpoint(path, KIND, expect, role=role)
     adapters = CSA2Adapters(meta["layers"], meta["kv_dim"], width=meta["width"], activation=meta["activation"],
                             input=meta["input"], device="meta")

@@ -126,13 +126,14 @@ def _empty(meta: Mapping) -> KVProjector:
 
 
 def load_projector(path: str | Path, *, role: Role, expect: Mapping | None = None, device=None,
-                   dtype: torch.dtype | None = None) -> tuple[KVProjector, dict]:
-    """Load a projector file.
+                   dtype: torch.dtype | None = None, revision: str | None = None) -> tuple[KVProjector, dict]:
+    """Load a projector file, or a release's projector.
 
     Parameters
     ----------
     path
-        A file written by :func:`save_projector`.
+        A file written by :func:`save_projector`; or a release folder or hub id (with ``revision``), whose main
+        projector is read after the release's own checks (:func:`ced_csa2.release.load_main_map`).
     role
         The branch it must belong to (:mod:`ced_csa2.pipeline.map_roles`): another one is refused
         naming the file and both roles, before its tensors are read.
@@ -151,6 +152,11 @@ def load_projector(path: str | Path, *, role: Role, expect: Mapping | None = Non
     (projector, meta)
         The module in eval mode and the file's metadata dict.
     """
+    from . import release  # the release reads this module's classes: imported when used
+
+    if release.is_release(path):
+        return release.load_main_map(path, KIND, role=role, expect=expect, revision=revision, device=device,
+                                     dtype=dtype)
     state, meta = load_checkpoint(path, KIND, expect, role=role)
     projector = _empty(meta)
     projector.to_empty(device="cpu")

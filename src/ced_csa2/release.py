@@ -48,6 +48,7 @@ from .projector import KVProjector, ProjectorBank
 
 if TYPE_CHECKING:
     from .config import ModelConfig
+    from .pipeline.map_roles import Role
 
 RELEASE = Path("release")  # the stage's output folder, relative to the repository root
 FORMAT = "ced_csa2.release"
@@ -344,15 +345,60 @@ def _parts(folder: Path, config: Mapping, maps: Mapping, device, dtype) -> CEDPa
     return parts
 
 
-def _open(folder, model, plan, revision) -> tuple[Path, dict]:
-    folder = release_folder(folder, revision)
+def _checked(source, revision) -> tuple[Path, dict]:
+    """The release's folder and ``config.json``, after the manifest and format checks (no model needed)."""
+    folder = release_folder(source, revision)
     verify_manifest(folder)
     config = _json(folder / CONFIG)
     if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
         raise ReleaseError(f"{folder / CONFIG}: format {config.get('format')!r} version "
                            f"{config.get('format_version')!r}, expected {FORMAT!r} version {FORMAT_VERSION}")
+    return folder, config
+
+
+def _open(folder, model, plan, revision) -> tuple[Path, dict]:
+    folder, config = _checked(folder, revision)
     check_model(folder, config, model, plan)
     return folder, config
+
+
+def is_release(path: Path | str) -> bool:
+    """Whether ``path`` names a release: a folder, or a hub id (what :func:`release_folder` takes), not a file."""
+    return Path(path).is_dir() or (not Path(path).exists() and bool(HUB_ID.fullmatch(str(path))))
+
+
+def load_main_map(source: Path | str, kind: str, *, role: "Role | None", expect: Mapping | None = None,
+                  revision: str | None = None, device=None, dtype: torch.dtype | None = None):
+    """The release's main ``projector`` or ``adapters`` without a model: what ``load_projector`` /
+    ``load_adapters`` return for a release folder or hub id.
+
+    Checked as :func:`load_release` checks, but for the model, which the caller does not give: the manifest, the
+    format, the file's header against ``config.json``, then its recorded role against ``role`` and its metadata
+    against ``expect`` (as a ``.pt`` file's), each refusal one line naming the file.  The base model's
+    fingerprint needs the model: :func:`load_release` checks it.
+
+    Returns
+    -------
+    ``(module, meta)``: the module in eval mode (float32 unless ``dtype``) and the source file's metadata.
+    """
+    folder, config = _checked(source, revision)
+    maps = config["maps"]["main"]
+    if kind == "projector" and "projector" in maps:
+        name = maps["projector"]
+        module, meta = _projector(folder, name, config, device, dtype), _read(folder, name, config, kind)[1]
+    elif kind == "adapters":
+        name = next(iter(maps["adapters"].values()))
+        module = _adapters(folder, maps["adapters"], config, device, dtype)
+        meta = module.meta
+    else:
+        raise ReleaseError(f"{folder / CONFIG}: the release's main maps hold no {kind}")
+    if role is not None and meta.get("role") != role.as_meta():
+        raise ReleaseError(f"{folder / name}: holds the {kind} of role {meta.get('role')!r}, asked for "
+                           f"{role.as_meta()!r}")
+    for key, value in (expect or {}).items():
+        if meta.get(key) != value:
+            raise ReleaseError(f"{folder / name}: {key} = {meta.get(key)!r}, expected {value!r}")
+    return module, meta
 
 
 def load_release(folder: Path | str, model: nn.Module, *, plan: LayerPlan | None = None, device=None,
