@@ -80,8 +80,9 @@ def test_missing_corrupt_or_foreign_files_are_clear_errors(tmp_path):
 def test_a_file_of_an_older_format_version_is_refused_by_its_version(tmp_path):
     path = save_projector(tmp_path / "p.pt", small(), META)
     torch.save({**torch.load(path, weights_only=True), "format_version": FORMAT_VERSION - 1}, path)
-    with pytest.raises(CheckpointError, match=rf"p\.pt: format_version {FORMAT_VERSION - 1}, "
-                                              rf"expected {FORMAT_VERSION}"):
+    with pytest.raises(CheckpointError, match=rf"p\.pt: written by another version of ced-csa2 \(format "
+                                              rf"{FORMAT_VERSION - 1}, this reads {FORMAT_VERSION}\): re-run its "
+                                              r"stage, `dvc repro -f train_projector`$"):
         load_projector(path, role=MAIN)
 
 

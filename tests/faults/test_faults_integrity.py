@@ -1,6 +1,7 @@
 """Fault catalogue: integrity and provenance -- nothing is used unverified or made with other params.
 
-* a checkpoint (a map file, ``models/ridge.pt``) whose bytes changed after it was written;
+* a checkpoint (a map file, ``models/ridge.pt``) whose bytes changed after it was written, or that
+  another version of ced-csa2 wrote (another format version: said as such, not as a changed file);
 * an artifact made with other params than the current ones, used by a stage run by itself
   (``python -m ced_csa2.stages.<stage>``, ``dvc repro --single-item``, a copied file): the
   dump (another ``model.dtype``), ``models/ridge.pt`` (another ``ridge.lambda``), a map file
@@ -23,6 +24,7 @@ from conftest import tiny_params
 from tiny_dump import params, write_synthetic_dump
 from torch import nn
 
+from ced_csa2 import assets
 from ced_csa2.ced_runtime import load_parts
 from ced_csa2.config import MixEntry, ParamsError, check_provenance, provenance, replaced
 from ced_csa2.data.records import check_prepared
@@ -82,6 +84,36 @@ def test_a_flipped_byte_in_ridge_maps_is_refused_naming_it(tmp_path):
     flip_inside(path, w)
     with pytest.raises(CheckpointError, match=rf"{path}: its tensors are not the bytes it was written with"):
         load_ridge(path)
+
+
+def test_a_map_file_of_an_older_format_is_another_version_not_a_changed_file(tmp_path):
+    path = save_checkpoint(tmp_path / "adapters.pt", "adapters", nn.Linear(4, 4), MADE_FOR, ("model",))
+    old = torch.load(path, weights_only=True)
+    del old["sha256"]  # format 2 recorded no sha256: read as format 3, the file would look changed
+    torch.save({**old, "format_version": 2}, path)
+    with pytest.raises(CheckpointError, match=rf"^{path}: written by another version of ced-csa2 \(format 2, this "
+                                              r"reads 3\): re-run its stage, `dvc repro -f train_adapters`$"):
+        load_checkpoint(path, "adapters", role=MAIN)
+
+
+def test_ridge_maps_without_a_format_version_are_another_version_not_a_changed_file(tmp_path):
+    path = tmp_path / paths.RIDGE_PATH
+    path.parent.mkdir(parents=True)
+    torch.save({"maps": {"proj_1": {"W": torch.zeros(4, 3), "b": torch.zeros(3)}}, "meta": {}}, path)  # format 1
+    with pytest.raises(CheckpointError, match=rf"^{path}: written by another version of ced-csa2 \(format 1, this "
+                                              r"reads 2\): re-run its stage, `dvc repro -f ridge`$"):
+        load_ridge(path)
+
+
+def test_a_digest_mismatch_is_shown_up_to_where_the_two_differ(tmp_path):
+    corpus = tmp_path / paths.TRAIN_JSONL
+    corpus.parent.mkdir(parents=True)
+    corpus.write_text('{"id": 0}\n')
+    actual = assets.digest(corpus)
+    recorded = actual[:20] + ("0" if actual[20] != "0" else "1") + actual[21:]  # equal in the first 20 digits
+    write_json(tmp_path / paths.provenance_path(paths.TRAIN_JSONL), {"sha256": recorded, "provenance": {}})
+    with pytest.raises(ValueError, match=rf": its sha256 is {actual[:21]}\.\.\., not the {recorded[:21]}\.\.\. "):
+        check_prepared(tiny_params(), tmp_path, paths.TRAIN_JSONL)
 
 
 def test_a_truncated_ridge_file_names_the_file(tmp_path):

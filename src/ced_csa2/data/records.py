@@ -11,6 +11,7 @@ import torch
 
 from ..assets import digest
 from ..config import Params, check_provenance
+from ..pipeline.checkpoint import up_to_difference
 from ..pipeline.paths import provenance_path
 
 # numpy seed-sequence tag of the dump's record sample (loader.py uses 0-3, training.py 4, objectives.py 5);
@@ -55,7 +56,8 @@ def check_prepared(params: Params, workdir: Path, *files: Path) -> None:
         made = json.loads(record.read_text())
         sha256 = digest(path)
         if sha256 != made["sha256"]:
-            raise ValueError(f"{path}: its sha256 is {sha256[:16]}..., not the {made['sha256'][:16]}... recorded in "
+            raise ValueError(f"{path}: its sha256 is {up_to_difference(sha256, made['sha256'])}, not the "
+                             f"{up_to_difference(made['sha256'], sha256)} recorded in "
                              f"{record}: the file changed after prepare wrote it (rebuild it with `dvc repro prepare`)")
         check_provenance(path, made["provenance"], params)
 

@@ -17,7 +17,8 @@ streams the training rows once and fits, with ``λ = ridge.lambda`` and an unpen
 A second streaming pass over the validation records measures each map with
 :class:`~ced_csa2.maps.fit_metrics.FitStats` (``proj_{l}`` also per K and V half, as
 ``proj_{l}_k`` and ``proj_{l}_v``).  Outputs: ``models/ridge.pt``
-(``{"maps": {name: {"W": (d_in, d_out) float32, "b": (d_out,) float32}}, "meta": ...}``;
+(``{"format_version": 2, "maps": {name: {"W": (d_in, d_out) float32, "b": (d_out,) float32}},
+"sha256": ..., "meta": ...}``;
 a map is applied as ``y = x @ W + b``) and ``metrics/ridge.json``.
 
 Memory is O(d²) per input dataset whatever the number of rows: ``XᵀX``, ``XᵀY`` and
@@ -43,7 +44,7 @@ from ..data.dump_file import DumpReader
 from ..data.loader import active_blocks, cat_features, iter_blocks
 from ..pipeline import distributed
 from ..pipeline.atomic_files import atomic_write_bytes
-from ..pipeline.checkpoint import CheckpointError, state_digest
+from ..pipeline.checkpoint import CheckpointError, other_version_error, state_digest
 from ..plan import LayerPlan
 from .fit_metrics import FitStats, merged
 
@@ -342,14 +343,22 @@ def evaluate_maps(reader: DumpReader, groups: list[MapGroup], maps: dict, mask: 
 
 # ----------------------------------------------------------------------------- checkpoint
 
+# 2: records its format_version; a file without one is of format 1 (whatever else it records).
+RIDGE_FORMAT_VERSION = 2
+
+
 def _flat(maps: dict) -> dict[str, torch.Tensor]:
     return {f"{name}.{part}": t for name, m in maps.items() for part, t in m.items()}
 
 
 def save_ridge(path: Path, maps: dict, meta: dict) -> None:
-    """Write ``{"maps": maps, "sha256": ..., "meta": meta}`` to ``path`` atomically (the sha256 of the maps' tensors)."""
+    """Write ``{"format_version": 2, "maps": maps, "sha256": ..., "meta": meta}`` to ``path`` atomically.
+
+    ``sha256`` is that of the maps' tensors (:func:`ced_csa2.pipeline.checkpoint.state_digest`).
+    """
     buf = io.BytesIO()
-    torch.save({"maps": maps, "sha256": state_digest(_flat(maps)), "meta": meta}, buf)
+    torch.save({"format_version": RIDGE_FORMAT_VERSION, "maps": maps, "sha256": state_digest(_flat(maps)),
+                "meta": meta}, buf)
     atomic_write_bytes(Path(path), buf.getvalue())
 
 
@@ -361,7 +370,8 @@ def ridge_provenance(path: str | Path) -> dict:
 def load_ridge(path: str | Path, params=None) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
     """``(maps, meta)`` of a ridge checkpoint; ``maps[name] = {"W": (d_in, d_out), "b": (d_out,)}``.
 
-    Refused, naming the file: missing, unreadable, not a ridge checkpoint, tensors that are not
+    Refused, naming the file: missing, unreadable, not a ridge checkpoint, of another format version
+    (:data:`RIDGE_FORMAT_VERSION`; a file without one is of format 1), tensors that are not
     the bytes it was written with (sha256), and -- with ``params`` -- made with other params
     (its recorded provenance, :func:`ced_csa2.config.check_provenance`).
     """
@@ -375,6 +385,9 @@ def load_ridge(path: str | Path, params=None) -> tuple[dict[str, dict[str, torch
                               f"{type(exc).__name__}: {exc}") from None
     if not isinstance(ckpt, dict) or "maps" not in ckpt or "meta" not in ckpt:
         raise CheckpointError(f"{path}: not a ridge checkpoint (expected keys 'maps' and 'meta')")
+    version = ckpt.get("format_version", 1)
+    if version != RIDGE_FORMAT_VERSION:
+        raise other_version_error(path, version, RIDGE_FORMAT_VERSION, "ridge")
     if state_digest(_flat(ckpt["maps"])) != ckpt.get("sha256"):
         raise CheckpointError(f"{path}: its tensors are not the bytes it was written with (sha256): the file "
                               "changed after it was written (rebuild it with `dvc repro ridge`)")

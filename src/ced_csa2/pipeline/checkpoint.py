@@ -202,8 +202,8 @@ def load_checkpoint(path: str | Path, kind: str, expect: Mapping | None = None, 
         found = blob.get("format") if isinstance(blob, dict) else type(blob).__name__
         raise CheckpointError(f"{path}: not a ced_csa2.{kind} checkpoint (its format is {found!r})")
     if blob.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format_version {blob.get('format_version')!r}, expected {FORMAT_VERSION} "
-                              "(written by another version: rebuild it with `dvc repro`)")
+        raise other_version_error(path, blob.get("format_version"), FORMAT_VERSION,
+                                  role.writer(kind) if role is not None else None)
     meta = blob["meta"]
     if role is not None and meta.get("role") != role.as_meta():
         stage = f"`dvc repro {role.writer(kind)}`"
@@ -218,8 +218,8 @@ def load_checkpoint(path: str | Path, kind: str, expect: Mapping | None = None, 
         raise CheckpointError(f"{path}: its tensors cannot be read ({type(exc).__name__}: {exc})") from None
     written = str(blob.get("sha256"))
     if digest != written:
-        raise CheckpointError(f"{path}: its tensors' sha256 is {_up_to_difference(digest, written)}, not the "
-                              f"{_up_to_difference(written, digest)} it was written with: the file changed after it "
+        raise CheckpointError(f"{path}: its tensors' sha256 is {up_to_difference(digest, written)}, not the "
+                              f"{up_to_difference(written, digest)} it was written with: the file changed after it "
                               "was written (rebuild it with `dvc repro`)")
     for key, want in (expect or {}).items():
         if key not in meta:
@@ -229,7 +229,19 @@ def load_checkpoint(path: str | Path, kind: str, expect: Mapping | None = None, 
     return blob["state"], meta
 
 
-def _up_to_difference(digest: str, other: str, shown: int = 16) -> str:
+def other_version_error(path: Path, found, reads: int, stage: str | None) -> CheckpointError:
+    """The refusal of a file whose format version ``found`` is not the ``reads`` this code reads.
+
+    Said before its bytes are checked: an older file may lack what a newer one records (its
+    sha256), which would otherwise read as a file changed after it was written.  ``stage`` is
+    the one that writes the file (``None``: not known here, any stage that is out of date).
+    """
+    remedy = f"`dvc repro -f {stage}`" if stage else "`dvc repro`"
+    return CheckpointError(f"{path}: written by another version of ced-csa2 (format {found}, this reads {reads}): "
+                           f"re-run its stage, {remedy}")
+
+
+def up_to_difference(digest: str, other: str, shown: int = 16) -> str:
     """``digest`` cut after its first digit that differs from ``other``, ``shown`` digits at least.
 
     Two digests shown by equal prefixes would read as a contradiction.
