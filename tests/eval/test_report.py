@@ -17,9 +17,12 @@ from ced_csa2.eval.results import (
     goals_table,
     group_rows,
     groups_table,
+    gsm_note,
     headline_table,
     mode_a_table,
     objective_table,
+    plots,
+    start_kept_note,
     summary,
 )
 
@@ -321,3 +324,54 @@ def test_result_files_of_another_run_are_refused():
     with pytest.raises(ValueError, match=r"eval.json was measured with plan=\{'split': 9"):
         check_same_protocol(RUN_PROTOCOL, (ppl, run), (gsm, run), (evals, {**run, "plan": {"split": 9, "source": 12,
                                                                                           "targets": [14]}}))
+
+
+def fits(kept_k, kept_v, keep="best_val", **run):
+    """Adapter metrics of two target layers whose K and V maps ended at epochs ``kept_k`` and ``kept_v``."""
+    stats = {"ridge": {"cos": 0.9, "r2": 0.8}, "trained": {"cos": 0.9, "r2": 0.8}}
+    return {"run": {"keep": keep, **run},
+            "layers": {"22": {"k": {**stats, "kept_epoch": kept_k}, "v": {**stats, "kept_epoch": kept_v}},
+                       "26": {"k": {**stats, "kept_epoch": kept_v}, "v": {**stats, "kept_epoch": kept_v}}}}
+
+
+def test_the_report_says_why_trained_equals_ridge_only_for_maps_kept_at_the_start():
+    projector = {"run": {"keep": "best_val", "init": "ridge"}, "layers": {"18": {"kept_epoch": 0}}}
+    [note, _] = start_kept_note(projector, fits(0, 7))
+    assert note.startswith("Kept at epoch 0 (metrics `kept_epoch`): projector H → KV_18, adapter KV_src K → KV_22. ")
+    assert "no epoch beat the ridge start" in note
+    projector["layers"]["18"]["kept_epoch"] = 3
+    assert start_kept_note(projector, fits(5, 7)) == []
+    # epoch 0 of a random-init projector or a last-epoch run is no ridge start kept for its held-out MSE
+    random_init = {"run": {"keep": "best_val", "init": "random"}, "layers": {"18": {"kept_epoch": 0}}}
+    assert start_kept_note(random_init, fits(0, 0, keep="last")) == []
+
+
+def test_the_report_points_to_gold_nll_only_when_the_baseline_solves_almost_no_gsm8k_problem():
+    ppl = {"protocol": {"model": "smollm2_135m"}}
+
+    def gsm(correct, hi):
+        return {"groups": {"baseline": {"strict-match": {"correct": correct, "n": 100, "ci95": [0.0, hi]}}}}
+
+    [note, _] = gsm_note(ppl, gsm(0, 0.037))
+    assert note.startswith("GSM8K exact match: the baseline itself solves 0 of 100 (strict match; 95% interval up "
+                           "to 3.7%): **smollm2_135m** is too small")
+    assert "Read the gold NLL/token column" in note
+    assert gsm_note(ppl, gsm(40, 0.5)) == []
+    assert gsm_note(ppl, {"groups": {"baseline": {"gold_nll": {}}}}) == []  # exact match not generated
+
+
+def test_the_figures_plot_layer_numbers_not_categories(tmp_path, caplog):
+    ppl = {"protocol": {"model": "m"}, "groups": {"baseline": {"ppl": 20.0},
+                                                 "ced": {"ppl": 21.0, **delta("delta_pct", 5.0, 4.0, 6.0)}}}
+    storage = {"active_model": {"kv": {"bf16": {"decoder_attention": {"ced": {"compression_vs_baseline": 2.0}}}}}}
+    point = {"kv_bytes": 100.0, "dppl_pct": 0.0, "dppl_pct_lo": 0.0, "dppl_pct_hi": 0.0, "front": True}
+    points = [{**point, "name": "baseline"},
+              {**point, "name": "ced", "kv_bytes": 50.0, "dppl_pct": 5.0, "dppl_pct_lo": 4.0, "dppl_pct_hi": 6.0}]
+    generation = {"protocol": {"prompts": 2, "prompt_tokens": 8},
+                  "groups": {"ced": {"agreement_by_position": [1.0, 0.5],
+                                     "agreement_by_position_ci95": [[0.9, 1.0], [0.2, 0.8]]}}}
+    with caplog.at_level("INFO"):
+        written = plots(tmp_path, ppl, fits(0, 0), storage, points, generation)
+    assert all(path.is_file() for path in written)
+    # adapters.json keys its layers "22", "26": plotted as strings they were categories, one log line per curve
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("matplotlib")] == []

@@ -109,6 +109,47 @@ def mode_a_table(ppl: dict, gsm: dict, train: dict) -> list[str]:
                 f"{train['val_before']['kl']:.4f} → {train['val_after']['kl']:.4f}."] if train.get("covered") else [])]
 
 
+# GSM8K exact match reads as "no signal" when even the baseline's 95% interval stays below this:
+# a small model (the embedded default's 135M) solves almost none, so no group can be told apart by it.
+EM_FLOOR = 0.05
+
+
+def gsm_note(ppl: dict, gsm: dict) -> list[str]:
+    """Why to read gold NLL, not exact match, when the baseline's strict-match EM is near 0 (``[]`` otherwise)."""
+    em = gsm["groups"].get("baseline", {}).get("strict-match")
+    if not em or em["ci95"][1] >= EM_FLOOR:
+        return []
+    return [f"GSM8K exact match: the baseline itself solves {em['correct']} of {em['n']} (strict match; 95% "
+            f"interval up to {100 * em['ci95'][1]:.1f}%): **{ppl['protocol']['model']}** is too small to solve "
+            "GSM8K, so exact match cannot tell the groups apart here. Read the gold NLL/token column (each "
+            "group's NLL of the reference solutions, Δ with a paired 95% interval): it measures the same "
+            "reasoning text on every problem, solved or not.", ""]
+
+
+def _maps_kept_at_start(fit: dict, name: str) -> list[str]:
+    """The maps of ``fit`` (projector or adapters metrics) whose kept epoch is 0, e.g. ``adapter K → KV_22``."""
+    out = [f"{name} → KV_{layer}" for layer, m in fit["layers"].items() if m.get("kept_epoch") == 0]
+    return out + [f"{name} {kind.upper()} → KV_{layer}" for layer, m in fit["layers"].items() for kind in "kv"
+                  if isinstance(m.get(kind), dict) and m[kind].get("kept_epoch") == 0]
+
+
+def start_kept_note(projector: dict, adapters: dict) -> list[str]:
+    """Why a trained map's figures equal ridge's: its best held-out epoch was 0, the ridge start (``[]`` if none).
+
+    Only maps that start from ridge and keep their best held-out epoch (``keep: best_val``) say so; a
+    random-init projector's epoch 0 is no ridge fit.
+    """
+    kept = [label for fit, name in ((projector, "projector H"), (adapters, "adapter KV_src"))
+            if fit["run"]["keep"] == "best_val" and fit["run"].get("init", "ridge") == "ridge"
+            for label in _maps_kept_at_start(fit, name)]
+    if not kept:
+        return []
+    return [f"Kept at epoch 0 (metrics `kept_epoch`): {', '.join(kept)}. Training keeps the epoch of lowest "
+            "held-out MSE, and for these maps no epoch beat the ridge start, so their trained cos and R² equal "
+            "ridge's and their curves (metrics/curves) stay flat: what is shown is the ridge fit, which training "
+            "did not improve on held-out tokens -- not a training run that failed to start.", ""]
+
+
 def fit_table(ridge: dict, projector: dict, adapters: dict) -> list[str]:
     """Per-layer held-out fit of the maps: ridge vs trained, K and V (cos, R²)."""
     lines = ["| map | K cos ridge → trained | K R² ridge → trained | V cos ridge → trained | V R² ridge → trained |",
@@ -644,13 +685,16 @@ def plots(out: Path, ppl: dict, adapters: dict, storage: dict, points: list[dict
     paths.append(write_png(fig, out / "ppl_by_group.png"))
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    layers = list(adapters["layers"])
+    # Layer numbers, not the JSON keys' strings: matplotlib would plot strings as categories
+    # (and log a warning per line that they look like numbers).
+    layers = [int(t) for t in adapters["layers"]]
     same = True
     for kind, marker in (("k", "o"), ("v", "s")):
-        fits = {stage: [adapters["layers"][t][kind][stage]["cos"] for t in layers] for stage in ("ridge", "trained")}
+        fits = {stage: [adapters["layers"][str(t)][kind][stage]["cos"] for t in layers] for stage in ("ridge", "trained")}
         same &= fits["ridge"] == fits["trained"]
         for stage, style in (("ridge", "--"), ("trained", "-")):
             ax.plot(layers, fits[stage], style, marker=marker, label=f"{kind.upper()} {stage}")
+    ax.set_xticks(layers)
     ax.set_xlabel("target layer")
     ax.set_ylabel("held-out mean cosine")
     ax.set_ylim(0, 1)
@@ -765,6 +809,7 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
         "# Results", "", protocol_line(ppl, gsm), "", *([windows, ""] if windows else []),
         "## Headline (metrics/summary.json; intervals in metrics/groups.tsv)", "", *headline_table(summary(rows)), "",
         *results_table(ppl, gsm, storage), "",
+        *gsm_note(ppl, gsm),
         *(["## Other domains: how the maps transfer (ΔPPL % vs baseline)", "", domains_protocol(ppl), "",
            *domains_table(rows, ppl), ""] if ppl.get("domains") else []),
         "## Generation through each group's own cache", "", *generation_table(generation), "",
@@ -789,6 +834,7 @@ def build_report(params: Params, workdir: Path) -> tuple[str, dict, tuple[dict, 
         *objective_table(ppl, gsm, projector, adapters, objectives, evals[SEED_INIT], groups), "",
         *copied_note(evals), "",
         "## Fit of the maps (held-out tokens)", "", *fit_table(ridge, projector, adapters), "",
+        *start_kept_note(projector, adapters),
         *served_fit_table(ridge, list(adapters["layers"]), params.train_adapters.input), "",
         "Qwen3.5-4B geometry (computed from its config, no weights): "
         + ", ".join(f"{b}: baseline {storage['qwen3_5_4b']['kv']['bf16'][b]['baseline']['bytes_per_token']:,.0f} → "

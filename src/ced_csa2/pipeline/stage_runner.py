@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from ..config import load_params, record_reads
 from .atomic_files import atomic_write_text
 from .paths import timings_path
@@ -39,6 +42,8 @@ INPUT_ERROR_NAMES = {("ced_csa2.assets", "AssetError")}
 OS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
 # Files under these folders are pipeline artifacts: a stage that reads one must declare it.
 ARTIFACT_DIRS = ("data", "models", "metrics", "reports")
+PIPELINE = Path("dvc.yaml")  # the stage table a stage's position is counted in (the cwd is the repository root)
+log = logging.getLogger(__name__)
 _FILES_READ: set[str] | None = None
 _TIMINGS: dict = {}
 
@@ -89,6 +94,19 @@ def stage_name(run, args: tuple) -> str:
     """``tune@distill`` for ``ced_csa2.stages.tune.run`` with argument ``distill``."""
     name = _module(run).rsplit(".", 1)[-1]
     return f"{name}@{args[0]}" if args else name
+
+
+def stage_position(name: str, pipeline: Path = PIPELINE) -> str:
+    """``" (7 of 19 in dvc.yaml)"``: where stage ``name`` (``tune@distill``: ``tune``) stands in ``pipeline``.
+
+    ``""`` when there is no readable ``pipeline`` or the stage is not in it (a test's temp folder, a study).
+    """
+    try:
+        stages = list(yaml.safe_load(pipeline.read_text(encoding="utf-8"))["stages"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return ""
+    base = name.split("@")[0]
+    return f" ({stages.index(base) + 1} of {len(stages)} in {pipeline})" if base in stages else ""
 
 
 def is_input_error(exc: BaseException) -> bool:
@@ -143,11 +161,19 @@ def _flush_log() -> None:
 
 
 def _run_stage(run, *args, launcher=None) -> None:
-    global _FILES_READ
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     t0 = time.perf_counter()
     name = stage_name(run, args)
+    # Log lines written while a tqdm bar is open go above the bar, not glued into it.
+    with logging_redirect_tqdm():
+        log.info("stage %s%s", name, stage_position(name))
+        _run_logged(run, name, t0, *args, launcher=launcher)
+        log.info("stage %s done in %.1f s", name, time.perf_counter() - t0)
+
+
+def _run_logged(run, name: str, t0: float, *args, launcher=None) -> None:
+    global _FILES_READ
+
     if launcher is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(f"stage {name} is not data-parallel: run it as one process (python -m "
                          f"ced_csa2.stages.{name.split('@')[0]}), not under torchrun")
