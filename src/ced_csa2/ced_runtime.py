@@ -25,7 +25,8 @@ be told apart; their ``*_fp4_rot`` twins rotate each FP4 entry per head by a fix
 randomised Hadamard matrix before FP4 and back after reading (:mod:`ced_csa2.kv.rotation`).
 ``xkv`` (the training-free low-rank baseline, :mod:`ced_csa2.maps.xkv`): source
 and targets read their blocks of the cross-layer SVD reconstruction of the *clean* K/V
-(a compressed clean prefill), teacher-forced only -- a forward with a KV cache is refused.
+(a compressed clean prefill), teacher-forced only -- a forward with a KV cache is refused; cached
+decoding goes through :class:`~ced_csa2.runtime.low_rank_kv.LowRankKVCache` instead.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from typing import Any, Iterator, Literal, Mapping, Optional
 
 import yaml
 
-from .runtime.groups import GROUP_NAMES, LOW_RANK_GROUPS, MAP_GROUPS
+from .runtime.groups import GROUP_NAMES, MAP_GROUPS
 
 DTYPES = ("float32", "bfloat16", "float16")
 COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: bf16 where native (CUDA, AMX/AVX512-BF16 CPUs), else fp32
@@ -730,10 +730,6 @@ class EvalGSM8KConfig(Section):
         extra = [g for g in self.generate if g not in self.groups]
         _check(not extra, "eval_gsm8k.generate",
                f"must be a subset of eval_gsm8k.groups {self.groups} (empty: gold NLL only), got {self.generate}")
-        low_rank = [g for g in self.generate if g in LOW_RANK_GROUPS]
-        _check(not low_rank, "eval_gsm8k.generate",
-               f"cannot generate with {low_rank}: xKV compresses the K/V of a finished prefill and does not "
-               f"support cached generation (its gold NLL is scored through eval_gsm8k.groups)")
         _check_device(self.device, "eval_gsm8k.device")
         _check(0 <= self.num_fewshot <= 8, "eval_gsm8k.num_fewshot", "must be in [0, 8]")
         _check(not self.fewshot_as_multiturn or (self.apply_chat_template and self.num_fewshot > 0),

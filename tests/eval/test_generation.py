@@ -8,7 +8,7 @@ from tiny_maps import GEMMA_PLAN, LLAMA_PLAN, QWEN_PLAN, identity_parts, random_
 from transformers import DynamicCache
 
 from ced_csa2 import kv_hooks
-from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime
+from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts
 from ced_csa2.eval import generation as gen
 from ced_csa2.kv.fp4 import FORMATS
 from ced_csa2.kv.kv_bytes import fp4_entry_bytes
@@ -16,6 +16,7 @@ from ced_csa2.kv.rotation import layer_rotation
 from ced_csa2.model_utils import geometry
 from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.kv.formats import group_format
+from ced_csa2.runtime.low_rank_kv import LowRankKVCache
 from ced_csa2.runtime.shared_kv import BlockKVCache, BlockLayer, FP4KVCache, SharedKVCache, greedy_generate
 
 PROMPT, NEW = 11, 6  # 16 cached positions: past the tiny Gemma-3's window of 6
@@ -50,8 +51,9 @@ def no_hooks(model):
 # Every supported group whose real cache rounds as its Mode B twin does.  baseline_fp4(_rot)'s FP4KVCache and
 # baseline_k6v4_rot's BlockKVCache round K after k_norm and RoPE, Mode B's before: same bytes, another rounding of
 # K, so those are checked on bytes, determinism and what their stores hold below (V rounded as Mode B's, K not).
+# xkv's LowRankKVCache reads each forward's own chunk exact (Mode B reconstructs it too): test_low_rank_kv.
 MODE_B_TWINS = [g for g in gen.supported_groups()
-                if GROUPS[g].cache_kind not in ("fp4_every_layer", "formats_every_layer")]
+                if GROUPS[g].cache_kind not in ("fp4_every_layer", "formats_every_layer", "low_rank")]
 ROTATED = [g for g in GROUPS if GROUPS[g].rotate]
 
 
@@ -66,13 +68,13 @@ def dense_twin(group: str) -> str:
     return group.split("_fp4")[0]
 
 
-def test_the_supported_groups_are_those_with_a_store():
-    """Every group decodes through a cache but the low-rank ones (xKV: teacher-forced only), each refused with a
-    reason, and so does every rotated group (the registry's flags, not a copied list)."""
-    low_rank = {g for g, spec in GROUPS.items() if spec.cache_kind == "low_rank"}
-    assert low_rank and gen.supported_groups() == tuple(g for g in GROUPS if g not in low_rank)
-    assert all(gen.cache_refusal(g) for g in low_rank)
-    assert ROTATED and set(ROTATED) <= set(gen.supported_groups())
+def test_every_group_decodes_through_a_cache():
+    """Every group has a cache holding its bytes, the low-rank xkv included (LowRankKVCache), in registry order;
+    an unknown group is refused."""
+    assert gen.supported_groups() == tuple(GROUPS) and "xkv" in gen.supported_groups()
+    assert not any(gen.cache_refusal(g) for g in GROUPS)
+    with pytest.raises(ValueError, match="unknown group 'nope'"):
+        gen.cache_refusal("nope")
 
 
 @pytest.mark.parametrize("group", MODE_B_TWINS)
@@ -115,6 +117,10 @@ def test_the_cache_is_chosen_from_the_group_s_flags(tiny_model):
             assert isinstance(built.cache, SharedKVCache) and built.cache.storage == built.storage
             assert built.storage == (FORMAT if spec.is_fp4 else "bf16") and built.cache.rotate == spec.rotate
             assert built.kind == f"SharedKVCache({built.storage}{rotated})"
+        elif spec.low_rank:
+            assert spec.cache_kind == "low_rank" and isinstance(built.cache, LowRankKVCache)
+            assert built.storage == "bf16" and built.rank == parts.xkv.rank == built.cache.rank
+            assert built.kind == f"LowRankKVCache(rank {parts.xkv.rank})"
         elif spec.stream_formats is not None:
             assert spec.cache_kind == "formats_every_layer" and built.storage == "bf16"
             assert isinstance(built.cache, BlockKVCache) and built.cache.formats == group_format(spec)
@@ -144,16 +150,19 @@ def test_used_bytes_are_the_accounted_bytes_counted_independently(setup):
         run = gen.generate(model, plan, group, parts, prompts, NEW, FORMAT)
         expected = 0
         for layer in geo.attention_layers:
-            if spec.shares_source_kv and layer in plan.targets:
+            if (spec.shares_source_kv or spec.low_rank) and layer in plan.targets:
                 continue
             held = positions if geo.window(layer) is None else min(positions, geo.window(layer) - 1)
             in_fp4 = spec.fp4 == "every_layer" or (spec.fp4 == "shared_source" and layer == plan.source)
-            entry = k6v4 if spec.stream_formats is not None else fp4 if in_fp4 else dense
+            low_rank = spec.low_rank and layer == plan.source  # 2 · rank coefficients (test_low_rank_kv: rank < kv_dim)
+            entry = (k6v4 if spec.stream_formats is not None else fp4 if in_fp4
+                     else 2 * parts.xkv.rank * FP32_BYTES if low_rank else dense)
             expected += prompts.shape[0] * held * entry
         assert run.bytes.used == run.accounted == expected, group
         assert run.bytes.allocated >= run.bytes.used
         used[group] = run.used_per_token
     assert used["ced"] == used["baseline"] > used["csa2"] == used["share_plain"] == used["ced_csa2"] > used["csa2_fp4"]
+    assert used["xkv"] == used["csa2"]  # rank kv_dim: csa2's bytes
     assert used["baseline"] > used["baseline_fp4"]
     for group in ROTATED:  # R is a weight: the rotated store holds its unrotated twin's bytes
         assert used[group] == used[group.removesuffix("_rot")], group
@@ -300,8 +309,8 @@ def test_refusals(tiny_model):
     model, _ = tiny_model
     parts = random_parts(geometry(model.config), QWEN_PLAN)
     prompts = torch.randint(0, 250, (2, PROMPT))
-    with pytest.raises(ValueError, match="^group 'xkv' cannot be decoded through the cache .*no low-rank cache") as err:
-        gen.generate(model, QWEN_PLAN, "xkv", parts, prompts, NEW, FORMAT)
+    with pytest.raises(ValueError, match="^group 'xkv' needs the cross-layer bases of models/xkv.pt") as err:
+        gen.generate(model, QWEN_PLAN, "xkv", CEDParts(), prompts, NEW, FORMAT)
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="group 'csa2_fp4_rot' stores FP4 entries and needs kv_format"):
         gen.group_cache(model, QWEN_PLAN, "csa2_fp4_rot", parts, "bf16")

@@ -23,8 +23,10 @@ bytes (:func:`group_cache`, the one place that builds it, from the group's
   :class:`~ced_csa2.runtime.shared_kv.FP4KVCache` (``kv_format``);
 * ``formats_every_layer`` (``baseline_k6v4_rot``) -- :class:`~ced_csa2.runtime.shared_kv.BlockKVCache`
   of the group's own ``stream_formats`` (K in FP6, V in MXFP4, both rotated; not ``kv_format``);
-* ``low_rank`` (``xkv``) -- refused: xKV compresses a finished clean prefill, and its runtime
-  refuses a forward with a cache.
+* ``low_rank`` (``xkv``) -- :class:`~ced_csa2.runtime.low_rank_kv.LowRankKVCache`: ``xkv.rank``
+  coefficients per token for K and for V stand for the group layers' entries.  Each forward's own
+  chunk attends its exact entries and is compressed at the end of the forward (the causality
+  choice, documented there), so its tokens are not the teacher-forced ``xkv``'s.
 
 ``baseline_fp4``'s, ``baseline_fp4_rot``'s and ``baseline_k6v4_rot``'s real caches are not their
 teacher-forced twins: :class:`FP4KVCache` and :class:`BlockKVCache` quantise what a ``DynamicLayer``
@@ -65,6 +67,7 @@ from ..pipeline.timing import Paired, paired_seconds
 from ..plan import LayerPlan
 from ..runtime.groups import GROUPS, Group
 from ..runtime.groups import group as lookup_group
+from ..runtime.low_rank_kv import LowRankKVCache
 from ..kv.formats import group_format
 from ..runtime.shared_kv import (
     BlockKVCache,
@@ -82,10 +85,9 @@ MODE_A = "mode_a"  # the label of Mode A's run (not a group: the prefill skip ov
 
 
 def cache_refusal(group: str) -> str | None:
-    """Why ``group`` has no cache holding its bytes yet (one clause), or ``None`` when it has one."""
-    if lookup_group(group).cache_kind == "low_rank":
-        return ("xKV compresses the K/V of a finished clean prefill and CEDModeBRuntime refuses a forward with a "
-                "KV cache (teacher-forced only); no low-rank cache exists")
+    """Why ``group`` has no cache holding its bytes yet (one clause), or ``None`` when it has one (every
+    registered group has one now; an unknown group is refused)."""
+    lookup_group(group)
     return None
 
 
@@ -124,7 +126,9 @@ class GroupCache:
     kind
         The cache in words, for tables: ``"DynamicCache"``, ``"SharedKVCache(nvfp4)"``,
         ``"SharedKVCache(nvfp4, rotated)"``, ``"FP4KVCache"``, ``"FP4KVCache(rotated)"``,
-        ``"BlockKVCache(k fp6/32 rotated, v mxfp4/32 rotated)"``, ...
+        ``"BlockKVCache(k fp6/32 rotated, v mxfp4/32 rotated)"``, ``"LowRankKVCache(rank 16)"``, ...
+    rank
+        Coefficients per token for K and for V of a low-rank cache (the accounting's ``rank``); ``None``: none.
     """
 
     group: str
@@ -132,6 +136,7 @@ class GroupCache:
     open: Callable[[], AbstractContextManager]
     storage: str
     kind: str
+    rank: int | None = None
 
 
 def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None,
@@ -163,6 +168,9 @@ def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts |
                          f"got {kv_format!r}")
     storage = kv_format if spec.is_fp4 else "bf16"
     twin = _dense_twin(spec)
+    if spec.cache_kind == "low_rank":  # the group's layers store coefficients, every other layer its own entries
+        cache = LowRankKVCache(model, plan, parts)
+        return GroupCache(group, cache, cache.feed, storage, f"LowRankKVCache(rank {cache.rank})", cache.rank)
     if spec.cache_kind == "shared_store":  # the source stores once (FP4 or not, rotated or not), the targets nothing
         cache = SharedKVCache(model, plan, twin, parts, storage=storage, rotate=spec.rotate)
         return GroupCache(group, cache, cache.feed, storage, f"SharedKVCache({storage}{', rotated' if spec.rotate else ''})")
@@ -251,10 +259,11 @@ def check_window(config, prompt_tokens: int, new_tokens: int) -> None:
 
 
 def accounted_used_bytes(model: nn.Module, plan: LayerPlan, group: str, storage: str, batch: int,
-                         positions: int) -> int:
+                         positions: int, rank: int | None = None) -> int:
     """The accounting's bytes of a cache holding ``positions`` positions of ``batch`` prompts: every stored
-    copy (:func:`accounted_copies`, the ``all_attention`` basis, the model's dtype) at that context."""
-    copies = accounted_copies(geometry(model.config), plan, group, storage, model.dtype.itemsize)
+    copy (:func:`accounted_copies`, the ``all_attention`` basis, the model's dtype; ``rank``: a low-rank
+    group's coefficients per token) at that context."""
+    copies = accounted_copies(geometry(model.config), plan, group, storage, model.dtype.itemsize, rank=rank)
     return round(batch * positions * bytes_per_token(copies, positions))
 
 
@@ -282,7 +291,7 @@ def generate(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | No
     built = group_cache(model, plan, group, parts, kv_format)
     with built.open():
         out = greedy_generate(model, prompts, new_tokens, built.cache)
-    return checked_run(model, plan, group, group, built.storage, out.tokens, built.cache, built.kind)
+    return checked_run(model, plan, group, group, built.storage, out.tokens, built.cache, built.kind, rank=built.rank)
 
 
 def mode_a_generation(model: nn.Module, plan: LayerPlan, parts: CEDParts, prompts: torch.Tensor, new_tokens: int,
@@ -302,12 +311,13 @@ def mode_a_generation(model: nn.Module, plan: LayerPlan, parts: CEDParts, prompt
 
 
 def checked_run(model, plan, label: str, accounted_as: str, storage: str, tokens: torch.Tensor, cache: Cache,
-                kind: str) -> GroupGeneration:
+                kind: str, rank: int | None = None) -> GroupGeneration:
     """``tokens`` ``(B, N)`` and ``cache``'s bytes after them as a :class:`GroupGeneration`, checked against
-    ``accounted_as``'s accounting in ``storage`` (:func:`check_bytes`)."""
+    ``accounted_as``'s accounting in ``storage`` (:func:`check_bytes`; ``rank``: :attr:`GroupCache.rank`)."""
     positions = cache.get_seq_length()
     run = GroupGeneration(label, tokens, cache_bytes(cache), positions,
-                          accounted_used_bytes(model, plan, accounted_as, storage, tokens.shape[0], positions), kind)
+                          accounted_used_bytes(model, plan, accounted_as, storage, tokens.shape[0], positions, rank),
+                          kind)
     return check_bytes(run)
 
 

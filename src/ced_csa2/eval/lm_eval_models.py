@@ -95,7 +95,7 @@ class DataParallelLM(HFLM):
         with built.open():
             out = super()._model_generate(context, max_length, stop, cache=built.cache, **generation_kwargs)
         run = generation.checked_run(self.model, plan, group, group, built.storage, out[:, context.shape[1]:],
-                                     built.cache, built.kind)
+                                     built.cache, built.kind, rank=built.rank)
         seen.update(cache=built.kind, batches=seen["batches"] + 1, bytes_per_position=run.used_per_token)
         return out
 

@@ -25,7 +25,8 @@ group                   projector  targets read     adapters  block-format
 
 .. [#xkv] ``low_rank``: source and targets store one entry of ``xkv.rank`` cross-layer
    SVD coefficients per token for K and one for V (rank ``kv_dim``: csa2's bytes) and read
-   their blocks of its reconstruction; the bases (``models/xkv.pt``) are weights.
+   their blocks of its reconstruction; the bases (``models/xkv.pt``) are weights.  Decoded through
+   :class:`~ced_csa2.runtime.low_rank_kv.LowRankKVCache` (each forward's own chunk read exact).
 .. [#sink] ``sink``: as ``ced``, but the first four positions of every sequence keep the
    source layer's own K/V (its ``k_proj``/``v_proj`` on four tokens; the ordinary cache holds
    them as it holds every entry: no bytes).  Four is StreamingLLM's number of sink tokens
@@ -182,7 +183,7 @@ class Group:
 
         ``shared_store`` -- the source's entry stored once (FP4 with ``fp4 = shared_source``), the
         targets nothing (``SharedKVCache``); ``fp4_every_layer`` -- every attention layer's own entry
-        in FP4 (``FP4KVCache``); ``low_rank`` -- xKV's coefficients (no such cache exists);
+        in FP4 (``FP4KVCache``); ``low_rank`` -- xKV's coefficients (``LowRankKVCache``);
         ``ordinary`` -- every layer its own entry in the model's dtype (``DynamicCache``; the
         projector changes compute, not bytes).
         """
@@ -246,7 +247,7 @@ GROUP_NAMES = tuple(GROUPS)
 MAP_GROUPS = tuple(name for name, g in GROUPS.items() if g.uses_maps)
 # Groups whose targets read the source's stored KV (a SharedKVCache serves the dense ones).
 SHARED_GROUPS = tuple(name for name, g in GROUPS.items() if g.shares_source_kv and not g.is_fp4)
-# Groups that read a compressed clean prefill (xKV): teacher-forced only, no cached generation.
+# Groups that read a compressed clean prefill (xKV): Mode B teacher-forced, LowRankKVCache when decoding.
 LOW_RANK_GROUPS = tuple(name for name, g in GROUPS.items() if g.low_rank)
 
 

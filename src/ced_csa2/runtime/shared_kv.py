@@ -459,14 +459,18 @@ class _SharedStore:
         """The stored K and V ``(B, T', kv_dim)`` ``layer`` reads and their RoPE ``cos``/``sin`` ``(B, T', rot)``."""
         if "k" not in step:
             k = self.k.read()
-            at = torch.arange(self.seen - k.shape[1], self.seen, device=k.device)[None]
-            if bool(self.pads.any()):  # a pad's position is masked: any value will do, 0 keeps RoPE's table small
-                at = (at - self.pads[:, None]).clamp(min=0)
-            step.update(k=k, v=self.v.read(), rope=self._rope_per_type(k, at))
+            step.update(k=k, v=self.v.read(), rope=self._rope_per_type(k, self._positions(k)))
         window = self.geo.window(layer)
         visible = step["k"].shape[1] if window is None else min(step["k"].shape[1], window - 1 + new)
         cos, sin = (x[:, -visible:] for x in step["rope"](layer))
         return step["k"][:, -visible:], step["v"][:, -visible:], cos, sin
+
+    def _positions(self, stored: torch.Tensor) -> torch.Tensor:
+        """RoPE positions ``(1 | B, T)`` of the ``T`` entries held, ``stored`` ``(B, T, ·)`` (the last ``T`` written)."""
+        at = torch.arange(self.seen - stored.shape[1], self.seen, device=stored.device)[None]
+        if bool(self.pads.any()):  # a pad's position is masked: any value will do, 0 keeps RoPE's table small
+            at = (at - self.pads[:, None]).clamp(min=0)
+        return at
 
     def _rope_per_type(self, k: torch.Tensor, positions: torch.Tensor):
         """``layer -> (cos, sin)`` at ``positions`` ``(B, T)``: one pair per layer type (its own theta, as

@@ -5,9 +5,9 @@
 Every other figure of the pipeline is teacher-forced under Mode B's substitution, with bytes by
 formula.  Here each group with such a cache (:func:`ced_csa2.eval.generation.supported_groups`:
 ``baseline``, ``share_plain``, ``ced``, ``csa2``, ``ced_csa2``, ``baseline_fp4``, ``csa2_fp4``,
-``ced_csa2_fp4`` and the rotated ``baseline_fp4_rot``, ``csa2_fp4_rot``, ``ced_csa2_fp4_rot``, whose
-stores hold the rotated FP4 blocks; ``xkv`` has none yet and is listed under ``not_run`` with its
-reason) and Mode A (the prefill
+``ced_csa2_fp4``, the rotated ``baseline_fp4_rot``, ``csa2_fp4_rot``, ``ced_csa2_fp4_rot``, whose
+stores hold the rotated FP4 blocks, ``baseline_k6v4_rot`` and ``xkv``, whose
+:class:`~ced_csa2.runtime.low_rank_kv.LowRankKVCache` holds its coefficients; every group has one) and Mode A (the prefill
 skip, decoding on the ordinary cache it returns; covering plans) greedily continue the same
 prompts through it (:func:`~ced_csa2.eval.generation.group_cache`), and each is compared with the
 baseline's own greedy continuation: tokens before the first divergence (mean, median),
@@ -67,7 +67,8 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     model, _ = load_model_and_tokenizer(params.model, device=resolve_device(cfg.device))
     device = next(model.parameters()).device
     prompts = prompts.to(device)
-    parts = load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device, extra_sources=False)
+    parts = load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device, extra_sources=False,
+                       low_rank=True)  # xkv decodes too: models/xkv.pt
     covered = not plan.uncovered(geo)
     jobs = {g: dict(groups=[g]) for g in gen.supported_groups()}
     if covered:

@@ -89,7 +89,8 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     device = next(model.parameters()).device
     given = parts is not None
     if not given:
-        parts = load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device, extra_sources=False)
+        parts = load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device, extra_sources=False,
+                           low_rank=True)  # xkv decodes too: models/xkv.pt
     covered = not plan.uncovered(geo)
     jobs = {g: (lambda g=g: retrieval.group_hits(model, plan, g, parts, records, params.kv_format, cfg.batch_size))
             for g in gen.supported_groups()}
