@@ -50,6 +50,8 @@ def test_every_group_and_mode_a_on_the_tiny_model(tiny_model):
     assert any(line.startswith("| baseline_fp4_rot | FP4KVCache(rotated) |") for line in table)
     assert rows["csa2_fp4_rot"]["used_bytes_per_token"] == rows["csa2_fp4"]["used_bytes_per_token"]
     assert table[-1].startswith("Not run") and "`xkv`" in table[-1]
+    everything = generation_table({"protocol": {**protocol, "not_run": {}}, "groups": rows})
+    assert everything == table[:-2]  # every group ran: no "Not run" line
     columns = _generation_columns(rows["ced"])
     assert columns["gen_agreement"] == rows["ced"]["agreement"]
     assert columns["gen_dnll_lo"] <= columns["gen_dnll"] <= columns["gen_dnll_hi"]

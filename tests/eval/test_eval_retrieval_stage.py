@@ -98,6 +98,8 @@ def test_the_report_s_table_and_the_headline_s_passkey_column():
     assert table[4].startswith("| baseline | 3/4 | 75.0 [") and table[4].endswith("| – |")
     assert table[5].startswith("| csa2 | 2/4 | 50.0 [") and "| -25.0 [" in table[5]
     assert table[-1].startswith("Not run") and "`xkv`" in table[-1]
+    everything = retrieval_table({"protocol": {**protocol, "not_run": {}}, "groups": rows})
+    assert everything == table[:-2]  # every group ran: no "Not run" line
     head = summary({"baseline": {"ppl": 20.0, "gold_nll": 1.5, **_retrieval_columns(rows["baseline"])},
                     "csa2": {"dppl_pct": 6.0, "kl": 0.07, **_retrieval_columns(rows["csa2"])}})
     assert head == {"baseline": {"ppl": 20.0, "gold_nll": 1.5, "passkey_pct": 75.0},

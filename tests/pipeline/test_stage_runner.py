@@ -26,7 +26,7 @@ def test_the_project_s_stages_all_have_a_position():
     assert stage_position("report", pipeline) != ""
 
 
-def test_a_stage_logs_its_start_and_elapsed_time_above_its_bars(tmp_path, monkeypatch, caplog):
+def test_a_stage_logs_its_start_and_elapsed_time_above_its_bars(tmp_path, monkeypatch, caplog, capsys):
     (tmp_path / "dvc.yaml").write_text("stages:\n  prepare:\n    cmd: a\n  test_stage_runner:\n    cmd: b\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(stage_runner, "load_params", lambda: None)
@@ -42,6 +42,7 @@ def test_a_stage_logs_its_start_and_elapsed_time_above_its_bars(tmp_path, monkey
     with caplog.at_level("INFO"):
         stage_runner._run_stage(run)
     assert "_TqdmLoggingHandler" in handlers
+    # the start on stdout (a fault's stderr stays one line), the elapsed time logged
+    assert capsys.readouterr().out.splitlines()[0] == "stage test_stage_runner (2 of 2 in dvc.yaml)"
     lines = [r.getMessage() for r in caplog.records if r.name == stage_runner.__name__]
-    assert lines[0] == "stage test_stage_runner (2 of 2 in dvc.yaml)"
-    assert lines[1].startswith("stage test_stage_runner done in ") and lines[1].endswith(" s")
+    assert len(lines) == 1 and lines[0].startswith("stage test_stage_runner done in ") and lines[0].endswith(" s")

@@ -425,9 +425,15 @@ def generation_table(generation: dict) -> list[str]:
             f"{ci(r['agreement'], r['agreement_ci95'], '.3f')} | {ci(r['delta_nll'], r['delta_nll_ci95'], '+.4f')} | "
             f"{r['used_bytes_per_token']:,.0f} | {r['allocated_bytes_per_token']:,.0f} | "
             f"{r['used_ratio_to_baseline']:.3f} | {r['allocated_ratio_to_baseline']:.3f} |")
-    lines += ["", "Not run (no cache holds their bytes yet): "
-              + "; ".join(f"`{g}`: {why}" for g, why in p["not_run"].items()) + "."]
-    return lines
+    return lines + _not_run(p)
+
+
+def _not_run(protocol: dict) -> list[str]:
+    """The groups a decoding stage could not run, with why (none: no line)."""
+    if not protocol["not_run"]:
+        return []
+    return ["", "Not run (no cache holds their bytes yet): "
+            + "; ".join(f"`{g}`: {why}" for g, why in protocol["not_run"].items()) + "."]
 
 
 def retrieval_table(retrieval: dict) -> list[str]:
@@ -444,9 +450,7 @@ def retrieval_table(retrieval: dict) -> list[str]:
         delta = (f"{r['delta_points']:+.1f} [{r['delta_points_ci95'][0]:+.1f}, {r['delta_points_ci95'][1]:+.1f}]"
                  if "delta_points" in r else "–")
         lines.append(f"| {g} | {r['retrieved']}/{r['n']} | {r['accuracy_pct']:.1f} [{lo:.1f}, {hi:.1f}] | {delta} |")
-    lines += ["", "Not run (no cache holds their bytes yet): "
-              + "; ".join(f"`{g}`: {why}" for g, why in p["not_run"].items()) + "."]
-    return lines
+    return lines + _not_run(p)
 
 
 def domains_table(rows: dict[str, dict], ppl: dict) -> list[str]:

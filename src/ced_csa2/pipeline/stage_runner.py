@@ -165,8 +165,9 @@ def _run_stage(run, *args, launcher=None) -> None:
     t0 = time.perf_counter()
     name = stage_name(run, args)
     # Log lines written while a tqdm bar is open go above the bar, not glued into it.
+    # Progress on stdout, beside DVC's own "Running stage": stderr keeps a fault to its one line.
+    print(f"stage {name}{stage_position(name)}", flush=True)
     with logging_redirect_tqdm():
-        log.info("stage %s%s", name, stage_position(name))
         _run_logged(run, name, t0, *args, launcher=launcher)
         log.info("stage %s done in %.1f s", name, time.perf_counter() - t0)
 
