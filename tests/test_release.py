@@ -326,6 +326,23 @@ def test_a_hub_id_needs_a_pinned_revision_and_a_reachable_hub(released, tiny_mod
     assert len(done.stdout.strip().splitlines()) == 1
 
 
+def test_a_missing_map_file_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
+    """``models/missing.pt`` looks like ``owner/name``: the loaders say the file is missing, not that a hub id needs a
+    revision; an ``owner/name`` without a checkpoint suffix, or with a revision, is still a hub id."""
+    from ced_csa2.csa2 import load_adapters
+    from ced_csa2.pipeline.checkpoint import CheckpointError
+    from ced_csa2.projector import load_projector
+
+    monkeypatch.chdir(tmp_path)
+    for load, kind in ((load_projector, "projector"), (load_adapters, "adapters")):
+        with pytest.raises(CheckpointError, match=rf"^models/missing.pt: {kind} checkpoint not found"):
+            load("models/missing.pt", role=None)
+    assert not rel.is_release("models/missing.pt") and rel.is_release("models/missing.pt", revision="0123abc")
+    assert rel.is_release("Qwen/Qwen3.5-4B") and rel.is_release(tmp_path)
+    (tmp_path / "file.pt").write_bytes(b"")
+    assert not rel.is_release(tmp_path / "file.pt")
+
+
 def test_the_seed_s_loaders_take_the_release_folder(released, tiny_model, monkeypatch, tmp_path):
     """``load_projector`` / ``load_adapters`` on a release folder give ``load_release``'s modules, after its checks:
     a wrong role or metadata is refused naming the file, a changed file by the manifest."""

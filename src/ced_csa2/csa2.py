@@ -181,7 +181,7 @@ def load_adapters(path: str | Path, device=None, dtype: torch.dtype | None = Non
     """
     from . import release  # the release reads this module's classes: imported when used
 
-    if release.is_release(path):
+    if release.is_release(path, revision):
         return release.load_main_map(path, KIND, role=role, expect=expect, revision=revision, device=device,
                                      dtype=dtype)[0]
     state, meta = load_checkpoint(path, KIND, expect, role=role)

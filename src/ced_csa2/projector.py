@@ -154,7 +154,7 @@ def load_projector(path: str | Path, *, role: Role, expect: Mapping | None = Non
     """
     from . import release  # the release reads this module's classes: imported when used
 
-    if release.is_release(path):
+    if release.is_release(path, revision):
         return release.load_main_map(path, KIND, role=role, expect=expect, revision=revision, device=device,
                                      dtype=dtype)
     state, meta = load_checkpoint(path, KIND, expect, role=role)

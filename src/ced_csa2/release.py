@@ -362,9 +362,22 @@ def _open(folder, model, plan, revision) -> tuple[Path, dict]:
     return folder, config
 
 
-def is_release(path: Path | str) -> bool:
-    """Whether ``path`` names a release: a folder, or a hub id (what :func:`release_folder` takes), not a file."""
-    return Path(path).is_dir() or (not Path(path).exists() and bool(HUB_ID.fullmatch(str(path))))
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin")  # a missing path ending so is a map file, not a hub id
+
+
+def is_release(path: Path | str, revision: str | None = None) -> bool:
+    """Whether ``path`` names a release (what :func:`release_folder` takes) rather than a map file.
+
+    A folder is one; an existing file is not.  A missing ``owner/name`` is a hub id when ``revision`` is given,
+    or when it does not end in a checkpoint suffix -- so ``models/missing.pt`` is refused as a missing file,
+    not as "a hub id needs revision".
+    """
+    path = Path(path)
+    if path.exists():
+        return path.is_dir()
+    if not HUB_ID.fullmatch(str(path)):
+        return False
+    return revision is not None or path.suffix not in CHECKPOINT_SUFFIXES
 
 
 def load_main_map(source: Path | str, kind: str, *, role: "Role | None", expect: Mapping | None = None,
