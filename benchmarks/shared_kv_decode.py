@@ -57,14 +57,14 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn, load_parts
+from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_parts
 from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.eval.generation import StepDecoder, group_cache
 from ced_csa2.eval.stats import ratio_bootstrap
 from ced_csa2.kv.kv_bytes import bytes_per_token
 from ced_csa2.maps.indexer import IndexerConfig, LightningIndexer, key_bytes, load_indexer
-from ced_csa2.model_utils import attention, geometry, load_model_and_tokenizer
+from ced_csa2.model_utils import attention, geometry, load_model_and_tokenizer, rope_fn
 from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import LayerPlan
@@ -92,7 +92,7 @@ def maps(models_dir: Path, plan: LayerPlan, geo, params, model) -> tuple[CEDPart
 
 def indexer_for(path: Path, model, plan: LayerPlan, geo, params) -> tuple[LightningIndexer, str]:
     """The trained indexer of ``path`` if present, else a random narrow one (IndexerConfig defaults)."""
-    rope = _rope_fn(attention(model, plan.source))
+    rope = rope_fn(attention(model, plan.source))
     model_id = params.model.hf_id or params.model.name
     if path.is_file():
         return load_indexer(path, rope, expect={"model_id": model_id, "layer": plan.source}), f"trained indexer {path}"

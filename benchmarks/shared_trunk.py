@@ -57,9 +57,9 @@ def eval_texts(params: Params, tok, n: int) -> tuple[list[str], str]:
     """``n`` eval texts of the profile, and where they came from."""
     if EVAL_JSONL.is_file() and params.data.kind != "tiny":
         return [r["text"] for r in read_records(EVAL_JSONL)[:n]], str(EVAL_JSONL)
-    from ced_csa2.data.corpus import _CORPORA, TokenBudget
+    from ced_csa2.data.corpus import CORPORA, TokenBudget
 
-    _, eval_ = _CORPORA[params.data.kind](params.data, TokenBudget(tok, params.data.min_tokens,
+    _, eval_ = CORPORA[params.data.kind](params.data, TokenBudget(tok, params.data.min_tokens,
                                                                    params.data.max_tokens))
     return [r.text for r in eval_[:n]], f"prepare's {params.data.name} eval records (built in memory)"
 

@@ -46,13 +46,12 @@ import numpy as np
 import torch
 import yaml
 
-from ced_csa2.ced_runtime import _rope_fn
 from ced_csa2.config import from_dict, load_params, provenance
 from ced_csa2.data.joined import joined_sequences
 from ced_csa2.data.records import check_prepared
 from ced_csa2.kv.kv_bytes import bytes_per_token, kv_copies
 from ced_csa2.maps.indexer import IndexerConfig, key_bytes, load_indexer, save_indexer
-from ced_csa2.model_utils import attention, load_model_and_tokenizer
+from ced_csa2.model_utils import attention, load_model_and_tokenizer, rope_fn
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.paths import EVAL_JSONL, TRAIN_JSONL
 from ced_csa2.pipeline.study_runner import run_study
@@ -113,7 +112,7 @@ def _fit_and_score(model, params, study: Study, layer: int, indexer, cfg: Indexe
     save_indexer(path, indexer, {"model_id": model_id, "layer": layer, "seed": params.seed,
                                  "provenance": provenance(params, "seed", "model", "plan"),
                                  "recipe": dataclasses.asdict(cfg)})
-    saved = load_indexer(path, _rope_fn(attention(model, layer)), expect={"model_id": model_id, "layer": layer})
+    saved = load_indexer(path, rope_fn(attention(model, layer)), expect={"model_id": model_id, "layer": layer})
     after = {"kl": it.held_out_kl(saved, held, study.window), **it.selection(saved, held, study.k, study.window)}
     log.info("layer %d, %s: held-out KL %.3f -> %.3f, recall %s -> %s, %.0f s", layer, path.name, before["kl"],
              after["kl"], before["recall"], after["recall"], fit_seconds)

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import yaml
 
-from ced_csa2.ced_runtime import CEDModeBRuntime, _rope_fn, load_parts
+from ced_csa2.ced_runtime import CEDModeBRuntime, load_parts
 from ced_csa2.config import Params, from_dict, load_params
 from ced_csa2.data.joined import joined_sequences
 from ced_csa2.data.records import check_prepared
@@ -55,7 +55,7 @@ from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_deltas
 from ced_csa2.kv.kv_bytes import bytes_per_token, dense_entry_bytes, kv_copies
 from ced_csa2.maps.indexer import LightningIndexer, load_indexer
-from ced_csa2.model_utils import Geometry, attention, load_model_and_tokenizer, resolve_device
+from ced_csa2.model_utils import Geometry, attention, load_model_and_tokenizer, resolve_device, rope_fn
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.map_roles import MAIN
@@ -158,7 +158,7 @@ def run(params: Params, study: Study, workdir: Path = Path("."), *, model_and_to
     trained = {}
     if "trained" in study.selectors:
         model_id = params.model.hf_id or params.model.name
-        trained = {la: load_indexer(workdir / INDEXERS / f"{la}.pt", _rope_fn(attention(model, la)),
+        trained = {la: load_indexer(workdir / INDEXERS / f"{la}.pt", rope_fn(attention(model, la)),
                                     expect={"model_id": model_id, "layer": la}) for la in sparse_layers(plan, geo)}
     macs = {"oracle": geo.kv_dim, "trained": _indexer_macs(next(iter(trained.values()), None))}
     # One sparse group per (group, selector, k), each counting its own selections across the sequences.

@@ -37,7 +37,7 @@ from pathlib import Path
 from ced_csa2.ced_runtime import CEDModeARuntime, load_mode_a_parts
 from ced_csa2.config import load_params
 from ced_csa2.data.records import check_prepared
-from ced_csa2.eval.gsm8k import _offline, groups_gold_nll, load_gold_pairs, mode_a_gold_rows
+from ced_csa2.eval.gsm8k import go_offline, groups_gold_nll, load_gold_pairs, mode_a_gold_rows
 from ced_csa2.eval.perplexity import eval_ids, mode_a_prefix
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import write_tsv
@@ -97,8 +97,8 @@ def main() -> None:
     ridge = ridge_parts(params, plan, geo, RIDGE_PATH)
     ridge.extra, ridge.sink = ridge_projectors(RIDGE_PATH, list(plan.extra_sources), geo, params), trained.sink
     maps = {"ridge": ridge, "trained": trained}
-    _offline()
-    from ced_csa2.eval.lm_eval_models import ModeALM  # imports lm-eval: after _offline()
+    go_offline()
+    from ced_csa2.eval.lm_eval_models import ModeALM  # imports lm-eval: after go_offline()
 
     rows, gold_rows = [], {}
     for sink, (name, parts), replay in itertools.product(SINKS, maps.items(), REPLAYS):

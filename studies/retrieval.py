@@ -40,12 +40,12 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from ced_csa2.ced_runtime import CEDModeBRuntime, _rope_fn, load_parts
+from ced_csa2.ced_runtime import CEDModeBRuntime, load_parts
 from ced_csa2.config import from_dict, load_params
 from ced_csa2.data.records import check_prepared, read_records
 from ced_csa2.eval import retrieval
 from ced_csa2.maps.indexer import load_indexer
-from ced_csa2.model_utils import attention, load_model_and_tokenizer, resolve_device
+from ced_csa2.model_utils import attention, load_model_and_tokenizer, resolve_device, rope_fn
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.map_roles import MAIN
@@ -131,7 +131,7 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
     parts = parts or load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device, extra_sources=False,
                                 low_rank=any(g in LOW_RANK_GROUPS for g in study.groups))
     if indexers is None:
-        rope, model_id = _rope_fn(attention(model, plan.source)), params.model.hf_id or params.model.name
+        rope, model_id = rope_fn(attention(model, plan.source)), params.model.hf_id or params.model.name
         indexers = {name: load_indexer(workdir / INDEXERS / f"{name}.pt", rope,
                                        expect={"model_id": model_id, "layer": plan.source})
                     for name in study.sparse.indexers}

@@ -42,14 +42,14 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from ced_csa2.ced_runtime import _rope_fn, load_parts
+from ced_csa2.ced_runtime import load_parts
 from ced_csa2.config import from_dict, load_params
 from ced_csa2.data.joined import joined_sequences
 from ced_csa2.data.records import check_prepared
 from ced_csa2.eval.generation import group_cache
 from ced_csa2.eval.stats import paired_bootstrap
 from ced_csa2.maps.indexer import load_indexer
-from ced_csa2.model_utils import attention, load_model_and_tokenizer, resolve_device
+from ced_csa2.model_utils import attention, load_model_and_tokenizer, resolve_device, rope_fn
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.map_roles import MAIN
@@ -106,7 +106,7 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
     model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=device)
     parts = parts or load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device, extra_sources=False)
     if indexers is None:
-        rope, model_id = _rope_fn(attention(model, plan.source)), params.model.hf_id or params.model.name
+        rope, model_id = rope_fn(attention(model, plan.source)), params.model.hf_id or params.model.name
         indexers = {name: load_indexer(workdir / INDEXERS / f"{name}.pt", rope,
                                        expect={"model_id": model_id, "layer": plan.source}) for name in study.indexers}
     seqs = joined_sequences(tok, workdir / EVAL_JSONL, study.context, study.sequences)

@@ -14,7 +14,7 @@ import pytest
 
 from ced_csa2 import config, csa2
 from ced_csa2.ced_runtime import SINKS
-from ced_csa2.data.corpus import _CORPORA, _DOMAIN_READERS
+from ced_csa2.data.corpus import CORPORA, DOMAIN_READERS
 from ced_csa2.eval.results import CED_CSA2_START, KEPT, MODE_A_MAPS
 from ced_csa2.kv.fp4 import FORMATS
 from ced_csa2.model_utils import TINY_ARCHS
@@ -26,8 +26,8 @@ REGISTRIES = {
     ("Params", "kv_format"): FORMATS,
     ("TinyModelConfig", "arch"): TINY_ARCHS,
     ("ModelConfig", "attn_implementation"): IMPLEMENTATIONS,
-    ("DataConfig", "kind"): _CORPORA,
-    ("DomainConfig", "kind"): _DOMAIN_READERS,
+    ("DataConfig", "kind"): CORPORA,
+    ("DomainConfig", "kind"): DOMAIN_READERS,
     ("ProjectorConfig", "keep"): KEEP_CHOICES,
     ("AdaptersConfig", "keep"): KEEP_CHOICES,
     ("AdaptersConfig", "activation"): csa2.ACTIVATIONS,

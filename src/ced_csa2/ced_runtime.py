@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +46,7 @@ from .kv.formats import format_replacements, group_format
 from .kv.fp4 import FORMATS as FP4_FORMATS
 from .kv.rotation import HeadRotation, fp4_round_trip, stream_rotations
 from .maps.xkv import XKVBasis, load_xkv
-from .model_utils import Geometry, attention, decoder_layer, geometry, layer_type, rotary
+from .model_utils import Geometry, attention, decoder_layer, geometry, layer_type, rope_fn, rotary
 from .pipeline.checkpoint import (check_meta_provenance, expected_meta, load_checkpoint, load_state,
                                   save_checkpoint)
 from .pipeline.map_roles import MAIN, MODE_A, PAIRS, SEED_INIT_ROLE, Role, objective
@@ -476,7 +475,7 @@ class CEDModeBRuntime:
         def stop_when_complete(clean: dict):
             def stop(mod, inp, out):
                 if top in clean["k"] and top in clean["v"]:
-                    raise _StopForward  # nothing above the top layer's K/V is needed
+                    raise StopForward  # nothing above the top layer's K/V is needed
             attn = attention(model, top)
             return [attn.k_proj.register_forward_hook(stop), attn.v_proj.register_forward_hook(stop)]
 
@@ -490,10 +489,10 @@ class CEDModeBRuntime:
             state["clean_pass"] = True
             try:
                 with torch.no_grad(), kv_hooks.capture(model, layers) as clean, \
-                        kv_hooks._installed(lambda: stop_when_complete(clean)):
+                        kv_hooks.installed(lambda: stop_when_complete(clean)):
                     try:
                         module(*args, **kwargs)  # the same call, so the same K/V as a plain forward
-                    except _StopForward:
+                    except StopForward:
                         pass
             finally:
                 state["clean_pass"] = False
@@ -508,7 +507,7 @@ class CEDModeBRuntime:
                 store["recon_of"], store["recon"] = clean, basis(clean["k"], clean["v"])
             return store["recon"][layer]
 
-        stack.enter_context(kv_hooks._installed(
+        stack.enter_context(kv_hooks.installed(
             lambda: [model.model.register_forward_pre_hook(clean_pass, with_kwargs=True)]))
         repl = {}
         for layer in layers:
@@ -545,7 +544,7 @@ class CEDModeBRuntime:
             self._stack = None
 
 
-class _StopForward(Exception):
+class StopForward(Exception):
     """Raised by a hook to end a forward pass early (after the split layer; xKV's clean pass)."""
 
 
@@ -558,12 +557,6 @@ def _cache_argument(module: nn.Module, args: tuple, kwargs: dict):
     extra = bound.get("kwargs") or {}
     found = [bound.get(name, extra.get(name)) for name in ("cache", "past_key_values")]
     return next((c for c in found if c is not None), None)
-
-
-def _rope_fn(attn: nn.Module):
-    # Each transformers model family defines its own apply_rotary_pos_emb (Qwen3.5's is
-    # partial-rotary); use the one the attention module itself calls.
-    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
 
 
 @torch.inference_mode()
@@ -699,13 +692,13 @@ class CEDModeARuntime:
 
         def stop(mod, inp, out):
             h_split["h"] = out[0] if isinstance(out, tuple) else out
-            raise _StopForward
+            raise StopForward
 
         handle = decoder_layer(self.model, self.plan.split).register_forward_hook(stop)
         try:
             with torch.no_grad():
                 self.model.model(input_ids=input_ids, cache=cache, use_cache=cache is not None)
-        except _StopForward:
+        except StopForward:
             pass
         finally:
             handle.remove()
@@ -742,7 +735,7 @@ class CEDModeARuntime:
             keys = k if len(idx) == len(layers) else k[:, :, idx]
             keys = keys.flatten(2, 3).transpose(1, 2)  # (B, n·heads, T, head_dim)
             # The model's function rotates a query and a key; one head stands in for the query (dropped).
-            _, keys = _rope_fn(attention(model, first))(keys[:, :1], keys, *rotary(model, first, h, positions))
+            _, keys = rope_fn(attention(model, first))(keys[:, :1], keys, *rotary(model, first, h, positions))
             keys = keys.unflatten(1, (len(idx), -1))  # (B, n, heads, T, head_dim)
             for j, i in enumerate(idx):
                 # The cache layer keeps what its kind keeps (a sliding-window layer: the last window - 1).

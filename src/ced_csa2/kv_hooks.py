@@ -23,7 +23,8 @@ Replacement = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 
 @contextmanager
-def _installed(handles_factory: Callable[[], list]) -> Iterator[None]:
+def installed(handles_factory: Callable[[], list]) -> Iterator[None]:
+    """Keep the hooks ``handles_factory()`` registers (it returns their handles) for the context; remove them on exit."""
     handles = []
     try:
         handles.extend(handles_factory())
@@ -62,7 +63,7 @@ def capture(model: nn.Module, kv_layers: Iterable[int] = (), hidden_layers: Iter
                 lambda mod, inp, out, layer=layer: store["h"].__setitem__(layer, _hidden(out))))
         return handles
 
-    with _installed(factory):
+    with installed(factory):
         yield store
 
 
@@ -84,7 +85,7 @@ def inject(model: nn.Module, replacements: Mapping[tuple[int, str], Replacement]
                 lambda mod, inp, out, repl=repl: (repl(out) if callable(repl) else repl).to(out.device)))
         return handles
 
-    with _installed(factory):
+    with installed(factory):
         yield
 
 
@@ -145,7 +146,7 @@ def keep_initial(model: nn.Module, layers: Iterable[int], positions: int,
         return handles
 
     try:
-        with _installed(factory):
+        with installed(factory):
             yield
     finally:
         state.clear()
@@ -209,7 +210,7 @@ def layer_calls(model: nn.Module, stop: int | None = None, inputs_at: Iterable[i
         return [decoder_layer(model, i).register_forward_pre_hook(record(i), with_kwargs=True)
                 for i in range(1, (stop or len(kinds)) + 1)]
 
-    with _installed(factory):
+    with installed(factory):
         yield store
 
 

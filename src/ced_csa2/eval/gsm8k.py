@@ -172,7 +172,7 @@ def local_task(data_file: Path, num_fewshot: int) -> Iterator:
     """An lm-eval ``TaskManager`` that knows only the local task on ``data_file`` (:func:`write_task_yaml`).
 
     The task YAML and lm-eval's Arrow copy of the data live in a temporary directory, removed
-    on exit.  Call :func:`_offline` first: this imports lm-eval.
+    on exit.  Call :func:`go_offline` first: this imports lm-eval.
     """
     from lm_eval.tasks import TaskManager
 
@@ -183,10 +183,12 @@ def local_task(data_file: Path, num_fewshot: int) -> Iterator:
         yield TaskManager(include_path=tmp, include_defaults=False)
 
 
-def _offline() -> None:
-    # Both are read when datasets / huggingface_hub are first imported; run() sets them
-    # before importing lm-eval, so in the stage's own process the local JSON never
-    # waits on a hub lookup.
+def go_offline() -> None:
+    """Set ``HF_HUB_OFFLINE`` and ``HF_DATASETS_OFFLINE`` for this process; call it before importing lm-eval.
+
+    Both are read when datasets / huggingface_hub are first imported, so set first the local JSON
+    never waits on a hub lookup.
+    """
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
 

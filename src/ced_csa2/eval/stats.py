@@ -6,6 +6,8 @@
 * :func:`ratio_bootstrap` -- 95% interval of a per-token mean over records (KL to the
   baseline, top-1 agreement): the same resampling, so with the same seed the same
   records are drawn as for the Δs.
+* :func:`bootstrap` -- both above: the value and percentile interval of any statistic of
+  record resamples (a median's, ``eval.generation.median_ci``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def paired_bootstrap(group: np.ndarray, base: np.ndarray, statistic: str = "delt
     if not np.array_equal(group[:, 1], base[:, 1]):
         raise ValueError("paired_bootstrap: group and baseline were scored on different tokens")
     fn = DELTAS[statistic]
-    return _bootstrap(lambda idx: fn(group[idx, 0].sum(-1), base[idx, 0].sum(-1), base[idx, 1].sum(-1)),
+    return bootstrap(lambda idx: fn(group[idx, 0].sum(-1), base[idx, 0].sum(-1), base[idx, 1].sum(-1)),
                       len(group), n_boot, seed, level)
 
 
@@ -75,10 +77,10 @@ def ratio_bootstrap(num: np.ndarray, den: np.ndarray, *, scale: float = 1.0, n_b
     if num.shape != den.shape or num.ndim != 1 or len(num) == 0 or den.sum() <= 0:
         raise ValueError(f"ratio_bootstrap needs two (R,) arrays of the same R > 0 with tokens, got {num.shape}, "
                          f"{den.shape}")
-    return _bootstrap(lambda idx: scale * num[idx].sum(-1) / den[idx].sum(-1), len(num), n_boot, seed, level)
+    return bootstrap(lambda idx: scale * num[idx].sum(-1) / den[idx].sum(-1), len(num), n_boot, seed, level)
 
 
-def _bootstrap(statistic: Callable[[np.ndarray], np.ndarray], n_records: int, n_boot: int, seed: int,
+def bootstrap(statistic: Callable[[np.ndarray], np.ndarray], n_records: int, n_boot: int, seed: int,
                level: float) -> dict:
     """Value on all records and percentile interval over ``n_boot`` record resamples.
 

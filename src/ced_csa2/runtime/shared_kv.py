@@ -76,14 +76,14 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from .. import kv_hooks
-from ..ced_runtime import CEDModeBRuntime, CEDParts, _rope_fn, require_parts
+from ..ced_runtime import CEDModeBRuntime, CEDParts, require_parts
 from ..kv import rotation as kv_rotation
 from ..kv.formats import ELEMENTS, KVFormat, StreamFormat
 from ..kv.fp4 import FORMATS, Packed
 from ..kv.fp6 import Packed6
 from ..kv.kv_bytes import StoredCopy, fp4_entry_bytes, kv_copies
 from ..kv.rotation import HeadRotation, layer_rotation, stream_rotations, work_dtype
-from ..model_utils import Geometry, attention, geometry, layer_type, rotary
+from ..model_utils import Geometry, attention, geometry, layer_type, rope_fn, rotary
 from ..plan import LayerPlan
 from .groups import GROUPS, SHARED_GROUPS
 
@@ -398,7 +398,7 @@ class _SharedStore:
         # (B,) left padding per row (_row_offsets): a row's token at cache position t has RoPE position t - pad
         self.pads: torch.Tensor | None = None
         self.attn = {layer: attention(model, layer) for layer in (plan.source, *plan.targets)}
-        self.rope = _rope_fn(self.attn[plan.source])
+        self.rope = rope_fn(self.attn[plan.source])
         self.captured: dict | None = None  # kv_hooks.capture's dict while SharedKVCache.feed() is open
         # Per forward, shared by the source and every target and dropped after the last target has
         # read: what the readers read of the store (dequantised) and its (cos, sin) per layer type,

@@ -19,10 +19,10 @@ from ..ced_runtime import CEDParts, load_mode_a_parts, load_parts
 from ..config import Params
 from ..data.records import check_prepared
 from ..eval.gsm8k import (
-    _offline,
     check_chat_template,
     count_problems,
     generate_groups,
+    go_offline,
     groups_gold_nll,
     load_gold_pairs,
     local_task,
@@ -64,10 +64,10 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
 
 
 def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -> dict:
-    _offline()
+    go_offline()
     from lm_eval import __version__ as lm_eval_version
 
-    from ..eval.lm_eval_models import DataParallelLM  # imports lm-eval: after _offline()
+    from ..eval.lm_eval_models import DataParallelLM  # imports lm-eval: after go_offline()
 
     cfg = params.eval_gsm8k
     check_prepared(params, workdir, GSM8K_JSONL)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..config import Params
 from ..data.records import check_prepared
-from ..eval.gsm8k import _offline, check_chat_template, count_problems, local_task, prompt_pairs, write_gold_pairs
+from ..eval.gsm8k import check_chat_template, count_problems, go_offline, local_task, prompt_pairs, write_gold_pairs
 from ..model_utils import load_tokenizer
 from ..pipeline.paths import GOLD_PATH, GSM8K_JSONL
 from ..pipeline.stage_runner import run_stage
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 def run(params: Params, workdir: Path = Path(".")) -> list[tuple[list[int], int]]:
     """Write ``data/gsm8k_gold.json`` under ``workdir``; returns its pairs."""
-    _offline()
+    go_offline()
     workdir, num_fewshot = Path(workdir), params.eval_gsm8k.num_fewshot
     check_prepared(params, workdir, GSM8K_JSONL)
     data_file = workdir / GSM8K_JSONL

@@ -31,9 +31,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..ced_runtime import _rope_fn
 from ..maps.indexer import IndexerConfig, LightningIndexer, indexer_loss
-from ..model_utils import Geometry, attention, rotary
+from ..model_utils import Geometry, attention, rope_fn, rotary
 from ..runtime.attention_calls import AttentionCalls
 from ..runtime.sparse_attention import index_scores
 from .training import warmup_cosine
@@ -132,7 +131,7 @@ def new_indexer(model: nn.Module, geo: Geometry, layer: int, cfg: IndexerConfig,
     """A float32 indexer for ``layer``: drawn from ``seed``, then started at the oracle if ``cfg.init`` says so."""
     torch.manual_seed(seed)
     attn = attention(model, layer)
-    indexer = LightningIndexer(geo.hidden_size, geo.kv_dim, geo.head_dim, cfg.heads, _rope_fn(attn),
+    indexer = LightningIndexer(geo.hidden_size, geo.kv_dim, geo.head_dim, cfg.heads, rope_fn(attn),
                                key_heads=cfg.key_heads, offset=cfg.offset, rotate_keys=cfg.rotate_keys,
                                key_copies=cfg.key_copies)
     if cfg.init == "attention":

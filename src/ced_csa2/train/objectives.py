@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kv_hooks
-from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, _StopForward, prompt_tokens
+from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, StopForward, prompt_tokens
 from ..config import Params
 from ..data.loader import record_split
 from ..data.records import read_records, tokenize
@@ -152,12 +152,12 @@ def capture_attention(model: nn.Module, layers: tuple[int, ...]) -> Iterator[dic
 def stop_after(model: nn.Module, layer: int) -> Iterator[None]:
     """End every forward pass inside the context after decoder ``layer`` (the rest is skipped)."""
     def stop(mod, inp, out):
-        raise _StopForward
+        raise StopForward
 
     handle = decoder_layer(model, layer).register_forward_hook(stop)
     try:
         yield
-    except _StopForward:
+    except StopForward:
         pass
     finally:
         handle.remove()
