@@ -52,6 +52,7 @@ from .pipeline.checkpoint import (check_meta_provenance, expected_meta, load_che
 from .pipeline.map_roles import MAIN, MODE_A, PAIRS, SEED_INIT_ROLE, Role, objective
 from .pipeline.paths import SEED_INIT_MODELS, objective_pair_models, projector_path
 from .plan import LayerPlan
+from .runtime.group_runtime import GroupRuntime
 from .runtime.groups import GROUPS
 from .runtime.groups import group as lookup_group
 
@@ -326,7 +327,7 @@ def require_parts(group: str, parts: CEDParts) -> None:
         raise ValueError(f"group {group!r} needs the cross-layer bases of models/xkv.pt (stage fit_xkv)")
 
 
-class CEDModeBRuntime:
+class CEDModeBRuntime(GroupRuntime):
     """Substitution runtime; use as a context manager around any forward / generate / lm-eval.
 
     Parameters

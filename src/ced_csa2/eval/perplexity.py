@@ -23,6 +23,7 @@ from ..data.records import read_records, seeded_subset
 from ..pipeline import distributed
 from ..pipeline.paths import EVAL_JSONL, domain_jsonl
 from ..pipeline.timing import MIN_REPEATS, PROTOCOL, BoundExceeded, check_bound, paired_seconds
+from ..runtime.group_runtime import GroupRuntime
 from .scoring import BLOCK_TOKENS, multi_group_nll, score_hidden, sequence_nll
 from .stats import paired_bootstrap, paired_deltas, ratio_bootstrap
 
@@ -61,7 +62,7 @@ def group_ppl(model, plan, group: str, parts: CEDParts, ids: list[list[int]], pa
 
 
 def groups_ppl(model, plan, groups: list[str], parts: CEDParts | Mapping[str, CEDParts] | None, ids: list[list[int]],
-               params: Params, pad_id: int, *, extra: Mapping[str, object] | None = None) -> dict[str, dict]:
+               params: Params, pad_id: int, *, extra: Mapping[str, GroupRuntime] | None = None) -> dict[str, dict]:
     """:func:`group_ppl` of every group, bit for bit, with one shared trunk per batch (:func:`multi_group_nll`).
 
     When ``baseline`` is among ``groups`` every other group also gets, each with its paired
@@ -69,10 +70,10 @@ def groups_ppl(model, plan, groups: list[str], parts: CEDParts | Mapping[str, CE
     ``delta_pct`` (ΔPPL %), ``kl`` (mean per-token KL(baseline ‖ group), nats) and
     ``top1_pct`` (% of scored tokens whose argmax is the baseline's).
 
-    ``extra`` adds runtimes by label, scored like groups (:func:`multi_group_nll`).  Under a
-    process group each rank scores a contiguous run of the single-process batches and the
-    per-record sums are assembled on every rank, so the figures and their bootstrap
-    intervals are the single-process ones.
+    ``extra`` adds runtimes (:class:`~ced_csa2.runtime.group_runtime.GroupRuntime`) by label, scored like
+    groups (:func:`multi_group_nll`).  Under a process group each rank scores a contiguous run of the
+    single-process batches and the per-record sums are assembled on every rank, so the figures and their
+    bootstrap intervals are the single-process ones.
     """
     # Scored in order of length (9% fewer padded positions on the embedded default's 40
     # records), reported in record order (the bootstrap's unit).

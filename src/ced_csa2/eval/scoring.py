@@ -22,6 +22,7 @@ from .. import kv_hooks
 from ..ced_runtime import CEDModeBRuntime, CEDParts, parts_for
 from ..pipeline import distributed
 from ..plan import LayerPlan
+from ..runtime.group_runtime import GroupRuntime
 
 # Scored positions per LM-head block (``eval_ppl.score_block_tokens``): at Gemma-3's 262,144-token
 # vocabulary one block's fp32 logits are 256 MiB, and scoring holds a few such tensors at once.
@@ -227,7 +228,7 @@ def sequence_nll(model, sequences: Sequence[Sequence[int]], score_from: Sequence
 
 # ----------------------------------------------------------------------------- shared trunk
 
-def branch_point(runtime: CEDModeBRuntime, n_layers: int) -> int:
+def branch_point(runtime: GroupRuntime, n_layers: int) -> int:
     """First layer (1-based) whose output differs from the plain model's under ``runtime``.
 
     The lowest layer whose K/V the group replaces (its source, its first target, or the
@@ -240,7 +241,7 @@ def branch_point(runtime: CEDModeBRuntime, n_layers: int) -> int:
 def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDParts | Mapping[str, CEDParts] | None,
                     sequences: Sequence[Sequence[int]], score_from: Sequence[int], batch_size: int,
                     pad_id: int = 0, *, kv_format: str | None, agreement: bool = False,
-                    extra: Mapping[str, object] | None = None, block_tokens: int = BLOCK_TOKENS
+                    extra: Mapping[str, GroupRuntime] | None = None, block_tokens: int = BLOCK_TOKENS
                     ) -> dict[str, torch.Tensor]:
     """:func:`sequence_nll` of every Mode B group in ``groups``, the shared trunk run once per batch.
 
@@ -276,8 +277,8 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
         argmax is the baseline's.
     extra
         Further runtimes to score, by label, each used like a group's
-        :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (``replaced_layers``, ``spec``,
-        ``seed``, a context manager): e.g. a group with sparse reads on top
+        :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (a :class:`~ced_csa2.runtime.group_runtime.GroupRuntime`):
+        e.g. a group with sparse reads on top
         (:class:`ced_csa2.runtime.sparse_attention.SparseGroup`), which branches at its first sparse layer.
 
     Returns
@@ -287,8 +288,8 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
         number of scored tokens (``c = 2``), then the summed KL and agreeing tokens (``c = 4``
         with ``agreement``).
     """
-    runtimes = {g: CEDModeBRuntime(model, plan, g, parts_for(parts, g), kv_format=kv_format)
-                for g in dict.fromkeys(groups)}
+    runtimes: dict[str, GroupRuntime] = {g: CEDModeBRuntime(model, plan, g, parts_for(parts, g), kv_format=kv_format)
+                                         for g in dict.fromkeys(groups)}
     clash = sorted(set(runtimes) & set(extra or {}))
     if clash:
         raise ValueError(f"multi_group_nll: labels {clash} name both a group and an extra runtime")

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kv_hooks
+from ..runtime.group_runtime import GroupRuntime
 from ..runtime.groups import GROUPS, Group
 from .fp4 import FORMATS as FP4_FORMATS
 from .fp6 import FORMATS as FP6_FORMATS
@@ -187,10 +188,10 @@ def format_replacements(fmt: KVFormat, layers, head_dim: int) -> dict:
             for layer in layers for kind in "kv"}
 
 
-class FormatRuntime:
+class FormatRuntime(GroupRuntime):
     """Every attention layer's K and V read back from a :class:`KVFormat`: one context, scored like a group.
 
-    It has what :func:`ced_csa2.eval.scoring.multi_group_nll` uses of a runtime (``extra=``):
+    A :class:`~ced_csa2.runtime.group_runtime.GroupRuntime` (:func:`ced_csa2.eval.scoring.multi_group_nll`'s ``extra=``):
     ``replaced_layers`` (every attention layer, so the shared trunk branches at the first),
     ``spec`` (``baseline_fp4``'s: every layer's own entries stored, nothing shared) and
     ``seed`` (nothing to seed).  The hooks (:func:`ced_csa2.kv_hooks.inject`) are always removed.

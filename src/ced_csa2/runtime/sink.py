@@ -27,11 +27,12 @@ from contextlib import ExitStack
 
 from ..ced_runtime import SinkKV
 from .. import kv_hooks
+from .group_runtime import GroupRuntime
 
 SINK_MODES = ("exact", "mean")
 
 
-class SinkGroup:
+class SinkGroup(GroupRuntime):
     """A Mode B group's runtime with its initial ``positions`` kept: one context, scored like a group.
 
     Parameters
@@ -45,7 +46,8 @@ class SinkGroup:
     positions
         How many initial positions keep their K/V (``exact`` only; ``mean`` keeps position 0).
 
-    It has what :func:`ced_csa2.eval.scoring.multi_group_nll` uses of a runtime (``extra=``).
+    A :class:`~ced_csa2.runtime.group_runtime.GroupRuntime` (:func:`ced_csa2.eval.scoring.multi_group_nll`'s
+    ``extra=``): ``runtime``'s spec, replaced layers and seeding.
     """
 
     def __init__(self, runtime, mode: str, constants: SinkKV | None = None, positions: int = 1):

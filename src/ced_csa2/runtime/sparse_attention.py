@@ -67,6 +67,7 @@ from torch import nn
 from ..maps.indexer import LightningIndexer
 from ..model_utils import Geometry, attention, rotary
 from .attention_calls import AttentionCalls
+from .group_runtime import GroupRuntime
 from .layer_modes import LayerModes, ModeError
 
 
@@ -431,14 +432,15 @@ class SparseAttention:
         p["shared"] += int((chosen & theirs).sum(-1)[both].sum())
         p["chance"] += float((picked * theirs.sum(-1)[both] / f["n_candidates"][both]).sum())
 
-class SparseGroup:
+class SparseGroup(GroupRuntime):
     """A Mode B group's runtime with sparse reads on top: one context, scored like a group.
 
     ``runtime`` (a :class:`~ced_csa2.ced_runtime.CEDModeBRuntime`) supplies the K/V -- its
     own for ``baseline``, ``adapter(KV_source)`` for the targets under ``csa2`` -- and
-    ``sparse`` narrows what the sparse layers read of them.  It has what
-    :func:`ced_csa2.eval.scoring.multi_group_nll` uses of a runtime (``extra=``): its first changed
-    layer is the lowest sparse layer, so the shared trunk runs the layers below it once.
+    ``sparse`` narrows what the sparse layers read of them.  A
+    :class:`~ced_csa2.runtime.group_runtime.GroupRuntime` (:func:`ced_csa2.eval.scoring.multi_group_nll`'s
+    ``extra=``): its first changed layer is the lowest sparse layer, so the shared trunk runs the layers below
+    it once.
     """
 
     def __init__(self, runtime, sparse: SparseAttention):

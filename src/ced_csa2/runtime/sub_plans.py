@@ -28,6 +28,7 @@ from ..ced_runtime import CEDModeBRuntime
 from ..kv.kv_bytes import StoredCopy
 from ..model_utils import Geometry
 from ..plan import LayerPlan, PlanError
+from .group_runtime import GroupRuntime
 
 
 def spaced_full_layers(geo: Geometry, split: int, k: int) -> tuple[int, ...]:
@@ -66,7 +67,7 @@ def sub_plans(geo: Geometry, split: int, full_layers: Sequence[int]) -> list[Lay
     return [LayerPlan(split, f, tuple(la for la in above if f < la < end)).validate(geo) for f, end in zip(full, ends)]
 
 
-class NestedRuntimes:
+class NestedRuntimes(GroupRuntime):
     """Mode B runtimes entered one inside the other (the first outermost), scored like one group.
 
     Parameters
@@ -76,8 +77,8 @@ class NestedRuntimes:
         sharing runtime (``csa2``, ``ced_csa2``, ``csa2_fp4_rot``, ...) per sub-plan.  The sub-plans
         share the split, and no layer is a source or reader of two of them.
 
-    It has what :func:`ced_csa2.eval.scoring.multi_group_nll` uses of a runtime (``extra=``):
-    ``replaced_layers`` reaches down to every sub-plan's source, so the shared trunk stops at or
+    A :class:`~ced_csa2.runtime.group_runtime.GroupRuntime` (:func:`ced_csa2.eval.scoring.multi_group_nll`'s
+    ``extra=``): ``replaced_layers`` reaches down to every sub-plan's source, so the shared trunk stops at or
     below each of them and each sub-plan's own hooks capture its source K/V (the trunk captures
     only the plan it is given); ``seed`` hands every runtime the trunk's ``H_split``.
     """
