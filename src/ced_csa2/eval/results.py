@@ -614,12 +614,7 @@ def _counts_for(row: str, group: str) -> bool:
     sharing (:attr:`~ced_csa2.runtime.groups.Group.layout`), no block-format entries (``ced_sink`` counts for
     ``ced``, ``csa2_fp4`` not for ``csa2``)."""
     base = GROUPS.get(row.split("@")[0])
-    return base is not None and base.layout == GROUPS[group].layout and not _block_format(base)
-
-
-def _block_format(spec) -> bool:
-    """Whether a group stores entries in a block format: FP4 (``kv_format``) or its own ``stream_formats``."""
-    return spec.is_fp4 or spec.stream_formats is not None
+    return base is not None and base.layout == GROUPS[group].layout and not base.stores_block_format
 
 
 def goals(rows: dict[str, dict[str, float]]) -> list[dict]:
@@ -628,15 +623,15 @@ def goals(rows: dict[str, dict[str, float]]) -> list[dict]:
     Each: ``goal`` (its wording), ``best`` (the row's name, ``None`` when no row qualifies), ``dppl_pct``
     with ``_lo``/``_hi``, ``met``.  A group's goal takes its own row, its ``<group>@<objective>``
     recipes and the rows of groups that only keep other entries (:func:`_counts_for`); the format goal
-    takes the groups that store block-format entries (:func:`_block_format`) and compress at least
-    ``KV_FORMAT_GOAL[1]``x.
+    takes the groups that store block-format entries
+    (:attr:`~ced_csa2.runtime.groups.Group.stores_block_format`) and compress at least ``KV_FORMAT_GOAL[1]``x.
     """
     out = []
     candidates = [(f"`{group}` ≤ +{limit:g}%", limit, [n for n in rows if _counts_for(n, group)])
                   for group, limit in GROUP_GOALS.items()]
     limit, ratio = KV_FORMAT_GOAL
     candidates.append((f"KV format ≤ +{limit:g}% at ≥ {ratio:g}×", limit,
-                       [n for n, r in rows.items() if n in GROUPS and _block_format(GROUPS[n])
+                       [n for n, r in rows.items() if n in GROUPS and GROUPS[n].stores_block_format
                         and r.get("kv_compression", 0) >= ratio]))
     for goal, limit, names in candidates:
         best = min(names, key=lambda n: rows[n]["dppl_pct"], default=None)

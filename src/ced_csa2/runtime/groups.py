@@ -178,6 +178,11 @@ class Group:
         return self.fp4 != "none"
 
     @property
+    def stores_block_format(self) -> bool:
+        """Stores entries in a block format (a scale per block): FP4 by ``kv_format`` or its own ``stream_formats``."""
+        return self.is_fp4 or self.stream_formats is not None
+
+    @property
     def cache_kind(self) -> CacheKind:
         """The cache that holds this group's bytes when it decodes (rotated or not: :attr:`rotate`).
 
