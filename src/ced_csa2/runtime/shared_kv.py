@@ -702,7 +702,8 @@ class SharedKVCache(DynamicCache):
 
     @contextmanager
     def feed(self) -> Iterator[SharedKVCache]:
-        """Install the hooks that feed the store (and, for ``ced_csa2``, the CED projection); always removed."""
+        """Install the hooks that feed the store (and, for ``ced_csa2*``, the CED projection, its first positions
+        the source's own under a sink group); always removed."""
         store = self._store
         with ExitStack() as stack:
             if GROUPS[self.group].projected_source:
