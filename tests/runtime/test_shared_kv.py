@@ -390,6 +390,9 @@ def test_refusals(tiny_model):
         SharedKVCache(model, QWEN_PLAN, "csa2")
     with pytest.raises(ValueError, match="unknown storage 'fp8'"):
         SharedKVCache(model, QWEN_PLAN, "share_plain", storage="fp8")
+    with pytest.raises(ValueError, match="group 'ced_csa2_sink' keeps its first positions' entries exact; storage "
+                                         "'nvfp4' would round the source's"):
+        SharedKVCache(model, QWEN_PLAN, "ced_csa2_sink", parts, storage="nvfp4")
     with pytest.raises(ValueError, match="groups of 32 channels, which do not divide kv_dim = 16"):
         SharedKVCache(llama, LLAMA_PLAN, "share_plain", storage="mxfp4")
     with pytest.raises(ValueError, match="needs an FP4 storage"):

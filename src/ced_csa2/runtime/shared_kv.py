@@ -572,8 +572,8 @@ class _SharedLayer(_Windowed, _ReadOnlyShape, DynamicLayer):
         return self.store.tensors() if self.layer == self.store.plan.source else self.store.sinks.get(self.layer, ())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KV:
-        # key_states/value_states (post-norm, post-RoPE) are not kept, but at a sink group's first positions of a
-        # target: the store is the only copy.
+        # key_states/value_states (post-norm, post-RoPE) are not kept -- the store is the only copy -- but a sink
+        # group's targets keep theirs at the first positions.
         new = key_states.shape[-2]
         if self.layer == self.store.plan.source:
             self.store.write(new, kwargs)
@@ -687,6 +687,9 @@ class SharedKVCache(DynamicCache):
         require_parts(group, parts)
         fmt = _format(storage)
         _check_rotate(rotate, fmt, storage)
+        if fmt is not None and GROUPS[group].sink:  # Mode B keeps them exact: an FP4 store would round the source's
+            raise ValueError(f"group {group!r} keeps its first positions' entries exact; storage {storage!r} would "
+                             "round the source's: give 'bf16'")
         geo = geometry(model.config)
         plan.validate(geo)
         _check_block_width(fmt, geo.kv_dim)
