@@ -89,15 +89,17 @@ def test_refusals(setup):
         SinkGroup(runtime, "mean", SinkKV(plan.kv_layers, geo.kv_dim), positions=4)
 
 
-def test_the_ced_sink_group_is_ced_with_four_exact_sink_positions(setup):
-    """The registry's ``ced_sink`` runs as the study's ``SinkGroup(ced, exact, 4)``, and differs from ``ced``."""
+@pytest.mark.parametrize("group,bare", [("ced_sink", "ced"), ("ced_csa2_sink", "ced_csa2")])
+def test_a_sink_group_is_its_bare_group_with_four_exact_sink_positions(setup, group, bare):
+    """The registry's ``ced_sink`` / ``ced_csa2_sink`` run as the study's ``SinkGroup(<bare>, exact, 4)`` (the source
+    and, for ``ced_csa2``, every adapted target kept), and differ from the bare group."""
     model, plan, geo, x = setup
     parts = random_parts(geo, plan)
-    group = logits(model, CEDModeBRuntime(model, plan, "ced_sink", parts, kv_format=None), x)
-    study = logits(model, SinkGroup(CEDModeBRuntime(model, plan, "ced", parts, kv_format=None), "exact", positions=4), x)
-    assert torch.equal(group, study)
-    ced = logits(model, CEDModeBRuntime(model, plan, "ced", parts, kv_format=None), x)
-    assert not torch.allclose(group, ced, atol=1e-3)  # ~8400 eps32 of O(1) logits: a real difference
+    kept = logits(model, CEDModeBRuntime(model, plan, group, parts, kv_format=None), x)
+    study = logits(model, SinkGroup(CEDModeBRuntime(model, plan, bare, parts, kv_format=None), "exact", positions=4), x)
+    assert torch.equal(kept, study)
+    without = logits(model, CEDModeBRuntime(model, plan, bare, parts, kv_format=None), x)
+    assert not torch.allclose(kept, without, atol=1e-3)  # ~8400 eps32 of O(1) logits: a real difference
 
 
 @pytest.mark.parametrize("prompt", [2, 6])
