@@ -237,7 +237,8 @@ def test_each_goal_takes_the_best_qualifying_row_and_says_whether_it_meets_its_l
             "xkv": row(0.1, 4.0)}                                         # no block format
     met = {g["goal"]: g for g in goals(rows)}
     assert [(g["best"], g["dppl_pct"], g["met"]) for g in met.values()] == [
-        ("ced_sink", 1.85, True), ("csa2@x", 4.5, False), ("ced_csa2_sink", 7.9, True), ("baseline_k6v4_rot", 1.1, True)]
+        ("ced_sink", 1.85, True), ("csa2@x", 4.5, False), ("ced_csa2_sink", 7.9, True),
+        ("baseline_k6v4_rot", 1.1, True)]
     assert list(met) == ["`ced` ≤ +2%", "`csa2` ≤ +4%", "`ced_csa2` ≤ +9%", "KV format ≤ +2% at ≥ 3×"]
     table = goals_table(list(met.values()))
     assert table[2] == "| `ced` ≤ +2% | ced_sink | +1.85 [+0.85, +2.85] | yes |"

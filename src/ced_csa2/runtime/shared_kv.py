@@ -408,7 +408,8 @@ class _SharedStore:
         self.rope = _rope_fn(self.attn[plan.source])
         self.captured: dict | None = None  # kv_hooks.capture's dict while SharedKVCache.feed() is open
         self.sink = GROUPS[group].sink
-        # target -> its own (K, V) at each row's first min(seen, sink) positions, (B, n_kv, ·, head_dim) each (keep_sink)
+        # target -> its own (K, V) at each row's first min(seen, sink) positions, (B, n_kv, ·, head_dim) each
+        # (keep_sink)
         self.sinks: dict[int, KV] = {}
         # Per forward, shared by the source and every target and dropped after the last target has
         # read: what the readers read of the store (dequantised) and its (cos, sin) per layer type,
