@@ -300,6 +300,7 @@ def test_the_card_says_which_maps_each_row_reads_from_the_group_s_flags():
 
     assert reads("mode_a") == "mode_a/" and reads("baseline") == "–" and reads("share_plain") == "–"
     assert reads("ced_sink") == "projector" and reads("csa2_fp4_rot") == "adapters"
+    assert reads("ced_csa2_sink") == "projector + adapters"
     for name, spec in GROUPS.items():
         assert ("projector" in reads(name)) == spec.projected_source and ("adapters" in reads(name)) == spec.adapters
 

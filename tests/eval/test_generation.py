@@ -138,7 +138,8 @@ def test_the_cache_is_chosen_from_the_group_s_flags(tiny_model):
 def test_used_bytes_are_the_accounted_bytes_counted_independently(setup):
     """Every supported group's used bytes after the last step, counted from the geometry without the accounting
     module: each storing layer holds its positions (a sliding one its last window - 1) of K and V entries, dense at
-    the model's dtype, FP4 blocks of ``kv_dim / 2 + kv_dim / 16`` bytes, or baseline_k6v4_rot's FP6 K and MXFP4 V."""
+    the model's dtype, FP4 blocks of ``kv_dim / 2 + kv_dim / 16`` bytes, or baseline_k6v4_rot's FP6 K and MXFP4 V;
+    a sink group's targets their first positions' dense K and V."""
     model, plan, parts, prompts = setup
     geo = geometry(model.config)
     positions = PROMPT + NEW - 1
@@ -158,10 +159,13 @@ def test_used_bytes_are_the_accounted_bytes_counted_independently(setup):
             entry = (k6v4 if spec.stream_formats is not None else fp4 if in_fp4
                      else 2 * parts.xkv.rank * FP32_BYTES if low_rank else dense)
             expected += prompts.shape[0] * held * entry
+        if spec.shares_source_kv:  # a sink group's targets each hold their own K and V at the first `sink` positions
+            expected += prompts.shape[0] * min(positions, spec.sink) * len(plan.targets) * dense
         assert run.bytes.used == run.accounted == expected, group
         assert run.bytes.allocated >= run.bytes.used
         used[group] = run.used_per_token
     assert used["ced"] == used["baseline"] > used["csa2"] == used["share_plain"] == used["ced_csa2"] > used["csa2_fp4"]
+    assert used["ced_csa2_sink"] > used["ced_csa2"]  # its targets' first positions
     assert used["xkv"] == used["csa2"]  # rank kv_dim: csa2's bytes
     assert used["baseline"] > used["baseline_fp4"]
     for group in ROTATED:  # R is a weight: the rotated store holds its unrotated twin's bytes

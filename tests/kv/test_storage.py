@@ -105,15 +105,28 @@ def test_amortised_rows_add_the_adapter_weights(written, context, tokens):
     qwen = written[1]["qwen3_5_4b"]
     for dtype, nbytes in (("bf16", 2), ("fp32", 4)):
         table = qwen["kv"][dtype]
-        for group in GROUPS:  # adapter weights, or xkv's bases (each group has at most one of them)
+        for group in GROUPS:  # adapter weights, or xkv's bases (each group has at most one of them), and sink entries
             adapters = qwen["weights"]["adapter_params"][group] + qwen["weights"]["xkv_basis_params"][group]
-            expected = table["all_attention"][group]["bytes_per_token"] + adapters * nbytes / tokens
+            expected = (table["all_attention"][group]["bytes_per_token"] + adapters * nbytes / tokens
+                        + qwen["sink_bytes_per_sequence"][dtype][group] / tokens)
             row = table[f"all_attention_amortised_{context}"][group]
             # float64 byte counts (integers, one division): a few eps64 relative
             assert row["bytes_per_token"] == pytest.approx(expected, rel=1e-12)
             assert row["compression_vs_baseline"] == pytest.approx(
                 # float64 byte counts (integers, one division): a few eps64 relative
                 table["all_attention"]["baseline"]["bytes_per_token"] / expected, rel=1e-12)
+
+
+def test_sink_entries_are_a_constant_per_sequence(written):
+    """ced_csa2_sink's three targets each hold 4 positions' K and V (1024 channels, 2 bytes in bf16) per sequence: in
+    no per-token basis, where it costs ced_csa2's bytes; ced_sink's kept entries are its ordinary cache's."""
+    qwen = written[1]["qwen3_5_4b"]
+    assert qwen["sink_bytes_per_sequence"]["bf16"]["ced_csa2_sink"] == 3 * 4 * 2 * 1024 * 2
+    assert qwen["sink_bytes_per_sequence"]["fp32"]["ced_csa2_sink"] == 3 * 4 * 2 * 1024 * 4
+    assert qwen["sink_bytes_per_sequence"]["bf16"]["ced_sink"] == qwen["sink_bytes_per_sequence"]["bf16"]["ced"] == 0
+    for basis in ("decoder_attention", "all_attention"):
+        assert qwen["kv"]["bf16"][basis]["ced_csa2_sink"] == qwen["kv"]["bf16"][basis]["ced_csa2"]
+    assert "sink" in qwen["sink_counting"]
 
 
 def test_active_section_is_the_tiny_model(written):

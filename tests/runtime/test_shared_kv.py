@@ -102,7 +102,7 @@ def test_unquantised_store_reproduces_mode_b_generation(setup, group):
     assert no_hooks(model)
 
 
-@pytest.mark.parametrize("group", ["share_plain", "ced_csa2"])
+@pytest.mark.parametrize("group", ["share_plain", "ced_csa2", "ced_csa2_sink"])
 def test_a_left_padded_batch_decodes_each_row_as_it_decodes_alone(setup, group):
     """``generate`` on a left-padded batch (lm-eval's batches) through the store gives each row the tokens that
     row gets unpadded: the store rebuilds RoPE at each row's own positions.  Ignoring the padding would rotate
@@ -137,11 +137,13 @@ def test_used_bytes_are_the_accounted_bytes_and_fewer_than_dynamic_cache(setup, 
     # 2 · kv_dim fp32 values per entry; the source's entries are the one stored copy.
     stored = [la for la in geo.attention_layers if la not in plan.targets]
     expected = held_entries(geo, stored, prompt) * 2 * geo.kv_dim * FP32_BYTES
-    assert cache_bytes(cache).used == expected
+    # A sink group's targets each hold their own K and V at each row's first `sink` positions, whatever the window.
+    kept = prompt.shape[0] * GROUPS[group].sink * len(plan.targets) * 2 * geo.kv_dim * FP32_BYTES
+    assert cache_bytes(cache).used == expected + kept
     context = stored_tokens(prompt) // prompt.shape[0]
     assert expected == round(stored_tokens(prompt) * bytes_per_token(
         kv_copies(geo, plan, group, "all_attention", FP32_BYTES), context))
-    assert expected == accounted(geo, plan, group, "bf16", prompt)
+    assert expected + kept == accounted(geo, plan, group, "bf16", prompt)
     assert dynamic_bytes == held_entries(geo, geo.attention_layers, prompt) * 2 * geo.kv_dim * FP32_BYTES
     assert cache_bytes(cache).used < dynamic_bytes
 
@@ -388,6 +390,9 @@ def test_refusals(tiny_model):
         SharedKVCache(model, QWEN_PLAN, "csa2")
     with pytest.raises(ValueError, match="unknown storage 'fp8'"):
         SharedKVCache(model, QWEN_PLAN, "share_plain", storage="fp8")
+    with pytest.raises(ValueError, match="group 'ced_csa2_sink' keeps its first positions' entries exact; storage "
+                                         "'nvfp4' would round the source's"):
+        SharedKVCache(model, QWEN_PLAN, "ced_csa2_sink", parts, storage="nvfp4")
     with pytest.raises(ValueError, match="groups of 32 channels, which do not divide kv_dim = 16"):
         SharedKVCache(llama, LLAMA_PLAN, "share_plain", storage="mxfp4")
     with pytest.raises(ValueError, match="needs an FP4 storage"):

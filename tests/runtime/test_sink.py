@@ -89,30 +89,69 @@ def test_refusals(setup):
         SinkGroup(runtime, "mean", SinkKV(plan.kv_layers, geo.kv_dim), positions=4)
 
 
-def test_the_ced_sink_group_is_ced_with_four_exact_sink_positions(setup):
-    """The registry's ``ced_sink`` runs as the study's ``SinkGroup(ced, exact, 4)``, and differs from ``ced``."""
+@pytest.mark.parametrize("group,bare", [("ced_sink", "ced"), ("ced_csa2_sink", "ced_csa2")])
+def test_a_sink_group_is_its_bare_group_with_four_exact_sink_positions(setup, group, bare):
+    """The registry's ``ced_sink`` / ``ced_csa2_sink`` run as the study's ``SinkGroup(<bare>, exact, 4)`` (the source
+    and, for ``ced_csa2``, every adapted target kept), and differ from the bare group."""
     model, plan, geo, x = setup
     parts = random_parts(geo, plan)
-    group = logits(model, CEDModeBRuntime(model, plan, "ced_sink", parts, kv_format=None), x)
-    study = logits(model, SinkGroup(CEDModeBRuntime(model, plan, "ced", parts, kv_format=None), "exact", positions=4), x)
-    assert torch.equal(group, study)
-    ced = logits(model, CEDModeBRuntime(model, plan, "ced", parts, kv_format=None), x)
-    assert not torch.allclose(group, ced, atol=1e-3)  # ~8400 eps32 of O(1) logits: a real difference
+    kept = logits(model, CEDModeBRuntime(model, plan, group, parts, kv_format=None), x)
+    study = logits(model, SinkGroup(CEDModeBRuntime(model, plan, bare, parts, kv_format=None), "exact", positions=4), x)
+    assert torch.equal(kept, study)
+    without = logits(model, CEDModeBRuntime(model, plan, bare, parts, kv_format=None), x)
+    assert not torch.allclose(kept, without, atol=1e-3)  # ~8400 eps32 of O(1) logits: a real difference
 
 
-def test_a_cached_decode_keeps_only_the_first_positions(setup):
-    """Greedy decoding through the ordinary cache under ``ced_sink`` writes the tokens its teacher-forced pass
-    predicts: a decode step (one token at position t >= 4) keeps the projection.  Taken by index, as the sink did
-    before it read position ids, each step's token would be kept as a first position."""
+@pytest.mark.parametrize("prompt", [2, 6])
+@pytest.mark.parametrize("group", ["ced_sink", "ced_csa2_sink"])
+def test_a_cached_decode_keeps_only_the_first_positions(setup, group, prompt):
+    """Greedy decoding through the group's own cache (``ced_sink``: the ordinary one; ``ced_csa2_sink``: the shared
+    store) writes the tokens its teacher-forced pass predicts: a decode step (one token at position t >= 4) keeps the
+    projection.  Taken by index, as the sink did before it read position ids, each step's token would be kept as a
+    first position.  A 2-token prompt fills the first positions over the prefill and two decode steps."""
     from ced_csa2.eval import generation as gen
 
     model, plan, geo, x = setup
     parts = random_parts(geo, plan)
-    prompts, new = x[:, :6], 8
-    tokens = gen.generate(model, plan, "ced_sink", parts, prompts, new, None).tokens
+    prompts, new = x[:, :prompt], 8
+    tokens = gen.generate(model, plan, group, parts, prompts, new, None).tokens
     full = torch.cat([prompts, tokens], dim=1)
-    forced = logits(model, CEDModeBRuntime(model, plan, "ced_sink", parts, kv_format=None), full)
+    forced = logits(model, CEDModeBRuntime(model, plan, group, parts, kv_format=None), full)
     assert torch.equal(forced[:, prompts.shape[1] - 1:-1].argmax(-1), tokens)
+
+
+@pytest.mark.parametrize("prompt", [3, 10])
+def test_the_shared_store_serves_each_replaced_layer_s_own_first_entries(setup, prompt):
+    """After a prefill (shorter than the sink, or longer) and two decode steps through ``ced_csa2_sink``'s shared
+    store, what the source and each target read at the first four positions is the plain model's own K and V, as an
+    ordinary cache of the plain model holds them; without the sink (``ced_csa2``) the projection and the adapters'
+    entries are there instead, and after them the sink group's entries are its own reads, not the plain model's."""
+    from ced_csa2.eval import generation as gen
+
+    model, plan, geo, x = setup
+    parts = random_parts(geo, plan)
+    x = x[:, :prompt + 2]
+    with torch.no_grad():
+        plain = model(x, use_cache=True).past_key_values
+    reads = {}
+    for group in ("ced_csa2_sink", "ced_csa2"):
+        built = gen.group_cache(model, plan, group, parts, None)
+        with torch.no_grad(), built.open():
+            model(x[:, :prompt], cache=built.cache, use_cache=True)
+            for t in range(prompt, prompt + 2):
+                model(x[:, t:t + 1], cache=built.cache, use_cache=True)
+        store = built.cache.layers[plan.source - 1].store
+        reads[group] = {layer: store.read(layer, 0) for layer in (plan.source, *plan.targets)}
+    n = 4
+    for layer in (plan.source, *plan.targets):
+        own = plain.layers[layer - 1]
+        for i, entry in enumerate((own.keys, own.values)):
+            kept, bare = reads["ced_csa2_sink"][layer][i], reads["ced_csa2"][layer][i]
+            assert kept.shape == entry.shape
+            torch.testing.assert_close(kept[:, :, :n], entry[:, :, :n], **FORWARD32)
+            # a real difference, not rounding: 1e-3 is ~8400 eps32 of O(1) entries, ~90x FORWARD32
+            assert not torch.allclose(bare[:, :, :n], entry[:, :, :n], atol=1e-3), (layer, "kv"[i])
+            assert not torch.allclose(kept[:, :, n:], entry[:, :, n:], atol=1e-3), (layer, "kv"[i])
 
 
 def test_a_left_padded_row_keeps_its_own_first_positions():
@@ -130,9 +169,17 @@ def test_a_left_padded_row_keeps_its_own_first_positions():
     torch.testing.assert_close(both[:, 3:], alone, **FORWARD32)
 
 
-def test_a_sink_needs_an_ordinary_cache_with_a_projected_source():
+def test_a_sink_needs_dense_entries_of_a_replaced_layer():
+    """An ordinary cache with a projected source, or the dense shared store; not a group that replaces nothing,
+    nor one whose store rounds or compresses the entries it would keep."""
     from ced_csa2.runtime.groups import Group
 
-    with pytest.raises(ValueError, match="sink keeps the projected source's first entries in an ordinary cache"):
-        Group("csa2_sink", False, True, True, "none", "doc", sink=4)
+    refused = "sink keeps the replaced layers' first entries in an ordinary cache with a projected source or in the"
+    for flags in ((False, False, False, "none"), (False, True, True, "shared_source"), (False, False, False,
+                                                                                        "every_layer")):
+        with pytest.raises(ValueError, match=refused):
+            Group("refused_sink", *flags, "doc", sink=4)
+    with pytest.raises(ValueError, match=refused):
+        Group("xkv_sink", False, False, False, "none", "doc", low_rank=True, sink=4)
     assert Group("ced_sink2", True, False, False, "none", "doc", sink=2).sink == 2
+    assert Group("csa2_sink", False, True, True, "none", "doc", sink=4).cache_kind == "shared_store"

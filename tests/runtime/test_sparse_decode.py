@@ -192,6 +192,8 @@ def test_refusals():
     parts = random_parts(geometry(model.config), plan)
     with pytest.raises(NotImplementedError, match=r"layers \[5, 8\] of the plan have one"):
         SparseSharedKVCache(model, plan, "csa2", parts, reads=SparseDecode(k=4, window=2))
+    with pytest.raises(ValueError, match="keeps sink entries, which the sparse reads do not serve"):
+        SparseSharedKVCache(model, plan, "ced_csa2_sink", parts, reads=SparseDecode(k=4, window=2))
     with pytest.raises(ValueError, match="window >= 1"):
         SparseDecode(k=4, window=0)
     with pytest.raises(ValueError, match=r"at least the k \+ window = 6 entries"):

@@ -9,9 +9,10 @@ bytes (:func:`group_cache`, the one place that builds it, from the group's
 * ``ordinary`` (``baseline``, ``ced``) -- ``DynamicCache``; for ``ced`` under Mode B's ``ced``
   runtime, so the source's K/V in it come from the projector: CED saves compute, not bytes, so
   its cache is the ordinary one;
-* ``shared_store`` (``share_plain``, ``csa2``, ``ced_csa2``) --
+* ``shared_store`` (``share_plain``, ``csa2``, ``ced_csa2``, ``ced_csa2_sink``) --
   :class:`~ced_csa2.runtime.shared_kv.SharedKVCache` with storage ``"bf16"``, which there means
-  *the model's own dtype* in plain tensors (float32 on an fp32 model, bf16 on a bf16 one);
+  *the model's own dtype* in plain tensors (float32 on an fp32 model, bf16 on a bf16 one); a sink
+  group's targets also hold their own K/V at each sequence's first positions;
 * ``shared_store`` with ``fp4 = shared_source`` (``csa2_fp4``, ``ced_csa2_fp4``) --
   ``SharedKVCache(storage=kv_format)``: the one shared source entry in FP4 blocks, pre-k_norm and
   pre-RoPE, exactly what Mode B's FP4 groups round;

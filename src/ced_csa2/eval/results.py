@@ -612,7 +612,7 @@ KV_FORMAT_GOAL = (2.0, 3.0)
 def _counts_for(row: str, group: str) -> bool:
     """Whether ``row`` (a group or ``<group>@<objective>``) is a way of running ``group``: the same maps and
     sharing (:attr:`~ced_csa2.runtime.groups.Group.layout`), no block-format entries (``ced_sink`` counts for
-    ``ced``, ``csa2_fp4`` not for ``csa2``)."""
+    ``ced`` and ``ced_csa2_sink`` for ``ced_csa2``, ``csa2_fp4`` not for ``csa2``)."""
     base = GROUPS.get(row.split("@")[0])
     return base is not None and base.layout == GROUPS[group].layout and not base.stores_block_format
 

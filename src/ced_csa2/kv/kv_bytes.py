@@ -193,6 +193,27 @@ def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_byte
             for layer in stored_layers(geo, plan, group, basis) for kind in ("K", "V")]
 
 
+def sink_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_bytes: int) -> list[StoredCopy]:
+    """A sink group's kept entries that no per-token copy holds: each target's own K and V at a sequence's first
+    ``sink`` positions, dense (``max_entries = sink``: a constant per sequence once the context passes ``sink``).
+
+    Only the shared store's targets keep entries of their own (:attr:`~ced_csa2.runtime.groups.Group.sink`); the
+    source's kept entries are its stored ones, and under an ordinary cache (``ced_sink``) every kept entry is an
+    ordinary one: no copies.  Not in :func:`kv_copies`: per token (the context past ``sink``) they cost nothing.
+    """
+    spec = _group(group)
+    if not (spec.sink and spec.shares_source_kv):
+        return []
+    dense = dense_entry_bytes(geo.kv_dim, dtype_bytes)
+    return [StoredCopy(f"{kind}{layer}_sink", dense, max_entries=spec.sink)
+            for layer in basis_layers(geo, plan, basis) if layer in plan.targets for kind in ("K", "V")]
+
+
+def sink_bytes_per_sequence(geo: Geometry, plan: LayerPlan, group: str, dtype_bytes: int) -> int:
+    """Bytes of a sink group's kept target entries per sequence of at least ``sink`` tokens (:func:`sink_copies`)."""
+    return sum(int(c.entry_bytes) * c.max_entries for c in sink_copies(geo, plan, group, "all_attention", dtype_bytes))
+
+
 def adapter_params_per_target(kv_dim: int, width: int, input: str) -> int:
     """Parameters of one target's K and V adapters: ``2 · (n·d + d + n·w + w + w·d + d)``.
 

@@ -26,6 +26,8 @@ from .kv_bytes import (
     kv_proj_params,
     projector_params,
     rotation_params,
+    sink_bytes_per_sequence,
+    sink_copies,
     stored_layers,
     v4_entry_bytes,
     v41_chain,
@@ -51,8 +53,9 @@ WINDOW_NOTE = ("; a sliding-window layer counts per token as if the context fit 
 BASIS_DOC = {
     "decoder_attention": "K+V caches of the attention layers above the split layer" + WINDOW_NOTE,
     "all_attention": "K+V caches of every attention layer" + WINDOW_NOTE,
-    **{basis: f"all_attention plus the group's adapter weights or xkv bases (at the same dtype) amortised over a "
-              f"{n}-token context, every sliding-window layer holding min({n}, window - 1) entries"
+    **{basis: f"all_attention plus the group's adapter weights or xkv bases (at the same dtype) and a sink group's "
+              f"kept target entries amortised over a {n}-token context, every sliding-window layer holding "
+              f"min({n}, window - 1) entries"
        for basis, n in BASIS_CONTEXT.items()},
 }
 
@@ -83,6 +86,13 @@ ROTATION_COUNTING = (
     "a rotated group's bytes per token are its unrotated twin's; rotation_params is their size as dense matrices")
 
 
+SINK_COUNTING = (
+    "a sink group's targets (ced_csa2_sink) each hold their own K and V at a sequence's first `sink` positions: a "
+    "constant per sequence, in no per-token basis (decoder_attention, all_attention: the bytes of one more token "
+    "once the context passes `sink`), counted in the amortised bases as min(context, sink) entries over the "
+    "context; sink_bytes_per_sequence gives it (ced_sink's kept entries are its ordinary cache's: none)")
+
+
 def qwen3_5_4b_geometry() -> Geometry:
     """Qwen3.5-4B's geometry from its locally built text config (:func:`~ced_csa2.model_utils.qwen3_5_4b_config`)."""
     return geometry(qwen3_5_4b_config())
@@ -91,13 +101,15 @@ def qwen3_5_4b_geometry() -> Geometry:
 def basis_copies(geo: Geometry, plan: LayerPlan, group: str, dtype_bytes: int, width: int, adapter_input: str,
                  fp4_group: int, rank: int) -> dict[str, list]:
     """The stored copies of ``group`` on every basis (amortised bases add one adapter-weights copy,
-    and for ``xkv`` one copy of its bases; ``rank``: xkv's coefficients per token)."""
+    for ``xkv`` one copy of its bases, and a sink group's kept target entries; ``rank``: xkv's coefficients
+    per token)."""
     copies = {basis: kv_copies(geo, plan, group, basis, dtype_bytes, fp4_group, rank) for basis in BASES}
     weights = adapter_params(plan, group, geo.kv_dim, width, adapter_input)
     bases = xkv_basis_params(plan, group, geo.kv_dim, rank)
+    kept = sink_copies(geo, plan, group, "all_attention", dtype_bytes)
     for name, context in CONTEXTS.items():
         copies[f"all_attention_amortised_{name}"] = [
-            *copies["all_attention"], weight_copy("adapters", weights, dtype_bytes, context),
+            *copies["all_attention"], *kept, weight_copy("adapters", weights, dtype_bytes, context),
             *([weight_copy("xkv_bases", bases, dtype_bytes, context)] if bases else [])]
     return copies
 
@@ -145,6 +157,9 @@ def model_section(model: str, geo: Geometry, plan: LayerPlan, width_mult: float,
             "replaced_kv_proj_params_per_layer": kv_proj_params(geo.hidden_size, geo.kv_dim),
             "projector_counting": PROJECTOR_COUNTING,
         },
+        "sink_bytes_per_sequence": {dtype: {g: sink_bytes_per_sequence(geo, plan, g, nbytes) for g in GROUPS}
+                                    for dtype, nbytes in DTYPE_BYTES.items()},
+        "sink_counting": SINK_COUNTING,
         "fp4_group": fp4_group,
         "kv": {dtype: kv_table(geo, plan, nbytes, width, adapter_input, fp4_group, rank)
                for dtype, nbytes in DTYPE_BYTES.items()},

@@ -3,25 +3,26 @@
 Config validation, the Mode B runtime, the shared store and the byte accounting all
 read a group's meaning from here, never from its name.
 
-======================  =========  ===============  ========  ==============
-group                   projector  targets read     adapters  block-format
-                        (CED)      the source KV              entries
-======================  =========  ===============  ========  ==============
-``baseline``            no         no               no        none
-``share_plain``         no         yes (verbatim)   no        none
-``ced``                 yes        no               no        none
-``ced_sink`` [#sink]_   yes        no               no        none
-``csa2``                no         yes              yes       none
-``ced_csa2``            yes        yes              yes       none
-``baseline_fp4``        no         no               no        every layer
-``csa2_fp4``            no         yes              yes       shared source
-``ced_csa2_fp4``        yes        yes              yes       shared source
-``baseline_fp4_rot``    no         no               no        every layer [#rot]_
-``csa2_fp4_rot``        no         yes              yes       shared source [#rot]_
-``ced_csa2_fp4_rot``    yes        yes              yes       shared source [#rot]_
-``baseline_k6v4_rot``   no         no               no        every layer [#k6v4]_
-``xkv`` (low rank)      no         no [#xkv]_       no        none
-======================  =========  ===============  ========  ==============
+========================  =========  ===============  ========  ==============
+group                     projector  targets read     adapters  block-format
+                          (CED)      the source KV              entries
+========================  =========  ===============  ========  ==============
+``baseline``              no         no               no        none
+``share_plain``           no         yes (verbatim)   no        none
+``ced``                   yes        no               no        none
+``ced_sink`` [#sink]_     yes        no               no        none
+``csa2``                  no         yes              yes       none
+``ced_csa2``              yes        yes              yes       none
+``ced_csa2_sink`` [#s]_   yes        yes              yes       none
+``baseline_fp4``          no         no               no        every layer
+``csa2_fp4``              no         yes              yes       shared source
+``ced_csa2_fp4``          yes        yes              yes       shared source
+``baseline_fp4_rot``      no         no               no        every layer [#rot]_
+``csa2_fp4_rot``          no         yes              yes       shared source [#rot]_
+``ced_csa2_fp4_rot``      yes        yes              yes       shared source [#rot]_
+``baseline_k6v4_rot``     no         no               no        every layer [#k6v4]_
+``xkv`` (low rank)        no         no [#xkv]_       no        none
+========================  =========  ===============  ========  ==============
 
 .. [#xkv] ``low_rank``: source and targets store one entry of ``xkv.rank`` cross-layer
    SVD coefficients per token for K and one for V (rank ``kv_dim``: csa2's bytes) and read
@@ -32,6 +33,11 @@ group                   projector  targets read     adapters  block-format
    them as it holds every entry: no bytes).  Four is StreamingLLM's number of sink tokens
    (Xiao et al., 2024); ``studies/sink.py`` measured why: CED's projector loses more than half
    its cost at the first position, which carries the model's massive activations.
+.. [#s] as ``ced_csa2``, but the first four positions of every sequence keep each replaced layer's
+   own K/V: the source's in the shared store (in place of its projection: no bytes), each target's
+   in a table of its own (``sink · 2 · kv_dim`` values per sequence and target, served in place
+   of its adapted entries; :class:`~ced_csa2.runtime.shared_kv.SharedKVCache`).  ``studies/sink.py``:
+   +7.88% ΔPPL [6.37, 9.58] against ``ced_csa2``'s +15.95% (embedded default, the main maps).
 .. [#rot] ``rotate``: as the plain twin (same entries in FP4, same bytes per token), but
    each FP4 entry is rotated per head by a fixed randomised Hadamard matrix before FP4 and
    rotated back after reading (:mod:`ced_csa2.kv.rotation`): ``read = Rᵀ dequant(FP4(R x))``,
@@ -118,7 +124,9 @@ class Group:
     sink
         The first ``sink`` positions of every sequence keep the plain model's K/V in each layer
         the group replaces (:func:`ced_csa2.kv_hooks.keep_initial`); 0: none.  Only for a group
-        whose entries an ordinary cache holds (``ced``): the shared store keeps no per-layer entries.
+        whose entries are dense: an ordinary cache with a projected source (``ced``: the source's
+        kept entries are ordinary entries), or the dense shared store (each target holds its
+        kept entries, a constant per sequence; the source's sit in the store).
     stream_formats
         ``(K, V)``: every attention layer's own K and V each stored in its own block format
         (:class:`StreamSpec`), fixed by the group; ``kv_format`` does not apply.  ``None``: none.
@@ -149,10 +157,11 @@ class Group:
             raise ValueError(f"group {self.name!r}: low_rank (xKV) combines with no projection, sharing or FP4")
         if self.rotate and not self.is_fp4:
             raise ValueError(f"group {self.name!r}: rotate applies to FP4 entries, and the group stores none")
-        if self.sink and not (self.projected_source and self.cache_kind == "ordinary"):
-            # The kept entries are the layer's own; only an ordinary cache holds per-layer entries to keep.
-            raise ValueError(f"group {self.name!r}: sink keeps the projected source's first entries in an "
-                             "ordinary cache, and this group has none")
+        if self.sink and not (self.cache_kind == "ordinary" and self.projected_source
+                              or self.cache_kind == "shared_store" and not self.is_fp4):
+            # The kept entries are the layers' own, dense: what rounds or compresses them stores no such entry yet.
+            raise ValueError(f"group {self.name!r}: sink keeps the replaced layers' first entries in an ordinary "
+                             "cache with a projected source or in the dense shared store, and this group has neither")
         if self.stream_formats is not None and (self.uses_maps or self.shares_source_kv or self.is_fp4
                                                 or self.low_rank or self.rotate):
             # Every layer's own entries in the group's formats: nothing yet says how they combine with the rest.
@@ -225,6 +234,9 @@ GROUPS: dict[str, Group] = {g.name: g for g in (
     Group("csa2", False, True, True, "none",
           "targets store nothing; they recompute K/V from the source's stored KV through the adapters"),
     Group("ced_csa2", True, True, True, "none", "stores as csa2 (the stored source KV is the projected one)"),
+    Group("ced_csa2_sink", True, True, True, "none",
+          "as ced_csa2, the first 4 positions' K/V each replaced layer's own (StreamingLLM's attention sinks): "
+          "the source's in the store, each target's 4 entries per sequence", sink=4),
     Group("baseline_fp4", False, False, False, "every_layer",
           "as baseline, every stored entry in FP4 (kv_format; D/2 + D/G bytes per entry)"),
     Group("csa2_fp4", False, True, True, "shared_source",

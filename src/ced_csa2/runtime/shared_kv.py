@@ -14,6 +14,13 @@ there.  :class:`SharedKVCache` turns it into real bytes (docs/design.md §2, *Sh
   RoPE; the source applies its own k_norm and RoPE.  This read-time compute (adapters
   over all ``T`` positions at every decode step) is the price of the saved bytes.
 
+A group with a :attr:`~ced_csa2.runtime.groups.Group.sink` (``ced_csa2_sink``) keeps each replaced
+layer's own K/V at every row's first ``sink`` positions, as Mode B's
+:func:`~ced_csa2.kv_hooks.keep_initial` does: the source's in the store, in place of its projection
+(the position ids say which entries: a left-padded row keeps its own first tokens), and each target's
+-- post-k_norm, post-RoPE, as its attention got them -- in a table of its own, ``sink`` entries per
+row whatever the context, served in place of the adapted entries at those positions.
+
 Every other attention layer is an ordinary ``DynamicLayer`` (or ``DynamicSlidingWindowLayer``);
 Qwen3.5's linear-attention layers keep their ordinary recurrent state.
 
@@ -81,7 +88,7 @@ from ..kv import rotation as kv_rotation
 from ..kv.formats import ELEMENTS, KVFormat, StreamFormat
 from ..kv.fp4 import FORMATS, Packed
 from ..kv.fp6 import Packed6
-from ..kv.kv_bytes import StoredCopy, fp4_entry_bytes, kv_copies
+from ..kv.kv_bytes import StoredCopy, fp4_entry_bytes, kv_copies, sink_copies
 from ..kv.rotation import HeadRotation, layer_rotation, stream_rotations, work_dtype
 from ..model_utils import Geometry, attention, geometry, layer_type, rope_fn, rotary
 from ..plan import LayerPlan
@@ -400,6 +407,10 @@ class _SharedStore:
         self.attn = {layer: attention(model, layer) for layer in (plan.source, *plan.targets)}
         self.rope = rope_fn(self.attn[plan.source])
         self.captured: dict | None = None  # kv_hooks.capture's dict while SharedKVCache.feed() is open
+        self.sink = GROUPS[group].sink
+        # target -> its own (K, V) at each row's first min(seen, sink) positions, (B, n_kv, ·, head_dim) each
+        # (keep_sink)
+        self.sinks: dict[int, KV] = {}
         # Per forward, shared by the source and every target and dropped after the last target has
         # read: what the readers read of the store (dequantised) and its (cos, sin) per layer type,
         # each built by the first reader that needs it (_entries).
@@ -440,6 +451,8 @@ class _SharedStore:
         if self._step is None:
             self._step = {}
         out = self._rebuilt(layer, *self._entries(layer, new, self._step))
+        if layer in self.sinks:
+            out = self._with_sink(self.sinks[layer], *out)
         if layer == max(self.plan.targets):
             self._step = None  # a transient: not kept between decode steps
             source_window = self.geo.window(self.plan.source)
@@ -447,6 +460,40 @@ class _SharedStore:
                 self.k.keep_last(source_window - 1)
                 self.v.keep_last(source_window - 1)
         return out
+
+    def keep_sink(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep target ``layer``'s own K and V of this forward, ``(B, n_kv, new, head_dim)`` each, at each row's first
+        ``sink`` positions (after :meth:`write`: ``seen`` and ``pads`` count this forward).
+
+        Slot ``j`` of row ``b`` is cache position ``pads[b] + j``; the table holds ``min(seen, sink)`` slots for
+        every row, a padded row's later ones filled when its tokens come (until then never served).
+        """
+        new, slots = k.shape[2], min(self.seen, self.sink)
+        at = self.pads[:, None] + torch.arange(slots, device=k.device)[None] - (self.seen - new)  # (B, slots)
+        fresh = ((at >= 0) & (at < new))[:, None, :, None]
+        if not fresh.any():
+            return
+        index = at.clamp(0, new - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        kept = self.sinks.get(layer)
+        taken = []
+        for i, x in enumerate((k, v)):
+            x = x.gather(2, index)
+            if kept is not None:  # slots past the old table's are all fresh: a row's slot j comes at position >= j
+                x = torch.where(fresh, x, torch.cat([kept[i], x[:, :, kept[i].shape[2]:]], dim=2))
+            taken.append(x)
+        self.sinks[layer] = tuple(taken)
+
+    def _with_sink(self, kept: KV, k: torch.Tensor, v: torch.Tensor) -> KV:
+        """``k``, ``v`` ``(B, n_kv, T', head_dim)`` (the last ``T'`` cache positions) with the kept entries ``kept``
+        (:meth:`keep_sink`) at each row's first positions."""
+        slots = kept[0].shape[2]
+        # (B, T') each position's index among its row's tokens: a slot where below `slots`, a pad where negative
+        at = torch.arange(self.seen - k.shape[2], self.seen, device=k.device)[None] - self.pads[:, None]
+        served = ((at >= 0) & (at < slots))[:, None, :, None]
+        if not served.any():  # a sliding window past the first positions
+            return k, v
+        index = at.clamp(0, slots - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        return tuple(torch.where(served, s.gather(2, index), x) for s, x in zip(kept, (k, v)))
 
     def _rebuilt(self, layer: int, k: torch.Tensor, v: torch.Tensor, cos, sin) -> KV:
         """``layer``'s K and V as its attention reads them, ``(B, n_kv, T', head_dim)`` each, from the stored
@@ -500,6 +547,7 @@ class _SharedStore:
         self.v.clear()
         self.seen = 0
         self.pads = None
+        self.sinks.clear()
         self._step = None
 
 
@@ -514,19 +562,24 @@ class _SharedLayer(_Windowed, _ReadOnlyShape, DynamicLayer):
     def seen(self) -> int:
         return self.store.seen
 
-    # The store is counted once, with the source.
+    # The store is counted once, with the source; a target holds its kept sink entries, if any.
     @property
     def used_bytes(self) -> int:
-        return self.store.used_bytes if self.layer == self.store.plan.source else 0
+        if self.layer == self.store.plan.source:
+            return self.store.used_bytes
+        return sum(t.nbytes for t in self.store.sinks.get(self.layer, ()))  # exactly the entries: nothing reserved
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.store.tensors() if self.layer == self.store.plan.source else ()
+        return self.store.tensors() if self.layer == self.store.plan.source else self.store.sinks.get(self.layer, ())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KV:
-        # key_states/value_states (post-norm, post-RoPE) are not kept: the store is the only copy.
+        # key_states/value_states (post-norm, post-RoPE) are not kept -- the store is the only copy -- but a sink
+        # group's targets keep theirs at the first positions.
         new = key_states.shape[-2]
         if self.layer == self.store.plan.source:
             self.store.write(new, kwargs)
+        elif self.store.sink:
+            self.store.keep_sink(self.layer, key_states, value_states)
         self.is_initialized = True
         return self.store.read(self.layer, new)
 
@@ -604,7 +657,7 @@ class SharedKVCache(DynamicCache):
     plan
         The layer plan (validated here against the model's geometry).
     group
-        One of :data:`SHARED_GROUPS` (``share_plain``, ``csa2``, ``ced_csa2``).
+        One of :data:`SHARED_GROUPS` (``share_plain``, ``csa2``, ``ced_csa2``, ``ced_csa2_sink``).
     parts
         Trained maps: ``adapters`` for ``*csa2``, ``projector`` for ``ced_csa2``.
     storage
@@ -635,6 +688,9 @@ class SharedKVCache(DynamicCache):
         require_parts(group, parts)
         fmt = _format(storage)
         _check_rotate(rotate, fmt, storage)
+        if fmt is not None and GROUPS[group].sink:  # Mode B keeps them exact: an FP4 store would round the source's
+            raise ValueError(f"group {group!r} keeps its first positions' entries exact; storage {storage!r} would "
+                             "round the source's: give 'bf16'")
         geo = geometry(model.config)
         plan.validate(geo)
         _check_block_width(fmt, geo.kv_dim)
@@ -650,12 +706,15 @@ class SharedKVCache(DynamicCache):
 
     @contextmanager
     def feed(self) -> Iterator[SharedKVCache]:
-        """Install the hooks that feed the store (and, for ``ced_csa2``, the CED projection); always removed."""
+        """Install the hooks that feed the store (and, for ``ced_csa2*``, the CED projection, its first positions
+        the source's own under a sink group); always removed."""
         store = self._store
         with ExitStack() as stack:
             if GROUPS[self.group].projected_source:
                 # Entered first, so the capture hook below sees the projected K/V.
                 stack.enter_context(CEDModeBRuntime(store.model, self.plan, "ced", store.parts, kv_format=None))
+                if store.sink:  # after the projection, as in Mode B: the first positions store the source's own
+                    stack.enter_context(kv_hooks.keep_initial(store.model, [self.plan.source], store.sink))
             store.captured = stack.enter_context(kv_hooks.capture(store.model, [self.plan.source]))
             stack.callback(setattr, store, "captured", None)
             yield self
@@ -739,9 +798,11 @@ def accounted_copies(geo: Geometry, plan: LayerPlan, group: str, storage: str, d
     ``*_fp4_rot``) needs its ``kv_format`` as ``storage`` and holds its own FP4 entries
     (:meth:`~ced_csa2.runtime.groups.Group.fp4_layers`); a rotation adds no per-token bytes.  A group
     with its own ``stream_formats`` (:class:`BlockKVCache`) holds them whatever the storage: give ``"bf16"``.
+    A sink group's targets hold their kept entries in the model's dtype (:func:`~ced_csa2.kv.kv_bytes.sink_copies`).
     """
     fmt = _format(storage)
     copies = kv_copies(geo, plan, group, "all_attention", dtype_bytes, rank=rank)  # refuses an unknown group
+    kept = sink_copies(geo, plan, group, "all_attention", dtype_bytes)  # dense whatever the storage
     spec = GROUPS[group]
     if spec.stream_formats is not None and fmt is not None:
         raise ValueError(f"group {group!r} fixes its own stream_formats; FP4 storage {storage!r} does not apply "
@@ -750,7 +811,7 @@ def accounted_copies(geo: Geometry, plan: LayerPlan, group: str, storage: str, d
         raise ValueError(f"group {group!r} stores FP4 entries: give its kv_format as storage ({list(FORMATS)}), "
                          f"got {storage!r}")
     if fmt is None:
-        return copies
+        return copies + kept
     if GROUPS[group].low_rank:
         raise ValueError(f"group {group!r} stores dense cross-layer coefficients; FP4 storage {storage!r} is not defined")
     fp4 = fp4_entry_bytes(geo.kv_dim, fmt.group)
@@ -758,7 +819,7 @@ def accounted_copies(geo: Geometry, plan: LayerPlan, group: str, storage: str, d
         fp4_names = {f"{kind}{layer}" for layer in spec.fp4_layers(geo.attention_layers, plan.source) for kind in "KV"}
     else:
         fp4_names = {f"{kind}{plan.source}" for kind in "KV"} if group in SHARED_GROUPS else {c.name for c in copies}
-    return [dataclasses.replace(c, entry_bytes=fp4) if c.name in fp4_names else c for c in copies]
+    return [dataclasses.replace(c, entry_bytes=fp4) if c.name in fp4_names else c for c in copies] + kept
 
 
 # ----------------------------------------------------------------------------- generation

@@ -17,8 +17,8 @@ position 0 only.
 
 The kept positions are read from the position ids each decoder layer gets
 (:func:`ced_csa2.kv_hooks.keep_initial`), so the group also decodes through a cache.  Measured by
-``studies/sink.py``; the pipeline's ``ced_sink`` group is ``ced`` with ``exact`` at four positions
-(:attr:`ced_csa2.runtime.groups.Group.sink`).
+``studies/sink.py``; the pipeline's ``ced_sink`` and ``ced_csa2_sink`` groups are ``ced`` and ``ced_csa2``
+with ``exact`` at four positions (:attr:`ced_csa2.runtime.groups.Group.sink`).
 """
 
 from __future__ import annotations

@@ -361,6 +361,9 @@ class SparseSharedKVCache(SharedKVCache):
 
     def __init__(self, model, plan, group, parts=None, storage: str = "bf16", *, reads: SparseDecode,
                  indexer: LightningIndexer | None = None):
+        if group in GROUPS and GROUPS[group].sink:  # its selections index the store, not the targets' kept entries
+            raise ValueError(f"SparseSharedKVCache: group {group!r} keeps sink entries, which the sparse reads do "
+                             "not serve; decode it through SharedKVCache")
         self.reads, self.indexer = reads, indexer
         super().__init__(model, plan, group, parts, storage)
         geo = self._store.geo

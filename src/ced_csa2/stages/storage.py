@@ -11,9 +11,11 @@ Reads ``params.yaml`` and the active model's config (no weights), and writes
   coefficients, ``0`` = ``kv_dim``) and bases ``decoder_attention`` (attention layers above
   the split), ``all_attention`` (every attention layer) and
   ``all_attention_amortised_{4k,32k,128k}`` (``all_attention`` plus the adapter weights,
-  or xkv's bases, spread over a context of that length);
+  or xkv's bases, and a sink group's kept target entries, spread over a context of that length);
 * ``stored_layers`` and ``weights`` (adapter, xkv basis, FP4 rotation and projector parameter counts,
   and how each is counted);
+* ``sink_bytes_per_sequence.<dtype>.<group>``: a sink group's kept target entries per sequence (a
+  constant, in no per-token basis; ``sink_counting``);
 
 plus ``kv_format`` (the FP4 groups' format, whose scale block sets their bytes: the report refuses
 figures of another one), the DeepSeek-V4.1 reference figures of seed 003 (``deepseek_v4_1``) and a note on
