@@ -9,13 +9,13 @@ distinct storage behind them, counted once.
 
 from transformers.cache_utils import DynamicLayer
 
-from ced_csa2.runtime.shared_kv import BlockLayer, _SharedLayer
+from ced_csa2.runtime.shared_kv import BlockLayer, SharedLayer
 
 
 def kv_tensors(cache):
     """Every tensor of ``cache`` that holds K/V entries (a storage may stand behind several)."""
     for layer in cache.layers:
-        if isinstance(layer, _SharedLayer):
+        if isinstance(layer, SharedLayer):
             store = layer.store
             for tokens in (store.k, store.v, getattr(store, "index_keys", None)):
                 if tokens is not None:

@@ -14,13 +14,6 @@ from conftest import ROOT
 from ced_csa2.graph import module_file
 
 SCANNED = ("src", "studies", "benchmarks")
-# (module, name) still read across modules; the shared store's internals, which low_rank_kv.py and
-# sparse_decode.py build on.  To be emptied, never added to.
-ALLOWED = {
-    ("ced_csa2.runtime.shared_kv", "_SharedStore"),
-    ("ced_csa2.runtime.shared_kv", "_SharedLayer"),
-    ("ced_csa2.runtime.shared_kv", "_row_offsets"),
-}
 
 
 def is_private(name: str) -> bool:
@@ -73,8 +66,7 @@ def scanned_files() -> list[Path]:
 def test_no_module_reads_another_module_s_private_names():
     uses = {(f.relative_to(ROOT).as_posix(), line, module, name)
             for f in scanned_files() for line, module, name in private_uses(f)}
-    assert sorted(u for u in uses if u[2:] not in ALLOWED) == [], "make these public where they are defined"
-    assert ALLOWED <= {u[2:] for u in uses}, "an allowed name nobody reads any more: drop it from ALLOWED"
+    assert sorted(uses) == [], "make these public where they are defined"
 
 
 def test_the_scan_finds_each_kind_of_private_use(tmp_path):

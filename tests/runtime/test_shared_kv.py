@@ -26,7 +26,7 @@ from ced_csa2.runtime.shared_kv import (
     FP4KVCache,
     SharedKVCache,
     TokenStore,
-    _SharedLayer,
+    SharedLayer,
     accounted_copies,
     cache_bytes,
     greedy_generate,
@@ -361,7 +361,7 @@ def test_allocated_bytes_are_the_storages_of_the_cache_s_tensors(setup, kind):
     assert got.used == accounted(geo, plan, group, storage, prompt)
     assert got.allocated - got.used == slack(geo, plan, kind, prompt.shape[0], positions)
     stores = [t for la in cache.layers if isinstance(la, BlockLayer) for t in (la.k_store, la.v_store)]
-    stores += [t for la in cache.layers[plan.source - 1:plan.source] if isinstance(la, _SharedLayer)
+    stores += [t for la in cache.layers[plan.source - 1:plan.source] if isinstance(la, SharedLayer)
                for t in (la.store.k, la.store.v)]
     assert bool(stores) == (kind != "dynamic")
     for tokens in stores:  # each store's reserve: fewer than GROW positions of its entries

@@ -48,10 +48,10 @@ from ..ced_runtime import CEDParts, require_parts
 from ..maps.xkv import KINDS, XKVBasis, group_layers
 from ..model_utils import Geometry, geometry
 from ..plan import LayerPlan
-from .shared_kv import KV, _row_offsets, _SharedLayer, _SharedStore
+from .shared_kv import KV, row_offsets, SharedLayer, SharedStore
 
 
-class _CoefficientStore(_SharedStore):
+class _CoefficientStore(SharedStore):
     """The group's K and V coefficients ``(B, T, rank)`` each (``self.k``, ``self.v``) and the reads from them.
 
     Parameters
@@ -82,7 +82,7 @@ class _CoefficientStore(_SharedStore):
         first = rows["k"][self.plan.source]
         if self.seen == 0:
             self.pads = torch.zeros(first.shape[0], dtype=torch.long, device=first.device)
-        self.pads = _row_offsets(update_kwargs, self.seen, new, self.pads)
+        self.pads = row_offsets(update_kwargs, self.seen, new, self.pads)
         # Rounded to the model's dtype: what the cache holds (XKVBasis.forward rounds the same way).
         self.k.append(self.basis.compress("k", rows["k"]).to(first.dtype))
         self.v.append(self.basis.compress("v", rows["v"]).to(first.dtype))
@@ -111,7 +111,7 @@ class _CoefficientStore(_SharedStore):
         return torch.cat([k, key_states], dim=-2), torch.cat([v, value_states], dim=-2)
 
 
-class _CoefficientLayer(_SharedLayer):
+class _CoefficientLayer(SharedLayer):
     """Cache layer of a group layer: holds nothing itself (the store's bytes count with the source's layer)."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KV:

@@ -348,7 +348,7 @@ class BlockLayer(_Windowed, _ReadOnlyShape, DynamicLayer):
         self.seen = 0
 
 
-def _row_offsets(update_kwargs: dict, cached: int, new: int, offsets: torch.Tensor) -> torch.Tensor:
+def row_offsets(update_kwargs: dict, cached: int, new: int, offsets: torch.Tensor) -> torch.Tensor:
     """Each row's left padding ``(B,)``, read from the position ids of a forward over cache positions
     ``cached .. cached+new-1``; refuses position ids that do not count from each row's first token.
 
@@ -380,7 +380,7 @@ def _row_offsets(update_kwargs: dict, cached: int, new: int, offsets: torch.Tens
                      f"(per row) for cache positions {cached}..{cached + new - 1}")
 
 
-class _SharedStore:
+class SharedStore:
     """The source's stored K/V and everything needed to rebuild a reader's K/V from it.
 
     Parameters
@@ -402,7 +402,7 @@ class _SharedStore:
         self.model, self.plan, self.group, self.parts, self.geo = model, plan, group, parts, geo
         self.k, self.v = TokenStore(fmt, rotations.get("k")), TokenStore(fmt, rotations.get("v"))
         self.seen = 0  # positions written so far; the store holds the last len(self.k) of them
-        # (B,) left padding per row (_row_offsets): a row's token at cache position t has RoPE position t - pad
+        # (B,) left padding per row (row_offsets): a row's token at cache position t has RoPE position t - pad
         self.pads: torch.Tensor | None = None
         self.attn = {layer: attention(model, layer) for layer in (plan.source, *plan.targets)}
         self.rope = rope_fn(self.attn[plan.source])
@@ -436,7 +436,7 @@ class _SharedStore:
             raise RuntimeError(f"no captured K/V of source layer {src} for the {new} new positions of this forward")
         if self.seen == 0:
             self.pads = torch.zeros(k.shape[0], dtype=torch.long, device=k.device)
-        self.pads = _row_offsets(update_kwargs, self.seen, new, self.pads)
+        self.pads = row_offsets(update_kwargs, self.seen, new, self.pads)
         self.k.append(k)
         self.v.append(v)
         self.seen += new
@@ -551,10 +551,10 @@ class _SharedStore:
         self._step = None
 
 
-class _SharedLayer(_Windowed, _ReadOnlyShape, DynamicLayer):
+class SharedLayer(_Windowed, _ReadOnlyShape, DynamicLayer):
     """Cache layer of the source or a target: holds nothing itself, reads the shared store."""
 
-    def __init__(self, store: _SharedStore, layer: int):
+    def __init__(self, store: SharedStore, layer: int):
         super().__init__()
         self.store, self.layer, self.window = store, layer, store.geo.window(layer)
 
@@ -638,7 +638,7 @@ def cache_bytes(cache: Cache) -> CacheBytes:
     """
     used, tensors = 0, []
     for layer in cache.layers:
-        if isinstance(layer, (BlockLayer, _SharedLayer)):
+        if isinstance(layer, (BlockLayer, SharedLayer)):
             used += layer.used_bytes
             tensors += layer.tensors()
         elif isinstance(layer, DynamicLayer) and layer.is_initialized:
@@ -699,10 +699,10 @@ class SharedKVCache(DynamicCache):
         rotations = stream_rotations(geo.head_dim, plan.source) if rotate else {}
         self._store = self._make_store(model, plan, group, parts, fmt, geo, rotations)
         for layer in (plan.source, *plan.targets):
-            self.layers[layer - 1] = _SharedLayer(self._store, layer)
+            self.layers[layer - 1] = SharedLayer(self._store, layer)
 
-    def _make_store(self, model, plan, group, parts, fmt, geo, rotations) -> _SharedStore:
-        return _SharedStore(model, plan, group, parts, fmt, geo, rotations)
+    def _make_store(self, model, plan, group, parts, fmt, geo, rotations) -> SharedStore:
+        return SharedStore(model, plan, group, parts, fmt, geo, rotations)
 
     @contextmanager
     def feed(self) -> Iterator[SharedKVCache]:

@@ -50,7 +50,7 @@ from ..maps.indexer import LightningIndexer, key_format
 from ..model_utils import attention, rotary
 from .attention_calls import AttentionCalls
 from .groups import GROUPS
-from .shared_kv import KV, SharedKVCache, TokenStore, _SharedStore
+from .shared_kv import KV, SharedKVCache, TokenStore, SharedStore
 from .sparse_attention import index_scores
 
 
@@ -237,7 +237,7 @@ class _Kept:
         return k_out, v_out
 
 
-class _SparseStore(_SharedStore):
+class _SparseStore(SharedStore):
     """The shared store, read at the selected positions only at a sparse decode step; with an indexer, its keys too."""
 
     def __init__(self, *args, reads: SparseDecode, indexer: LightningIndexer | None):
@@ -301,7 +301,7 @@ class _SparseStore(_SharedStore):
 
         Consecutive steps read mostly the same positions (the window shifts by one, and the
         top-``k`` changes in part).  What a target's attention reads of an entry (its adapter,
-        k_norm and RoPE: :meth:`_SharedStore._rebuilt`) depends on that entry and its position
+        k_norm and RoPE: :meth:`SharedStore._rebuilt`) depends on that entry and its position
         alone, so an entry it kept is taken from there: only the other positions run the
         adapter, k_norm and RoPE.  Each target keeps ``reads.kept`` entries (counted in
         :attr:`used_bytes`), the most recently read: the new ones replace the longest unread.  The
