@@ -209,24 +209,31 @@ class HubRefusals:
 
 
 # Runs in a subprocess with the hub's environment set (HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT are read
-# when huggingface_hub is imported): loads each (hf_id, revision) of argv[1] (JSON) as the stages do
-# (the config first) and prints each refusal as JSON: {"type": ..., "message": ...}, or "loaded".
+# when huggingface_hub is imported): loads each (what, id, revision) of argv[1] (JSON) as the stages do --
+# a model's config, a WikiText split, a GSM8K split -- and prints each refusal as JSON, or "loaded".
 HUB_PROBE = """
 import json, sys
 from conftest import tiny_params
 from ced_csa2.config import replaced
+from ced_csa2.data import readers
 from ced_csa2.model_utils import load_config
-for hf_id, revision in json.loads(sys.argv[1]):
+LOADERS = {
+    "model": lambda hub_id, revision: load_config(replaced(tiny_params().model, kind="hub", hf_id=hub_id,
+                                                           revision=revision)),
+    "wikitext": lambda hub_id, revision: readers.wikitext_lines(hub_id, "wikitext-2-raw-v1", "train", revision),
+    "gsm8k": lambda hub_id, revision: readers.gsm8k_hub(hub_id, "main", "test", 8, revision),
+}
+for what, hub_id, revision in json.loads(sys.argv[1]):
     try:
-        load_config(replaced(tiny_params().model, kind="hub", hf_id=hf_id, revision=revision))
+        LOADERS[what](hub_id, revision)
         print(json.dumps("loaded"))
     except Exception as exc:
         print(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
 """
 
 
-def probe_hub(cases: list[tuple[str, str | None]], **hub_env: str) -> list:
-    """What :data:`HUB_PROBE` says of each ``(hf_id, revision)`` with ``hub_env`` set (one subprocess)."""
+def probe_hub(cases: list[tuple[str, str, str | None]], **hub_env: str) -> list:
+    """What :data:`HUB_PROBE` says of each ``(what, id, revision)`` with ``hub_env`` set (one subprocess)."""
     import json
 
     env = {k: v for k, v in stage_env().items() if not k.startswith("HF_")}

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, TinyModelConfig
+from .pipeline.hub_refusals import hub_refusal
 
 log = logging.getLogger(__name__)
 
@@ -283,47 +284,6 @@ class ModelLoadError(ValueError):
     """A model that cannot be loaded as asked (a hub refusal, a checkpoint that does not fill the model): one line."""
 
 
-def _hub_error(cfg: ModelConfig, exc: OSError) -> ModelLoadError:
-    """One line naming ``hf_id@revision``, what the hub (or its cache) refused and what to do.
-
-    transformers wraps every hub failure in an ``OSError`` of several lines; the
-    ``huggingface_hub`` error it raises from (``exc.__cause__``) says which failure it was.
-    A hub that cannot be answered (offline, unreachable) is told apart by what the cache
-    holds: nothing of the repository, other revisions only, or a download cut short.
-    """
-    from huggingface_hub import constants, errors
-
-    revision = cfg.revision or "main"
-    cause = exc.__cause__
-    if isinstance(cause, errors.GatedRepoError):
-        what = (f"the repository is gated: accept its terms at https://huggingface.co/{cfg.hf_id}, then log in "
-                "(hf auth login, or HF_TOKEN)")
-    elif isinstance(cause, errors.RepositoryNotFoundError):
-        what = ("the hub has no such repository (or it is private): check the spelling of model.hf_id, or log in "
-                "(hf auth login, or HF_TOKEN) for a private one")
-    elif isinstance(cause, errors.RevisionNotFoundError):
-        what = (f"the repository has no revision {revision!r} (deleted, or mistyped): set model.revision to a commit, "
-                "branch or tag it has")
-    elif isinstance(cause, errors.LocalEntryNotFoundError):
-        unreachable = "the hub is offline (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else \
-            f"the hub ({constants.ENDPOINT}) cannot be reached"
-        repo = Path(constants.HF_HUB_CACHE) / f"models--{cfg.hf_id.replace('/', '--')}"
-        partial = sorted(repo.glob("blobs/*.incomplete"))
-        held = sorted(p.relative_to(repo / "refs").as_posix() for p in (repo / "refs").rglob("*") if p.is_file())
-        if partial:
-            what = (f"its download was cut short ({len(partial)} partial file(s) in {repo / 'blobs'}) and {unreachable}: "
-                    "run again with network access to finish it")
-        elif repo.is_dir():
-            what = (f"the hub cache {repo} holds no revision {revision!r} (it holds {', '.join(held) or 'none'}) and "
-                    f"{unreachable}: download it with network access, or set model.revision to one the cache holds")
-        else:
-            what = (f"the hub cache {constants.HF_HUB_CACHE} does not hold it and {unreachable}: download it once with "
-                    "network access, or check the spelling of model.hf_id")
-    else:
-        what = f"the hub refused it ({type(cause or exc).__name__}: {' '.join(str(cause or exc).split())})"
-    return ModelLoadError(f"{_source(cfg)}: {what}")
-
-
 # ----------------------------------------------------------------------------- public API
 
 def _from_pretrained(auto, cfg: ModelConfig, **kwargs):
@@ -333,7 +293,7 @@ def _from_pretrained(auto, cfg: ModelConfig, **kwargs):
     try:
         return auto.from_pretrained(cfg.hf_id, revision=cfg.revision, **kwargs)
     except OSError as exc:
-        raise _hub_error(cfg, exc) from exc
+        raise ModelLoadError(hub_refusal(cfg.hf_id, cfg.revision, exc, ("model.hf_id", "model.revision"))) from exc
 
 
 def _source(cfg: ModelConfig) -> str:

@@ -33,7 +33,7 @@ from faults_common import (
 )
 
 from ced_csa2 import assets
-from ced_csa2.config import DEVICE_KEYS, LocalModel, replaced
+from ced_csa2.config import DEVICE_KEYS, LocalModel, ParamsError, load_params, replaced
 from ced_csa2.model_utils import ModelLoadError, build_tiny_model, load_model_and_tokenizer, tiny_tokenizer
 from ced_csa2.pipeline.paths import DUMP_PARTIAL
 from ced_csa2.pipeline.stage_runner import BATCH_PARAMS, run_stage
@@ -112,15 +112,15 @@ def test_every_batch_param_named_is_a_params_key():
                 assert isinstance(section, int) and section > 0, key
 
 
-# A forward hook on decoder layer 16 of the stage's own (real, tiny) model: the 4th forward runs out
-# of memory, after 3 batches of the dump were committed.
+# A forward hook on decoder layer 16 of the stage's own (real, tiny) model: the 2nd forward runs out
+# of memory, after the dump committed its first batch.
 OOM_IN_FORWARD = f"""
 import torch
 import ced_csa2.model_utils as model_utils
 _build, _forwards = model_utils.build_tiny_model, [0]
 def _out_of_memory(module, inputs, output):
     _forwards[0] += 1
-    if _forwards[0] == 4:
+    if _forwards[0] == 2:
         raise torch.OutOfMemoryError({CUDA_OOM!r})
 def _build_running_out(*args, **kwargs):
     model = _build(*args, **kwargs)
@@ -132,9 +132,10 @@ model_utils.build_tiny_model = _build_running_out
 
 @pytest.fixture(scope="module")
 def prepared_workdir(tmp_path_factory):
-    """A folder after a good ``prepare`` (tiny profile): what ``dump`` reads."""
+    """A folder after a good ``prepare`` (tiny profile; a dump of 16 records): what ``dump`` reads."""
     workdir = tmp_path_factory.mktemp("prepared")
     (workdir / "params.yaml").write_text(TINY_YAML)
+    edit("  device: auto\n  records: 128\n", "  device: auto\n  records: 16\n")(workdir)
     done = run_stage_process(workdir, "prepare")
     assert done.returncode == 0, done.stderr[-3000:]
     return workdir
@@ -152,7 +153,7 @@ def test_gpu_out_of_memory_mid_dump_is_one_line_and_the_rerun_resumes(prepared_w
     assert after.pop(str(DUMP_PARTIAL)) and after == before  # the corpus untouched; the batches done kept
     again = run_stage_process(workdir, "dump")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming" in again.stderr and "after 24 complete records" in again.stderr, again.stderr[-3000:]
+    assert "resuming" in again.stderr and "after 8 complete records" in again.stderr, again.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- the hub
@@ -166,12 +167,14 @@ def saved_tiny_model(tmp_path_factory):
     return folder
 
 
-OFFLINE_CASES = {  # id: (hf_id, revision)
-    "cached": ("org/tiny", None),
-    "revision-not-cached": ("org/tiny", "v2"),
-    "commit-not-cached": ("org/tiny", "b" * 40),
-    "repository-not-cached": ("org/absent", None),
-    "download-cut-short": ("org/partial", None),
+OFFLINE_CASES = {  # id: (what is loaded, its hub id, revision)
+    "cached": ("model", "org/tiny", None),
+    "revision-not-cached": ("model", "org/tiny", "v2"),
+    "commit-not-cached": ("model", "org/tiny", "b" * 40),
+    "repository-not-cached": ("model", "org/absent", None),
+    "download-cut-short": ("model", "org/partial", None),
+    "wikitext-not-cached": ("wikitext", "Salesforce/wikitext", None),
+    "gsm8k-revision-not-cached": ("gsm8k", "openai/gsm8k", "e53f048"),
 }
 
 
@@ -188,17 +191,22 @@ def offline_answers(tmp_path_factory, saved_tiny_model):
 
 
 OFFLINE = "the hub is offline (HF_HUB_OFFLINE=1)"
+NOT_CACHED = (f"(it holds main) and {OFFLINE}: download it with network access, or set model.revision to one the "
+              "cache holds")
 OFFLINE_SAYS = {
-    "revision-not-cached": "org/tiny@v2: the hub cache {hub}/models--org--tiny holds no revision 'v2' (it holds main) "
-                           f"and {OFFLINE}: download it with network access, or set model.revision to one the cache holds",
+    "revision-not-cached": f"org/tiny@v2: the hub cache {{hub}}/models--org--tiny holds no revision 'v2' {NOT_CACHED}",
     "commit-not-cached": f"org/tiny@{'b' * 40}: the hub cache {{hub}}/models--org--tiny holds no revision '{'b' * 40}' "
-                         f"(it holds main) and {OFFLINE}: download it with network access, or set model.revision to one "
-                         "the cache holds",
+                         f"{NOT_CACHED}",
     "repository-not-cached": f"org/absent@main: the hub cache {{hub}} does not hold it and {OFFLINE}: download it once "
                              "with network access, or check the spelling of model.hf_id",
-    "download-cut-short": "org/partial@main: its download was cut short (1 partial file(s) in "
-                          f"{{hub}}/models--org--partial/blobs) and {OFFLINE}: run again with network access to finish it",
+    "download-cut-short": "org/partial@main: its download was cut short (1 partial file(s) in {hub}/models--org--"
+                          f"partial/blobs) and {OFFLINE}: run again with network access to finish it",
+    "wikitext-not-cached": f"Salesforce/wikitext@main: the hub cache {{hub}} does not hold it and {OFFLINE}: download "
+                           "it once with network access, or check the spelling of data.hub_id",
+    "gsm8k-revision-not-cached": f"openai/gsm8k@e53f048: the hub cache {{hub}} does not hold it and {OFFLINE}: "
+                                 "download it once with network access, or check the spelling of data.math.hub_id",
 }
+ERROR_TYPE = {"wikitext-not-cached": "HubDataError", "gsm8k-revision-not-cached": "HubDataError"}
 
 
 def test_an_offline_hub_loads_what_its_cache_holds(offline_answers):
@@ -208,16 +216,17 @@ def test_an_offline_hub_loads_what_its_cache_holds(offline_answers):
 @pytest.mark.parametrize("case", list(OFFLINE_SAYS))
 def test_an_offline_hub_names_the_id_the_revision_and_what_to_do(offline_answers, case):
     answers, hub = offline_answers
-    assert answers[case] == {"type": "ModelLoadError", "message": OFFLINE_SAYS[case].format(hub=hub)}
+    assert answers[case] == {"type": ERROR_TYPE.get(case, "ModelLoadError"),
+                             "message": OFFLINE_SAYS[case].format(hub=hub)}
 
 
-REFUSALS = {  # id: (hf_id, revision, what the endpoint answers, the message)
+REFUSALS = {  # id: (model hf_id, revision, what the endpoint answers, the message)
     "gated": ("org/gated", None, (401, "GatedRepo"),
               "org/gated@main: the repository is gated: accept its terms at https://huggingface.co/org/gated, then log "
               "in (hf auth login, or HF_TOKEN)"),
     "no-such-repository": ("org/misspelt", None, (401, "RepoNotFound"),
-                           "org/misspelt@main: the hub has no such repository (or it is private): check the spelling of "
-                           "model.hf_id, or log in (hf auth login, or HF_TOKEN) for a private one"),
+                           "org/misspelt@main: the hub has no such repository (or it is private): check the spelling "
+                           "of model.hf_id, or log in (hf auth login, or HF_TOKEN) for a private one"),
     "revision-deleted": ("org/tiny", "v1-deleted", (404, "RevisionNotFound"),
                          "org/tiny@v1-deleted: the repository has no revision 'v1-deleted' (deleted, or mistyped): set "
                          "model.revision to a commit, branch or tag it has"),
@@ -229,7 +238,7 @@ def online_answers(tmp_path_factory):
     """What loading each of :data:`REFUSALS` says from an endpoint refusing it as the hub does (one subprocess)."""
     hub = HubRefusals({hf_id: answer for hf_id, _, answer, _ in REFUSALS.values()})
     try:
-        answers = probe_hub([(hf_id, revision) for hf_id, revision, _, _ in REFUSALS.values()],
+        answers = probe_hub([("model", hf_id, revision) for hf_id, revision, _, _ in REFUSALS.values()],
                             HF_HOME=str(tmp_path_factory.mktemp("hf_home_online")), HF_ENDPOINT=hub.endpoint,
                             HF_HUB_OFFLINE="0")
     finally:
@@ -270,15 +279,17 @@ def test_a_truncated_safetensors_shard_is_refused_in_one_line(saved_tiny_model, 
     with pytest.raises(ModelLoadError) as err:
         load_model_and_tokenizer(cfg)
     assert str(err.value) == ("model 'tiny_qwen3_5' (local): a .safetensors weights file is truncated or corrupt "
-                              "(Error while deserializing header: incomplete metadata, file not fully covered): copy or "
-                              "download the model again")
+                              "(Error while deserializing header: incomplete metadata, file not fully covered): "
+                              "copy or download the model again")
 
 
-# Each eval stage's device set to CUDA on a machine without it: refused by check_params, before DVC runs a stage.
+# Each eval stage's device set to CUDA on a machine without it: refused when params.yaml loads, so by
+# check_params before DVC runs a stage.
 DEVICE_SECTIONS = {
     "eval_generation": ("  new_tokens: 32\n  batch_size: 8\n  device: auto\n",
                         "  new_tokens: 32\n  batch_size: 8\n  device: cuda\n"),
-    "eval_retrieval": ("  digits: 5\n  batch_size: 8\n  device: auto\n", "  digits: 5\n  batch_size: 8\n  device: cuda\n"),
+    "eval_retrieval": ("  digits: 5\n  batch_size: 8\n  device: auto\n",
+                       "  digits: 5\n  batch_size: 8\n  device: cuda\n"),
     "eval_gsm8k": ("  batch_size: 16\n  device: auto\n", "  batch_size: 16\n  device: cuda\n"),
     "eval_ppl": ("  prefix_fraction: 0.5\n  device: auto\n", "  prefix_fraction: 0.5\n  device: cuda\n"),
 }
@@ -286,12 +297,13 @@ DEVICE_SECTIONS = {
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("section", list(DEVICE_SECTIONS))
-def test_cuda_asked_for_without_cuda_is_refused_by_check_params(tmp_path, section):
+def test_cuda_asked_for_without_cuda_is_refused_when_params_load(tmp_path, section):
     (tmp_path / "params.yaml").write_text(TINY_YAML)
     edit(*DEVICE_SECTIONS[section])(tmp_path)
-    line = one_error_line(run_stage_process(tmp_path, "check_params"))
-    assert f"'{section}.device' is 'cuda'" in line and NO_CUDA in line, line
-    assert snapshot(tmp_path) == {}
+    with pytest.raises(ParamsError) as err:
+        load_params(tmp_path / "params.yaml")
+    assert str(err.value) == (f"{tmp_path / 'params.yaml'}: params key '{section}.device' is 'cuda' but {NO_CUDA} on "
+                              "this machine (use 'auto' or 'cpu')")
 
 
 def test_every_device_param_is_checked_against_the_machine():

@@ -164,7 +164,8 @@ def run_stage(run, *args, launcher=None) -> None:
     """Entry point of a stage module: log to stderr, then ``run(load_params(), *args)`` from the cwd.
 
     An input error (:func:`is_input_error`) prints ``error: <message>`` to stderr and exits
-    with status 2, the GPU out of memory :func:`out_of_memory_line` and status 2, Ctrl-C (``KeyboardInterrupt``) one line and status 130; with
+    with status 2, the GPU out of memory :func:`out_of_memory_line` and status 2, Ctrl-C
+    (``KeyboardInterrupt``) one line and status 130; with
     ``CED_CSA2_DEBUG=1`` either propagates with its traceback instead.  Any other exception
     keeps its traceback.
 
