@@ -2,7 +2,8 @@
 tiny profile by the real fault where one can run on this machine: ``torch.OutOfMemoryError`` raised
 inside a forward of the real tiny model, an offline hub cache missing the repository or the revision
 or holding a download cut short, a local endpoint refusing as the hub refuses (gated, no such
-repository, no such revision), a truncated ``.safetensors`` shard, CUDA asked for without one.
+repository, no such revision), a truncated ``.safetensors`` shard, a model folder of another
+architecture, CUDA asked for without one.
 Each ends in one ``error:`` line naming what to change, exit status 2, every earlier output
 byte-identical.  (The disk filling mid-dump, and its resume, is in ``test_faults_dump.py``.)
 """
@@ -18,7 +19,7 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import compose, tiny_params
+from conftest import TINY_GEMMA3_OVERRIDES, compose, tiny_params
 from faults_common import (
     NO_CUDA,
     TINY_YAML,
@@ -33,10 +34,13 @@ from faults_common import (
 )
 
 from ced_csa2 import assets
-from ced_csa2.config import DEVICE_KEYS, LocalModel, ParamsError, load_params, replaced
+from ced_csa2.config import DEVICE_KEYS, LocalModel, Params, ParamsError, from_dict, load_params, replaced
 from ced_csa2.model_utils import ModelLoadError, build_tiny_model, load_model_and_tokenizer, tiny_tokenizer
 from ced_csa2.pipeline.paths import DUMP_PARTIAL
 from ced_csa2.pipeline.stage_runner import BATCH_PARAMS, run_stage
+from ced_csa2.pipeline.study_runner import run_study
+from ced_csa2.plan import PlanError
+from ced_csa2.stages import check_params
 
 # ----------------------------------------------------------------------------- the GPU out of memory
 
@@ -80,7 +84,7 @@ def test_gpu_out_of_memory_names_the_stage_and_the_batch_param(in_tiny_folder, c
         run_stage(stage_run_raising(stage, torch.OutOfMemoryError(CUDA_OOM)), *args)
     assert end.value.code == 2
     name = f"{stage}@{args[0]}" if args else stage
-    assert capsys.readouterr().err == (f"error: {name}: {OOM_SAYS}: lower {lower} in params.yaml and run the stage "
+    assert capsys.readouterr().err == (f"error: {name}: {OOM_SAYS}: lower {lower} in params.yaml and run it "
                                        f"again; {KEPT}\n")
 
 
@@ -98,6 +102,17 @@ def test_out_of_memory_in_a_stage_without_batch_params_says_what_else_to_do(in_t
     assert end.value.code == 2
     assert capsys.readouterr().err == (f"error: fit_xkv: {OOM_SAYS}: free the GPU's memory (another process may hold "
                                        f"it) or use a GPU with more; {KEPT}\n")
+
+
+def test_gpu_out_of_memory_in_a_study_is_the_same_one_line(in_tiny_folder, capsys):
+    def main():
+        raise torch.OutOfMemoryError(CUDA_OOM)
+
+    with pytest.raises(SystemExit) as end:
+        run_study(main)
+    assert end.value.code == 2
+    assert capsys.readouterr().err == (f"error: test_faults_full_profile: {OOM_SAYS}: free the GPU's memory (another "
+                                       f"process may hold it) or use a GPU with more; {KEPT}\n")
 
 
 def test_every_batch_param_named_is_a_params_key():
@@ -148,7 +163,7 @@ def test_gpu_out_of_memory_mid_dump_is_one_line_and_the_rerun_resumes(prepared_w
 
     line = one_error_line(run_stage_process(workdir, "dump", OOM_IN_FORWARD))
 
-    assert line == (f"error: dump: {OOM_SAYS}: lower dump.batch_size in params.yaml and run the stage again; {KEPT}")
+    assert line == (f"error: dump: {OOM_SAYS}: lower dump.batch_size in params.yaml and run it again; {KEPT}")
     after = snapshot(workdir)
     assert after.pop(str(DUMP_PARTIAL)) and after == before  # the corpus untouched; the batches done kept
     again = run_stage_process(workdir, "dump")
@@ -281,6 +296,23 @@ def test_a_truncated_safetensors_shard_is_refused_in_one_line(saved_tiny_model, 
     assert str(err.value) == ("model 'tiny_qwen3_5' (local): a .safetensors weights file is truncated or corrupt "
                               "(Error while deserializing header: incomplete metadata, file not fully covered): "
                               "copy or download the model again")
+
+
+def test_a_model_folder_of_another_architecture_is_refused_by_the_plan(tmp_path):
+    """A Gemma-3 folder where the Qwen3.5 profile's model should be: its plan's layers are not there, said by
+    ``check_params`` from the folder's config, before any weight loads or any file is written."""
+    gemma = from_dict(Params, yaml.safe_load(compose(TINY_GEMMA3_OVERRIDES))).model
+    folder = tmp_path / "gemma"
+    build_tiny_model(gemma.tiny, len(tiny_tokenizer())).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    params = tiny_params()
+    params = dataclasses.replace(params, model=replaced(params.model, kind="local", local=LocalModel(
+        path=str(folder), sha256=assets.digest(folder))))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(PlanError, match=r"^plan split layer 16 does not exist: the model has layers 1\.\.8$"):
+        check_params.run(params, out)
+    assert not list(out.iterdir())
 
 
 # Each eval stage's device set to CUDA on a machine without it: refused when params.yaml loads, so by

@@ -141,14 +141,14 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def out_of_memory_line(stage: str, exc: BaseException) -> str:
-    """``error: <stage>: the GPU ran out of memory (...): lower <params> ...`` on one line.
+    """``error: <stage>: the GPU ran out of memory (...): lower <params> ...`` on one line (a study's name for ``stage``).
 
     Only torch's first two sentences are kept ("CUDA out of memory. Tried to allocate 2.00
     GiB"): the rest is an allocator report of many lines.
     """
     what = ". ".join(" ".join(str(exc).split()).split(". ")[:2]).rstrip(".") or type(exc).__name__
     keys = BATCH_PARAMS.get(stage.split("@")[0])
-    remedy = (f"lower {' or '.join(keys)} in params.yaml and run the stage again" if keys else
+    remedy = (f"lower {' or '.join(keys)} in params.yaml and run it again" if keys else
               "free the GPU's memory (another process may hold it) or use a GPU with more")
     return (f"error: {stage}: the GPU ran out of memory ({what}): {remedy}; every output is its complete old "
             "file (none is left half-written)")
