@@ -173,21 +173,32 @@ def hub_cache_with(hf_home: Path, hf_id: str, folder: Path, commit: str = "a" * 
 
 
 class HubRefusals:
-    """A local HTTP endpoint answering each repository as the hub answers a refused one.
+    """A local HTTP endpoint answering each repository as the hub answers a refused one, or serving a file.
 
     ``refusals`` maps a repository id to ``(status, X-Error-Code)``: ``(401, "GatedRepo")``,
     ``(401, "RepoNotFound")``, ``(404, "RevisionNotFound")`` are what huggingface.co sends; a
     client pointed here with ``HF_ENDPOINT`` meets the real refusal, not a mock of its exception.
+    A repository mapped to bytes is served them as any file it is asked for (a download).
     """
 
-    def __init__(self, refusals: dict[str, tuple[int, str]]):
+    def __init__(self, refusals: dict[str, tuple[int, str] | bytes]):
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         class Handler(BaseHTTPRequestHandler):
             def answer(self):
                 repo = "/".join(self.path.strip("/").split("/")[:2])
-                status, code = refusals.get(repo, (500, "Unknown"))
+                answer = refusals.get(repo, (500, "Unknown"))
+                if isinstance(answer, bytes):  # the headers hf_hub_download reads the commit and blob name from
+                    self.send_response(200)
+                    self.send_header("X-Repo-Commit", "d" * 40)
+                    self.send_header("ETag", f'"{hashlib.sha1(answer).hexdigest()}"')
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    if self.command == "GET":
+                        self.wfile.write(answer)
+                    return
+                status, code = answer
                 self.send_response(status)
                 self.send_header("X-Error-Code", code)
                 self.send_header("X-Error-Message", f"{code} for {repo}")
@@ -232,13 +243,14 @@ for what, hub_id, revision in json.loads(sys.argv[1]):
 """
 
 
-def probe_hub(cases: list[tuple[str, str, str | None]], **hub_env: str) -> list:
-    """What :data:`HUB_PROBE` says of each ``(what, id, revision)`` with ``hub_env`` set (one subprocess)."""
+def probe_hub(cases: list[tuple[str, str, str | None]], prelude: str = "", **hub_env: str) -> list:
+    """What :data:`HUB_PROBE` says of each ``(what, id, revision)`` with ``hub_env`` set (one subprocess), after
+    ``prelude`` (a fault: a file-size limit)."""
     import json
 
     env = {k: v for k, v in stage_env().items() if not k.startswith("HF_")}
     env.update(PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}", HF_HUB_DISABLE_TELEMETRY="1", **hub_env)
-    done = subprocess.run([sys.executable, "-c", HUB_PROBE, json.dumps(cases)], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", prelude + HUB_PROBE, json.dumps(cases)], env=env, capture_output=True,
                           text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith(("{", '"'))]

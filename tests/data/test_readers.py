@@ -99,7 +99,7 @@ def test_gsm8k_bad_answer_names_file(tmp_path):
 
 
 def test_hub_unreachable_is_one_line_naming_the_dataset_and_its_key(monkeypatch):
-    """A hub dataset the hub does not answer for: a ValueError (one line from a stage), not a RuntimeError's traceback."""
+    """A hub dataset the hub does not answer for: a ValueError (one line from a stage), not a traceback."""
     import datasets
 
     def unreachable(*args, **kwargs):

@@ -248,22 +248,38 @@ REFUSALS = {  # id: (model hf_id, revision, what the endpoint answers, the messa
 }
 
 
+# A download the disk cannot hold: a config.json of 1 MB under a file-size limit of 64 KiB (RLIMIT_FSIZE:
+# the write fails with EFBIG, as a full disk fails with ENOSPC).
+FSIZE_LIMIT = "import resource\nresource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))\n"
+LARGE_CONFIG = b'{"model_type": "qwen3"}' + b" " * 1_000_000
+DISK_SAYS = ("org/large@main: writing the hub cache {hub} failed (File too large): free space there, or set HF_HOME to "
+             "a folder on a disk with room that you can write, then run again")
+
+
 @pytest.fixture(scope="module")
 def online_answers(tmp_path_factory):
-    """What loading each of :data:`REFUSALS` says from an endpoint refusing it as the hub does (one subprocess)."""
-    hub = HubRefusals({hf_id: answer for hf_id, _, answer, _ in REFUSALS.values()})
+    """What loading each of :data:`REFUSALS`, then ``org/large``, says from an endpoint refusing (serving) it as the
+    hub does (one subprocess, under :data:`FSIZE_LIMIT`), and the hub cache."""
+    hub = HubRefusals({"org/large": LARGE_CONFIG, **{hf_id: answer for hf_id, _, answer, _ in REFUSALS.values()}})
+    hf_home = tmp_path_factory.mktemp("hf_home_online")
     try:
-        answers = probe_hub([("model", hf_id, revision) for hf_id, revision, _, _ in REFUSALS.values()],
-                            HF_HOME=str(tmp_path_factory.mktemp("hf_home_online")), HF_ENDPOINT=hub.endpoint,
-                            HF_HUB_OFFLINE="0")
+        answers = probe_hub([*(("model", hf_id, revision) for hf_id, revision, _, _ in REFUSALS.values()),
+                             ("model", "org/large", None)], FSIZE_LIMIT,
+                            HF_HOME=str(hf_home), HF_ENDPOINT=hub.endpoint, HF_HUB_OFFLINE="0")
     finally:
         hub.close()
-    return dict(zip(REFUSALS, answers))
+    return dict(zip([*REFUSALS, "disk-full"], answers)), hf_home / "hub"
 
 
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_a_hub_refusal_names_the_id_the_revision_and_what_to_do(online_answers, case):
-    assert online_answers[case] == {"type": "ModelLoadError", "message": REFUSALS[case][3]}
+    assert online_answers[0][case] == {"type": "ModelLoadError", "message": REFUSALS[case][3]}
+
+
+def test_a_download_the_disk_cannot_hold_names_the_hub_cache(online_answers):
+    answers, hub = online_answers
+    assert answers["disk-full"] == {"type": "ModelLoadError", "message": DISK_SAYS.format(hub=hub)}
+    assert not list(hub.glob("models--org--large/blobs/*"))  # no partial file stays in the cache
 
 
 def test_a_hub_model_missing_offline_ends_the_stage_in_one_line_before_any_work(saved_tiny_model, tmp_path):

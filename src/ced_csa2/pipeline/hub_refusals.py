@@ -3,13 +3,20 @@
 transformers and datasets wrap each hub failure in errors of their own, of several lines; the
 ``huggingface_hub`` error in the exception's chain (``__cause__``, ``__context__``) says which
 failure it was.  A hub that gives no answer (offline, unreachable) is told apart by what the
-local cache holds: nothing of the repository, other revisions only, or a download cut short.
+local cache holds: nothing of the repository, other revisions only, or a download cut short;
+a download that failed on the disk (full, read-only) names the cache folder.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Iterator
 from pathlib import Path
+
+# A download that failed on this machine's disk, not at the hub: full, over quota or a file-size limit,
+# read-only, failing, or not writable by this user.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
 
 
 def _chain(exc: BaseException | None) -> Iterator[BaseException]:
@@ -45,7 +52,11 @@ def hub_refusal(repo_id: str, revision: str | None, exc: BaseException, keys: tu
     def found(*classes) -> bool:
         return any(isinstance(e, classes) for e in raised)
 
-    if found(errors.GatedRepoError):
+    disk = next((e.errno for e in raised if isinstance(e, OSError) and e.errno in DISK_ERRNOS), None)
+    if disk is not None:
+        what = (f"writing the hub cache {constants.HF_HUB_CACHE} failed ({os.strerror(disk)}): free space there, or "
+                "set HF_HOME to a folder on a disk with room that you can write, then run again")
+    elif found(errors.GatedRepoError):
         what = (f"the repository is gated: accept its terms at https://huggingface.co/"
                 f"{'datasets/' if repo_type == 'dataset' else ''}{repo_id}, then log in (hf auth login, or HF_TOKEN)")
     elif found(errors.RepositoryNotFoundError):

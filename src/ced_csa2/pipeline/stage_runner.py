@@ -141,9 +141,9 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def out_of_memory_line(stage: str, exc: BaseException) -> str:
-    """``error: <stage>: the GPU ran out of memory (...): lower <params> ...`` on one line (a study's name for ``stage``).
+    """``error: <stage>: the GPU ran out of memory (...): lower <params> ...`` on one line.
 
-    Only torch's first two sentences are kept ("CUDA out of memory. Tried to allocate 2.00
+    ``stage`` is a stage's name (``tune@attn_out``) or a study's (``training_mix``).  Only torch's first two sentences are kept ("CUDA out of memory. Tried to allocate 2.00
     GiB"): the rest is an allocator report of many lines.
     """
     what = ". ".join(" ".join(str(exc).split()).split(". ")[:2]).rstrip(".") or type(exc).__name__

@@ -3,8 +3,8 @@
 A study reads the pipeline's outputs through the stages' own loaders and checks, so a missing,
 stale or corrupt input raises the stages' errors; :func:`run_study` answers them as
 :func:`~ced_csa2.pipeline.stage_runner.run_stage` does: ``error: <message>`` on one line and exit
-status 2 for an input error or the GPU out of memory, one line and 130 for Ctrl-C, the traceback with ``CED_CSA2_DEBUG=1``
-or for anything else (a bug).  A study is no stage (no ``timings/<stage>.json``, no read log), so
+status 2 for an input error or the GPU out of memory, one line and 130 for Ctrl-C, the traceback
+with ``CED_CSA2_DEBUG=1`` or for anything else (a bug).  A study is no stage (no ``timings/<stage>.json``, no read log), so
 it runs its own ``main`` rather than through :func:`~ced_csa2.pipeline.stage_runner.run_stage`.
 """
 
@@ -32,8 +32,8 @@ def run_study(main: Callable[[], object]) -> None:
     ------
     SystemExit
         Status 2 after an input error (:func:`~ced_csa2.pipeline.stage_runner.is_input_error`)
-        or the GPU out of memory, 130 after Ctrl-C, each with one line on stderr; with ``CED_CSA2_DEBUG=1`` the exception
-        propagates instead, and any other exception always does.
+        or the GPU out of memory, 130 after Ctrl-C, each with one line on stderr; with
+        ``CED_CSA2_DEBUG=1`` the exception propagates instead, and any other exception always does.
     """
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
