@@ -155,3 +155,102 @@ def wait_until(proc: subprocess.Popen, log: Path, seen, what: str, timeout: floa
         assert proc.poll() is None, f"ended (exit {proc.returncode}) before {what}:\n{log.read_text()[-3000:]}"
         time.sleep(0.002)
     raise AssertionError(f"{what} did not happen in {timeout} s")
+
+
+# ----------------------------------------------------------------------------- the Hugging Face hub, offline and online
+
+def hub_cache_with(hf_home: Path, hf_id: str, folder: Path, commit: str = "a" * 40) -> Path:
+    """``folder``'s files as the hub cache under ``hf_home`` holds a download of ``hf_id``: a snapshot at
+    ``commit``, ``refs/main`` pointing at it; returns the repository's cache folder."""
+    repo = hf_home / "hub" / f"models--{hf_id.replace('/', '--')}"
+    snapshot_dir = repo / "snapshots" / commit
+    snapshot_dir.mkdir(parents=True)
+    for path in folder.iterdir():
+        (snapshot_dir / path.name).write_bytes(path.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return repo
+
+
+class HubRefusals:
+    """A local HTTP endpoint answering each repository as the hub answers a refused one, or serving a file.
+
+    ``refusals`` maps a repository id to ``(status, X-Error-Code)``: ``(401, "GatedRepo")``,
+    ``(401, "RepoNotFound")``, ``(404, "RevisionNotFound")`` are what huggingface.co sends; a
+    client pointed here with ``HF_ENDPOINT`` meets the real refusal, not a mock of its exception.
+    A repository mapped to bytes is served them as any file it is asked for (a download).
+    """
+
+    def __init__(self, refusals: dict[str, tuple[int, str] | bytes]):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def answer(self):
+                repo = "/".join(self.path.strip("/").split("/")[:2])
+                answer = refusals.get(repo, (500, "Unknown"))
+                if isinstance(answer, bytes):  # the headers hf_hub_download reads the commit and blob name from
+                    self.send_response(200)
+                    self.send_header("X-Repo-Commit", "d" * 40)
+                    self.send_header("ETag", f'"{hashlib.sha1(answer).hexdigest()}"')
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    if self.command == "GET":
+                        self.wfile.write(answer)
+                    return
+                status, code = answer
+                self.send_response(status)
+                self.send_header("X-Error-Code", code)
+                self.send_header("X-Error-Message", f"{code} for {repo}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_HEAD = do_GET = answer
+
+            def log_message(self, *args):  # the test's output is the client's, not the server's
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# Runs in a subprocess with the hub's environment set (HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT are read
+# when huggingface_hub is imported): loads each (what, id, revision) of argv[1] (JSON) as the stages do --
+# a model's config, a WikiText split, a GSM8K split -- and prints each refusal as JSON, or "loaded".
+HUB_PROBE = """
+import json, sys
+from conftest import tiny_params
+from ced_csa2.config import replaced
+from ced_csa2.data import readers
+from ced_csa2.model_utils import load_config
+LOADERS = {
+    "model": lambda hub_id, revision: load_config(replaced(tiny_params().model, kind="hub", hf_id=hub_id,
+                                                           revision=revision)),
+    "wikitext": lambda hub_id, revision: readers.wikitext_lines(hub_id, "wikitext-2-raw-v1", "train", revision),
+    "gsm8k": lambda hub_id, revision: readers.gsm8k_hub(hub_id, "main", "test", 8, revision),
+}
+for what, hub_id, revision in json.loads(sys.argv[1]):
+    try:
+        LOADERS[what](hub_id, revision)
+        print(json.dumps("loaded"))
+    except Exception as exc:
+        print(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+"""
+
+
+def probe_hub(cases: list[tuple[str, str, str | None]], prelude: str = "", **hub_env: str) -> list:
+    """What :data:`HUB_PROBE` says of each ``(what, id, revision)`` with ``hub_env`` set (one subprocess), after
+    ``prelude`` (a fault: a file-size limit)."""
+    import json
+
+    env = {k: v for k, v in stage_env().items() if not k.startswith("HF_")}
+    env.update(PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT / 'tests'}", HF_HUB_DISABLE_TELEMETRY="1", **hub_env)
+    done = subprocess.run([sys.executable, "-c", prelude + HUB_PROBE, json.dumps(cases)], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith(("{", '"'))]

@@ -1006,7 +1006,8 @@ def _check_yaml(ok: bool, mapping: yaml.MappingNode, problem: str, at: yaml.Node
                                                 at.start_mark)
 
 
-DEVICE_KEYS = ("dump.device", "eval_ppl.device", "eval_gsm8k.device")
+# Every section's device (tests/faults/test_faults_full_profile.py checks that none is left out).
+DEVICE_KEYS = ("dump.device", "eval_ppl.device", "eval_generation.device", "eval_retrieval.device", "eval_gsm8k.device")
 
 
 def check_devices(params: Params) -> None:

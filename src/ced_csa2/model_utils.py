@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, TinyModelConfig
+from .pipeline.hub_refusals import hub_refusal
 
 log = logging.getLogger(__name__)
 
@@ -289,11 +290,8 @@ def _converted_folder(cfg: ModelConfig, sha256: str, gguf: Callable[[], Path]) -
     return folder
 
 
-def _hub_error(cfg: ModelConfig, exc: Exception) -> RuntimeError:
-    return RuntimeError(
-        f"could not load {cfg.hf_id!r} from the Hugging Face hub ({type(exc).__name__}); the full profile "
-        "needs network access -- the embedded default (params.yaml as committed: model=smollm2_135m, "
-        "data=wiki_embedded) runs offline")
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded as asked (a hub refusal, a checkpoint that does not fill the model): one line."""
 
 
 # ----------------------------------------------------------------------------- public API
@@ -305,11 +303,7 @@ def _from_pretrained(auto, cfg: ModelConfig, **kwargs):
     try:
         return auto.from_pretrained(cfg.hf_id, revision=cfg.revision, **kwargs)
     except OSError as exc:
-        raise _hub_error(cfg, exc) from None
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint that does not fill the model it is loaded into (one line naming it and a tensor)."""
+        raise ModelLoadError(hub_refusal(cfg.hf_id, cfg.revision, exc, ("model.hf_id", "model.revision"))) from exc
 
 
 def _source(cfg: ModelConfig) -> str:
@@ -318,10 +312,14 @@ def _source(cfg: ModelConfig) -> str:
 
 def _load_weights(cfg: ModelConfig, **kwargs) -> nn.Module:
     """The profile's causal LM, refused unless its checkpoint filled every weight (:func:`check_loading`)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     try:
         model, info = _from_pretrained(AutoModelForCausalLM, cfg, output_loading_info=True, **kwargs)
+    except SafetensorError as exc:  # a shard cut short (a copy or download interrupted), or bytes changed
+        raise ModelLoadError(f"{_source(cfg)}: a .safetensors weights file is truncated or corrupt ({exc}): copy or "
+                             "download the model again") from exc
     except RuntimeError as exc:
         if "ignore_mismatched_sizes" not in str(exc):
             raise

@@ -98,16 +98,20 @@ def test_gsm8k_bad_answer_names_file(tmp_path):
         readers.gsm8k_from_wheel_dir(tmp_path, 0)
 
 
-def test_hub_unreachable_points_to_embedded_default(monkeypatch):
+def test_hub_unreachable_is_one_line_naming_the_dataset_and_its_key(monkeypatch):
+    """A hub dataset the hub does not answer for: a ValueError (one line from a stage), not a traceback."""
     import datasets
 
-    def offline(*args, **kwargs):
-        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)")
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (ConnectTimeout)")
 
-    monkeypatch.setattr(datasets, "load_dataset", offline)
-    for call in (lambda: readers.gsm8k_hub("openai/gsm8k", "main", "test", 5),
-                 lambda: readers.wikitext_lines("Salesforce/wikitext", "wikitext-2-raw-v1", "test")):
-        with pytest.raises(RuntimeError, match=r"hub could not be reached .*embedded default .*runs offline"):
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    for call, source, key in (
+            (lambda: readers.gsm8k_hub("openai/gsm8k", "main", "test", 5), "openai/gsm8k@main", "data.math.hub_id"),
+            (lambda: readers.wikitext_lines("Salesforce/wikitext", "wikitext-2-raw-v1", "test", "e53f048"),
+             "Salesforce/wikitext@e53f048", "data.hub_id")):
+        with pytest.raises(readers.HubDataError, match=rf"^{source}: the hub cache .* does not hold it and the hub "
+                                                       rf"\(.*\) cannot be reached: .* check the spelling of {key}$"):
             call()
 
 

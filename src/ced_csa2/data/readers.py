@@ -39,6 +39,8 @@ from mwparserfromhell.nodes import Heading, Tag, Template, Wikilink
 from mwparserfromhell.wikicode import Wikicode
 from tqdm import tqdm
 
+from ..pipeline.hub_refusals import hub_refusal
+
 log = logging.getLogger(__name__)
 
 # Tags whose content is not running prose.  strip_code already drops <ref> and
@@ -238,14 +240,12 @@ def math_problem(pid: str, question: str, answer: str, where: str) -> dict:
 
 # ----------------------------------------------------------------------------- hub (full profile)
 
-def _hub_error(hub_id: str, exc: BaseException) -> RuntimeError:
-    return RuntimeError(
-        f"The Hugging Face hub could not be reached to load '{hub_id}' ({type(exc).__name__}: {exc}); "
-        "the embedded default (params.yaml as committed, model=smollm2_135m data=wiki_embedded) runs offline."
-    )
+class HubDataError(ValueError):
+    """A hub dataset that cannot be loaded as asked (one line: :func:`~ced_csa2.pipeline.hub_refusals.hub_refusal`)."""
 
 
-def _load_hub(hub_id: str, config: str | None, split: str, revision: str | None):
+def _load_hub(hub_id: str, config: str | None, split: str, revision: str | None, keys: tuple[str, str]):
+    """The split, or :class:`HubDataError` naming ``keys`` (the params keys of the id and the revision)."""
     import datasets  # heavy import, only the full profile needs it
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -253,7 +253,7 @@ def _load_hub(hub_id: str, config: str | None, split: str, revision: str | None)
     try:
         return datasets.load_dataset(hub_id, config, split=split, revision=revision)
     except (OSError, HfHubHTTPError) as exc:  # ConnectionError, offline mode, missing cache entries
-        raise _hub_error(hub_id, exc) from exc
+        raise HubDataError(hub_refusal(hub_id, revision, exc, keys, repo_type="dataset")) from exc
 
 
 def wikitext_lines(hub_id: str, config: str, split: str, revision: str | None = None) -> list[str]:
@@ -269,7 +269,7 @@ def wikitext_lines(hub_id: str, config: str, split: str, revision: str | None = 
         The dataset's commit sha (or tag/branch) on the hub; ``None``: its default branch.
     """
     lines = []
-    for line in _load_hub(hub_id, config, split, revision)["text"]:
+    for line in _load_hub(hub_id, config, split, revision, ("data.hub_id", "data.revision"))["text"]:
         line = line.strip()
         # WikiText headings look like " = Title = " / " = = Section = = ".
         if line and not (line.startswith("=") and line.endswith("=")):
@@ -279,7 +279,7 @@ def wikitext_lines(hub_id: str, config: str, split: str, revision: str | None = 
 
 def gsm8k_hub(hub_id: str, config: str | None, split: str, n: int, revision: str | None = None) -> list[dict]:
     """Return the first ``n`` problems (0 = all) of a GSM8K-format hub split at ``revision`` (``None``: default branch)."""
-    ds = _load_hub(hub_id, config, split, revision)
+    ds = _load_hub(hub_id, config, split, revision, ("data.math.hub_id", "data.math.revision"))
     if n > len(ds):
         raise ValueError(f"data.math.n={n}, but {hub_id} {split} has {len(ds)} problems")
     rows = ds.select(range(n)) if n else ds

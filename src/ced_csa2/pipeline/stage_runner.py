@@ -6,8 +6,9 @@ also writes ``<dir>/<stage>.json``: the params keys and the project files the st
 (``tests/test_graph.py`` compares them with the stage's entry in ``dvc.yaml``).
 
 A bad input (params, a missing or corrupt artifact) or a full/failing disk ends the stage
-with one line, ``error: <message>``, on stderr and exit status 2, Ctrl-C with one line and
-exit status 130; ``CED_CSA2_DEBUG=1`` shows the traceback.
+with one line, ``error: <message>``, on stderr and exit status 2, and so does the GPU running
+out of memory (the line names the params that size the stage's batches); Ctrl-C ends it with
+one line and exit status 130; ``CED_CSA2_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -40,6 +41,25 @@ INPUT_ERROR_NAMES = {("ced_csa2.assets", "AssetError")}
 # The machine, not a bug: an OSError with one of these is one line too (it names the file):
 # the disk (full, over quota or a size limit, read-only, failing) and permissions.
 OS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
+# The GPU running out of memory is the machine too: matched by name, as AssetError is (this module
+# imports no torch); torch.cuda.OutOfMemoryError is the same class.
+OUT_OF_MEMORY = ("torch", "OutOfMemoryError")
+# What sizes the work a stage holds on the GPU at once, by stage (a foreach stage by its base name):
+# the params its out-of-memory line tells the user to lower.
+BATCH_PARAMS = {
+    "dump": ("dump.batch_size",),
+    "ridge": ("ridge.block_rows",),
+    "train_projector": ("train_projector.batch_size",),
+    "extra_projectors": ("train_projector.batch_size",),
+    "train_adapters": ("train_adapters.batch_size",),
+    "tune": ("train.online.batch_size", "train.online.seq_len"),
+    "tune_mode_a": ("train.online.batch_size", "train.online.seq_len"),
+    "eval_ppl": ("eval_ppl.batch_size",),
+    "eval_generation": ("eval_generation.batch_size",),
+    "eval_retrieval": ("eval_retrieval.batch_size",),
+    "eval_gsm8k": ("eval_gsm8k.batch_size",),
+    "eval_objectives": ("eval_gsm8k.batch_size",),
+}
 # Files under these folders are pipeline artifacts: a stage that reads one must declare it.
 ARTIFACT_DIRS = ("data", "models", "metrics", "reports")
 PIPELINE = Path("dvc.yaml")  # the stage table a stage's position is counted in (the cwd is the repository root)
@@ -115,6 +135,25 @@ def is_input_error(exc: BaseException) -> bool:
         (cls.__module__, cls.__qualname__) in INPUT_ERROR_NAMES for cls in type(exc).__mro__)
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``): the GPU, not a bug."""
+    return any((cls.__module__, cls.__qualname__) == OUT_OF_MEMORY for cls in type(exc).__mro__)
+
+
+def out_of_memory_line(stage: str, exc: BaseException) -> str:
+    """``error: <stage>: the GPU ran out of memory (...): lower <params> ...`` on one line.
+
+    ``stage`` is a stage's name (``tune@attn_out``) or a study's (``training_mix``).  Only torch's first two sentences are kept ("CUDA out of memory. Tried to allocate 2.00
+    GiB"): the rest is an allocator report of many lines.
+    """
+    what = ". ".join(" ".join(str(exc).split()).split(". ")[:2]).rstrip(".") or type(exc).__name__
+    keys = BATCH_PARAMS.get(stage.split("@")[0])
+    remedy = (f"lower {' or '.join(keys)} in params.yaml and run it again" if keys else
+              "free the GPU's memory (another process may hold it) or use a GPU with more")
+    return (f"error: {stage}: the GPU ran out of memory ({what}): {remedy}; every output is its complete old "
+            "file (none is left half-written)")
+
+
 def error_line(exc: BaseException) -> str:
     """``error: <message>`` on one line (a multi-line message is joined)."""
     message = " ".join(str(exc).split()) or type(exc).__name__
@@ -125,7 +164,8 @@ def run_stage(run, *args, launcher=None) -> None:
     """Entry point of a stage module: log to stderr, then ``run(load_params(), *args)`` from the cwd.
 
     An input error (:func:`is_input_error`) prints ``error: <message>`` to stderr and exits
-    with status 2, Ctrl-C (``KeyboardInterrupt``) one line and status 130; with
+    with status 2, the GPU out of memory :func:`out_of_memory_line` and status 2, Ctrl-C
+    (``KeyboardInterrupt``) one line and status 130; with
     ``CED_CSA2_DEBUG=1`` either propagates with its traceback instead.  Any other exception
     keeps its traceback.
 
@@ -148,10 +188,12 @@ def run_stage(run, *args, launcher=None) -> None:
               "half-written): run the stage again to finish", file=sys.stderr, flush=True)
         raise SystemExit(INTERRUPTED) from None
     except Exception as exc:
-        if not is_input_error(exc) or debug:
+        out_of_memory = is_out_of_memory(exc)
+        if not (out_of_memory or is_input_error(exc)) or debug:
             raise
         _flush_log()
-        print(error_line(exc), file=sys.stderr, flush=True)
+        print(out_of_memory_line(stage_name(run, args), exc) if out_of_memory else error_line(exc), file=sys.stderr,
+              flush=True)
         raise SystemExit(2) from None
 
 
