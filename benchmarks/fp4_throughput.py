@@ -20,11 +20,12 @@ import argparse
 import torch
 
 from ced_csa2.kv.fp4 import MXFP4, NVFP4
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.timing import paired_seconds
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=65536)
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)

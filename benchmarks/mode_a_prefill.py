@@ -48,6 +48,7 @@ from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.eval.perplexity import eval_ids, prefill_bound
 from ced_csa2.model_utils import load_model_and_tokenizer
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL
 from ced_csa2.pipeline.timing import PROTOCOL, BoundExceeded, check_bound, paired_seconds
@@ -93,7 +94,7 @@ def cpu_line() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     ap.add_argument("--workdir", type=Path, default=Path("."), help="where data/corpus/eval.jsonl is")
     ap.add_argument("--models", type=Path, default=None,

@@ -25,6 +25,7 @@ import torch
 from ced_csa2.config import load_params
 from ced_csa2.data.records import batches
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import RIDGE_PATH
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import load_plan
@@ -32,7 +33,7 @@ from ced_csa2.train.objectives import objective_loss, online_records, ridge_part
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)

@@ -15,7 +15,6 @@ about as long as ``eval_ppl``'s held-out part for the groups asked; ~4 min for t
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from ced_csa2.config import load_params
 from ced_csa2.eval.perplexity import eval_ids, groups_ppl
 from ced_csa2.model_utils import load_model_and_tokenizer
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import PPL_METRICS
 from ced_csa2.release import RELEASE, base_model_config, load_release, release_plan
 from ced_csa2.runtime.groups import GROUPS
@@ -32,7 +32,7 @@ from ced_csa2.runtime.groups import GROUPS
 def main() -> int:
     params = load_params()
     scored = [g for g in params.eval_ppl.groups if GROUPS[g].uses_maps]
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--release", type=Path, default=RELEASE)
     ap.add_argument("--groups", nargs="+", default=scored, choices=scored)
     args = ap.parse_args()

@@ -33,6 +33,7 @@ from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.data.records import read_records
 from ced_csa2.eval.perplexity import prefill_bound
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL
 from ced_csa2.pipeline.timing import PROTOCOL, check_bound, paired_seconds
@@ -48,7 +49,7 @@ def random_parts(geo, plan: LayerPlan) -> CEDParts:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", type=int, default=8)
     ap.add_argument("--prompts", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--repeats", type=int, default=3)

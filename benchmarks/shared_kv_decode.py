@@ -65,6 +65,7 @@ from ced_csa2.eval.stats import ratio_bootstrap
 from ced_csa2.kv.kv_bytes import bytes_per_token
 from ced_csa2.maps.indexer import IndexerConfig, LightningIndexer, key_bytes, load_indexer
 from ced_csa2.model_utils import attention, geometry, load_model_and_tokenizer
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import LayerPlan
@@ -139,7 +140,7 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, spars
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="prefill lengths T")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per context and cache")
     ap.add_argument("--batch", type=int, default=1)

@@ -24,7 +24,6 @@ decreasing order, i.e. increasing steps; plotted by ``dvc plots show``, declared
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import time
@@ -38,6 +37,7 @@ from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_bootstrap
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import write_tsv
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH
 from ced_csa2.pipeline.study_runner import run_study
@@ -83,7 +83,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     for init, sizes in BATCH_SIZES.items():
         ap.add_argument(f"--{init}-batch-sizes", default=",".join(map(str, sizes)))
     args = ap.parse_args()

@@ -19,7 +19,6 @@ Uses the workdir's ``params.yaml`` (model, plan, split, ridge.lambda, kv_format)
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import tempfile
@@ -39,6 +38,7 @@ from ced_csa2.eval.stats import paired_bootstrap
 from ced_csa2.maps.ridge import evaluate_maps, fit_maps, map_groups, save_ridge
 from ced_csa2.model_utils import load_model_and_tokenizer
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_tsv
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
@@ -99,7 +99,7 @@ def ci_curve(workdir: Path, params, plan, geo, maps: dict, sizes: list[int], gro
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--ridge-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 192])
     ap.add_argument("--eval-sizes", type=int, nargs="+", default=[10, 20, 30, 40, 50, 60, 70, 80, 90])
