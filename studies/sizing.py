@@ -19,6 +19,7 @@ Uses the workdir's ``params.yaml`` (model, plan, split, ridge.lambda, kv_format)
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import tempfile
@@ -97,15 +98,18 @@ def ci_curve(workdir: Path, params, plan, geo, maps: dict, sizes: list[int], gro
     return rows, {"dtype": str(model.dtype).removeprefix("torch."), "nll": {g: v.tolist() for g, v in nll.items()}}
 
 
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments() -> ArgumentParser:
+    ap = ArgumentParser(prog="python studies/sizing.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--ridge-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 192])
     ap.add_argument("--eval-sizes", type=int, nargs="+", default=[10, 20, 30, 40, 50, 60, 70, 80, 90])
     ap.add_argument("--groups", nargs="+", default=["ced", "csa2"], choices=GROUP_NAMES[1:],
                     help="groups whose ΔPPL CI is measured (each costs one pass over the eval records)")
-    args = ap.parse_args()
+    return ap
+
+
+def main(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     params = load_params(args.workdir / "params.yaml")
     check_prepared(params, args.workdir, EVAL_JSONL)
     plan, geo = load_plan(params.plan, params.model)
@@ -121,4 +125,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_study(main)
+    run_study(main, arguments())

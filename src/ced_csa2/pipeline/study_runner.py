@@ -1,5 +1,8 @@
 """How a study starts: ``python studies/<study>.py`` ends as a stage does.
 
+Its arguments are parsed first (:class:`~ced_csa2.pipeline.cli.ArgumentParser`): a study
+without any refuses a stray one in two lines, as a misspelt option is, before any work.
+
 A study reads the pipeline's outputs through the stages' own loaders and checks, so a missing,
 stale or corrupt input raises the stages' errors; :func:`run_study` answers them as
 :func:`~ced_csa2.pipeline.stage_runner.run_stage` does: ``error: <message>`` on one line and exit
@@ -10,39 +13,52 @@ it runs its own ``main`` rather than through :func:`~ced_csa2.pipeline.stage_run
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from .cli import ArgumentParser
 from .stage_runner import DEBUG_ENV, INTERRUPTED, error_line, is_input_error
 
 
-def run_study(main: Callable[[], object]) -> None:
-    """Call a study's ``main()``; end an input error or Ctrl-C in one line, as a stage ends.
+def run_study(main: Callable[..., object], arguments: argparse.ArgumentParser | None = None) -> None:
+    """Parse the command line, call a study's ``main``; end an input error or Ctrl-C in one line, as a stage ends.
 
     Parameters
     ----------
     main
         The study's entry point, defined in ``studies/<study>.py`` (its file names the study in
-        the Ctrl-C line).
+        the Ctrl-C line and the usage): ``main(args)`` with ``arguments``, ``main()`` without.
+    arguments
+        The study's arguments; ``None``: it takes none.
 
     Raises
     ------
     SystemExit
         Status 2 after an input error (:func:`~ced_csa2.pipeline.stage_runner.is_input_error`),
         130 after Ctrl-C, each with one line on stderr; with ``CED_CSA2_DEBUG=1`` the exception
-        propagates instead, and any other exception always does.
+        propagates instead, and any other exception always does.  A bad argument: status 2, the usage
+        and one error line.
     """
+    script = Path(inspect.getfile(main))
+    takes_arguments = arguments is not None
+    parser = arguments if takes_arguments else ArgumentParser(
+        prog=f"python studies/{script.name}", description=(inspect.getmodule(main).__doc__ or "").split("\n\n")[0])
+    args = parser.parse_args()  # before any work: a stray or misspelt argument is two lines
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
-        main()
+        if takes_arguments:
+            main(args)
+        else:
+            main()
     except KeyboardInterrupt:
         if debug:
             raise
         # Every study writes its outputs through atomic_files, and its scratch folders are temporary ones.
-        print(f"{Path(inspect.getfile(main)).stem}: interrupted; every output is its complete old or new file "
+        print(f"{script.stem}: interrupted; every output is its complete old or new file "
               "(none is left half-written): run the study again to finish", file=sys.stderr, flush=True)
         raise SystemExit(INTERRUPTED) from None
     except Exception as exc:
