@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from ced_csa2.pipeline.cli import ArgumentParser  # noqa: E402
+from ced_csa2.pipeline.study_runner import run_main  # noqa: E402
 from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,4 +99,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

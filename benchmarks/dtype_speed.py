@@ -24,6 +24,7 @@ import torch
 from ced_csa2.config import load_params
 from ced_csa2.model_utils import load_model_and_tokenizer
 from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds
 
 
@@ -85,4 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

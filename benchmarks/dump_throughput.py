@@ -30,6 +30,7 @@ from ced_csa2.data.records import pad_batch, read_records, tokenize
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import TRAIN_JSONL
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds
 from ced_csa2.plan import load_plan
 
@@ -84,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

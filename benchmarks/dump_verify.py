@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import median_seconds, paired_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,4 +158,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

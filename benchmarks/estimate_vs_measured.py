@@ -22,6 +22,7 @@ from pathlib import Path
 from ced_csa2 import estimate
 from ced_csa2.config import load_params
 from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,4 +52,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

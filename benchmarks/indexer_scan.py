@@ -32,6 +32,7 @@ import torch
 
 from ced_csa2.maps.indexer import LightningIndexer, key_format
 from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds
 from ced_csa2.runtime.sparse_decode import KeyScan
 
@@ -79,4 +80,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -34,6 +34,7 @@ from ced_csa2.ced_runtime import CEDModeARuntime, prompt_tokens
 from ced_csa2.config import load_params
 from ced_csa2.model_utils import decoder_layer, load_model_and_tokenizer
 from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import PROTOCOL, check_bound, paired_seconds
 from ced_csa2.plan import load_plan
 from ced_csa2.train.objectives import kl_distill, mode_a_kl, mode_a_teacher
@@ -101,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

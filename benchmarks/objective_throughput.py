@@ -27,6 +27,7 @@ from ced_csa2.data.records import batches
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import RIDGE_PATH
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import load_plan
 from ced_csa2.train.objectives import objective_loss, online_records, ridge_parts
@@ -79,4 +80,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

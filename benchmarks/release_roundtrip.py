@@ -25,6 +25,7 @@ from ced_csa2.eval.perplexity import eval_ids, groups_ppl
 from ced_csa2.model_utils import load_model_and_tokenizer
 from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import PPL_METRICS
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.release import RELEASE, base_model_config, load_release, release_plan
 from ced_csa2.runtime.groups import GROUPS
 
@@ -58,4 +59,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

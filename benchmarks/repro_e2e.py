@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,4 +79,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 
 
 def peak_rss_mb() -> float:
@@ -160,4 +161,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -40,6 +40,7 @@ from ced_csa2.eval.scoring import branch_point, multi_group_nll, sequence_nll
 from ced_csa2.model_utils import load_model_and_tokenizer
 from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import EVAL_JSONL
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import check_bound, paired_seconds
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.groups import GROUP_NAMES
@@ -127,4 +128,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -43,6 +43,7 @@ from ced_csa2.config import load_params
 from ced_csa2.eval.generation import StepDecoder
 from ced_csa2.model_utils import attention, geometry, load_model_and_tokenizer
 from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import LayerPlan
 from ced_csa2.runtime.attention_calls import AttentionCalls
@@ -129,7 +130,7 @@ def main() -> None:
     ap.add_argument("--indexer", type=Path, default=Path("studies/indexer/attention_rot.pt"))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    reads = SparseDecode(*map(int, args.sparse.split(":")))
+    reads = SparseDecode.from_spec(args.sparse)
 
     params = load_params(args.params)
     model, _ = load_model_and_tokenizer(params.model)
@@ -174,4 +175,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -30,6 +30,7 @@ from ced_csa2.data.dump_file import DumpReader
 from ced_csa2.data.loader import BlockLoader, load_rows, record_split
 from ced_csa2.model_utils import resolve_device
 from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import Clock, paired_seconds
 from ced_csa2.plan import LayerPlan
 from ced_csa2.train.projector_training import build_projectors, heads_for
@@ -107,4 +108,4 @@ def main() -> None:
     }, indent=2))
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

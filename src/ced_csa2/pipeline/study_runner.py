@@ -1,27 +1,31 @@
-"""How a study starts: ``python studies/<study>.py`` ends as a stage does.
-
-Its arguments are parsed first (:class:`~ced_csa2.pipeline.cli.ArgumentParser`): a study
-without any refuses a stray one in two lines, as a misspelt option is, before any work.
+"""How a study or a benchmark starts: ``python studies/<study>.py`` ends as a stage does.
 
 A study reads the pipeline's outputs through the stages' own loaders and checks, so a missing,
 stale or corrupt input raises the stages' errors; :func:`run_study` answers them as
 :func:`~ced_csa2.pipeline.stage_runner.run_stage` does: ``error: <message>`` on one line and exit
 status 2 for an input error, one line and 130 for Ctrl-C, the traceback with ``CED_CSA2_DEBUG=1``
-or for anything else (a bug).  A study is no stage (no ``timings/<stage>.json``, no read log), so
+or for anything else (a bug).  Its arguments are parsed first
+(:class:`~ced_csa2.pipeline.cli.ArgumentParser`): a study without any refuses a stray one in two
+lines, before any work.  A study is no stage (no ``timings/<stage>.json``, no read log), so
 it runs its own ``main`` rather than through :func:`~ced_csa2.pipeline.stage_runner.run_stage`.
+``python benchmarks/<benchmark>.py`` ends an input error the same way (:func:`run_main`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from .cli import ArgumentParser
 from .stage_runner import DEBUG_ENV, INTERRUPTED, error_line, is_input_error
+
+T = TypeVar("T")
 
 
 def run_study(main: Callable[..., object], arguments: argparse.ArgumentParser | None = None) -> None:
@@ -48,21 +52,27 @@ def run_study(main: Callable[..., object], arguments: argparse.ArgumentParser | 
     parser = arguments if takes_arguments else ArgumentParser(
         prog=f"python studies/{script.name}", description=(inspect.getmodule(main).__doc__ or "").split("\n\n")[0])
     args = parser.parse_args()  # before any work: a stray or misspelt argument is two lines
-    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
-        if takes_arguments:
-            main(args)
-        else:
-            main()
+        run_main(functools.partial(main, args) if takes_arguments else main)
     except KeyboardInterrupt:
-        if debug:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
         # Every study writes its outputs through atomic_files, and its scratch folders are temporary ones.
         print(f"{script.stem}: interrupted; every output is its complete old or new file "
               "(none is left half-written): run the study again to finish", file=sys.stderr, flush=True)
         raise SystemExit(INTERRUPTED) from None
+
+
+def run_main(main: Callable[[], T]) -> T:
+    """``main()``, ended as a stage ends on an input error: ``error: <message>`` on one line, exit status 2.
+
+    What ``python benchmarks/<benchmark>.py`` runs (its ``main`` parses its own arguments), and
+    :func:`run_study` too.  With ``CED_CSA2_DEBUG=1``, or for any other exception (a bug), the traceback.
+    """
+    try:
+        return main()
     except Exception as exc:
-        if not is_input_error(exc) or debug:
+        if not is_input_error(exc) or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
         print(error_line(exc), file=sys.stderr, flush=True)
         raise SystemExit(2) from None
