@@ -31,12 +31,16 @@ from ced_csa2.runtime.groups import GROUPS
 
 
 def main() -> int:
-    params = load_params()
-    scored = [g for g in params.eval_ppl.groups if GROUPS[g].uses_maps]
     ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--release", type=Path, default=RELEASE)
-    ap.add_argument("--groups", nargs="+", default=scored, choices=scored)
+    ap.add_argument("--groups", nargs="+", help="default: every eval_ppl group of params.yaml that has maps")
     args = ap.parse_args()
+    params = load_params()
+    scored = [g for g in params.eval_ppl.groups if GROUPS[g].uses_maps]
+    groups = args.groups or scored
+    if not set(groups) <= set(scored):
+        ap.error(f"argument --groups: {sorted(set(groups) - set(scored))} not among params.yaml's eval_ppl "
+                 f"groups with maps {scored}")
     committed = json.loads(PPL_METRICS.read_text(encoding="utf-8"))["groups"]
 
     model, tok = load_model_and_tokenizer(base_model_config(args.release))
@@ -45,10 +49,10 @@ def main() -> int:
     rows = eval_ids(params, tok, Path("."))
     t0 = time.perf_counter()
     # The baseline is scored with them: KL and top-1 are against it, as in eval_ppl.
-    got = groups_ppl(model, plan, ["baseline", *args.groups], parts, rows, params, tok.pad_token_id)
-    print(f"scored {len(args.groups)} groups on {len(rows)} records in {time.perf_counter() - t0:.0f} s "
+    got = groups_ppl(model, plan, ["baseline", *groups], parts, rows, params, tok.pad_token_id)
+    print(f"scored {len(groups)} groups on {len(rows)} records in {time.perf_counter() - t0:.0f} s "
           f"from {args.release}")
-    for group in args.groups:
+    for group in groups:
         diff = [k for k in committed[group] if got[group].get(k) != committed[group][k]]
         if diff:
             k = diff[0]
