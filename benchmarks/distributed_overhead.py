@@ -25,7 +25,6 @@ overhead of running data-parallel, not a speed-up.  A speed-up needs one device 
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -35,6 +34,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from ced_csa2.pipeline.cli import ArgumentParser  # noqa: E402
+from ced_csa2.pipeline.study_runner import run_main  # noqa: E402
 from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +63,7 @@ def run(workdir: Path, stage: str, nproc: int, threads: str | None = None) -> fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="median of this many runs per stage and nproc")
     args = parser.parse_args()
     from ced_csa2.compose import compose
@@ -98,4 +99,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -23,6 +23,8 @@ import torch
 
 from ced_csa2.config import load_params
 from ced_csa2.model_utils import load_model_and_tokenizer
+from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds
 
 
@@ -58,7 +60,7 @@ def projector_step(hidden: int, kv_dim: int, rows: int, autocast: bool):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--rows", type=int, default=4096, help="projector batch (train_projector.batch_size)")
@@ -84,4 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -28,13 +28,15 @@ from ced_csa2.data import dumping
 from ced_csa2.data.dump_file import DumpLayout, DumpWriter
 from ced_csa2.data.records import pad_batch, read_records, tokenize
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import TRAIN_JSONL
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds
 from ced_csa2.plan import load_plan
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--records", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -83,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -23,7 +23,6 @@ Not part of the tests.  Results are for this machine; the README quotes them.
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
@@ -32,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import median_seconds, paired_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +74,7 @@ def drop_cache(path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=120_000)
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--kv-dim", type=int, default=192)
@@ -157,4 +158,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -21,10 +21,12 @@ from pathlib import Path
 
 from ced_csa2 import estimate
 from ced_csa2.config import load_params
+from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=Path("."), help="the checkout whose run to compare (default: here)")
     ap.add_argument("--probe", action="store_true", help="measure this CPU's rate again (else the cached probe)")
     args = ap.parse_args(argv)
@@ -50,4 +52,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -20,16 +20,18 @@ import argparse
 import torch
 
 from ced_csa2.kv.fp4 import MXFP4, NVFP4
+from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import paired_seconds
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=65536)
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
 
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
@@ -56,4 +58,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

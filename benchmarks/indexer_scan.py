@@ -31,12 +31,14 @@ import argparse
 import torch
 
 from ced_csa2.maps.indexer import LightningIndexer, key_format
+from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import PROTOCOL, paired_seconds
 from ced_csa2.runtime.sparse_decode import KeyScan
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, nargs="+", default=[8192], help="cached positions scanned")
     ap.add_argument("--width", type=int, default=192, help="indexer key channels (SmolLM2's attention_rot: 3 x 64)")
     ap.add_argument("--heads", type=int, default=3, help="indexer query heads")
@@ -78,4 +80,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -48,8 +48,10 @@ from ced_csa2.config import load_params
 from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.eval.perplexity import eval_ids, prefill_bound
 from ced_csa2.model_utils import load_model_and_tokenizer
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import PROTOCOL, BoundExceeded, check_bound, paired_seconds
 from ced_csa2.plan import load_plan
 from ced_csa2.projector import KVProjector, ProjectorBank
@@ -93,14 +95,14 @@ def cpu_line() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     ap.add_argument("--workdir", type=Path, default=Path("."), help="where data/corpus/eval.jsonl is")
     ap.add_argument("--models", type=Path, default=None,
                     help="a folder of the main branch's maps (default: the ones eval_ppl's Mode A reads from "
                          "--workdir)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--head-widths", type=int, nargs="*", default=[],
                     help="also time random maps with residual heads of these widths (0 = linear)")
@@ -165,4 +167,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

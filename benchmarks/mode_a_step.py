@@ -33,6 +33,8 @@ import torch
 from ced_csa2.ced_runtime import CEDModeARuntime, prompt_tokens
 from ced_csa2.config import load_params
 from ced_csa2.model_utils import decoder_layer, load_model_and_tokenizer
+from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import PROTOCOL, check_bound, paired_seconds
 from ced_csa2.plan import load_plan
 from ced_csa2.train.objectives import kl_distill, mode_a_kl, mode_a_teacher
@@ -61,7 +63,7 @@ def step_bound(model, n_layers: int, split: int, tokens: int, prompt: int) -> fl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     ap.add_argument("--batch", type=int, default=None, help="records per step (default train.online.batch_size)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per record (default train.online.seq_len)")
@@ -100,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -25,14 +25,16 @@ import torch
 from ced_csa2.config import load_params
 from ced_csa2.data.records import batches
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import RIDGE_PATH
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import load_plan
 from ced_csa2.train.objectives import objective_loss, online_records, ridge_parts
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
@@ -78,4 +80,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

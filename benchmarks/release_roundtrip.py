@@ -15,7 +15,6 @@ about as long as ``eval_ppl``'s held-out part for the groups asked; ~4 min for t
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -24,18 +23,24 @@ from pathlib import Path
 from ced_csa2.config import load_params
 from ced_csa2.eval.perplexity import eval_ids, groups_ppl
 from ced_csa2.model_utils import load_model_and_tokenizer
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import PPL_METRICS
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.release import RELEASE, base_model_config, load_release, release_plan
 from ced_csa2.runtime.groups import GROUPS
 
 
 def main() -> int:
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--release", type=Path, default=RELEASE)
+    ap.add_argument("--groups", nargs="+", help="default: every eval_ppl group of params.yaml that has maps")
+    args = ap.parse_args()
     params = load_params()
     scored = [g for g in params.eval_ppl.groups if GROUPS[g].uses_maps]
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--release", type=Path, default=RELEASE)
-    ap.add_argument("--groups", nargs="+", default=scored, choices=scored)
-    args = ap.parse_args()
+    groups = args.groups or scored
+    if not set(groups) <= set(scored):
+        ap.error(f"argument --groups: {sorted(set(groups) - set(scored))} not among params.yaml's eval_ppl "
+                 f"groups with maps {scored}")
     committed = json.loads(PPL_METRICS.read_text(encoding="utf-8"))["groups"]
 
     model, tok = load_model_and_tokenizer(base_model_config(args.release))
@@ -44,10 +49,10 @@ def main() -> int:
     rows = eval_ids(params, tok, Path("."))
     t0 = time.perf_counter()
     # The baseline is scored with them: KL and top-1 are against it, as in eval_ppl.
-    got = groups_ppl(model, plan, ["baseline", *args.groups], parts, rows, params, tok.pad_token_id)
-    print(f"scored {len(args.groups)} groups on {len(rows)} records in {time.perf_counter() - t0:.0f} s "
+    got = groups_ppl(model, plan, ["baseline", *groups], parts, rows, params, tok.pad_token_id)
+    print(f"scored {len(groups)} groups on {len(rows)} records in {time.perf_counter() - t0:.0f} s "
           f"from {args.release}")
-    for group in args.groups:
+    for group in groups:
         diff = [k for k in committed[group] if got[group].get(k) != committed[group][k]]
         if diff:
             k = diff[0]
@@ -58,4 +63,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -15,7 +15,6 @@ keeps the clone (its dvc.lock, metrics and reports are the run's results).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -25,6 +24,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +41,7 @@ def cpu_summary() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-S", dest="overrides", action="append", default=[], help="a Hydra override (repeatable)")
     ap.add_argument("--keep", type=Path, help="clone here (kept) instead of a temporary folder")
     ap.add_argument("--name", default="repro_e2e", help="results file benchmarks/results/<name>[_<overrides>].md")
@@ -77,4 +79,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

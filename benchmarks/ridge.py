@@ -28,6 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
+
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
@@ -98,7 +101,7 @@ def run_worker(kind: str, args, out: Path) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dump", type=Path, help="an existing dump (default: build a synthetic one)")
     p.add_argument("--x", default="h_split", help="input dataset")
     p.add_argument("--y", nargs="+", help="output datasets (default: k_l v_l of the first K/V layer)")
@@ -158,4 +161,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

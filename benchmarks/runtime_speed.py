@@ -33,8 +33,10 @@ from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.data.records import read_records
 from ced_csa2.eval.perplexity import prefill_bound
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import PROTOCOL, check_bound, paired_seconds
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.projector import KVProjector
@@ -48,7 +50,7 @@ def random_parts(geo, plan: LayerPlan) -> CEDParts:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", type=int, default=8)
     ap.add_argument("--prompts", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--repeats", type=int, default=3)
@@ -112,4 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -65,7 +65,9 @@ from ced_csa2.eval.stats import ratio_bootstrap
 from ced_csa2.kv.kv_bytes import bytes_per_token
 from ced_csa2.maps.indexer import IndexerConfig, LightningIndexer, key_bytes, load_indexer
 from ced_csa2.model_utils import attention, geometry, load_model_and_tokenizer, rope_fn
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.map_roles import MAIN
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import LayerPlan
 from ced_csa2.projector import KVProjector
@@ -139,7 +141,7 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, spars
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="prefill lengths T")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per context and cache")
     ap.add_argument("--batch", type=int, default=1)
@@ -154,11 +156,12 @@ def main() -> None:
     ap.add_argument("--models-dir", type=Path, default=Path("models"))
     ap.add_argument("--indexers", type=Path, nargs="+", default=[Path("studies/indexer/attention_rot.pt")],
                     help="trained indexers, each timed in its own sparse arms (labelled by file stem)")
-    ap.add_argument("--dtype", default=None, help="model dtype (default: params.model.dtype)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                    help="model dtype (default: params.model.dtype)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    sparse = [SparseDecode(*map(int, spec.split(":"))) for spec in args.sparse]
+    sparse = [SparseDecode.from_spec(spec) for spec in args.sparse]
     if set(args.storages) - {"bf16"} and fp4_group(args.group) not in GROUPS:
         ap.error(f"--group {args.group} has no FP4 group ({fp4_group(args.group)} is not in the registry); "
                  "give --storages bf16")
@@ -217,4 +220,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -38,7 +38,9 @@ from ced_csa2.csa2 import CSA2Adapters
 from ced_csa2.data.records import read_records
 from ced_csa2.eval.scoring import branch_point, multi_group_nll, sequence_nll
 from ced_csa2.model_utils import load_model_and_tokenizer
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import EVAL_JSONL
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import check_bound, paired_seconds
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.groups import GROUP_NAMES
@@ -107,7 +109,7 @@ def bench(name: str, records: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", choices=list(PROFILES), default=list(PROFILES))
     ap.add_argument("--records", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
@@ -126,4 +128,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -42,6 +42,8 @@ from transformers.cache_utils import DynamicLayer
 from ced_csa2.config import load_params
 from ced_csa2.eval.generation import StepDecoder
 from ced_csa2.model_utils import attention, geometry, load_model_and_tokenizer
+from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import LayerPlan
 from ced_csa2.runtime.attention_calls import AttentionCalls
@@ -119,7 +121,7 @@ def instrumented(model, layer: int, cache, timers: Timers) -> Iterator[None]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=8192, help="prefilled positions")
     ap.add_argument("--steps", type=int, default=9, help="timed decode steps per cache, and instrumented ones")
     ap.add_argument("--sparse", default="128:64", metavar="K:WINDOW[:KEEP]")
@@ -128,7 +130,7 @@ def main() -> None:
     ap.add_argument("--indexer", type=Path, default=Path("studies/indexer/attention_rot.pt"))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    reads = SparseDecode(*map(int, args.sparse.split(":")))
+    reads = SparseDecode.from_spec(args.sparse)
 
     params = load_params(args.params)
     model, _ = load_model_and_tokenizer(params.model)
@@ -173,4 +175,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

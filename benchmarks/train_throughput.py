@@ -29,6 +29,8 @@ from ced_csa2.config import load_params
 from ced_csa2.data.dump_file import DumpReader
 from ced_csa2.data.loader import BlockLoader, load_rows, record_split
 from ced_csa2.model_utils import resolve_device
+from ced_csa2.pipeline.cli import ArgumentParser
+from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import Clock, paired_seconds
 from ced_csa2.plan import LayerPlan
 from ced_csa2.train.projector_training import build_projectors, heads_for
@@ -54,7 +56,7 @@ class Trainer:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", type=int, default=128)
     ap.add_argument("--epochs", type=int, default=8)
     args = ap.parse_args()
@@ -106,4 +108,4 @@ def main() -> None:
     }, indent=2))
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

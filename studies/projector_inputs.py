@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 import yaml
 from torch import nn
-from tqdm import tqdm
 
 from ced_csa2 import kv_hooks
 from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_sink
@@ -49,6 +48,7 @@ from ced_csa2.pipeline.atomic_files import atomic_write_text, write_tsv
 from ced_csa2.pipeline.checkpoint import check_meta_provenance, expected_meta
 from ced_csa2.pipeline.map_roles import MODE_A
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODE_A_SINK, TRAIN_JSONL
+from ced_csa2.pipeline.progress import Progress
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.sink import SinkGroup
@@ -143,7 +143,7 @@ def batch_rows(model, plan, rows: list[list[int]], batch_size: int, pad_id: int,
     """
     device = next(model.parameters()).device
     stop = plan.source + 1 if plan.source < len(model.model.layers) else None
-    for ids, mask in tqdm(batches(rows, batch_size, pad_id, device), desc=desc, unit="batch"):
+    for ids, mask in Progress(batches(rows, batch_size, pad_id, device), desc=desc, unit="batch"):
         with torch.no_grad(), cut_features(model, plan.split) as cut, \
                 kv_hooks.capture(model, kv_layers=[plan.source], hidden_layers=[plan.split]) as kv, \
                 kv_hooks.layer_calls(model, stop=stop):

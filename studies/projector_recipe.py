@@ -38,6 +38,7 @@ from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_bootstrap
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import write_tsv
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH
 from ced_csa2.pipeline.study_runner import run_study
@@ -82,11 +83,25 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     write_png(fig, path)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def batch_sizes(text: str) -> list[int]:
+    """``--<init>-batch-sizes 4096,256`` as ``[4096, 256]``; anything else is argparse's error, before any work."""
+    try:
+        sizes = [int(size) for size in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers")
+    return sizes
+
+
+def arguments() -> ArgumentParser:
+    ap = ArgumentParser(prog="python studies/projector_recipe.py", description=__doc__.split("\n\n")[0])
     for init, sizes in BATCH_SIZES.items():
-        ap.add_argument(f"--{init}-batch-sizes", default=",".join(map(str, sizes)))
-    args = ap.parse_args()
+        ap.add_argument(f"--{init}-batch-sizes", type=batch_sizes, default=list(sizes), metavar="N,N,...")
+    return ap
+
+
+def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     params = load_params(Path("params.yaml"))
     check_prepared(params, Path("."), EVAL_JSONL)
@@ -115,7 +130,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for init in ("random", "ridge"):
         rows = results[init] = []
-        for batch in map(int, getattr(args, f"{init}_batch_sizes").split(",")):
+        for batch in getattr(args, f"{init}_batch_sizes"):
             # keep: last -- the recipe as the seed runs it (the main branch keeps its best held-out epoch)
             recipe = dataclasses.replace(params.train_projector, batch_size=batch, init=init, keep="last")
             t0 = time.perf_counter()
@@ -134,4 +149,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_study(main)
+    run_study(main, arguments())

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from tqdm import tqdm
 
 from ced_csa2.ced_runtime import CEDModeBRuntime, load_parts
 from ced_csa2.config import from_dict, load_params
@@ -50,6 +49,7 @@ from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
+from ced_csa2.pipeline.progress import Progress
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.groups import GROUP_NAMES, LOW_RANK_GROUPS
@@ -149,7 +149,7 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
         runtimes = {g: CEDModeBRuntime(model, plan, g, parts, kv_format=params.kv_format) for g in groups}
         if length in study.lengths:
             runtimes |= sparse_groups
-        for g, runtime in tqdm(runtimes.items(), desc=f"retrieval @{length}", unit="group"):
+        for g, runtime in Progress(runtimes.items(), desc=f"retrieval @{length}", unit="group"):
             t = time.perf_counter()
             with runtime:
                 hits[length][g] = retrieval.forward_hits(model, records, study.batch_size)

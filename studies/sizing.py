@@ -39,6 +39,7 @@ from ced_csa2.eval.stats import paired_bootstrap
 from ced_csa2.maps.ridge import evaluate_maps, fit_maps, map_groups, save_ridge
 from ced_csa2.model_utils import load_model_and_tokenizer
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_tsv
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
@@ -97,15 +98,18 @@ def ci_curve(workdir: Path, params, plan, geo, maps: dict, sizes: list[int], gro
     return rows, {"dtype": str(model.dtype).removeprefix("torch."), "nll": {g: v.tolist() for g, v in nll.items()}}
 
 
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments() -> ArgumentParser:
+    ap = ArgumentParser(prog="python studies/sizing.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--ridge-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 192])
     ap.add_argument("--eval-sizes", type=int, nargs="+", default=[10, 20, 30, 40, 50, 60, 70, 80, 90])
     ap.add_argument("--groups", nargs="+", default=["ced", "csa2"], choices=GROUP_NAMES[1:],
                     help="groups whose ΔPPL CI is measured (each costs one pass over the eval records)")
-    args = ap.parse_args()
+    return ap
+
+
+def main(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     params = load_params(args.workdir / "params.yaml")
     check_prepared(params, args.workdir, EVAL_JSONL)
     plan, geo = load_plan(params.plan, params.model)
@@ -121,4 +125,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_study(main)
+    run_study(main, arguments())

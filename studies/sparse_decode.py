@@ -40,7 +40,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from tqdm import tqdm
 
 from ced_csa2.ced_runtime import load_parts
 from ced_csa2.config import from_dict, load_params
@@ -54,6 +53,7 @@ from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
+from ced_csa2.pipeline.progress import Progress
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.shared_kv import cache_bytes
@@ -133,7 +133,7 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
     top1 = {g: [] for g in caches}
     used = {g: [] for g in caches}
     allocated = {g: [] for g in caches}
-    for seq in tqdm(seqs, desc="sparse decode", unit="seq"):
+    for seq in Progress(seqs, desc="sparse decode", unit="seq"):
         ids = torch.tensor([seq], device=device)
         gold = ids[0, study.prefill + 1:study.prefill + study.steps + 1]
         logp = {}

@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import yaml
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .pipeline.cli import ArgumentParser
+
+    ap = ArgumentParser(prog="python -m ced_csa2.compose", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/, e.g. budget=cpu_full ridge.lambda=10")
     ap.add_argument("--force", action="store_true",
                     help="overwrite params.yaml even where it holds values the composition changes (hand edits)")

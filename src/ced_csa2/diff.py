@@ -30,6 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .pipeline.cli import ArgumentParser
 from .pipeline.paths import GROUPS_TABLE
 
 COLUMNS = (("dppl_pct", "ΔPPL %", "+.2f"), ("kl", "KL", ".4f"), ("dgold_nll", "Δ gold NLL", "+.3f"))
@@ -266,7 +267,7 @@ def _dig(tree: dict, dotted: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ced_csa2.diff", description=__doc__,
+    parser = ArgumentParser(prog="python -m ced_csa2.diff", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("old", nargs="?", default=None,
                         help="revision or experiment name of the old table (default: your baseline, else HEAD)")

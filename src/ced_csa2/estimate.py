@@ -66,6 +66,7 @@ from .eval.perplexity import EVAL_SAMPLE_STREAM
 from .kv.kv_bytes import adapter_params_per_target, projector_params
 from .maps.ridge import map_groups
 from .model_utils import QWEN3_5_4B_ID, Geometry, geometry, load_config, qwen3_5_4b_config, resolve_dtype
+from .pipeline.cli import ArgumentParser
 from .pipeline.paths import EVAL_JSONL, GOLD_PATH, PREPARE_METRICS, TRAIN_JSONL, domain_jsonl
 from .plan import LayerPlan
 from .runtime.groups import GROUPS
@@ -887,7 +888,7 @@ def measured_seconds(workdir: Path) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m ced_csa2.estimate", description=__doc__,
+    ap = ArgumentParser(prog="python -m ced_csa2.estimate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/ (none: read params.yaml)")
     ap.add_argument("-S", "--set-param", action="append", default=[], metavar="KEY=VALUE", dest="set_params",

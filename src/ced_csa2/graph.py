@@ -14,12 +14,13 @@ imports included, and every enclosing package's ``__init__`` (Python runs them b
 
 from __future__ import annotations
 
-import argparse
 import ast
 import sys
 from pathlib import Path
 
 import yaml
+
+from .pipeline.cli import ArgumentParser
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
@@ -103,7 +104,7 @@ def stale(paths: tuple[Path, ...] = PIPELINES) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ced_csa2.graph", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m ced_csa2.graph", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit status 1 if a file is stale")
     args = ap.parse_args(argv)
     paths = stale()

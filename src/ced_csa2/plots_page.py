@@ -12,11 +12,11 @@ first, and ``.dvc/config`` names it (``plots.html_template``), so ``dvc plots sh
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from .pipeline.atomic_files import atomic_write_text
+from .pipeline.cli import ArgumentParser
 
 PIN = "1.9.0"  # vl_convert.__version__ of vl-convert-python==1.9.0.post1 (pyproject's test extra)
 VEGA_LITE = "5.20"  # DVC's templates are Vega-Lite v5 specs
@@ -58,7 +58,7 @@ def bundle() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ced_csa2.plots_page", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m ced_csa2.plots_page", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=TEMPLATE,
                         help=f"where to write the template (default {TEMPLATE}; a folder: {TEMPLATE.name} in it)")
     args = parser.parse_args(argv)

@@ -37,8 +37,9 @@ def test_every_study_refuses_a_corpus_made_for_other_params_in_one_line(prepared
     monkeypatch.syspath_prepend(str(script.parent))  # as the study tests import them (tests/test_*_study.py)
     monkeypatch.setattr(sys, "argv", [str(script), *ARGS.get(script.stem, [])])
     (prepared / "params.yaml").write_text(compose([*TINY_OVERRIDES, "data.max_tokens=97"]))
-    with pytest.raises(SystemExit) as end:
-        run_study(importlib.import_module(script.stem).main)
+    study = importlib.import_module(script.stem)
+    with pytest.raises(SystemExit) as end:  # as its `python studies/<study>.py` runs it
+        run_study(study.main, study.arguments() if hasattr(study, "arguments") else None)
     assert end.value.code == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: data/corpus/"), err
@@ -54,7 +55,9 @@ def test_a_study_missing_an_input_is_one_line_exit_2(prepared):
     assert str(MODE_A_SINK) in line, line
 
 
-def test_ctrl_c_in_a_study_is_one_line_exit_130(capsys):
+def test_ctrl_c_in_a_study_is_one_line_exit_130(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [__file__])  # no arguments, not pytest's
+
     def main():
         raise KeyboardInterrupt
 

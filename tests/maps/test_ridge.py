@@ -199,7 +199,7 @@ def test_stage_fits_exact_linear_maps(tmp_path, monkeypatch):
     write_dump(tmp_path / paths.DUMP_PATH, plan.kv_layers, exact_linear_rows(plan), n_records=25)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(to_dict(params), sort_keys=False))
     monkeypatch.chdir(tmp_path)
-    ridge_stage.main()  # the DVC entry point: params.yaml and the dump from the working directory
+    ridge_stage.main([])  # the DVC entry point: params.yaml and the dump from the working directory
 
     metrics = json.loads((tmp_path / paths.RIDGE_METRICS).read_text())
     maps, meta = load_ridge(tmp_path / paths.RIDGE_PATH)

@@ -13,8 +13,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from ..assets import digest, fetch_member
 from ..config import DataConfig, DomainConfig, Params, provenance
 from ..pipeline.atomic_files import atomic_write_text, write_json
@@ -27,6 +25,7 @@ from ..pipeline.paths import (
     domain_jsonl,
     provenance_path,
 )
+from ..pipeline.progress import Progress
 from . import readers
 
 log = logging.getLogger(__name__)
@@ -156,7 +155,7 @@ def wiki_embedded_records(data: DataConfig, budget: TokenBudget) -> tuple[list[R
              ", ".join(articles[i].title for i in sorted(heldout)))
     source = f"enwiki@{pin.package}=={pin.version}"
     train, eval_pool = [], []
-    for a, article in enumerate(tqdm(articles, desc="pack articles", unit=" article", leave=False)):
+    for a, article in enumerate(Progress(articles, desc="pack articles", unit=" article", leave=False)):
         for k, (text, n) in enumerate(budget.pack(article.paragraphs)):
             (eval_pool if a in heldout else train).append(Record(f"enwiki-{a:03d}-{k:02d}", source, text, n))
     log.info("%d train records; sampling %d eval records from %d held-out records", len(train), data.n_eval,
@@ -182,7 +181,7 @@ def _long_lines(data: DataConfig, config: str, split: str, n: int, budget: Token
     order = list(range(len(lines)))
     _rng(data.seed, f"{config}/{split}").shuffle(order)
     chosen = []
-    with tqdm(total=n or None, desc=f"{config}/{split}", unit=" line", leave=False) as bar:
+    with Progress(total=n or None, desc=f"{config}/{split}", unit=" line", leave=False) as bar:
         for i in order:
             if budget.count(lines[i]) < budget.min_tokens:
                 continue
@@ -279,7 +278,7 @@ def domain_records(domain: DomainConfig, seed: int, budget: TokenBudget, train_r
 
     def pack(part):
         return [Record(f"{domain.name}-{t.key}-{k:02d}", source, text, n)
-                for t in tqdm(part, desc=f"domain {domain.name}", unit=" text", leave=False)
+                for t in Progress(part, desc=f"domain {domain.name}", unit=" text", leave=False)
                 for k, (text, n) in enumerate(budget.pack(t.paragraphs))]
 
     pool = pack(texts[:n_eval_texts])

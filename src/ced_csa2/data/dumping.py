@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from .. import kv_hooks
 from ..config import Params, to_dict
 from ..pipeline import distributed
 from ..pipeline.paths import DUMP_PARTIAL, DUMP_PATH, dump_shard
+from ..pipeline.progress import Progress
 from ..plan import LayerPlan
 from .dump_file import DumpError, DumpLayout, DumpReader, DumpWriter, copy_records
 from .records import pad_batch
@@ -82,7 +82,7 @@ def dump_records(model, pad_id: int, plan: LayerPlan, ids: list[list[int]], cfg,
     batches = [ids[i:i + cfg.batch_size] for i in range(0, len(ids), cfg.batch_size)]
     n_tokens, total = 0, writer.n_records + len(ids)
     try:
-        for b, rows in enumerate(tqdm(batches, desc="dump", unit="batch", disable=not distributed.is_main())):
+        for b, rows in enumerate(Progress(batches, desc="dump", unit="batch", disable=not distributed.is_main())):
             if max_batches is not None and b >= max_batches:
                 writer.close()
                 return None

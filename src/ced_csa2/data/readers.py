@@ -37,7 +37,8 @@ from pathlib import Path
 import mwparserfromhell
 from mwparserfromhell.nodes import Heading, Tag, Template, Wikilink
 from mwparserfromhell.wikicode import Wikicode
-from tqdm import tqdm
+
+from ..pipeline.progress import Progress
 
 from ..pipeline.hub_refusals import hub_refusal
 
@@ -96,7 +97,7 @@ def wiki_articles(bz2_path: str | Path) -> list[Article]:
         Articles in dump order, those left without any paragraph omitted.
     """
     articles = []
-    for title, wikitext in tqdm(_main_pages(Path(bz2_path)), desc="clean wiki", unit=" page", leave=False):
+    for title, wikitext in Progress(_main_pages(Path(bz2_path)), desc="clean wiki", unit=" page", leave=False):
         paragraphs = clean_wikitext(wikitext)
         if paragraphs:
             articles.append(Article(title, paragraphs))

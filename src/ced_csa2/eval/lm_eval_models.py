@@ -25,10 +25,10 @@ from contextlib import contextmanager
 
 import torch
 from lm_eval.models.huggingface import HFLM
-from tqdm import tqdm
 
 from ..ced_runtime import CEDModeARuntime
 from ..pipeline import distributed
+from ..pipeline.progress import Progress
 from ..plan import LayerPlan
 from . import generation
 from .scoring import BLOCK_TOKENS, continuation_logprob
@@ -148,7 +148,7 @@ class ModeALM(DataParallelLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         """``(sum log p(continuation | context), is greedy)`` per ``((ctx, cont), ctx_ids, cont_ids)``."""
         out = []
-        for request, context, continuation in tqdm(requests, disable=disable_tqdm, desc="Mode A loglikelihood"):
+        for request, context, continuation in Progress(requests, disable=disable_tqdm, desc="Mode A loglikelihood"):
             if len(context) + len(continuation) > self.max_length + 1:
                 raise ValueError(f"Mode A request of {len(context) + len(continuation)} tokens exceeds the model's "
                                  f"{self.max_length}; lm-eval's left truncation would cut the skipped prompt")

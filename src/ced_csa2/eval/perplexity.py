@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
-from tqdm import tqdm
 
 from ..ced_runtime import (CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_hidden, plain_prefill,
                            prompt_tokens)
@@ -22,6 +21,7 @@ from ..config import Params
 from ..data.records import read_records, seeded_subset
 from ..pipeline import distributed
 from ..pipeline.paths import EVAL_JSONL, domain_jsonl
+from ..pipeline.progress import Progress
 from ..pipeline.timing import MIN_REPEATS, PROTOCOL, BoundExceeded, check_bound, paired_seconds
 from ..runtime.group_runtime import GroupRuntime
 from .scoring import BLOCK_TOKENS, multi_group_nll, score_hidden, sequence_nll
@@ -160,7 +160,7 @@ def mode_a_prefix(model, plan, geo, parts: CEDParts, ids: list[list[int]], fract
     # Both timed arms under inference mode (Mode A's prefill is decorated with it).
     timed_plain = torch.inference_mode()(plain_prefill)
     lo, hi = distributed.bounds(len(ids))
-    for i in tqdm(range(lo, hi), desc="mode A", unit="record", disable=not distributed.is_main()):
+    for i in Progress(range(lo, hi), desc="mode A", unit="record", disable=not distributed.is_main()):
         row = ids[i]
         x, cut = torch.tensor([row], device=device), prompt_tokens(len(row), fraction)
         prompt, cont = x[:, :cut], x[:, cut:]

@@ -16,11 +16,11 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from .. import kv_hooks
 from ..ced_runtime import CEDModeBRuntime, CEDParts, parts_for
 from ..pipeline import distributed
+from ..pipeline.progress import Progress
 from ..plan import LayerPlan
 from ..runtime.group_runtime import GroupRuntime
 
@@ -47,7 +47,7 @@ def _batches(sequences: Sequence[Sequence[int]], score_from: Sequence[int], batc
 
 def _progress(batches: Iterator, sequences: Sequence, batch_size: int, desc: str) -> Iterator:
     """``batches`` with a progress bar (on the main process only)."""
-    return tqdm(batches, total=-(-len(sequences) // batch_size), desc=desc, unit="batch",
+    return Progress(batches, total=-(-len(sequences) // batch_size), desc=desc, unit="batch",
                 disable=not distributed.is_main())
 
 

@@ -37,7 +37,6 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ..config import check_provenance
 from ..data.dump_file import DumpReader
@@ -45,6 +44,7 @@ from ..data.loader import active_blocks, cat_features, iter_blocks
 from ..pipeline import distributed
 from ..pipeline.atomic_files import atomic_write_bytes
 from ..pipeline.checkpoint import CheckpointError, other_version_error, state_digest
+from ..pipeline.progress import Progress
 from ..plan import LayerPlan
 from .fit_metrics import FitStats, merged
 
@@ -270,7 +270,7 @@ def accumulate(reader: DumpReader, groups: list[MapGroup], mask: np.ndarray, blo
         block = next(_blocks(reader, groups, mask, block_rows, derive, first))
         for g, acc in zip(groups, accs):
             acc.set_shift(torch.from_numpy(cat_features(block, g.xs)), torch.from_numpy(cat_features(block, g.y)))
-    with tqdm(total=int(mask.sum()), desc="ridge fit", unit="row", unit_scale=True,
+    with Progress(total=int(mask.sum()), desc="ridge fit", unit="row", unit_scale=True,
               disable=not distributed.is_main()) as bar:
         for block in _blocks(reader, groups, mask, block_rows, derive):
             for g, acc in zip(groups, accs):
@@ -316,7 +316,7 @@ def evaluate_maps(reader: DumpReader, groups: list[MapGroup], maps: dict, mask: 
         datasets also gets one entry per dataset, ``{name}_{k|v}``.
     """
     stats: dict[str, FitStats] = {}
-    with tqdm(total=int(mask.sum()), desc="ridge val", unit="row", unit_scale=True,
+    with Progress(total=int(mask.sum()), desc="ridge val", unit="row", unit_scale=True,
               disable=not distributed.is_main()) as bar:
         for block in _blocks(reader, groups, mask, block_rows, derive):
             for g in groups:

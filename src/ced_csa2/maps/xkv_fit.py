@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ..data.dump_file import DumpReader
 from ..data.loader import cat_features, iter_blocks
 from .fit_metrics import FitStats
 from .xkv import KINDS, GramAccumulator, XKVBasis
+from ..pipeline.progress import Progress
 
 # Rows per read (rounded up to the dump's block): memory is O(rows * L * kv_dim) per read
 # plus the two (L*kv_dim)² Grams, whatever the number of rows; the sums do not depend on it
@@ -29,7 +29,7 @@ def xkv_statistics(reader: DumpReader, layers: tuple[int, ...], mask: np.ndarray
     """``{kind: GramAccumulator}`` of the stacked K (V) rows of ``layers`` over the masked rows, one pass."""
     width = reader.layout.widths()[f"k_{layers[0]}"] * len(layers)
     accs = {kind: GramAccumulator(width, f"xkv {kind} Gram of layers {list(layers)}") for kind in KINDS}
-    with tqdm(total=int(mask.sum()), desc="xkv fit", unit="row", unit_scale=True) as bar:
+    with Progress(total=int(mask.sum()), desc="xkv fit", unit="row", unit_scale=True) as bar:
         for block in iter_blocks(reader, xkv_names("k", layers) + xkv_names("v", layers), mask, block_rows):
             for kind, acc in accs.items():
                 acc.update(torch.from_numpy(cat_features(block, xkv_names(kind, layers))))
@@ -43,7 +43,7 @@ def xkv_heldout(reader: DumpReader, basis: XKVBasis, mask: np.ndarray, block_row
     stats = {f"{kind}_{layer}": FitStats() for kind in KINDS for layer in layers}
     kept = {kind: 0.0 for kind in KINDS}
     total = {kind: 0.0 for kind in KINDS}
-    with tqdm(total=int(mask.sum()), desc="xkv val", unit="row", unit_scale=True) as bar:
+    with Progress(total=int(mask.sum()), desc="xkv val", unit="row", unit_scale=True) as bar:
         for block in iter_blocks(reader, xkv_names("k", layers) + xkv_names("v", layers), mask, block_rows):
             for kind in KINDS:
                 rows = {layer: torch.from_numpy(block[f"{kind}_{layer}"]) for layer in layers}

@@ -20,6 +20,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -27,6 +28,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..config import load_params, record_reads
 from .atomic_files import atomic_write_text
+from .cli import ArgumentParser
 from .paths import timings_path
 
 RECORD_ENV = "CED_CSA2_RECORD_READS"
@@ -249,8 +251,17 @@ def _write(path: Path, obj: dict) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
-def objective_arg(stage: str) -> str:
-    """The one argument of ``python -m ced_csa2.stages.<stage> <objective>`` (the foreach stages' ``${item}``)."""
-    if len(sys.argv) != 2:
-        raise SystemExit(f"usage: python -m ced_csa2.stages.{stage} <objective>")
-    return sys.argv[1]
+def stage_arguments(run, argv: Sequence[str] | None, *names: str) -> list[str]:
+    """The values of ``python -m ced_csa2.stages.<stage> [<name> ...]``'s arguments, in the order of ``names``.
+
+    ``argv`` (``None``: the command line's) holds exactly those (a foreach stage's ``${item}``, e.g. an
+    objective): anything else is the usage and one error line, exit status 2, before any work.
+    """
+    stage = _module(run).rsplit(".", 1)[-1]
+    parser = ArgumentParser(prog=f"python -m ced_csa2.stages.{stage}",
+                            description=f"dvc.yaml's stage {stage}: params.yaml and its inputs from the working "
+                                        "directory")
+    for name in names:
+        parser.add_argument(name)
+    args = parser.parse_args(argv)
+    return [getattr(args, name) for name in names]

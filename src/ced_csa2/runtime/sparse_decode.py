@@ -77,6 +77,14 @@ class SparseDecode:
             raise ValueError(f"sparse decode keeps at least the k + window = {self.k + self.window} entries a step "
                              f"reads; got keep={self.keep}")
 
+    @classmethod
+    def from_spec(cls, spec: str) -> SparseDecode:
+        """The reads ``K:WINDOW[:KEEP]`` names (a benchmark's ``--sparse``), e.g. ``128:64``."""
+        parts = spec.split(":")
+        if len(parts) not in (2, 3) or not all(part.isdigit() for part in parts):
+            raise ValueError(f"sparse decode reads {spec!r}: expected K:WINDOW[:KEEP] in whole numbers, e.g. 128:64")
+        return cls(*map(int, parts))
+
     @property
     def kept(self) -> int:
         """Entries per target kept between steps: ``keep``, or ``k + window``."""

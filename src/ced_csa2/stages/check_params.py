@@ -17,12 +17,13 @@ run cache to restore it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import Params, params_hash, to_dict
 from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import VALIDATED_PARAMS
-from ..pipeline.stage_runner import run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ def run(params: Params, workdir: Path = Path(".")) -> str:
     return digest
 
 
-def main() -> None:
-    run_stage(run)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv))
 
 
 if __name__ == "__main__":

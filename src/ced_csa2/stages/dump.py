@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from ..model_utils import load_model_and_tokenizer, resolve_device, tokenizer_ha
 from ..pipeline import distributed
 from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import DUMP_METRICS, DUMP_PARTIAL, DUMP_PATH, TRAIN_JSONL, dump_shard
-from ..pipeline.stage_runner import record_timing, run_stage
+from ..pipeline.stage_runner import record_timing, run_stage, stage_arguments
 from ..plan import load_plan
 
 log = logging.getLogger(__name__)
@@ -108,8 +109,8 @@ def _run(params: Params, workdir: Path, max_batches: int | None) -> dict | None:
     return metrics
 
 
-def main() -> None:
-    run_stage(run, launcher=distributed.relaunch)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv), launcher=distributed.relaunch)
 
 
 if __name__ == "__main__":

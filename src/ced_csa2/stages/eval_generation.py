@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..ced_runtime import load_mode_a_parts, load_parts
@@ -46,7 +47,7 @@ from ..model_utils import load_config, load_model_and_tokenizer, load_tokenizer,
 from ..pipeline.atomic_files import write_json
 from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import EVAL_JSONL, GENERATION_METRICS, MODELS
-from ..pipeline.stage_runner import record_timing, run_stage
+from ..pipeline.stage_runner import record_timing, run_stage, stage_arguments
 from ..pipeline.timing import MIN_REPEATS
 from ..pipeline.timing import PROTOCOL as TIMING_PROTOCOL
 from ..plan import load_plan
@@ -108,8 +109,8 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     return metrics
 
 
-def main() -> None:
-    run_stage(run)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..ced_runtime import CEDParts, load_mode_a_parts, load_parts
@@ -35,7 +36,7 @@ from ..pipeline.atomic_files import write_json
 from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import GOLD_PATH, GSM8K_JSONL, MODELS
 from ..pipeline.paths import GSM8K_METRICS as METRICS_PATH
-from ..pipeline.stage_runner import record_timing, run_stage
+from ..pipeline.stage_runner import record_timing, run_stage, stage_arguments
 from ..plan import load_plan
 from ..runtime.groups import GROUPS
 
@@ -114,8 +115,8 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     return metrics
 
 
-def main() -> None:
-    run_stage(run, launcher=distributed.relaunch)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv), launcher=distributed.relaunch)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ gold_nll}}}}, "seed_init": {"ced": {...}}, "scored_as": {label: label}, "copied_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..ced_runtime import CEDModeBRuntime, load_objective_parts, load_parts, load_seed_init, maps_digest
@@ -44,7 +45,7 @@ from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.atomic_files import read_json, write_json
 from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import EVAL_JSONL, GOLD_PATH, GSM8K_METRICS, MODELS, OBJECTIVES_EVAL, PPL_METRICS, SEED_INIT
-from ..pipeline.stage_runner import run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
 
 
@@ -111,8 +112,8 @@ def main_branch_rows(workdir: Path, params: Params, plan, geo, device) -> dict[s
     return {maps_digest(g, main): {**ppl["groups"][g], "gold_nll": gsm8k["groups"][g]["gold_nll"]} for g in groups}
 
 
-def main() -> None:
-    run_stage(run)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv))
 
 
 if __name__ == "__main__":

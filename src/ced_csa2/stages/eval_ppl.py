@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -49,7 +50,7 @@ from ..pipeline import distributed
 from ..pipeline.atomic_files import write_json
 from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import EVAL_JSONL, MODELS, PPL_METRICS, domain_jsonl
-from ..pipeline.stage_runner import record_timing, run_stage
+from ..pipeline.stage_runner import record_timing, run_stage, stage_arguments
 from ..plan import load_plan
 from ..runtime.groups import LOW_RANK_GROUPS
 
@@ -110,8 +111,8 @@ def _run(params: Params, workdir: Path, parts: CEDParts | None, model_and_tok) -
     return metrics
 
 
-def main() -> None:
-    run_stage(run, launcher=distributed.relaunch)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv), launcher=distributed.relaunch)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..ced_runtime import CEDParts, load_mode_a_parts, load_parts
@@ -49,7 +50,7 @@ from ..model_utils import load_config, load_model_and_tokenizer, load_tokenizer,
 from ..pipeline.atomic_files import write_json
 from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import EVAL_JSONL, MODELS, RETRIEVAL_METRICS
-from ..pipeline.stage_runner import record_timing, run_stage
+from ..pipeline.stage_runner import record_timing, run_stage, stage_arguments
 from ..plan import load_plan
 
 log = logging.getLogger(__name__)
@@ -125,8 +126,8 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
     return metrics
 
 
-def main() -> None:
-    run_stage(run)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv))
 
 
 if __name__ == "__main__":

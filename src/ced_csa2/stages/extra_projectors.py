@@ -23,6 +23,7 @@ sources: nothing is read then) and ``metrics/extra_projectors.json``
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import Params, provenance
@@ -31,7 +32,7 @@ from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import checkpoint_meta
 from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import DUMP_PATH, EXTRA_METRICS, PROJECTORS_EXTRA, RIDGE_PATH
-from ..pipeline.stage_runner import run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
 from ..projector import save_projectors
 from ..train.projector_training import Fitted, ridge_fitted, train_projectors
@@ -72,8 +73,8 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     return metrics
 
 
-def main() -> None:
-    run_stage(run)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ Writes ``models/xkv.pt`` and ``metrics/xkv.json``:
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import Params, provenance
@@ -33,7 +34,7 @@ from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import SAVE_DTYPE, checkpoint_meta
 from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import DUMP_PATH, XKV_METRICS, XKV_PATH
-from ..pipeline.stage_runner import run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
 from ..train.training import split_masks
 
@@ -87,8 +88,8 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     return metrics
 
 
-def main() -> None:
-    run_stage(run)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ too, so the objectives' evaluation never waits on generation.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import Params
@@ -25,7 +26,7 @@ from ..data.records import check_prepared
 from ..eval.gsm8k import check_chat_template, count_problems, go_offline, local_task, prompt_pairs, write_gold_pairs
 from ..model_utils import load_tokenizer
 from ..pipeline.paths import GOLD_PATH, GSM8K_JSONL
-from ..pipeline.stage_runner import run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,8 @@ def run(params: Params, workdir: Path = Path(".")) -> list[tuple[list[int], int]
     return pairs
 
 
-def main() -> None:
-    run_stage(run)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv))
 
 
 if __name__ == "__main__":

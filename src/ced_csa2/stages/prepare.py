@@ -55,11 +55,12 @@ tokenizer give byte-identical files.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import Params
 from ..data.corpus import prepare
-from ..pipeline.stage_runner import run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
@@ -69,8 +70,8 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     return prepare(params, load_tokenizer(params.model), Path(workdir))
 
 
-def main() -> None:
-    run_stage(run)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ from ..pipeline.map_roles import MAIN, MODE_A, Role
 from ..pipeline.paths import (ADAPTERS_PATH, GENERATION_METRICS, GROUPS_TABLE, GSM8K_METRICS, MODE_A_MODELS,
                               MODE_A_SINK, MODELS, PPL_METRICS, PROJECTORS_EXTRA, RETRIEVAL_METRICS, STORAGE_METRICS,
                               SUMMARY, projector_path)
-from ..pipeline.stage_runner import run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
 from ..projector import KIND as PROJECTOR_KIND
 from ..projector import KIND_BANK, KIND_MANY
@@ -214,8 +215,8 @@ def json_text(obj) -> str:
     return json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n"
 
 
-def main() -> None:
-    run_stage(run)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv))
 
 
 if __name__ == "__main__":

@@ -19,13 +19,14 @@ protocols must agree, and their ``kv_format`` (and ``metrics/storage.json``'s) b
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import Params
 from ..eval.results import build_report, groups_table, plots, summary
 from ..pipeline.atomic_files import atomic_write_text, write_json, write_tsv
 from ..pipeline.paths import GROUPS_TABLE, REPORTS, SUMMARY
-from ..pipeline.stage_runner import run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,8 @@ def run(params: Params, workdir: Path = Path(".")) -> str:
     return text
 
 
-def main() -> None:
-    run_stage(run)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv))
 
 
 if __name__ == "__main__":

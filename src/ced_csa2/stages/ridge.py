@@ -15,6 +15,7 @@ float64 sufficient statistics are summed across ranks, every rank solves; rank 0
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import Params, check_provenance, params_hash, provenance, to_dict
@@ -24,7 +25,7 @@ from ..maps.ridge import DUMP_ATTRS, MapGroup, evaluate_maps, fit_maps, map_grou
 from ..pipeline import distributed
 from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import DUMP_PATH, RIDGE_METRICS, RIDGE_PATH
-from ..pipeline.stage_runner import run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import LayerPlan
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,8 @@ def _run(params: Params, workdir: Path) -> dict:
     return metrics
 
 
-def main() -> None:
-    run_stage(run, launcher=distributed.relaunch)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv), launcher=distributed.relaunch)
 
 
 if __name__ == "__main__":

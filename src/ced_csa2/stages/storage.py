@@ -25,6 +25,7 @@ the seed's unexplained 3.44×.  All arithmetic lives in :mod:`ced_csa2.kv.kv_byt
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import Params
@@ -41,7 +42,7 @@ from ..kv.storage_table import (
 from ..model_utils import QWEN3_5_4B_ID
 from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import STORAGE_METRICS
-from ..pipeline.stage_runner import run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,8 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     return metrics
 
 
-def main() -> None:
-    run_stage(run)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ and cos, negative for rel_mse and mse); plus run facts.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import Params, provenance
@@ -43,7 +44,7 @@ from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import checkpoint_meta
 from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import ADAPTERS_CURVES, ADAPTERS_METRICS, ADAPTERS_PATH, DUMP_PATH, RIDGE_PATH
-from ..pipeline.stage_runner import run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
 from ..train.adapter_training import GAIN_KEYS, adapter_heads, adapter_optimizer, load_pairs
 from ..train.training import (
@@ -110,8 +111,8 @@ def _run(params: Params, workdir: Path) -> dict:
     return metrics
 
 
-def main() -> None:
-    run_stage(run, launcher=distributed.relaunch)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv), launcher=distributed.relaunch)
 
 
 if __name__ == "__main__":

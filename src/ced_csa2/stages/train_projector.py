@@ -38,6 +38,7 @@ the same for the reference).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import Params, provenance
@@ -55,7 +56,7 @@ from ..pipeline.paths import (
     SEED_INIT_MODELS,
     projector_path,
 )
-from ..pipeline.stage_runner import run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
 from ..projector import save_projector
 from ..train.projector_training import train_projectors
@@ -112,8 +113,8 @@ def made_from(params: Params, workdir: Path, dumped: dict) -> dict:
     return {**dumped, **ridge, **provenance(params, *PROVENANCE)}
 
 
-def main() -> None:
-    run_stage(run, launcher=distributed.relaunch)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv), launcher=distributed.relaunch)
 
 
 if __name__ == "__main__":

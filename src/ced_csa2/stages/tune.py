@@ -34,6 +34,7 @@ phase's first and last step.  ``ridge`` trains nothing: its table is the header 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import Params, provenance, require_listed
@@ -43,7 +44,7 @@ from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.atomic_files import write_json
 from ..pipeline.map_roles import PAIRS
 from ..pipeline.paths import RIDGE_PATH, TRAIN_JSONL, objective_curves, objective_metrics
-from ..pipeline.stage_runner import objective_arg, run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
 from ..train.training import Curves, write_curves
 from ..train.tuning import ridge_served, save_parts, train_branch
@@ -79,8 +80,8 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
     return metrics
 
 
-def main() -> None:
-    run_stage(run, objective_arg("tune"))
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv, "objective"))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ before and after).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -49,7 +50,7 @@ from ..pipeline.paths import (
     TRAIN_JSONL,
     projector_path,
 )
-from ..pipeline.stage_runner import run_stage
+from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
 from ..projector import reduced_rank, save_bank, save_projector, save_projectors
 from ..train.mode_a_training import OBJECTIVE, input_moments, input_stats, mean_sink, train, with_heads
@@ -139,8 +140,8 @@ def projector_form(cfg, parts) -> str:
     return f"ridge + residual MLP {cfg.head_width}" if cfg.head_width else "linear"
 
 
-def main() -> None:
-    run_stage(run)
+def main(argv: Sequence[str] | None = None) -> None:
+    run_stage(run, *stage_arguments(run, argv))
 
 
 if __name__ == "__main__":

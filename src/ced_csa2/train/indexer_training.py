@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from ..maps.indexer import IndexerConfig, LightningIndexer, indexer_loss
 from ..model_utils import Geometry, attention, rope_fn, rotary
+from ..pipeline.progress import Progress
 from ..runtime.attention_calls import AttentionCalls
 from ..runtime.sparse_attention import index_scores
 from .training import warmup_cosine
@@ -113,7 +113,7 @@ def attention_samples(model: nn.Module, geo: Geometry, layers: Sequence[int], se
         stack.enter_context(AttentionCalls(next(iter(modules)), "sampling attention for the indexer").routed(attend))
         for la in layers:
             stack.callback(attention(model, la).k_proj.register_forward_hook(k_proj_hook(la)).remove)
-        for ids in tqdm(sequences, desc="indexer samples", unit="seq"):
+        for ids in Progress(sequences, desc="indexer samples", unit="seq"):
             this["rows"] = sample_rows(len(ids), rows, first_row, rng)
             for la in layers:
                 kept[la]["rows"].append(this["rows"][None])
@@ -204,7 +204,7 @@ def fit(indexer: LightningIndexer, samples: LayerSamples, cfg: IndexerConfig, wi
     opt = torch.optim.AdamW(indexer.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(cfg.steps, 0.05))
     n, losses = samples.k.shape[0], []
-    for _ in tqdm(range(cfg.steps), desc="indexer fit", unit="step"):
+    for _ in Progress(range(cfg.steps), desc="indexer fit", unit="step"):
         idx = torch.randperm(n, generator=gen)[:cfg.batch]
         loss = _batch_loss(indexer, samples, idx, window, start=start, anchor=cfg.anchor)
         opt.zero_grad(set_to_none=True)

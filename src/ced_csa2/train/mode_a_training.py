@@ -36,11 +36,11 @@ import time
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from .. import kv_hooks
 from ..ced_runtime import CEDModeARuntime, CEDParts, SinkKV, prompt_tokens
 from ..config import Params
+from ..pipeline.progress import Progress
 from ..projector import KVProjector
 from ..pipeline.stage_runner import record_timing
 from .objectives import SAMPLE_STREAM, ModeATeacher, mode_a_kl, mode_a_teacher
@@ -144,7 +144,7 @@ def teachers(model, plan, rows: list[torch.Tensor], fraction: float, batch_size:
     ``2 * C * hidden`` floats (the embedded default's 64 records: ~19 MB).
     """
     out: list[ModeATeacher | None] = [None] * len(rows)
-    for group in tqdm(length_groups(rows), desc="Mode A teacher", unit="length"):
+    for group in Progress(length_groups(rows), desc="Mode A teacher", unit="length"):
         for s in range(0, len(group), batch_size):
             ix = group[s:s + batch_size]
             stacked = mode_a_teacher(model, plan, torch.cat([rows[i] for i in ix]), fraction)
@@ -169,7 +169,7 @@ def train(model, parts: CEDParts, plan, geo, train_rows: list[torch.Tensor], val
     # The plain model is the teacher of every epoch: its pass over each record runs once.
     taught = teachers(model, plan, train_rows, fraction, online.batch_size)
     device = train_rows[0].device
-    with tqdm(total=steps, desc="tune_mode_a", unit="step") as bar:
+    with Progress(total=steps, desc="tune_mode_a", unit="step") as bar:
         for epoch in range(params.mode_a.train.epochs):
             order = np.random.default_rng([params.seed, SAMPLE_STREAM, epoch]).permutation(len(train_rows))
             for s in range(0, len(order), online.batch_size):

@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from ..config import Params, check_provenance
 from ..csa2 import CSA2Adapters
@@ -49,6 +48,7 @@ from ..maps.ridge import adapter_map, load_ridge
 from ..model_utils import Geometry, resolve_dtype
 from ..pipeline import distributed
 from ..pipeline.atomic_files import atomic_write_text
+from ..pipeline.progress import Progress
 from ..plan import LayerPlan
 
 log = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ def val_summary(result: dict[str, dict]) -> tuple[float, float]:
 
 
 def train_epoch(heads: list[Head], optimizer: torch.optim.Optimizer, batches: Batches, device: torch.device,
-                amp_dtype: str, scheduler=None, bar: tqdm | None = None) -> list[float]:
+                amp_dtype: str, scheduler=None, bar: Progress | None = None) -> list[float]:
     """One pass over ``batches`` (MSE per head, summed); returns each head's row-weighted mean loss.
 
     Under a process group this rank trains on its slice of each batch, its loss weighted by
@@ -346,7 +346,7 @@ def fit(heads: list[Head], optimizer: torch.optim.Optimizer, train: Batches, val
         curves[name, "val_loss"], curves[name, "val_cos"] = [(0, val_summary(res)[0])], [(0, val_summary(res)[1])]
     # Per head: (held-out MSE, epoch, results, weights) of the epoch it will end with.
     best = [(val_summary(res)[0], 0, res, _weights(h)) for h, res in zip(heads, initial)]
-    with tqdm(total=epochs * len(train), desc=desc, unit="step", disable=not distributed.is_main()) as bar:
+    with Progress(total=epochs * len(train), desc=desc, unit="step", disable=not distributed.is_main()) as bar:
         for epoch in range(1, epochs + 1):
             train.set_epoch(epoch)
             train_loss = train_epoch(trained, optimizer, train, device, amp_dtype, scheduler, bar)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from .. import kv_hooks
 from ..ced_runtime import CEDParts
@@ -22,6 +21,7 @@ from ..model_utils import Geometry
 from ..pipeline import map_roles
 from ..pipeline.checkpoint import checkpoint_meta
 from ..pipeline.paths import RIDGE_PATH, objective_pair_models, projector_path
+from ..pipeline.progress import Progress
 from ..pipeline.stage_runner import record_timing
 from ..plan import LayerPlan
 from ..projector import save_projector
@@ -117,7 +117,7 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     log.info("%s / %s phase (layers %s): held-out loss %.5f, KL %.5f before %d steps", objective, group,
              list(substituted_layers(plan, group)), before["loss"], before["kl"], steps)
     losses, tokens, t0 = [], 0, time.perf_counter()
-    bar = tqdm(total=steps, desc=f"tune {objective}/{group}", unit="step")
+    bar = Progress(total=steps, desc=f"tune {objective}/{group}", unit="step")
     for epoch in range(cfg.epochs):
         order = np.random.default_rng([params.seed, SAMPLE_STREAM, epoch]).permutation(len(train_rows))
         for ids, mask in batches(train_rows, cfg.batch_size, pad_id, device, order):
