@@ -151,6 +151,7 @@ def test_the_shared_store_serves_each_replaced_layer_s_own_first_entries(setup, 
             torch.testing.assert_close(kept[:, :, :n], entry[:, :, :n], **FORWARD32)
             # a real difference, not rounding: 1e-3 is ~8400 eps32 of O(1) entries, ~90x FORWARD32
             assert not torch.allclose(bare[:, :, :n], entry[:, :, :n], atol=1e-3), (layer, "kv"[i])
+            # past the sink the adapted entries again: the same 1e-3, a real difference, not rounding
             assert not torch.allclose(kept[:, :, n:], entry[:, :, n:], atol=1e-3), (layer, "kv"[i])
 
 
