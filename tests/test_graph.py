@@ -3,12 +3,14 @@
 The params keys and artifact files a stage actually reads are checked in
 ``test_pipeline_e2e.py`` (they need a real run); here the static half: every stage's
 ``src/`` deps equal the import closure of its entry module, and stages import only
-library modules; and ``python -m ced_csa2.graph`` (which rewrites those deps) leaves both
+library modules; the lab (modules only studies and benchmarks import) is the table
+``docs/extending.md`` keeps; and ``python -m ced_csa2.graph`` (which rewrites those deps) leaves both
 ``dvc.yaml`` files as they are.
 """
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import yaml
 from conftest import ROOT
 
 from ced_csa2 import graph
-from ced_csa2.graph import file_imports, import_closure, project_imports
+from ced_csa2.graph import code_closure, file_imports, import_closure, project_imports
 
 SRC = ROOT / "src"
 STAGES_DIR = SRC / "ced_csa2" / "stages"
@@ -91,6 +93,33 @@ def library_modules() -> dict[str, Path]:
         if "stages" not in parts:
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
+
+
+def lab_table() -> set[str]:
+    """The modules of ``docs/extending.md``'s table "The lab: modules no stage imports", as repository paths."""
+    section = (ROOT / "docs" / "extending.md").read_text().split("## The lab: modules no stage imports", 1)[1]
+    return {f"src/ced_csa2/{cell}" for cell in re.findall(r"^\| `([^`]+\.py)` \|", section.split("\n## ")[0], re.M)}
+
+
+def test_the_lab_is_the_modules_no_stage_imports():
+    """The library modules outside every ``dvc.yaml`` stage's closure (the top-level CLIs aside) are the table's, and
+    each is imported by a study or a benchmark: which edits invalidate ``dvc repro`` is written down, and true."""
+    closures = {name: code_closure(spec["cmd"]) for name, spec in stage_templates().items()}
+    pipeline = set().union(*closures.values())
+    library = {path.relative_to(ROOT).as_posix() for module, path in library_modules().items()
+               if module.removeprefix("ced_csa2.") not in TOP_LEVEL}
+    listed = lab_table()
+    entered = sorted(listed & pipeline)
+    left = sorted(library - pipeline - listed)
+    assert not entered and not left and listed <= library, (
+        "docs/extending.md 'The lab: modules no stage imports' is stale:\n"
+        + "".join(f"  {m}: now a dep of stages {sorted(s for s, c in closures.items() if m in c)}: editing it "
+                  "invalidates `dvc repro`; remove its row\n" for m in entered)
+        + "".join(f"  {m}: in no stage's closure: editing it re-runs only a study; add its row\n" for m in left)
+        + "".join(f"  {m}: no such module; remove its row\n" for m in sorted(listed - library)))
+    scripts = sorted((ROOT / "studies").glob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py"))
+    used = set().union(*(import_closure(*file_imports(script)) for script in scripts))
+    assert sorted(listed - used) == [], "no study or benchmark imports these lab modules: dead code"
 
 
 def test_library_never_imports_a_stage():

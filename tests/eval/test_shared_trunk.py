@@ -6,43 +6,18 @@ import itertools
 import pytest
 import torch
 from conftest import tiny_gemma3, tiny_llama
-from tiny_maps import (
-    GEMMA_PLAN,
-    LENGTHS,
-    LLAMA_PLAN,
-    QWEN_PLAN,
-    random_parts,
-    rows,
-)
+from tiny_maps import GEMMA_PLAN, LLAMA_PLAN, QWEN_PLAN, check_exact, random_parts, rows, separate
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
-from ced_csa2.eval.scoring import branch_point, multi_group_nll, sequence_nll
+from ced_csa2.eval.scoring import branch_point, multi_group_nll
 from ced_csa2.model_utils import geometry
 from ced_csa2.plan import LayerPlan
 from ced_csa2.runtime.groups import GROUP_NAMES, GROUPS
 
 
-def separate(model, plan, group, parts, seqs, cut, batch_size):
-    with CEDModeBRuntime(model, plan, group, parts, kv_format="nvfp4"):
-        return sequence_nll(model, seqs, cut, batch_size, pad_id=0)
-
-
 @pytest.fixture(scope="module")
 def llama():
     return tiny_llama()
-
-
-def check_exact(model, plan, groups, batch_size=3):
-    parts = random_parts(geometry(model.config), plan)
-    seqs, cut = rows(250)
-    shared = multi_group_nll(model, plan, groups, parts, seqs, cut, batch_size, 0, kv_format="nvfp4")
-    assert list(shared) == list(groups)
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-    for group in groups:
-        ref = separate(model, plan, group, parts, seqs, cut, batch_size)
-        assert torch.equal(shared[group], ref), (group, shared[group], ref)
-        assert ref[:, 1].tolist() == [max(0, n - max(1, c)) for n, c in zip(LENGTHS, cut)]
-    return shared
 
 
 def test_every_group_exact_on_hybrid_qwen3_5(tiny_model):

@@ -34,7 +34,7 @@ def prepared(tmp_path_factory):
 def test_every_study_refuses_a_corpus_made_for_other_params_in_one_line(prepared, script, monkeypatch, capsys):
     """The folder holds no model files, dump or maps: a study that read anything else first would fail on that."""
     monkeypatch.chdir(prepared)
-    monkeypatch.syspath_prepend(str(script.parent))  # as the study tests import them (tests/test_*_study.py)
+    monkeypatch.syspath_prepend(str(script.parent))  # as the study tests import them (tests/studies/)
     monkeypatch.setattr(sys, "argv", [str(script), *ARGS.get(script.stem, [])])
     (prepared / "params.yaml").write_text(compose([*TINY_OVERRIDES, "data.max_tokens=97"]))
     study = importlib.import_module(script.stem)

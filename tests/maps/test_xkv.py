@@ -7,11 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import rounding_tol, tiny_params
-from tiny_maps import (
-    QWEN_PLAN,
-    random_parts,
-    true_kv,
-)
+from tiny_maps import QWEN_PLAN, TINY_GEO, TINY_PARAMS, TINY_PLAN, check_exact, random_parts, rows, save_maps, true_kv
 
 from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts, load_parts
 from ced_csa2.config import ParamsError
@@ -24,13 +20,11 @@ from ced_csa2.model_utils import attention, geometry
 from ced_csa2.pipeline import paths
 from ced_csa2.pipeline.checkpoint import CheckpointError, checkpoint_meta, expected_meta
 from ced_csa2.pipeline.map_roles import MAIN
-from ced_csa2.plan import LayerPlan, load_plan
+from ced_csa2.plan import LayerPlan
 from ced_csa2.stages import fit_xkv
 
-PARAMS = tiny_params()
-PLAN, GEO = load_plan(PARAMS.plan, PARAMS.model)  # source 20, targets 24/28/32; hidden 64, kv_dim 32
-LAYERS = (PLAN.source, *PLAN.targets)
-FULL = len(LAYERS) * GEO.kv_dim  # 128
+LAYERS = (TINY_PLAN.source, *TINY_PLAN.targets)
+FULL = len(LAYERS) * TINY_GEO.kv_dim  # 128
 
 
 # ----------------------------------------------------------------------------- the fit, in float64
@@ -96,15 +90,16 @@ def write_tiny_dump(path, n_records=24, seed=0):
     rng = np.random.default_rng(seed)
     mix = {kind: rng.standard_normal((16, FULL)) for kind in "kv"}
     lengths = [int(n) for n in rng.integers(20, 60, n_records)]
-    w = DumpWriter(path, path.with_suffix(".partial.h5"), DumpLayout(GEO.hidden_size, GEO.kv_dim, LAYERS),
-                   chunk_kib=64, attrs={"fingerprint": "test", "model": PARAMS.model.name, "tokenizer_sha256": "x"})
+    w = DumpWriter(path, path.with_suffix(".partial.h5"), DumpLayout(TINY_GEO.hidden_size, TINY_GEO.kv_dim, LAYERS),
+                   chunk_kib=64,
+                   attrs={"fingerprint": "test", "model": TINY_PARAMS.model.name, "tokenizer_sha256": "x"})
     for i in range(0, n_records, 4):
         n = sum(lengths[i:i + 4])
-        rows = {"h_split": rng.standard_normal((n, GEO.hidden_size))}
+        rows = {"h_split": rng.standard_normal((n, TINY_GEO.hidden_size))}
         for kind in "kv":
             x = rng.standard_normal((n, 16)) @ mix[kind] + 0.01 * rng.standard_normal((n, FULL)) + 0.5
             for j, layer in enumerate(LAYERS):
-                rows[f"{kind}_{layer}"] = x[:, j * GEO.kv_dim:(j + 1) * GEO.kv_dim]
+                rows[f"{kind}_{layer}"] = x[:, j * TINY_GEO.kv_dim:(j + 1) * TINY_GEO.kv_dim]
         w.append({k: v.astype(np.float32) for k, v in rows.items()}, np.zeros(n, np.int32), lengths[i:i + 4])
     return w.finalize()
 
@@ -123,7 +118,7 @@ def test_stage_writes_the_bases_and_their_held_out_fit(dumped, rank, rel_err_bel
     metrics = fit_xkv.run(params, dumped)
     assert json.loads((dumped / paths.XKV_METRICS).read_text()) == json.loads(json.dumps(metrics))
     run = metrics["run"]
-    assert run["rank"] == (rank or GEO.kv_dim) and run["layers"] == list(LAYERS) and run["width"] == FULL
+    assert run["rank"] == (rank or TINY_GEO.kv_dim) and run["layers"] == list(LAYERS) and run["width"] == FULL
     from ced_csa2.data.dump_file import DumpReader
     with DumpReader(dumped / paths.DUMP_PATH) as r:  # the ridge stage's record split, every token
         train, val = record_split(r.n_records, 0.2, params.seed)
@@ -138,7 +133,7 @@ def test_stage_writes_the_bases_and_their_held_out_fit(dumped, rank, rel_err_bel
         assert 0 < energy["val"] <= 1 + 1e-6 and 0 < energy["train"] <= 1 + 1e-12
         if rank != 4:  # the rows: rank 16, plus the offset (uncentred: one more direction), plus 1% noise
             assert energy["train"] > 0.999 and energy["val"] > 0.999
-    basis = load_xkv(dumped / paths.XKV_PATH, expect=expected_meta(params, PLAN, GEO)["xkv"], role=MAIN)
+    basis = load_xkv(dumped / paths.XKV_PATH, expect=expected_meta(params, TINY_PLAN, TINY_GEO)["xkv"], role=MAIN)
     assert basis.layers == LAYERS and basis.rank == run["rank"] and basis.k.dtype == torch.float32
     assert basis.meta["n_train_rows"] == run["n_train_rows"] and basis.meta["val_fraction"] == 0.2
     assert not list(dumped.rglob(".*tmp*"))
@@ -151,7 +146,7 @@ def test_stage_refuses_a_rank_above_the_stacked_width(dumped):
 
 # ----------------------------------------------------------------------------- checkpoint checks
 
-def save_basis(models, *, params=PARAMS, plan=PLAN, geo=GEO, rank=8):
+def save_basis(models, *, params=TINY_PARAMS, plan=TINY_PLAN, geo=TINY_GEO, rank=8):
     meta = checkpoint_meta(params, plan, geo, params.plan, params.xkv, role=MAIN)["xkv"]
     basis = XKVBasis((plan.source, *plan.targets), geo.kv_dim, rank)
     models.mkdir(parents=True, exist_ok=True)
@@ -164,25 +159,23 @@ def save_basis(models, *, params=PARAMS, plan=PLAN, geo=GEO, rank=8):
                                              r"expected \[20, 24, 28, 32\]$")),
     ({"params": tiny_params(model={"name": "other_model"})},
      r"xkv\.pt: 'model' is 'other_model' in the checkpoint, expected 'tiny_qwen3_5'$"),
-    ({"geo": dataclasses.replace(GEO, head_dim=8)}, r"xkv\.pt: 'kv_dim' is 16 in the checkpoint, expected 32$"),
+    ({"geo": dataclasses.replace(TINY_GEO, head_dim=8)}, r"xkv\.pt: 'kv_dim' is 16 in the checkpoint, expected 32$"),
 ])
 def test_a_checkpoint_made_for_something_else_is_refused(tmp_path, made_for, sentence):
-    from test_checkpoint_match import save_maps
-
     save_maps(tmp_path)
     save_basis(tmp_path)
-    assert load_parts(tmp_path, PARAMS, PLAN, GEO, low_rank=True, role=MAIN).xkv.layers == LAYERS
-    assert load_parts(tmp_path, PARAMS, PLAN, GEO, role=MAIN).xkv is None  # only when asked for
+    assert load_parts(tmp_path, TINY_PARAMS, TINY_PLAN, TINY_GEO, low_rank=True, role=MAIN).xkv.layers == LAYERS
+    assert load_parts(tmp_path, TINY_PARAMS, TINY_PLAN, TINY_GEO, role=MAIN).xkv is None  # only when asked for
     save_basis(tmp_path, **made_for)
     with pytest.raises(CheckpointError, match=sentence) as err:
-        load_parts(tmp_path, PARAMS, PLAN, GEO, low_rank=True, role=MAIN)
+        load_parts(tmp_path, TINY_PARAMS, TINY_PLAN, TINY_GEO, low_rank=True, role=MAIN)
     assert str(err.value).startswith(f"{tmp_path}/xkv.pt: ") and "\n" not in str(err.value)
 
 
 def test_missing_bases_are_refused(tiny_model):
     with pytest.raises(ValueError, match="group 'xkv' needs the cross-layer bases of models/xkv.pt"):
         CEDModeBRuntime(tiny_model[0], QWEN_PLAN, "xkv", CEDParts(), kv_format=None)
-    parts = random_parts(GEO, LayerPlan(16, 20, (24, 28)))
+    parts = random_parts(TINY_GEO, LayerPlan(16, 20, (24, 28)))
     with pytest.raises(ValueError, match=r"bases span layers \[20, 24, 28\], the plan's source and targets are "
                                          r"\[20, 24, 28, 32\]"):
         CEDModeBRuntime(tiny_model[0], QWEN_PLAN, "xkv", parts, kv_format=None)
@@ -200,7 +193,8 @@ def fitted(tiny_model):
     for j, kind in enumerate("kv"):
         rows = torch.cat([kv[l][j] for l in LAYERS], -1).reshape(-1, FULL).double()
         grams[kind] = rows.T @ rows
-    return {rank: CEDParts(xkv=XKVBasis.from_grams(grams, LAYERS, GEO.kv_dim, rank)) for rank in (FULL, GEO.kv_dim)}
+    return {rank: CEDParts(xkv=XKVBasis.from_grams(grams, LAYERS, TINY_GEO.kv_dim, rank))
+            for rank in (FULL, TINY_GEO.kv_dim)}
 
 
 def test_full_rank_gives_the_baseline_logits_and_kv_dim_rank_does_not(tiny_model, fitted):
@@ -210,7 +204,7 @@ def test_full_rank_gives_the_baseline_logits_and_kv_dim_rank_does_not(tiny_model
         ref = model(x).logits
         with CEDModeBRuntime(model, QWEN_PLAN, "xkv", fitted[FULL], kv_format=None):
             full = model(x).logits
-        with CEDModeBRuntime(model, QWEN_PLAN, "xkv", fitted[GEO.kv_dim], kv_format=None):
+        with CEDModeBRuntime(model, QWEN_PLAN, "xkv", fitted[TINY_GEO.kv_dim], kv_format=None):
             low = model(x).logits
     # U Uᵀ = I up to float32 rounding, carried through the layers above the source (~2 eps of |x| measured):
     # 16 roundings of the largest |logit|; rank kv_dim moves the logits by ~0.2, five orders more
@@ -222,7 +216,7 @@ def test_full_rank_gives_the_baseline_logits_and_kv_dim_rank_does_not(tiny_model
 
 def test_every_group_layer_reads_the_reconstruction_of_the_clean_kv(tiny_model, fitted):
     model, _ = tiny_model
-    parts = fitted[GEO.kv_dim]
+    parts = fitted[TINY_GEO.kv_dim]
     x = torch.randint(0, 250, (1, 17), generator=torch.Generator().manual_seed(2))
     clean = true_kv(model, x, LAYERS)  # the unmodified model's K/V
     want = parts.xkv({l: kv[0] for l, kv in clean.items()}, {l: kv[1] for l, kv in clean.items()})
@@ -277,7 +271,7 @@ def test_cached_generation_is_refused(tiny_model, fitted):
     x = torch.randint(0, 250, (1, 8))
     sentence = r"^group 'xkv' compresses the K/V of a finished clean prefill \(xKV\) and supports teacher-forced " \
                r"passes only, not a forward with a KV cache \(cached generation\)$"
-    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "xkv", fitted[GEO.kv_dim], kv_format=None):
+    with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "xkv", fitted[TINY_GEO.kv_dim], kv_format=None):
         with pytest.raises(NotImplementedError, match=sentence):
             model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=2, do_sample=False, pad_token_id=0)
         with pytest.raises(NotImplementedError, match=sentence):
@@ -295,7 +289,7 @@ QWEN_4B_PLAN = LayerPlan(16, 20, (24, 28, 32))
 @pytest.mark.parametrize("basis", kb.BASES)
 @pytest.mark.parametrize("dtype_bytes", [2, 4])
 def test_bytes_per_token_at_rank_kv_dim_equal_csa2s(basis, dtype_bytes):
-    for geo, plan in ((QWEN, QWEN_4B_PLAN), (GEO, PLAN)):
+    for geo, plan in ((QWEN, QWEN_4B_PLAN), (TINY_GEO, TINY_PLAN)):
         xkv = kb.bytes_per_token(kb.kv_copies(geo, plan, "xkv", basis, dtype_bytes))
         assert xkv == kb.bytes_per_token(kb.kv_copies(geo, plan, "csa2", basis, dtype_bytes))
         assert kb.stored_layers(geo, plan, "xkv", basis) == kb.stored_layers(geo, plan, "csa2", basis)
@@ -314,7 +308,7 @@ def test_storage_stage_counts_xkv_entries_and_bases(tmp_path):
         m = run(tiny_params(xkv={"rank": rank}), tmp_path)
         qwen, active = m["qwen3_5_4b"], m["active_model"]
         r = rank or 1024
-        assert qwen["weights"]["xkv_rank"] == r and active["weights"]["xkv_rank"] == (rank or GEO.kv_dim)
+        assert qwen["weights"]["xkv_rank"] == r and active["weights"]["xkv_rank"] == (rank or TINY_GEO.kv_dim)
         assert qwen["weights"]["xkv_basis_params"]["xkv"] == 2 * 4 * 1024 * r
         bf16 = qwen["kv"]["bf16"]
         assert bf16["decoder_attention"]["xkv"]["bytes_per_token"] == 2 * r * 2  # csa2's 4,096 at r = 1024
@@ -326,9 +320,10 @@ def test_storage_stage_counts_xkv_entries_and_bases(tmp_path):
 def test_accounted_copies_are_csa2s_at_rank_kv_dim():
     from ced_csa2.runtime.shared_kv import accounted_copies
 
-    assert accounted_copies(GEO, PLAN, "xkv", "bf16", 4) == accounted_copies(GEO, PLAN, "csa2", "bf16", 4)
+    assert (accounted_copies(TINY_GEO, TINY_PLAN, "xkv", "bf16", 4)
+            == accounted_copies(TINY_GEO, TINY_PLAN, "csa2", "bf16", 4))
     with pytest.raises(ValueError, match="FP4 storage 'nvfp4' is not defined"):
-        accounted_copies(GEO, PLAN, "xkv", "nvfp4", 4)
+        accounted_copies(TINY_GEO, TINY_PLAN, "xkv", "nvfp4", 4)
 
 
 def test_xkv_can_be_generated_with_and_rank_must_be_non_negative():
@@ -340,12 +335,11 @@ def test_xkv_can_be_generated_with_and_rank_must_be_non_negative():
 
 def test_random_parts_cover_xkv(tiny_model):
     parts = random_parts(geometry(tiny_model[0].config), QWEN_PLAN)
-    assert parts.xkv.layers == LAYERS and parts.xkv.rank == GEO.kv_dim
+    assert parts.xkv.layers == LAYERS and parts.xkv.rank == TINY_GEO.kv_dim
 
 
 def test_the_trunk_runs_through_the_top_target_and_no_further():
     from conftest import tiny_llama
-    from test_shared_trunk import check_exact, rows
 
     model, plan = tiny_llama(), LayerPlan(1, 2, (3, 4))  # 6 layers: the top target is below the last
     for groups in (("xkv",), ("share_plain", "xkv")):

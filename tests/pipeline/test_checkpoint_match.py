@@ -7,58 +7,33 @@ import os
 import pytest
 import torch
 from conftest import tiny_params
+from tiny_maps import TINY_GEO, TINY_PARAMS, TINY_PLAN, save_maps
 
 from ced_csa2 import ced_runtime, csa2, projector
 from ced_csa2.ced_runtime import load_parts
 from ced_csa2.data.corpus import write_prepared
 from ced_csa2.pipeline import paths
-from ced_csa2.pipeline.checkpoint import CheckpointError, checkpoint_meta
+from ced_csa2.pipeline.checkpoint import CheckpointError
 from ced_csa2.pipeline.map_roles import MAIN, MODE_A, PAIRS, SEED_INIT_ROLE, objective
-from ced_csa2.plan import LayerPlan, load_plan
+from ced_csa2.plan import LayerPlan
 from ced_csa2.stages import eval_gsm8k, eval_ppl, gold_pairs, prepare
-
-PARAMS = tiny_params()
-PLAN, GEO = load_plan(PARAMS.plan, PARAMS.model)  # split 16, source 20, targets 24/28/32; hidden 64, kv_dim 32
-KINDS = ("projector", "projectors", "adapters")
-
-
-def save_maps(models, *, params=PARAMS, plan=PLAN, geo=GEO, only=KINDS, role=MAIN):
-    """Random maps of ``plan`` on ``geo``, saved as the stages of ``role``'s branch save them, under the names
-    ``PLAN`` reads.
-
-    Returns ``{kind: module}`` of what was written.
-    """
-    torch.manual_seed(0)
-    meta = checkpoint_meta(params, plan, geo, params.model, params.plan, role=role)
-    out = {}
-    if "projector" in only:
-        out["projector"] = projector.KVProjector(geo.hidden_size, geo.kv_dim)
-        projector.save_projector(paths.projector_path(PLAN.source, models), out["projector"], meta["projector"])
-    if "projectors" in only:
-        extra = {e: projector.KVProjector(geo.hidden_size, geo.kv_dim) for e in plan.extra_sources}
-        projector.save_projectors(models / paths.PROJECTORS_EXTRA.name, extra, meta["projectors"])
-    if "adapters" in only:
-        out["adapters"] = csa2.CSA2Adapters(plan.targets, geo.kv_dim)
-        csa2.save_adapters(models / paths.ADAPTERS_PATH.name, out["adapters"], meta["adapters"])
-    return out
-
 
 def test_the_matching_maps_load(tmp_path):
     saved = save_maps(tmp_path)
-    parts = load_parts(tmp_path, PARAMS, PLAN, GEO, role=MAIN)
+    parts = load_parts(tmp_path, TINY_PARAMS, TINY_PLAN, TINY_GEO, role=MAIN)
     assert torch.equal(parts.projector.proj.weight, saved["projector"].proj.weight.half().float())
-    assert parts.adapters.layers == PLAN.targets and parts.adapters.meta["hidden_size"] == GEO.hidden_size
+    assert parts.adapters.layers == TINY_PLAN.targets and parts.adapters.meta["hidden_size"] == TINY_GEO.hidden_size
     assert parts.adapters.meta["plan"] == {"split": 16, "source": 20, "targets": [24, 28, 32], "extra_sources": []}
 
 
 def test_the_extra_sources_file_is_checked_for_a_covering_plan(tmp_path):
     covering = LayerPlan(12, 20, (24, 28, 32), (16,))
     save_maps(tmp_path, plan=covering)
-    assert sorted(load_parts(tmp_path, PARAMS, covering, GEO, role=MAIN).extra) == [16]
+    assert sorted(load_parts(tmp_path, TINY_PARAMS, covering, TINY_GEO, role=MAIN).extra) == [16]
     save_maps(tmp_path, plan=dataclasses.replace(covering, extra_sources=(12,)), only=("projectors",))
     with pytest.raises(CheckpointError, match=r"projectors_extra\.pt: 'layers' is \[12\] in the checkpoint, "
                                               r"expected \[16\]"):
-        load_parts(tmp_path, PARAMS, covering, GEO, role=MAIN)
+        load_parts(tmp_path, TINY_PARAMS, covering, TINY_GEO, role=MAIN)
 
 
 # (what the files were made for, the one sentence that refuses them)
@@ -85,9 +60,9 @@ MISMATCHES = {
                                     r"adapters\.pt: 'source' is 24 in the checkpoint, expected 20$"),
     "another model": ({"params": tiny_params(model={"name": "other_model"})},
                       r"adapters\.pt: 'model' is 'other_model' in the checkpoint, expected 'tiny_qwen3_5'$"),
-    "another kv_dim": ({"geo": dataclasses.replace(GEO, head_dim=8)},
+    "another kv_dim": ({"geo": dataclasses.replace(TINY_GEO, head_dim=8)},
                        r"adapters\.pt: 'kv_dim' is 16 in the checkpoint, expected 32$"),
-    "another hidden size": ({"geo": dataclasses.replace(GEO, hidden_size=48)},
+    "another hidden size": ({"geo": dataclasses.replace(TINY_GEO, hidden_size=48)},
                             r"adapters\.pt: 'hidden_size' is 48 in the checkpoint, expected 64$"),
 }
 
@@ -108,7 +83,7 @@ def test_load_parts_refuses_maps_made_for_something_else(tmp_path, monkeypatch, 
     for module in (projector, csa2):
         monkeypatch.setattr(module, "load_state", spy(module.load_state))
     with pytest.raises(CheckpointError, match=sentence) as err:
-        load_parts(tmp_path, PARAMS, PLAN, GEO, role=MAIN)
+        load_parts(tmp_path, TINY_PARAMS, TINY_PLAN, TINY_GEO, role=MAIN)
     message = str(err.value)
     assert message.startswith(f"{tmp_path}/") and "\n" not in message  # one sentence, naming the file
     assert message[len(f"{tmp_path}/"):].split(":")[0] not in weights_read  # refused before its weights were used
@@ -117,9 +92,9 @@ def test_load_parts_refuses_maps_made_for_something_else(tmp_path, monkeypatch, 
 def test_the_eval_ppl_stage_refuses_a_projector_for_another_layer(tmp_path, tiny_model):
     save_maps(tmp_path / "models")
     save_maps(tmp_path / "models", plan=LayerPlan(16, 24, (28, 32)), only=("projector",))
-    prepare.run(PARAMS, tmp_path)  # the eval records, checked first
+    prepare.run(TINY_PARAMS, tmp_path)  # the eval records, checked first
     with pytest.raises(CheckpointError, match=r"projector_k20v20\.pt: 'layer' is 24 in the checkpoint, expected 20"):
-        eval_ppl.run(PARAMS, tmp_path, model_and_tok=tiny_model)
+        eval_ppl.run(TINY_PARAMS, tmp_path, model_and_tok=tiny_model)
 
 
 def test_the_eval_gsm8k_stage_refuses_adapters_for_another_model(tmp_path, tiny_model):
@@ -137,17 +112,18 @@ def test_eval_objectives_refuses_another_objective_s_or_another_layer_s_maps(tmp
     for pair in PAIRS:  # the ced/csa2 pair and ced_csa2's own pair
         save_maps(tmp_path / paths.objective_pair_models("ridge", pair), role=objective("ridge", pair),
                   only=("projector", "adapters"))
-    assert ced_runtime.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")["csa2"].adapters is not None
+    parts = ced_runtime.load_objective_parts(tmp_path, "ridge", TINY_PARAMS, TINY_PLAN, TINY_GEO, "cpu")
+    assert parts["csa2"].adapters is not None
     folder = tmp_path / paths.objective_models("ridge")
     save_maps(folder / "ced_csa2", role=objective("distill", "ced_csa2"), only=("adapters",))
     with pytest.raises(CheckpointError, match=r"ced_csa2/adapters\.pt: holds the adapters of branch 'objective:"
                                               r"distill', pair 'ced_csa2', asked for the adapters of branch "
                                               r"'objective:ridge', pair 'ced_csa2' .*`dvc repro tune@ridge`$"):
-        ced_runtime.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")
+        ced_runtime.load_objective_parts(tmp_path, "ridge", TINY_PARAMS, TINY_PLAN, TINY_GEO, "cpu")
     save_maps(folder / "ced_csa2", role=objective("ridge", "ced_csa2"), only=("adapters",))
     save_maps(folder, plan=LayerPlan(16, 24, (28, 32)), role=objective("ridge", "csa2"), only=("projector",))
     with pytest.raises(CheckpointError, match=r"projector_k20v20\.pt: 'layer' is 24 in the checkpoint, expected 20"):
-        ced_runtime.load_objective_parts(tmp_path, "ridge", PARAMS, PLAN, GEO, "cpu")
+        ced_runtime.load_objective_parts(tmp_path, "ridge", TINY_PARAMS, TINY_PLAN, TINY_GEO, "cpu")
 
 
 def test_an_objective_s_two_adapter_pairs_swapped_are_refused(tmp_path):
@@ -161,7 +137,7 @@ def test_an_objective_s_two_adapter_pairs_swapped_are_refused(tmp_path):
     os.replace(ced_csa2_file, csa2_file)
     os.replace(tmp_path / "swap.pt", ced_csa2_file)
     with pytest.raises(CheckpointError) as err:
-        ced_runtime.load_objective_parts(tmp_path, "attn_out", PARAMS, PLAN, GEO, "cpu")
+        ced_runtime.load_objective_parts(tmp_path, "attn_out", TINY_PARAMS, TINY_PLAN, TINY_GEO, "cpu")
     assert str(err.value) == (f"{csa2_file}: holds the adapters of branch 'objective:attn_out', pair 'ced_csa2', "
                               "asked for the adapters of branch 'objective:attn_out', pair 'csa2' (another branch's "
                               "file?): rebuild it with `dvc repro tune@attn_out`")
@@ -175,7 +151,7 @@ def test_a_map_file_without_a_role_is_refused_naming_the_stage_that_rewrites_it(
     del blob["meta"]["role"]  # the sha256 covers the tensors alone: the file is intact otherwise
     torch.save(blob, path)
     with pytest.raises(CheckpointError) as err:
-        load_parts(tmp_path, PARAMS, PLAN, GEO, role=MAIN)
+        load_parts(tmp_path, TINY_PARAMS, TINY_PLAN, TINY_GEO, role=MAIN)
     assert str(err.value) == (f"{path}: records no role (written before map files named their branch): rebuild it "
                               "with `dvc repro train_adapters`")
 
