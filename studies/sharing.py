@@ -26,8 +26,9 @@ maps trained from those ridge maps by the pipeline's own ``tune@<objective>`` br
 (:func:`~ced_csa2.train.tuning.train_branch`, ``train.online``'s budget and records) through the
 phases the arms serve -- ``csa2`` (the readers' adapters, true source K/V) and, for a ``ced_csa2``
 arm, ``ced_csa2`` (its own projector and adapters jointly) -- on ``trained_full_layers``' ``k`` only
-(rows ``k{k}/<arm>@<objective>``, beside the ridge rows).  A sub-plan's readers are trained as if
-they were the only substitution: the sub-plans above and below keep their true K/V in training.
+(rows ``k{k}/<arm>@<objective>``, beside the ridge rows).  Each sub-plan is trained alone, as the
+pipeline trains its one plan: under ``distill`` the other sub-plans' layers keep their true K/V
+(``attn_out`` re-runs each reader's attention on its true input whatever the other layers do).
 
 Arms (``arms``): the groups nested, outermost first: a sharing group run by every sub-plan
 (``csa2``: sharing alone; ``csa2_fp4_rot``: the Full layers' stored entries in rotated FP4, every
@@ -110,8 +111,9 @@ def load_study(path: Path = STUDY_PARAMS) -> Study:
                 GROUPS[g].fp4 != "every_layer" for g in arm[:-1]) or (len(arm) == 2 and GROUPS[arm[-1]].is_fp4):
             raise ValueError(f"{path}: arms entry {arm}: give a sharing group without FP4 of its own after at most "
                              f"one every-layer FP4 group (baseline_fp4, baseline_fp4_rot), or a sharing group alone")
-    if not study.objectives or not set(study.objectives) <= set(TUNE_OBJECTIVES):
-        raise ValueError(f"{path}: objectives must list some of {list(TUNE_OBJECTIVES)}; got {study.objectives}")
+    if "ridge" not in study.objectives or not set(study.objectives) <= set(TUNE_OBJECTIVES):  # ridge: start, reference
+        raise ValueError(f"{path}: objectives must list ridge and any of {list(TUNE_OBJECTIVES[1:])}; got "
+                         f"{study.objectives}")
     if not set(study.trained_full_layers) <= set(study.full_layers):
         raise ValueError(f"{path}: trained_full_layers {study.trained_full_layers} must be some of full_layers "
                          f"{study.full_layers}")
@@ -350,7 +352,7 @@ def main() -> None:
         parts, r2 = fit_sub_plans(params, distinct, geo, Path("."), Path(scratch))
     model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
     model.requires_grad_(False)
-    trained_plans = list(dict.fromkeys(p for k in study.trained_full_layers if trained_objectives for p in plans[k]))
+    trained_plans = list(dict.fromkeys(p for k in study.trained_full_layers for p in plans[k]))
     maps_of, train_seconds = {"ridge": parts}, {}
     for objective in trained_objectives:
         t_train = time.perf_counter()
