@@ -39,7 +39,8 @@ layers above the cut (:func:`~ced_csa2.runtime.sub_plans.spaced_full_layers`), e
 layer above it a reader of the Full layer below it, served by
 :class:`~ced_csa2.runtime.sub_plans.SubPlansSharedKVCache` (one ``SharedKVCache`` store per Full
 layer, random maps of the trained shapes) -- ``k{K} {group} / shared-{storage}``, one arm per ``K``
-and ``--storages`` entry -- against the reference alone.  ``--profile`` then runs one more step of
+and ``--storages`` entry, and one per ``--sparse`` reads (the oracle's: every Full layer's store a
+``SparseSharedKVCache``) -- against the reference alone.  ``--profile`` then runs one more step of
 every arm under ``torch.profiler`` and prints the operators taking most of its time.
 
 Columns: ms per decode step (median) and its ratio to the reference's; the ratio of the
@@ -160,9 +161,10 @@ def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, spars
             yield label, ([plan], name, fmt), built(name, fmt), lambda cache: contextlib.nullcontext()
 
 
-def sub_plan_cases(model, plan, geo, params, group: str, storages, full_layers: list[int]):
-    """The reference, then one :class:`SubPlansSharedKVCache` per ``k`` of ``full_layers`` and storage: ``k`` Full
-    layers above ``plan``'s cut, every other attention layer above it a reader (random maps of the trained shapes)."""
+def sub_plan_cases(model, plan, geo, params, group: str, storages, full_layers: list[int], sparse: list[SparseDecode]):
+    """The reference, then :class:`SubPlansSharedKVCache` per ``k`` of ``full_layers`` and storage, dense and with
+    each of ``sparse``'s reads (the oracle): ``k`` Full layers above ``plan``'s cut, every other attention layer above
+    it a reader (random maps of the trained shapes)."""
     yield reference(model, plan)
     for k in full_layers:
         plans = sub_plans(geo, plan.split, spaced_full_layers(geo, plan.split, k))
@@ -173,6 +175,11 @@ def sub_plan_cases(model, plan, geo, params, group: str, storages, full_layers: 
             make = lambda s=storage, ps=plans, q=parts: SubPlansSharedKVCache(model, ps, group, q, s)  # noqa: E731
             yield (f"k{k} {group} / shared-{storage} (Full {full}, {readers} readers)", (plans, group, storage), make,
                    lambda cache: cache.feed())
+            for r in sparse:
+                make = lambda s=storage, ps=plans, q=parts, r=r: SubPlansSharedKVCache(  # noqa: E731
+                    model, ps, group, q, s, reads=r)
+                yield (f"k{k} {group} / shared-{storage} k{r.k}+w{r.window}" + (f" keep{r.keep}" if r.keep else ""),
+                       (plans, group, storage, None, r), make, lambda cache: cache.feed())
 
 
 def print_profile(runs: dict[str, StepDecoder], top: int = 6) -> None:
@@ -243,7 +250,7 @@ def main() -> None:
         ids = torch.randint(0, model.config.vocab_size, (args.batch, context), generator=gen).to(args.device)
         ref_ms = ref_bytes = None
         runs, accounting = {}, {}
-        arms = (sub_plan_cases(model, plan, geo, params, args.group, args.storages, args.full_layers)
+        arms = (sub_plan_cases(model, plan, geo, params, args.group, args.storages, args.full_layers, sparse)
                 if args.full_layers else cases(model, plan, args.group, parts, args.storages, args.fp4_baselines,
                                                sparse, indexers, args.rotated))
         for label, acc, make_cache, ctx in arms:
@@ -261,7 +268,8 @@ def main() -> None:
             if sparse_parts:  # the indexer's keys per position; the last step's adapted entries (flat)
                 reader, reads = sparse_parts
                 accounted += key_bytes(reader.key_width) * args.batch * cache.get_seq_length() if reader else 0
-                accounted += reads.adapted_bytes(len(plan.targets), geo.kv_dim, dtype_bytes, args.batch)
+                accounted += reads.adapted_bytes(sum(len(p.targets) for p in acc_plans), geo.kv_dim, dtype_bytes,
+                                                 args.batch)
             ref_ms, ref_bytes = ref_ms or ms, ref_bytes or nbytes.allocated
             summed = ratio_bootstrap(np.array(paired.runs[label]), np.array(paired.runs[ref_label]), seed=args.seed)
             low, high = summed["ci95"]

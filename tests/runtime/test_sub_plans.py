@@ -18,6 +18,7 @@ from ced_csa2.kv.rotation import fp4_round_trip
 from ced_csa2.model_utils import Geometry, geometry
 from ced_csa2.plan import LayerPlan, PlanError
 from ced_csa2.runtime.shared_kv import FP4KVCache, SharedKVCache, cache_bytes
+from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
 from ced_csa2.runtime.sub_plans import NestedRuntimes, SubPlansSharedKVCache, nested_copies, spaced_full_layers, \
     sub_plans
 
@@ -178,3 +179,32 @@ def test_the_sub_plans_shared_cache_decodes_as_the_nested_runtimes_and_holds_the
     assert all(not m._forward_hooks for m in model.modules())
     with pytest.raises(PlanError, match="must share one split and no layer"):
         SubPlansSharedKVCache(model, [plans[0], plans[0]], "csa2", dict(zip(plans, parts)))
+
+
+def decoded(model, cache, x, steps):
+    """Logits ``(B, steps, vocab)`` of ``steps`` greedy decode steps after prefilling ``x`` into ``cache``."""
+    out = []
+    with torch.no_grad():
+        with cache.feed():
+            logits = model(input_ids=x, cache=cache, use_cache=True).logits[:, -1:]
+        for _ in range(steps):
+            with cache.feed():
+                logits = model(input_ids=logits.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
+            out.append(logits)
+    return torch.cat(out, 1)
+
+
+def test_sparse_sub_plan_stores_read_as_each_sparse_cache_alone_and_as_the_dense_ones_when_they_cover(llama):
+    model, geo, plans, parts, x = llama
+    by_plan = dict(zip(plans, parts))
+    reads = SparseDecode(k=3, window=2)  # 5 of the 13+ entries: the selection matters
+    one = plans[:1]  # one sub-plan: the sparse cache itself
+    assert torch.equal(decoded(model, SubPlansSharedKVCache(model, one, "csa2", by_plan, reads=reads), x, 4),
+                       decoded(model, SparseSharedKVCache(model, one[0], "csa2", parts[0], reads=reads), x, 4))
+    dense = decoded(model, SubPlansSharedKVCache(model, plans, "csa2", by_plan), x, 4)
+    covering = SparseDecode(k=64, window=1)  # every entry selected: each reader's call is the dense one
+    assert torch.equal(decoded(model, SubPlansSharedKVCache(model, plans, "csa2", by_plan, reads=covering), x, 4),
+                       dense)
+    sparse = decoded(model, SubPlansSharedKVCache(model, plans, "csa2", by_plan, reads=reads), x, 4)
+    assert not torch.allclose(sparse, dense, atol=1e-3)  # the readers read their selections, not every entry
+    assert all(not m._forward_hooks for m in model.modules())

@@ -36,6 +36,7 @@ from ..kv.kv_bytes import StoredCopy
 from ..model_utils import Geometry
 from ..plan import LayerPlan, PlanError
 from .shared_kv import SharedKVCache
+from .sparse_decode import SparseDecode, SparseSharedKVCache
 
 
 def spaced_full_layers(geo: Geometry, split: int, k: int) -> tuple[int, ...]:
@@ -163,17 +164,22 @@ class SubPlansSharedKVCache(DynamicCache):
         As for :class:`~ced_csa2.runtime.shared_kv.SharedKVCache`, the same for every sub-plan.
     parts
         ``{plan: CEDParts}``: each sub-plan's maps.
+    reads
+        Each sub-plan's store a :class:`~ced_csa2.runtime.sparse_decode.SparseSharedKVCache` with these reads
+        (the oracle: each Full layer ranks its older entries by its own logits); ``None``: every reader reads
+        every entry.  The sparse caches' attention routes nest (each passes the others' layers on).
     """
 
     def __init__(self, model: nn.Module, plans: Sequence[LayerPlan], group: str, parts: Mapping[LayerPlan, CEDParts],
-                 storage: str = "bf16"):
+                 storage: str = "bf16", *, reads: SparseDecode | None = None):
         layers = [la for p in plans for la in p.kv_layers]
         if len({p.split for p in plans}) != 1 or len(set(layers)) != len(layers):
             raise PlanError(f"SubPlansSharedKVCache: the sub-plans must share one split and no layer, got "
                             f"{[(p.split, p.source, list(p.targets)) for p in plans]}")
         super().__init__(config=model.config)
         self.plans = list(plans)
-        self.caches = [SharedKVCache(model, p, group, parts[p], storage) for p in plans]
+        self.caches = [SharedKVCache(model, p, group, parts[p], storage) if reads is None else
+                       SparseSharedKVCache(model, p, group, parts[p], storage, reads=reads) for p in plans]
         for plan, cache in zip(self.plans, self.caches):
             for layer in plan.kv_layers:
                 self.layers[layer - 1] = cache.layers[layer - 1]
