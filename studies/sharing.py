@@ -82,7 +82,7 @@ from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.runtime.sub_plans import NestedRuntimes, nested_copies, spaced_full_layers, sub_plans
 from ced_csa2.stages import ridge
 from ced_csa2.train.objectives import PHASE_GROUPS
-from ced_csa2.train.tuning import ridge_served, train_branch
+from ced_csa2.train.tuning import new_teachers, ridge_served, train_branch
 
 STUDY_PARAMS = Path("studies/sharing.yaml")
 OUT = Path("studies/sharing")
@@ -188,14 +188,19 @@ def train_sub_plans(objective: str, params: Params, plans: list[LayerPlan], ridg
     :func:`fit_sub_plans` trained through the phases of ``groups`` (the sharing groups the arms run:
     ``csa2``'s adapters, and ``ced_csa2``'s pair where a group projects its source), one
     :func:`~ced_csa2.train.tuning.train_branch` per sub-plan with the pipeline's ``train.online`` budget.
+    The frozen model's teacher passes are made once for all sub-plans (they read the same records): for the
+    plan whose source is the lowest Full layer and whose targets are every other layer of ``plans``.
     """
     phases = tuple(g for g in PHASE_GROUPS[1:] if g in {"ced_csa2" if GROUPS[x].projected_source else "csa2"
                                                         for x in groups})
+    first = min(p.source for p in plans)
+    union = LayerPlan(plans[0].split, first, tuple(sorted({la for p in plans for la in p.kv_layers} - {first})))
+    teachers = new_teachers(objective, model, union)
     trained = {}
     for p in plans:
         served = copy.deepcopy(ridge_parts[p])
         summaries, _, _ = train_branch(objective, sub_plan_params(params, p), p, served, model, tok, workdir,
-                                       phases=phases)
+                                       phases=phases, teachers=teachers)
         for group, summary in summaries.items():
             log.info("%s, Full layer %d, readers %s: %s phase held-out loss %.5f -> %.5f", objective, p.source,
                      list(p.targets), group, summary["val_before"]["loss"], summary["val_after"]["loss"])

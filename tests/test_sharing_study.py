@@ -22,7 +22,7 @@ from ced_csa2.plan import LayerPlan, load_plan  # noqa: E402
 from ced_csa2.data.records import batches  # noqa: E402
 from ced_csa2.stages import dump, ridge  # noqa: E402
 from ced_csa2.train.objectives import TeacherCache, attn_out_loss, online_records  # noqa: E402
-from ced_csa2.train.tuning import ridge_served  # noqa: E402
+from ced_csa2.train.tuning import ridge_served, train_branch  # noqa: E402
 
 TINY_STUDY = {"full_layers": [1, 2], "arms": [["csa2"], ["baseline_fp4_rot", "csa2"], ["ced_csa2"]],
               "pipeline_groups": ["baseline", "baseline_fp4_rot", "csa2"], "objectives": ["ridge", "attn_out"],
@@ -143,3 +143,10 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
                                                      torch.device("cpu")))
                   for name, maps in (("ridge", start), ("trained", trained))}
         assert losses["trained"] < losses["ridge"], (p, losses)
+    # the teacher passes made once for both sub-plans: the maps each sub-plan's own passes train, bit for bit
+    upper = plans[1]
+    alone = copy.deepcopy(start[upper])
+    train_branch("attn_out", study_mod.sub_plan_params(params, upper), upper, alone, model, tok, in_tiny_folder,
+                 phases=("csa2",))
+    for a, b in zip(alone["csa2"].adapters.state_dict().values(), trained[upper]["csa2"].adapters.state_dict().values()):
+        assert torch.equal(a, b)

@@ -202,8 +202,8 @@ def with_projector_heads(served: dict[str, CEDParts], model, plan: LayerPlan, ro
 
 
 def train_branch(objective: str, params: Params, plan: LayerPlan, served: dict[str, CEDParts], model, tok,
-                 workdir: Path, head_lr: float | None = None, phases: tuple[str, ...] = PHASE_GROUPS
-                 ) -> tuple[dict, Curves, dict]:
+                 workdir: Path, head_lr: float | None = None, phases: tuple[str, ...] = PHASE_GROUPS,
+                 teachers: tuple[TeacherCache, TeacherCache] | None = None) -> tuple[dict, Curves, dict]:
     """Train ``served`` (:func:`ridge_served`) in place through ``phases`` (default ``ced``, ``csa2``, ``ced_csa2``).
 
     On ``train.online.records`` records of the train split and ``val_records`` held-out ones
@@ -213,7 +213,10 @@ def train_branch(objective: str, params: Params, plan: LayerPlan, served: dict[s
     counter across them) and what the run was measured on.  ``head_lr``: the learning rate of the
     projectors' residual MLPs, where they have them (:func:`with_projector_heads`).  ``phases``: a subset of
     :data:`~ced_csa2.train.objectives.PHASE_GROUPS` in its order, for a caller that serves only some groups
-    (``studies/sharing.py``: no ``ced`` arm, so its projector is never trained).
+    (``studies/sharing.py``: no ``ced`` arm, so its projector is never trained).  ``teachers``: the training and
+    held-out teacher caches (:func:`new_teachers`) to read, for a caller training several plans on the same
+    records: caches made for a plan of the same split whose layers include this one's serve it (a pass records
+    every layer its plan names), bit for bit; new ones when not given.
     """
     if list(phases) != [g for g in PHASE_GROUPS if g in phases]:
         raise ValueError(f"train_branch: phases must be a subset of {PHASE_GROUPS} in that order, got {phases}")
@@ -231,7 +234,7 @@ def train_branch(objective: str, params: Params, plan: LayerPlan, served: dict[s
     summaries: dict = {}
     curves: Curves = {}
     step = 0  # one optimizer-step counter across the phases
-    teachers = new_teachers(objective, model, plan)  # the frozen model's passes: one per batch for all phases
+    teachers = teachers or new_teachers(objective, model, plan)  # the frozen model's passes: one per batch
     # The joint phase starts from the ridge projector, not the ced phase's: the ced phase may
     # move the source K/V along what the source layer's attention cannot see (a shift
     # shared by all keys leaves its softmax unchanged), which the targets' adapters read.
