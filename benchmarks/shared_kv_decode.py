@@ -1,7 +1,8 @@
 """Decode-step time and bytes: the shared KV store against the ordinary cache, in one run.
 
     python benchmarks/shared_kv_decode.py                           # contexts 512 2048 8192
-    python benchmarks/shared_kv_decode.py --contexts 64 --steps 2   # a quick check
+    python benchmarks/shared_kv_decode.py --contexts 64 --steps 3   # a quick check
+    python benchmarks/shared_kv_decode.py --contexts 8192 --full-layers 1 2 --storages bf16 --profile
 
 On the model, plan and dtype of ``params.yaml`` (the embedded SmolLM2 by default), for
 each context length ``T`` it prefills ``T`` random tokens into every cache below, then
@@ -32,6 +33,15 @@ leaves its cache's hooks: microseconds against a step).  Caches:
 * ``baseline / fp4-{format}`` -- :class:`~ced_csa2.runtime.shared_kv.FP4KVCache` (``baseline_fp4``'s,
   by ``group_cache``): every layer's K/V in FP4, no sharing (the cost of FP4 alone); with
   ``--rotated`` also ``baseline / fp4-{format} rotated`` (``baseline_fp4_rot``'s).
+
+``--full-layers K ...`` times instead the many-reader plans of ``studies/sharing.py``: ``K`` Full
+layers above the cut (:func:`~ced_csa2.runtime.sub_plans.spaced_full_layers`), every other attention
+layer above it a reader of the Full layer below it, served by
+:class:`~ced_csa2.runtime.sub_plans.SubPlansSharedKVCache` (one ``SharedKVCache`` store per Full
+layer, random maps of the trained shapes) -- ``k{K} {group} / shared-{storage}``, one arm per ``K``
+and ``--storages`` entry, and one per ``--sparse`` reads (the oracle's: every Full layer's store a
+``SparseSharedKVCache``) -- against the reference alone.  ``--profile`` then runs one more step of
+every arm under ``torch.profiler`` and prints the operators taking most of its time.
 
 Columns: ms per decode step (median) and its ratio to the reference's; the ratio of the
 summed step times with its 95% interval over the rounds (paired bootstrap: a round's steps of
@@ -74,6 +84,7 @@ from ced_csa2.projector import KVProjector
 from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.runtime.shared_kv import SHARED_GROUPS, STORAGES, accounted_copies, cache_bytes
 from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
+from ced_csa2.runtime.sub_plans import SubPlansSharedKVCache, nested_copies, spaced_full_layers, sub_plans
 from ced_csa2.train.indexer_training import new_indexer
 
 
@@ -85,11 +96,17 @@ def maps(models_dir: Path, plan: LayerPlan, geo, params, model) -> tuple[CEDPart
     if all(f.is_file() for f in files):
         trained = load_parts(models_dir, params, plan, geo, role=MAIN, device=device, dtype=dtype)
         return trained, f"trained maps from {models_dir}/"
+    return random_maps(plan, geo, params, model), f"RANDOM maps (no {files[0].name} + {files[1].name} in {models_dir}/)"
+
+
+def random_maps(plan: LayerPlan, geo, params, model) -> CEDParts:
+    """A projector and adapters of the trained shapes (``train_adapters``' width), random, in the model's dtype."""
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
     cfg = params.train_adapters
     adapters = CSA2Adapters(plan.targets, geo.kv_dim, width_mult=cfg.width_mult, activation=cfg.activation,
                             input=cfg.input, device=device, dtype=dtype)
-    projector = KVProjector(geo.hidden_size, geo.kv_dim, device=device, dtype=dtype)
-    return CEDParts(projector, adapters), f"RANDOM maps (no {files[0].name} + {files[1].name} in {models_dir}/)"
+    return CEDParts(KVProjector(geo.hidden_size, geo.kv_dim, device=device, dtype=dtype), adapters)
 
 
 def indexer_for(path: Path, model, plan: LayerPlan, geo, params) -> tuple[LightningIndexer, str]:
@@ -106,38 +123,79 @@ def fp4_group(group: str, rotated: bool = False) -> str:
     return f"{group}_fp4" + ("_rot" if rotated else "")
 
 
+def reference(model, plan):
+    """The reference case of :func:`cases` and :func:`sub_plan_cases`: the plain model with a ``DynamicCache``."""
+    return ("baseline / dynamic", ([plan], "baseline", "bf16"),
+            lambda: group_cache(model, plan, "baseline", None, None).cache, lambda cache: contextlib.nullcontext())
+
+
 def cases(model, plan, group: str, parts: CEDParts, storages, fp4_formats, sparse: list[SparseDecode],
           indexers: dict[str, LightningIndexer], rotated: bool = False):
-    """``(label, accounting (group, storage), make_cache, context)`` for each cache to compare; a group's own cache
-    is built by :func:`group_cache`, as the ``eval_generation`` stage builds it."""
+    """``(label, accounting ([plan], group, storage), make_cache, context)`` for each cache to compare; a group's own
+    cache is built by :func:`group_cache`, as the ``eval_generation`` stage builds it."""
     config = model.config
 
     def built(name: str, kv_format: str | None):
         return lambda: group_cache(model, plan, name, parts, kv_format).cache
 
-    yield "baseline / dynamic", ("baseline", "bf16"), built("baseline", None), lambda cache: contextlib.nullcontext()
+    yield reference(model, plan)
     runtime = CEDModeBRuntime(model, plan, group, parts, kv_format="nvfp4")  # built once, entered per step
-    yield (f"{group} / dynamic", ("baseline", "bf16"), lambda: DynamicCache(config=config), lambda cache: runtime)
+    yield (f"{group} / dynamic", ([plan], "baseline", "bf16"), lambda: DynamicCache(config=config), lambda cache: runtime)
     for storage in storages:
         names = [group] if storage == "bf16" else [fp4_group(group), *([fp4_group(group, True)] if rotated else [])]
         for name in names:
             label = f"{group} / shared-{storage}" + (" rotated" if GROUPS[name].rotate else "")
-            yield label, (name, storage), built(name, storage), lambda cache: cache.feed()
+            yield label, ([plan], name, storage), built(name, storage), lambda cache: cache.feed()
         for reads in sparse:
             name = f"{group} / shared-{storage} k{reads.k}+w{reads.window}" + (
                 f" keep{reads.keep}" if reads.keep is not None else "")
-            yield (name, (group, storage, None, reads),
+            yield (name, ([plan], group, storage, None, reads),
                    lambda s=storage, r=reads: SparseSharedKVCache(model, plan, group, parts, s, reads=r),
                    lambda cache: cache.feed())
             for indexer_name, indexer in indexers.items():
-                yield (f"{name} indexed {indexer_name}", (group, storage, indexer, reads),
+                yield (f"{name} indexed {indexer_name}", ([plan], group, storage, indexer, reads),
                        lambda s=storage, r=reads, i=indexer: SparseSharedKVCache(model, plan, group, parts, s,
                                                                                  reads=r, indexer=i),
                        lambda cache: cache.feed())
     for fmt in fp4_formats:
         for name in ("baseline_fp4", *(["baseline_fp4_rot"] if rotated else [])):
             label = f"baseline / fp4-{fmt}" + (" rotated" if GROUPS[name].rotate else "")
-            yield label, (name, fmt), built(name, fmt), lambda cache: contextlib.nullcontext()
+            yield label, ([plan], name, fmt), built(name, fmt), lambda cache: contextlib.nullcontext()
+
+
+def sub_plan_cases(model, plan, geo, params, group: str, storages, full_layers: list[int], sparse: list[SparseDecode]):
+    """The reference, then :class:`SubPlansSharedKVCache` per ``k`` of ``full_layers`` and storage, dense and with
+    each of ``sparse``'s reads (the oracle): ``k`` Full layers above ``plan``'s cut, every other attention layer above
+    it a reader (random maps of the trained shapes)."""
+    yield reference(model, plan)
+    for k in full_layers:
+        plans = sub_plans(geo, plan.split, spaced_full_layers(geo, plan.split, k))
+        parts = {p: random_maps(p, geo, params, model) for p in plans}
+        readers = sum(len(p.targets) for p in plans)
+        full = " ".join(str(p.source) for p in plans)
+        for storage in storages:
+            make = lambda s=storage, ps=plans, q=parts: SubPlansSharedKVCache(model, ps, group, q, s)  # noqa: E731
+            yield (f"k{k} {group} / shared-{storage} (Full {full}, {readers} readers)", (plans, group, storage), make,
+                   lambda cache: cache.feed())
+            for r in sparse:
+                make = lambda s=storage, ps=plans, q=parts, r=r: SubPlansSharedKVCache(  # noqa: E731
+                    model, ps, group, q, s, reads=r)
+                yield (f"k{k} {group} / shared-{storage} k{r.k}+w{r.window}" + (f" keep{r.keep}" if r.keep else ""),
+                       (plans, group, storage, None, r), make, lambda cache: cache.feed())
+
+
+def print_profile(runs: dict[str, StepDecoder], top: int = 6) -> None:
+    """One more step of every arm under ``torch.profiler``: its wall ms and the ``top`` operators by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for label, decoder in runs.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            decoder.step()
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in ops)
+        print(f"profile {label}: {total / 1e3:.1f} ms self CPU in one step; " + "; ".join(
+            f"{e.key} {e.self_cpu_time_total / 1e3:.1f} ms ({100 * e.self_cpu_time_total / total:.0f}%, "
+            f"{e.count} calls)" for e in ops[:top]))
 
 
 def main() -> None:
@@ -160,6 +218,9 @@ def main() -> None:
                     help="model dtype (default: params.model.dtype)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--full-layers", type=int, nargs="+", metavar="K",
+                    help="time instead k Full layers above the cut, every other layer a reader, per K (see above)")
+    ap.add_argument("--profile", action="store_true", help="then profile one more step of every arm")
     args = ap.parse_args()
     sparse = [SparseDecode.from_spec(spec) for spec in args.sparse]
     if set(args.storages) - {"bf16"} and fp4_group(args.group) not in GROUPS:
@@ -192,22 +253,26 @@ def main() -> None:
         ids = torch.randint(0, model.config.vocab_size, (args.batch, context), generator=gen).to(args.device)
         ref_ms = ref_bytes = None
         runs, accounting = {}, {}
-        for label, acc, make_cache, ctx in cases(model, plan, args.group, parts, args.storages, args.fp4_baselines,
-                                                   sparse, indexers, args.rotated):
+        arms = (sub_plan_cases(model, plan, geo, params, args.group, args.storages, args.full_layers, sparse)
+                if args.full_layers else cases(model, plan, args.group, parts, args.storages, args.fp4_baselines,
+                                               sparse, indexers, args.rotated))
+        for label, acc, make_cache, ctx in arms:
             cache = make_cache()
             runs[label], accounting[label] = StepDecoder(model, cache, lambda c=cache, ctx=ctx: ctx(c)), acc
             runs[label].prefill(ids)
         paired = paired_seconds({label: d.step for label, d in runs.items()}, args.steps, device=args.device)
         seconds, ref_label = paired.seconds, next(iter(runs))
-        for label, (acc_group, acc_storage, *sparse_parts) in accounting.items():
+        for label, (acc_plans, acc_group, acc_storage, *sparse_parts) in accounting.items():
             cache, ms = runs[label].cache, 1e3 * seconds[label]
             nbytes = cache_bytes(cache)
-            per_token = bytes_per_token(accounted_copies(geo, plan, acc_group, acc_storage, dtype_bytes))
+            per_token = bytes_per_token(nested_copies([accounted_copies(geo, p, acc_group, acc_storage, dtype_bytes)
+                                                       for p in acc_plans]))
             accounted = per_token * args.batch * cache.get_seq_length()
             if sparse_parts:  # the indexer's keys per position; the last step's adapted entries (flat)
                 reader, reads = sparse_parts
                 accounted += key_bytes(reader.key_width) * args.batch * cache.get_seq_length() if reader else 0
-                accounted += reads.adapted_bytes(len(plan.targets), geo.kv_dim, dtype_bytes, args.batch)
+                accounted += reads.adapted_bytes(sum(len(p.targets) for p in acc_plans), geo.kv_dim, dtype_bytes,
+                                                 args.batch)
             ref_ms, ref_bytes = ref_ms or ms, ref_bytes or nbytes.allocated
             summed = ratio_bootstrap(np.array(paired.runs[label]), np.array(paired.runs[ref_label]), seed=args.seed)
             low, high = summed["ci95"]
@@ -216,6 +281,8 @@ def main() -> None:
                   f"{nbytes.allocated / 2**20:>9.2f} {nbytes.used / accounted:>14.4f} {nbytes.used / ref_bytes:>8.3f} "
                   f"{nbytes.allocated / ref_bytes:>9.3f}")
             del cache
+        if args.profile:
+            print_profile(runs)
         del runs
 
 

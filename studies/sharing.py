@@ -15,12 +15,20 @@ selection to over-fit on 32 eval records), it is V4.1's own layout (Full layers 
 it makes the furthest reader as near its Full layer as ``k`` allows (the adapters' fit falls
 with distance: the held-out R² below).
 
-Maps: the ``ridge`` objective's (:func:`~ced_csa2.train.tuning.ridge_served`: ridge-initialised
-adapters of ``train_adapters``' form, MLPs at their zero start), fitted on the ridge stage's train
-records of the pipeline's dump (``data/dump``, which holds every attention layer above the cut
-on the embedded default: its plan covers them for Mode A), all sub-plans in one streaming pass
-(:func:`~ced_csa2.maps.ridge.fit_maps`; a map from one source to one reader is the same map in
-every ``k``).  ``ced_csa2`` also projects every Full layer from ``H_split`` (its ridge projector).
+Maps, one arm family per objective (``objectives``): the ``ridge`` objective's
+(:func:`~ced_csa2.train.tuning.ridge_served`: ridge-initialised adapters of ``train_adapters``' form,
+MLPs at their zero start), fitted on the ridge stage's train records of the pipeline's dump
+(``data/dump``, which holds every attention layer above the cut on the embedded default: its plan
+covers them for Mode A), all sub-plans in one streaming pass (:func:`~ced_csa2.maps.ridge.fit_maps`;
+a map from one source to one reader is the same map in every ``k``).  ``ced_csa2`` also projects
+every Full layer from ``H_split`` (its ridge projector).  ``attn_out`` / ``distill``: each sub-plan's
+maps trained from those ridge maps by the pipeline's own ``tune@<objective>`` branch
+(:func:`~ced_csa2.train.tuning.train_branch`, ``train.online``'s budget and records) through the
+phases the arms serve -- ``csa2`` (the readers' adapters, true source K/V) and, for a ``ced_csa2``
+arm, ``ced_csa2`` (its own projector and adapters jointly) -- on ``trained_full_layers``' ``k`` only
+(rows ``k{k}/<arm>@<objective>``, beside the ridge rows).  Each sub-plan is trained alone, as the
+pipeline trains its one plan: under ``distill`` the other sub-plans' layers keep their true K/V
+(``attn_out`` re-runs each reader's attention on its true input whatever the other layers do).
 
 Arms (``arms``): the groups nested, outermost first: a sharing group run by every sub-plan
 (``csa2``: sharing alone; ``csa2_fp4_rot``: the Full layers' stored entries in rotated FP4, every
@@ -40,6 +48,7 @@ time to ``timings/study_sharing.json``.  Params: ``studies/sharing.yaml`` and ``
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import tempfile
@@ -51,7 +60,8 @@ import torch
 import yaml
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
-from ced_csa2.config import Params, PlanConfig, check_provenance, from_dict, load_params, provenance, to_dict
+from ced_csa2.config import TUNE_OBJECTIVES, Params, PlanConfig, check_provenance, from_dict, load_params, \
+    provenance, to_dict
 from ced_csa2.csa2 import mlp_width
 from ced_csa2.data.dump_file import DumpReader
 from ced_csa2.data.records import check_prepared
@@ -65,13 +75,14 @@ from ced_csa2.maps.ridge import MapGroup, adapter_map, evaluate_maps, fit_maps, 
 from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json, write_tsv
 from ced_csa2.pipeline.figures import write_png
-from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH, TIMINGS
+from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH, TIMINGS, TRAIN_JSONL
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.runtime.sub_plans import NestedRuntimes, nested_copies, spaced_full_layers, sub_plans
 from ced_csa2.stages import ridge
-from ced_csa2.train.tuning import ridge_served
+from ced_csa2.train.objectives import PHASE_GROUPS
+from ced_csa2.train.tuning import new_teachers, ridge_served, train_branch
 
 STUDY_PARAMS = Path("studies/sharing.yaml")
 OUT = Path("studies/sharing")
@@ -85,6 +96,8 @@ class Study:
     full_layers: list[int]  # k: one arm family per entry
     arms: list[list[str]]  # groups nested, outermost first: [every-layer FP4 group,] sharing group
     pipeline_groups: list[str]  # the pipeline's own groups, scored beside (baseline among them)
+    objectives: list[str]  # of TUNE_OBJECTIVES: ridge (the maps untrained) and those that train through the model
+    trained_full_layers: list[int]  # the k (of full_layers) whose maps the training objectives train
 
 
 def load_study(path: Path = STUDY_PARAMS) -> Study:
@@ -98,14 +111,21 @@ def load_study(path: Path = STUDY_PARAMS) -> Study:
                 GROUPS[g].fp4 != "every_layer" for g in arm[:-1]) or (len(arm) == 2 and GROUPS[arm[-1]].is_fp4):
             raise ValueError(f"{path}: arms entry {arm}: give a sharing group without FP4 of its own after at most "
                              f"one every-layer FP4 group (baseline_fp4, baseline_fp4_rot), or a sharing group alone")
+    if "ridge" not in study.objectives or not set(study.objectives) <= set(TUNE_OBJECTIVES):  # ridge: start, reference
+        raise ValueError(f"{path}: objectives must list ridge and any of {list(TUNE_OBJECTIVES[1:])}; got "
+                         f"{study.objectives}")
+    if not set(study.trained_full_layers) <= set(study.full_layers):
+        raise ValueError(f"{path}: trained_full_layers {study.trained_full_layers} must be some of full_layers "
+                         f"{study.full_layers}")
     if "baseline" not in study.pipeline_groups or not set(study.pipeline_groups) <= set(GROUPS):
         raise ValueError(f"{path}: pipeline_groups must be known groups, baseline among them; got "
                          f"{study.pipeline_groups}")
     return study
 
 
-def arm_name(k: int, arm: list[str]) -> str:
-    return f"k{k}/{'+'.join(arm)}"
+def arm_name(k: int, arm: list[str], objective: str = "ridge") -> str:
+    """``k{k}/<groups>``, ``@<objective>`` for maps trained from the ridge ones (ridge rows keep their names)."""
+    return f"k{k}/{'+'.join(arm)}" + ("" if objective == "ridge" else f"@{objective}")
 
 
 def pipeline_name(group: str) -> str:
@@ -158,6 +178,34 @@ def fit_sub_plans(params: Params, plans: list[LayerPlan], geo: Geometry, workdir
         read = [f"{adapter_map(kind, t, params.train_adapters.input)}@{p.source}" for t in p.targets for kind in "kv"]
         r2[p] = sum(fits[n]["r2"] for n in read) / len(read)
     return parts, r2
+
+
+def train_sub_plans(objective: str, params: Params, plans: list[LayerPlan], ridge_parts: dict, groups: set[str],
+                    model, tok, workdir: Path) -> dict:
+    """Each sub-plan's maps trained by ``objective`` from copies of its ridge ones (``ridge_parts`` stays as it is).
+
+    Returns ``{plan: {"csa2" | "ced_csa2": CEDParts}}``, the maps of
+    :func:`fit_sub_plans` trained through the phases of ``groups`` (the sharing groups the arms run:
+    ``csa2``'s adapters, and ``ced_csa2``'s pair where a group projects its source), one
+    :func:`~ced_csa2.train.tuning.train_branch` per sub-plan with the pipeline's ``train.online`` budget.
+    The frozen model's teacher passes are made once for all sub-plans (they read the same records): for the
+    plan whose source is the lowest Full layer and whose targets are every other layer of ``plans``.
+    """
+    phases = tuple(g for g in PHASE_GROUPS[1:] if g in {"ced_csa2" if GROUPS[x].projected_source else "csa2"
+                                                        for x in groups})
+    first = min(p.source for p in plans)
+    union = LayerPlan(plans[0].split, first, tuple(sorted({la for p in plans for la in p.kv_layers} - {first})))
+    teachers = new_teachers(objective, model, union)
+    trained = {}
+    for p in plans:
+        served = copy.deepcopy(ridge_parts[p])
+        summaries, _, _ = train_branch(objective, sub_plan_params(params, p), p, served, model, tok, workdir,
+                                       phases=phases, teachers=teachers)
+        for group, summary in summaries.items():
+            log.info("%s, Full layer %d, readers %s: %s phase held-out loss %.5f -> %.5f", objective, p.source,
+                     list(p.targets), group, summary["val_before"]["loss"], summary["val_after"]["loss"])
+        trained[p] = served
+    return trained
 
 
 def sub_plan_params(params: Params, plan: LayerPlan) -> Params:
@@ -217,12 +265,20 @@ def budget_answer(rows: list[dict], basis: str) -> list[str]:
     return [f"- from {b:,.0f} B/token up to {end}: {what}" for (b, what), end in zip(segments, ends)]
 
 
-def table(rows: list[dict], params: Params, n: int, tokens: int, dtype: str, seconds: float) -> str:
+def table(rows: list[dict], params: Params, study: Study, n: int, tokens: int, dtype: str, seconds: float,
+          train_seconds: dict[str, float]) -> str:
     """``sharing.md``: the protocol, one row per arm, the Pareto fronts and the byte-budget answer."""
+    online = params.train.online
+    trained = "".join(
+        f" `@{o}` rows (k ∈ {{{', '.join(map(str, study.trained_full_layers))}}}): the same maps trained by the "
+        f"pipeline's `{o}` objective (tune@{o}'s phases of the groups the arms run; {online.records} train records "
+        f"of {online.seq_len} tokens, {online.epochs} epoch(s), batch {online.batch_size}, adapters lr "
+        f"{online.adapters_lr:g}; {train_seconds[o] / 60:.1f} min)." for o in train_seconds)
     protocol = (
         f"Cross-layer sharing on {params.model.name} ({dtype}), cut after layer {params.plan.split}: k Full layers "
         "above the cut (evenly spaced from the first), every other attention layer above the cut a reader of the "
-        "Full layer below it; ridge maps (the `ridge` objective, untrained) fitted on the pipeline's dump. "
+        "Full layer below it; ridge maps (the `ridge` objective, untrained) fitted on the pipeline's dump."
+        f"{trained} "
         f"ΔPPL %, KL and top-1 against the baseline with paired bootstrap 95% intervals over {n} held-out "
         f"{params.data.name} records ({tokens:,} scored tokens, teacher-forced, eval_ppl.records), in domain. "
         f"Bytes per token counted in {BYTES} (FP4: {params.kv_format}), on the whole cache (all attention layers) "
@@ -283,9 +339,11 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     t0 = time.perf_counter()
-    params = load_params(Path("params.yaml"))
-    check_prepared(params, Path("."), EVAL_JSONL)  # before the model loads: a corpus made for other params
     study = load_study()
+    params = load_params(Path("params.yaml"))
+    trained_objectives = [o for o in study.objectives if o != "ridge"]
+    # before the model loads: a corpus made for other params
+    check_prepared(params, Path("."), EVAL_JSONL, *([TRAIN_JSONL] if trained_objectives else []))
     plan, geo = load_plan(params.plan, params.model)
     plans = study_plans(geo, plan.split, study)  # refuses a k that leaves a Full layer without readers
     if any(GROUPS[a[-1]].projected_source for a in study.arms) and params.train.ced_csa2_start != "csa2":
@@ -299,20 +357,31 @@ def main() -> None:
         parts, r2 = fit_sub_plans(params, distinct, geo, Path("."), Path(scratch))
     model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
     model.requires_grad_(False)
-    runtimes = {arm_name(k, arm): arm_runtime(model, arm, ps, parts, params.kv_format)
-                for k, ps in plans.items() for arm in study.arms}
+    trained_plans = list(dict.fromkeys(p for k in study.trained_full_layers for p in plans[k]))
+    maps_of, train_seconds = {"ridge": parts}, {}
+    for objective in trained_objectives:
+        t_train = time.perf_counter()
+        maps_of[objective] = train_sub_plans(objective, params, trained_plans, parts, {a[-1] for a in study.arms},
+                                             model, tok, Path("."))
+        train_seconds[objective] = round(time.perf_counter() - t_train, 1)
+    # (k, arm, objective) of every study row: a ridge row, then its trained twins
+    families = [(k, arm, objective) for k in plans for arm in study.arms for objective in study.objectives
+                if objective == "ridge" or k in study.trained_full_layers]
+    runtimes = {arm_name(k, arm, o): arm_runtime(model, arm, plans[k], maps_of[o], params.kv_format)
+                for k, arm, o in families}
     ids = eval_ids(params, tok, Path("."))
     log.info("scoring %d arms and %d pipeline groups on %d records", len(runtimes), len(study.pipeline_groups),
              len(ids))
     scores = groups_ppl(model, plan, study.pipeline_groups, pipeline_parts, ids, params, tok.pad_token_id,
                         extra=runtimes)
-    arms = {pipeline_name(g): (0, [g], [plan]) for g in study.pipeline_groups}
-    arms |= {arm_name(k, arm): (k, arm, ps) for k, ps in plans.items() for arm in study.arms}
+    arms = {pipeline_name(g): (0, [g], [plan], "ridge") for g in study.pipeline_groups}
+    arms |= {arm_name(k, arm, o): (k, arm, plans[k], o) for k, arm, o in families}
     rows = []
-    for name, (k, arm, ps) in arms.items():
+    for name, (k, arm, ps, objective) in arms.items():
         s = scores[arm[0]] if k == 0 else scores[name]
         shares = GROUPS[arm[-1]].shares_source_kv
-        row = {"arm": name, "k": k, "full_layers": " ".join(str(p.source) for p in ps) if shares else "–",
+        row = {"arm": name, "k": k, "objective": objective if GROUPS[arm[-1]].uses_maps else "–",
+               "full_layers": " ".join(str(p.source) for p in ps) if shares else "–",
                "readers": sum(len(p.targets) for p in ps) if shares else 0,
                "family": "fp4_alone" if k == 0 and arm[0] in FP4_ALONE else
                ("sharing" if shares else "baseline")}
@@ -336,11 +405,11 @@ def main() -> None:
             r[f"front_{basis}"] = r["arm"] in front
     seconds = time.perf_counter() - t0
     write_tsv(OUT / "sharing.tsv", rows)
-    atomic_write_text(OUT / "sharing.md", table(rows, params, len(ids), rows[0]["tokens"], rows[0]["dtype"],
-                                                seconds))
+    atomic_write_text(OUT / "sharing.md", table(rows, params, study, len(ids), rows[0]["tokens"], rows[0]["dtype"],
+                                                seconds, train_seconds))
     plot(rows, OUT / "frontier.png", params.model.name)
     write_json(TIMINGS / "study_sharing.json", {"seconds": round(time.perf_counter() - t0, 1),
-                                                "threads": torch.get_num_threads()})
+                                                "train_seconds": train_seconds, "threads": torch.get_num_threads()})
 
 
 if __name__ == "__main__":

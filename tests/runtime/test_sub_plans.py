@@ -5,7 +5,7 @@ import contextlib
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import rounding_tol, tiny_llama
 from tiny_maps import random_parts
 from transformers import DynamicCache
 
@@ -18,7 +18,9 @@ from ced_csa2.kv.rotation import fp4_round_trip
 from ced_csa2.model_utils import Geometry, geometry
 from ced_csa2.plan import LayerPlan, PlanError
 from ced_csa2.runtime.shared_kv import FP4KVCache, SharedKVCache, cache_bytes
-from ced_csa2.runtime.sub_plans import NestedRuntimes, nested_copies, spaced_full_layers, sub_plans
+from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
+from ced_csa2.runtime.sub_plans import NestedRuntimes, SubPlansSharedKVCache, nested_copies, spaced_full_layers, \
+    sub_plans
 
 SMOL = Geometry(n_layers=30, hidden_size=576, n_kv_heads=3, head_dim=64, attention_layers=tuple(range(1, 31)))
 SPLIT = 1  # tiny Llama: 6 attention layers, 5 above the cut -> at most 2 Full layers
@@ -122,7 +124,8 @@ def test_the_nesting_order_and_disjoint_sub_plans_are_enforced(llama):
 
 def prefill_bytes(model, cache, x):
     """``cache_bytes(cache).used`` after a prefill of ``x`` through the real cache (a shared store fed by its hooks)."""
-    with torch.no_grad(), (cache.feed() if isinstance(cache, SharedKVCache) else contextlib.nullcontext()):
+    fed = isinstance(cache, (SharedKVCache, SubPlansSharedKVCache))
+    with torch.no_grad(), (cache.feed() if fed else contextlib.nullcontext()):
         model(input_ids=x, cache=cache, use_cache=True)
     return cache_bytes(cache).used
 
@@ -155,3 +158,53 @@ def test_fp4_every_stored_copy_with_sharing_is_the_fp4_cache_without_the_readers
     assert x.numel() * bytes_per_token(copies) == kept
     decoder = nested_copies([kv_copies(geo, p, "csa2", "decoder_attention", FP32_BYTES) for p in plans])
     assert [c.name for c in decoder] == ["K2", "V2", "K4", "V4"]  # the decoder basis: the Full layers alone
+
+
+def test_the_sub_plans_shared_cache_decodes_as_the_nested_runtimes_and_holds_the_full_layers_only(llama):
+    model, geo, plans, parts, x = llama
+    cache = SubPlansSharedKVCache(model, plans, "csa2", dict(zip(plans, parts)))
+    assert prefill_bytes(model, cache, x) == x.numel() * bytes_per_token(
+        nested_copies([kv_copies(geo, p, "csa2", "all_attention", FP32_BYTES) for p in plans]))
+    step = torch.randint(0, 300, (2, 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with cache.feed():
+            got = model(input_ids=step, cache=cache, use_cache=True).logits[:, -1]
+        with nested(model, plans, parts):  # Mode B on the whole sequence: every reader's K/V from its Full layer's
+            ref = model(torch.cat([x, step], 1)).logits[:, -1]
+        base = model(torch.cat([x, step], 1)).logits[:, -1]
+    # two float32 paths (a cached step against one forward): FORWARD32's 96 eps per logit, a few times over
+    tol = rounding_tol(torch.float32, 4 * 96)
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    assert not torch.allclose(got, base, atol=1e-3)  # the readers read the stores, not their own K/V
+    assert all(not m._forward_hooks for m in model.modules())
+    with pytest.raises(PlanError, match="must share one split and no layer"):
+        SubPlansSharedKVCache(model, [plans[0], plans[0]], "csa2", dict(zip(plans, parts)))
+
+
+def decoded(model, cache, x, steps):
+    """Logits ``(B, steps, vocab)`` of ``steps`` greedy decode steps after prefilling ``x`` into ``cache``."""
+    out = []
+    with torch.no_grad():
+        with cache.feed():
+            logits = model(input_ids=x, cache=cache, use_cache=True).logits[:, -1:]
+        for _ in range(steps):
+            with cache.feed():
+                logits = model(input_ids=logits.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
+            out.append(logits)
+    return torch.cat(out, 1)
+
+
+def test_sparse_sub_plan_stores_read_as_each_sparse_cache_alone_and_as_the_dense_ones_when_they_cover(llama):
+    model, geo, plans, parts, x = llama
+    by_plan = dict(zip(plans, parts))
+    reads = SparseDecode(k=3, window=2)  # 5 of the 13+ entries: the selection matters
+    one = plans[:1]  # one sub-plan: the sparse cache itself
+    assert torch.equal(decoded(model, SubPlansSharedKVCache(model, one, "csa2", by_plan, reads=reads), x, 4),
+                       decoded(model, SparseSharedKVCache(model, one[0], "csa2", parts[0], reads=reads), x, 4))
+    dense = decoded(model, SubPlansSharedKVCache(model, plans, "csa2", by_plan), x, 4)
+    covering = SparseDecode(k=64, window=1)  # every entry selected: each reader's call is the dense one
+    assert torch.equal(decoded(model, SubPlansSharedKVCache(model, plans, "csa2", by_plan, reads=covering), x, 4),
+                       dense)
+    sparse = decoded(model, SubPlansSharedKVCache(model, plans, "csa2", by_plan, reads=reads), x, 4)
+    assert not torch.allclose(sparse, dense, atol=1e-3)  # the readers read their selections, not every entry
+    assert all(not m._forward_hooks for m in model.modules())

@@ -15,6 +15,7 @@ from ced_csa2.maps.ridge import save_ridge
 from ced_csa2.pipeline import paths
 from ced_csa2.plan import load_plan
 from ced_csa2.stages import tune
+from ced_csa2.train.tuning import train_branch
 
 ONLINE = OnlineConfig(records=12, val_records=4, seq_len=32, batch_size=4, epochs=3, projector_lr=1e-2,
                       adapters_lr=1e-2, weight_decay=0.0, warmup_fraction=0.0, temperature=2.0, kv_weight=0.0)
@@ -90,6 +91,12 @@ def test_objectives_outside_the_list_are_refused(tmp_path):
         ced_runtime.load_objective_parts(tmp_path, "distill", params, None, None, "cpu")
     with pytest.raises(ParamsError, match=r"train.objectives.*kv_mse is the main"):
         dataclasses.replace(params.train, objectives=["kv_mse"])
+
+
+def test_phases_out_of_the_branch_s_order_are_refused_before_any_work():
+    # the pipeline's order (its curves count steps across the phases in it): another order is no branch it runs
+    with pytest.raises(ValueError, match=r"phases must be a subset of \('ced', 'csa2', 'ced_csa2'\) in that order"):
+        train_branch("attn_out", None, None, {}, None, None, None, phases=("ced_csa2", "csa2"))
 
 
 def test_a_short_distillation_lowers_the_held_out_kl(tmp_path, frozen):

@@ -17,18 +17,27 @@ does not keep.  The order is what the composition means, so :class:`NestedRuntim
 
 Bytes per token compose the same way (:func:`nested_copies`): a layer keeps a cache when every
 nested runtime keeps it, in the smallest entry any of them stores it as.
+
+Served with real bytes, the sub-plans are one cache (:class:`SubPlansSharedKVCache`): each Full
+layer's :class:`~ced_csa2.runtime.shared_kv.SharedKVCache` store, its readers storing nothing, and
+every other layer an ordinary ``DynamicLayer``.
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-from typing import Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Iterator, Mapping, Sequence
 
-from ..ced_runtime import CEDModeBRuntime
+from torch import nn
+from transformers import DynamicCache
+
+from ..ced_runtime import CEDModeBRuntime, CEDParts
 from ..kv.kv_bytes import StoredCopy
 from ..model_utils import Geometry
 from ..plan import LayerPlan, PlanError
 from .group_runtime import GroupRuntime
+from .shared_kv import SharedKVCache
+from .sparse_decode import SparseDecode, SparseSharedKVCache
 
 
 def spaced_full_layers(geo: Geometry, split: int, k: int) -> tuple[int, ...]:
@@ -136,3 +145,50 @@ def nested_copies(copies: Sequence[Sequence[StoredCopy]]) -> list[StoredCopy]:
     held = [{c.name: c for c in cs} for cs in copies]
     return [min((h[c.name] for h in held), key=lambda x: x.entry_bytes) for c in copies[0]
             if all(c.name in h for h in held)]
+
+
+class SubPlansSharedKVCache(DynamicCache):
+    """One ``DynamicCache`` holding a :class:`~ced_csa2.runtime.shared_kv.SharedKVCache` store per sub-plan.
+
+    Each sub-plan's source stores its pre-norm K/V once and its readers nothing (their K/V rebuilt
+    from it at every forward, through their own adapters); every other layer is an ordinary
+    ``DynamicLayer``.  The sub-plans' layers are disjoint (:class:`NestedRuntimes`' rule), so each
+    sub-plan's cache layers are taken over as they are.
+
+    Parameters
+    ----------
+    model
+        The HF causal LM the cache is used with.
+    plans
+        The sub-plans (:func:`sub_plans`): one split, no layer in two of them.
+    group, storage
+        As for :class:`~ced_csa2.runtime.shared_kv.SharedKVCache`, the same for every sub-plan.
+    parts
+        ``{plan: CEDParts}``: each sub-plan's maps.
+    reads
+        Each sub-plan's store a :class:`~ced_csa2.runtime.sparse_decode.SparseSharedKVCache` with these reads
+        (the oracle: each Full layer ranks its older entries by its own logits); ``None``: every reader reads
+        every entry.  The sparse caches' attention routes nest (each passes the others' layers on).
+    """
+
+    def __init__(self, model: nn.Module, plans: Sequence[LayerPlan], group: str, parts: Mapping[LayerPlan, CEDParts],
+                 storage: str = "bf16", *, reads: SparseDecode | None = None):
+        layers = [la for p in plans for la in p.kv_layers]
+        if len({p.split for p in plans}) != 1 or len(set(layers)) != len(layers):
+            raise PlanError(f"SubPlansSharedKVCache: the sub-plans must share one split and no layer, got "
+                            f"{[(p.split, p.source, list(p.targets)) for p in plans]}")
+        super().__init__(config=model.config)
+        self.plans = list(plans)
+        self.caches = [SharedKVCache(model, p, group, parts[p], storage) if reads is None else
+                       SparseSharedKVCache(model, p, group, parts[p], storage, reads=reads) for p in plans]
+        for plan, cache in zip(self.plans, self.caches):
+            for layer in plan.kv_layers:
+                self.layers[layer - 1] = cache.layers[layer - 1]
+
+    @contextmanager
+    def feed(self) -> Iterator["SubPlansSharedKVCache"]:
+        """Every sub-plan's store fed (:meth:`~ced_csa2.runtime.shared_kv.SharedKVCache.feed`); always unhooked."""
+        with ExitStack() as stack:
+            for cache in self.caches:
+                stack.enter_context(cache.feed())
+            yield self

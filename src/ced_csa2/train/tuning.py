@@ -202,16 +202,24 @@ def with_projector_heads(served: dict[str, CEDParts], model, plan: LayerPlan, ro
 
 
 def train_branch(objective: str, params: Params, plan: LayerPlan, served: dict[str, CEDParts], model, tok,
-                 workdir: Path, head_lr: float | None = None) -> tuple[dict, Curves, dict]:
-    """Train ``served`` (:func:`ridge_served`) in place through the phases ``ced``, ``csa2``, ``ced_csa2``.
+                 workdir: Path, head_lr: float | None = None, phases: tuple[str, ...] = PHASE_GROUPS,
+                 teachers: tuple[TeacherCache, TeacherCache] | None = None) -> tuple[dict, Curves, dict]:
+    """Train ``served`` (:func:`ridge_served`) in place through ``phases`` (default ``ced``, ``csa2``, ``ced_csa2``).
 
     On ``train.online.records`` records of the train split and ``val_records`` held-out ones
     (:func:`~ced_csa2.train.objectives.online_records`), one teacher pass per batch for all
-    phases (:class:`~ced_csa2.train.objectives.TeacherCache`).  Returns ``(phases, curves,
+    phases (:class:`~ced_csa2.train.objectives.TeacherCache`).  Returns ``(summaries, curves,
     protocol)``: each phase's summary (:func:`train_phase`), the curves of all phases (one step
     counter across them) and what the run was measured on.  ``head_lr``: the learning rate of the
-    projectors' residual MLPs, where they have them (:func:`with_projector_heads`).
+    projectors' residual MLPs, where they have them (:func:`with_projector_heads`).  ``phases``: a subset of
+    :data:`~ced_csa2.train.objectives.PHASE_GROUPS` in its order, for a caller that serves only some groups
+    (``studies/sharing.py``: no ``ced`` arm, so its projector is never trained).  ``teachers``: the training and
+    held-out teacher caches (:func:`new_teachers`) to read, for a caller training several plans on the same
+    records: caches made for a plan of the same split whose layers include this one's serve it (a pass records
+    every layer its plan names), bit for bit; new ones when not given.
     """
+    if list(phases) != [g for g in PHASE_GROUPS if g in phases]:
+        raise ValueError(f"train_branch: phases must be a subset of {PHASE_GROUPS} in that order, got {phases}")
     model.requires_grad_(False)
     device = next(model.parameters()).device
     for p in served.values():
@@ -223,20 +231,20 @@ def train_branch(objective: str, params: Params, plan: LayerPlan, served: dict[s
              len(train_rows), sum(map(len, train_rows)), len(val_rows), params.model.name,
              str(model.dtype).removeprefix("torch."), device)
     torch.manual_seed(params.seed)
-    phases: dict = {}
+    summaries: dict = {}
     curves: Curves = {}
     step = 0  # one optimizer-step counter across the phases
-    teachers = new_teachers(objective, model, plan)  # the frozen model's passes: one per batch for all phases
+    teachers = teachers or new_teachers(objective, model, plan)  # the frozen model's passes: one per batch
     # The joint phase starts from the ridge projector, not the ced phase's: the ced phase may
     # move the source K/V along what the source layer's attention cannot see (a shift
     # shared by all keys leaves its softmax unchanged), which the targets' adapters read.
-    for group in PHASE_GROUPS:
-        phases[group], phase_curves = train_phase(objective, model, served.get(group, served["csa2"]), plan, group,
-                                                  train_rows, val, params, tok.pad_token_id, device, first_step=step,
-                                                  teachers=teachers, head_lr=head_lr)
+    for group in phases:
+        summaries[group], phase_curves = train_phase(objective, model, served.get(group, served["csa2"]), plan,
+                                                     group, train_rows, val, params, tok.pad_token_id, device,
+                                                     first_step=step, teachers=teachers, head_lr=head_lr)
         curves |= phase_curves
         step += len(phase_curves.get((group, "train_loss"), []))
     protocol = {"model": params.model.name, "data": params.data.name, "model_revision": params.model.revision,
                 "data_revision": params.data.revision, "dtype": str(model.dtype).removeprefix("torch."),
                 "device": str(device), **to_dict(params.train.online)}
-    return phases, curves, protocol
+    return summaries, curves, protocol

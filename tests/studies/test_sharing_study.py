@@ -1,9 +1,13 @@
 """studies/sharing.py: the committed params load, bad ones are refused in one line, and a run on the tiny profile
 whose one-Full-layer arm is the pipeline's own csa2 at the ridge maps and whose bytes are counted layer by layer."""
 
+import copy
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import ROOT
 
@@ -15,11 +19,14 @@ from ced_csa2.data import corpus  # noqa: E402
 from ced_csa2.eval.perplexity import eval_ids, groups_ppl  # noqa: E402
 from ced_csa2.model_utils import load_model_and_tokenizer, load_tokenizer  # noqa: E402
 from ced_csa2.plan import LayerPlan, load_plan  # noqa: E402
+from ced_csa2.data.records import batches  # noqa: E402
 from ced_csa2.stages import dump, ridge  # noqa: E402
-from ced_csa2.train.tuning import ridge_served  # noqa: E402
+from ced_csa2.train.objectives import TeacherCache, attn_out_loss, online_records  # noqa: E402
+from ced_csa2.train.tuning import ridge_served, train_branch  # noqa: E402
 
 TINY_STUDY = {"full_layers": [1, 2], "arms": [["csa2"], ["baseline_fp4_rot", "csa2"], ["ced_csa2"]],
-              "pipeline_groups": ["baseline", "baseline_fp4_rot", "csa2"]}
+              "pipeline_groups": ["baseline", "baseline_fp4_rot", "csa2"], "objectives": ["ridge", "attn_out"],
+              "trained_full_layers": [2]}
 
 
 def test_the_committed_study_params_load_and_plan_the_embedded_default():
@@ -39,6 +46,9 @@ def test_the_committed_study_params_load_and_plan_the_embedded_default():
     ({"arms": [["csa3"]]}, r"arms entry \['csa3'\]"),
     ({"pipeline_groups": ["csa2"]}, "baseline among them"),
     ({"full_layers": []}, "full_layers and arms must each list at least one entry"),
+    ({"objectives": ["ridge", "sgd"]}, r"objectives must list ridge and any of \['attn_out', 'distill'\]"),
+    ({"objectives": ["attn_out"]}, "objectives must list ridge"),
+    ({"trained_full_layers": [3]}, r"trained_full_layers \[3\] must be some of full_layers \[1, 2\]"),
 ])
 def test_bad_study_params_are_refused_in_one_line(tmp_path, change, message):
     path = tmp_path / "s.yaml"
@@ -46,6 +56,15 @@ def test_bad_study_params_are_refused_in_one_line(tmp_path, change, message):
     with pytest.raises(ValueError, match=message) as err:
         study_mod.load_study(path)
     assert str(err.value).startswith(str(path)) and "\n" not in str(err.value)
+
+
+def test_an_unknown_objective_is_refused_before_any_data_or_model_is_read(in_tiny_folder):
+    # the folder has no corpus, dump or maps: the study's first check must be its own params
+    (in_tiny_folder / "studies").mkdir()
+    (in_tiny_folder / "studies" / "sharing.yaml").write_text(yaml.safe_dump({**TINY_STUDY, "objectives": ["kv_mse"]}))
+    with pytest.raises(ValueError, match=r"studies/sharing.yaml: objectives must list ridge and any of") as err:
+        study_mod.main()
+    assert "\n" not in str(err.value)
 
 
 def read_tsv(path):
@@ -63,8 +82,15 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
     study_mod.main()
 
     rows = read_tsv(in_tiny_folder / "studies" / "sharing" / "sharing.tsv")
+    arms = ("csa2", "baseline_fp4_rot+csa2", "ced_csa2")
     assert list(rows) == ["pipeline:baseline", "pipeline:baseline_fp4_rot", "pipeline:csa2@ridge",
-                          *(f"k{k}/{arm}" for k in (1, 2) for arm in ("csa2", "baseline_fp4_rot+csa2", "ced_csa2"))]
+                          *(f"k1/{arm}" for arm in arms), *(f"k2/{arm}{o}" for arm in arms for o in ("", "@attn_out"))]
+    for arm in arms:  # trained maps: the ridge row's bytes and parameters, another ΔPPL
+        ridge_row, trained_row = rows[f"k2/{arm}"], rows[f"k2/{arm}@attn_out"]
+        assert (ridge_row["objective"], trained_row["objective"]) == ("ridge", "attn_out")
+        for key in ("bytes_all_attention", "bytes_decoder_attention", "map_params", "full_layers", "readers"):
+            assert trained_row[key] == ridge_row[key], (arm, key)
+        assert trained_row["dppl_pct"] != ridge_row["dppl_pct"], arm
     assert rows["k2/csa2"]["full_layers"] == "20 28" and rows["k2/csa2"]["readers"] == "2"
     # bf16 bytes, layer by layer: 8 attention layers of K and V, 2 x 16 channels each (2 B dense; FP4: 16 + 2)
     dense, fp4 = 2 * 32 * 2, 2 * (16 + 2)
@@ -94,4 +120,33 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
     assert f"over {len(eval_ids(params, tok, in_tiny_folder))} held-out" in md
     fewest = min(float(r["bytes_all_attention"]) for r in rows.values() if r["family"] == "sharing")
     assert f"- from {fewest:,.0f} B/token up to " in md  # the budget answer starts where the first sharing row fits
+    assert "`@attn_out` rows (k ∈ {2})" in md
     assert (in_tiny_folder / "studies" / "sharing" / "frontier.png").stat().st_size > 0
+
+    # The trained maps themselves: the readers' adapters moved off their ridge start (which stays as it was) and
+    # the attn_out loss of every sub-plan's readers fell on the records they were trained on.
+    plans = study_mod.study_plans(geo, plan.split, study_mod.load_study())[2]
+    with tempfile.TemporaryDirectory() as scratch:
+        ridge_maps, _ = study_mod.fit_sub_plans(params, plans, geo, in_tiny_folder, Path(scratch))
+    start = {p: copy.deepcopy(ridge_maps[p]) for p in plans}
+    trained = study_mod.train_sub_plans("attn_out", params, plans, ridge_maps, {"csa2"}, model, tok, in_tiny_folder)
+    train_rows, _ = online_records(params, tok, in_tiny_folder)
+    for p in plans:
+        assert all(torch.equal(a, b) for a, b in zip(ridge_maps[p]["csa2"].adapters.state_dict().values(),
+                                                     start[p]["csa2"].adapters.state_dict().values()))
+        moved = [not torch.equal(a, b) for a, b in zip(trained[p]["csa2"].adapters.state_dict().values(),
+                                                       start[p]["csa2"].adapters.state_dict().values())]
+        assert any(moved), p
+        teachers = TeacherCache(model, p, final=False)
+        losses = {name: sum(attn_out_loss(model, maps[p]["csa2"], p, "csa2", teachers(ids, mask), mask).item()
+                            for ids, mask in batches(train_rows, params.train.online.batch_size, tok.pad_token_id,
+                                                     torch.device("cpu")))
+                  for name, maps in (("ridge", start), ("trained", trained))}
+        assert losses["trained"] < losses["ridge"], (p, losses)
+    # the teacher passes made once for both sub-plans: the maps each sub-plan's own passes train, bit for bit
+    upper = plans[1]
+    alone = copy.deepcopy(start[upper])
+    train_branch("attn_out", study_mod.sub_plan_params(params, upper), upper, alone, model, tok, in_tiny_folder,
+                 phases=("csa2",))
+    for a, b in zip(alone["csa2"].adapters.state_dict().values(), trained[upper]["csa2"].adapters.state_dict().values()):
+        assert torch.equal(a, b)
