@@ -4,6 +4,7 @@ import sys
 
 import pytest
 from conftest import ROOT, study_corpus, tiny_params
+from study_params import refused
 
 from ced_csa2.kv.formats import KVFormat, StreamFormat
 from ced_csa2.model_utils import geometry
@@ -25,10 +26,7 @@ def test_the_committed_study_params_load():
     ("formats:\n  nvfp4_rot: {k: {}}\n", "formats.nvfp4_rot.v"),
 ])
 def test_bad_study_params_are_refused_naming_the_key(tmp_path, text, message):
-    path = tmp_path / "s.yaml"
-    path.write_text(text)
-    with pytest.raises(ValueError, match=message):
-        study_mod.load_study(path)
+    refused(study_mod, tmp_path, text, message)
 
 
 def test_study_on_the_tiny_model(tiny_model, tmp_path):

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 from conftest import ROOT
+from study_params import refused
 
 sys.path.insert(0, str(ROOT / "studies"))
 import online_records as study_mod  # noqa: E402
@@ -25,17 +26,11 @@ def test_the_committed_study_params_load():
     ("head_lr: 0\nbranches: [{objective: distill, records: 8}]\n", "head_lr must be > 0, got 0"),
 ])
 def test_bad_branches_are_refused(tmp_path, text, match):
-    path = tmp_path / "s.yaml"
-    path.write_text(text)
-    with pytest.raises(ValueError, match=match):
-        study_mod.load_study(path)
+    refused(study_mod, tmp_path, text, match)
 
 
 def test_an_unknown_key_is_refused(tmp_path):
-    path = tmp_path / "s.yaml"
-    path.write_text("head_lr: 3.0e-4\nbranches: [{objective: attn_out, records: 64, epochs: 2}]\n")
-    with pytest.raises(ValueError, match="epochs"):
-        study_mod.load_study(path)
+    refused(study_mod, tmp_path, "head_lr: 3.0e-4\nbranches: [{objective: attn_out, records: 64, epochs: 2}]\n", "epochs")
 
 
 def test_table_puts_each_group_s_sink_row_beside_it():

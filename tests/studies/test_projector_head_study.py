@@ -2,8 +2,8 @@
 
 import sys
 
-import pytest
 from conftest import ROOT, study_corpus
+from study_params import refused
 from tiny_dump import params, write_synthetic_dump
 
 from ced_csa2.maps.residual_projector import HeadConfig
@@ -19,10 +19,8 @@ def test_the_committed_study_params_load():
 
 
 def test_no_widths_are_refused(tmp_path):
-    path = tmp_path / "s.yaml"
-    path.write_text("widths: []\ntrain: {epochs: 1, batch_size: 8, lr: 1.0e-3, weight_decay: 0.0, warmup_fraction: 0.1}\n")
-    with pytest.raises(ValueError, match="widths must be positive"):
-        study_mod.load_study(path)
+    refused(study_mod, tmp_path, "widths: []\ntrain: {epochs: 1, batch_size: 8, lr: 1.0e-3, weight_decay: 0.0, "
+            "warmup_fraction: 0.1}\n", "widths must be positive")
 
 
 def test_study_on_a_synthetic_dump(tiny_model, tmp_path):

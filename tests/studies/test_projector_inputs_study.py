@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, tiny_params
+from study_params import refused
 
 sys.path.insert(0, str(ROOT / "studies"))
 import projector_inputs as study_mod  # noqa: E402
@@ -23,10 +24,7 @@ def test_the_committed_study_params_load():
 
 @pytest.mark.parametrize("inputs", ["[[attn_in]]", "[[h_split, h_split]]", "[[h_split, q_split]]", "[]"])
 def test_bad_input_sets_are_refused(tmp_path, inputs):
-    path = tmp_path / "s.yaml"
-    path.write_text(f"records: 4\nbatch_size: 2\ninputs: {inputs}\n")
-    with pytest.raises(ValueError, match="inputs"):
-        study_mod.load_study(path)
+    refused(study_mod, tmp_path, f"records: 4\nbatch_size: 2\ninputs: {inputs}\n", "inputs")
 
 
 def test_cut_features_are_the_layer_s_attention_input_and_own_kv(tiny_model):

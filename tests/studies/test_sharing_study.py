@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT
+from study_params import refused
 
 sys.path.insert(0, str(ROOT / "studies"))
 import sharing as study_mod  # noqa: E402
@@ -51,11 +52,8 @@ def test_the_committed_study_params_load_and_plan_the_embedded_default():
     ({"trained_full_layers": [3]}, r"trained_full_layers \[3\] must be some of full_layers \[1, 2\]"),
 ])
 def test_bad_study_params_are_refused_in_one_line(tmp_path, change, message):
-    path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump({**TINY_STUDY, **change}))
-    with pytest.raises(ValueError, match=message) as err:
-        study_mod.load_study(path)
-    assert str(err.value).startswith(str(path)) and "\n" not in str(err.value)
+    path, err = refused(study_mod, tmp_path, {**TINY_STUDY, **change}, message)
+    assert str(err).startswith(str(path)) and "\n" not in str(err)
 
 
 def test_an_unknown_objective_is_refused_before_any_data_or_model_is_read(in_tiny_folder):

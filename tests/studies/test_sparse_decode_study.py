@@ -5,6 +5,7 @@ import sys
 import pytest
 import yaml
 from conftest import ROOT, study_corpus, tiny_params
+from study_params import refused
 from tiny_maps import random_parts
 
 from ced_csa2.maps.indexer import IndexerConfig, key_bytes
@@ -23,10 +24,8 @@ def test_the_committed_study_params_load():
 
 
 def test_reads_that_would_cover_the_context_are_refused(tmp_path):
-    path = tmp_path / "s.yaml"
-    path.write_text("context: 96\nsequences: 1\nprefill: 32\nsteps: 8\nwindow: 4\nk: [40]\nindexers: []\n")
-    with pytest.raises(ValueError, match="k \\+ window must stay below prefill"):
-        study_mod.load_study(path)
+    refused(study_mod, tmp_path, "context: 96\nsequences: 1\nprefill: 32\nsteps: 8\nwindow: 4\nk: [40]\nindexers: []\n",
+            "k \\+ window must stay below prefill")
 
 
 def test_study_on_the_tiny_model(tiny_model, tmp_path):

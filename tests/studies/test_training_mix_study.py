@@ -6,6 +6,7 @@ import sys
 import pytest
 import yaml
 from conftest import ROOT, tiny_params
+from study_params import refused
 
 sys.path.insert(0, str(ROOT / "studies"))
 import training_mix as study_mod  # noqa: E402
@@ -47,10 +48,7 @@ def test_the_committed_study_params_load_and_every_arm_is_a_valid_mix():
     ({"math_templates": 0}, "math_templates must be >= 1"),
 ])
 def test_bad_study_params_are_refused(tmp_path, change, message):
-    path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump({**TINY_STUDY, **change}))
-    with pytest.raises(ValueError, match=message):
-        study_mod.load_study(path)
+    refused(study_mod, tmp_path, {**TINY_STUDY, **change}, message)
 
 
 def test_a_math_arm_without_a_template_split_is_refused_before_any_work():
