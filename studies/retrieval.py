@@ -149,9 +149,11 @@ def sparse_label(selector: str, reads: Sparse) -> str:
 
 def layer_mode_groups(model, plan, geo, parts, study: Study, kv_format) -> dict[str, SparseGroup]:
     """Per layer-mode group of ``sparse.layer_modes``: its runtime, the oracle selecting ``k`` beside the window."""
+    if study.sparse is None:
+        return {}
     reads = SparseReads(k=study.sparse.k, window=study.sparse.window)
     out = {}
-    for name, spec in (study.sparse.layer_modes if study.sparse else {}).items():
+    for name, spec in study.sparse.layer_modes.items():
         modes = LayerModes.build(plan, geo, spec.kv, spec.index_source_layer_ids)
         out[f"{name} oracle@{reads.k}"] = SparseGroup(CEDModeBRuntime(model, plan, spec.kv, parts, kv_format=kv_format),
                                                       SparseAttention(model, modes, reads, geo))
