@@ -302,9 +302,9 @@ def arguments() -> ArgumentParser:
 
 def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    study = load_study(args.params)  # before the model loads: a bad params file ends in one line
     params = load_params(Path("params.yaml"))
     check_prepared(params, Path("."), EVAL_JSONL)
+    study = load_study(args.params)  # before the model loads: a bad params file ends in one line
     metrics = run(params, study)
     write_json(args.out / "metrics.json", metrics)
     atomic_write_text(args.out / "retrieval.md", markdown(metrics))

@@ -142,7 +142,14 @@ def test_mcnemar_p_is_the_exact_two_sided_binomial_tail_of_the_discordant_pairs(
 PAIRED_PARAMS = "lengths: [280]\nbaseline_lengths: []\nrecords: 3\ndigits: 5\nbatch_size: 2\ngroups: [baseline, csa2]\n"
 
 
+def prepare_corpus(folder):
+    """``folder``'s held-out corpus, with the record ``prepare`` writes beside it."""
+    corpus = study_corpus(folder, records=3) / "eval.jsonl"
+    write_prepared(tiny_params(), folder, EVAL_JSONL, corpus.read_text())
+
+
 def test_study_params_with_an_unknown_key_are_refused_in_one_line(in_tiny_folder, monkeypatch, capsys):
+    prepare_corpus(in_tiny_folder)
     path = in_tiny_folder / "s.yaml"
     path.write_text(PAIRED_PARAMS + "recordz: 200\n")
     with pytest.raises(ParamsError, match=f"^{path}: params key 'recordz' is not"):
@@ -160,8 +167,7 @@ def test_the_paired_params_load_without_sparse_arms():
 
 
 def test_study_cli_runs_a_params_file_without_sparse_arms_into_its_out_folder(in_tiny_folder, tiny_model):
-    corpus = study_corpus(in_tiny_folder, records=3) / "eval.jsonl"
-    write_prepared(tiny_params(), in_tiny_folder, EVAL_JSONL, corpus.read_text())  # with its record, as prepare
+    prepare_corpus(in_tiny_folder)
     save_maps(in_tiny_folder / "models", only=("projector", "adapters"))  # no indexers: none are asked for
     (in_tiny_folder / "paired.yaml").write_text(PAIRED_PARAMS)
     args = study_mod.arguments().parse_args(["--params", "paired.yaml", "--out", "paired"])
