@@ -23,7 +23,8 @@ The baseline alone is also scored at ``baseline_lengths`` (where the unchanged m
 retrieves: the study's lengths are chosen below that).  Per group and length: accuracy with
 its Wilson 95% interval, and the change in points against the baseline on the same records
 (paired bootstrap over records; :func:`~ced_csa2.eval.retrieval.accuracy_row`, as the pipeline's
-``eval_retrieval`` stage reports it) beside the exact McNemar test of the same pairs (:func:`mcnemar`).  ``records`` is sized so that this paired change can tell a
+``eval_retrieval`` stage reports it) beside the exact McNemar test of the same pairs (:func:`mcnemar`).
+``records`` is sized so that this paired change can tell a
 5-point loss from none (``studies/retrieval.yaml``).  Model dtype: the root params' (float32 on the default).
 
 Writes ``metrics.json``, ``retrieval.md`` and ``accuracy_vs_length.png`` into ``--out``
@@ -221,7 +222,8 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None, 
                          "records_per_length": study.records, "digits": study.digits, "seed": params.seed,
                          "depth": "stratified: record i's needle inside the i-th of n equal slices of the filler",
                          "lengths": study.lengths, "baseline_lengths": study.baseline_lengths,
-                         "sparse": study.sparse and {"window": reads.window, "k": reads.k, "selectors": list(selectors),
+                         "sparse": None if study.sparse is None else {
+                                    "window": reads.window, "k": reads.k, "selectors": list(selectors),
                                     "path": "prompt prefilled densely, answer decoded one step at a time",
                                     "layer_modes": {n: dataclasses.asdict(s) for n, s in study.sparse.layer_modes.items()},
                                     "layer_modes_path": "every attention layer above the cut reads its window and the "
