@@ -1,18 +1,23 @@
 """Passkey retrieval (ced_csa2.eval.retrieval) and studies/retrieval.py on the tiny Qwen3.5."""
 
 import dataclasses
+import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT, study_corpus, tiny_params
 from scipy.stats import binomtest
-from tiny_maps import random_parts
+from tiny_maps import random_parts, save_maps
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
+from ced_csa2.config import ParamsError
+from ced_csa2.data.corpus import write_prepared
 from ced_csa2.eval import retrieval
 from ced_csa2.maps.indexer import IndexerConfig
 from ced_csa2.model_utils import geometry
+from ced_csa2.pipeline.paths import EVAL_JSONL
 from ced_csa2.plan import load_plan
 from ced_csa2.runtime.shared_kv import SharedKVCache
 from ced_csa2.train.indexer_training import new_indexer
@@ -119,7 +124,63 @@ def test_study_on_the_tiny_model(tiny_model, tmp_path):
             assert r["n"] == 3 and r["accuracy_pct"] == pytest.approx(100 * r["retrieved"] / 3)
             lo, hi = r["accuracy_ci95"]
             assert lo <= r["accuracy_pct"] <= hi
-            assert ("delta_points" in r) == (g != "baseline")
+            assert ("delta_points" in r) == ("mcnemar" in r) == (g != "baseline")
     assert "| csa2 sparse r@8 |" in study_mod.markdown(m)
     study_mod.plot(m, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("b, c, p", [(3, 0, 0.25), (0, 3, 0.25), (4, 4, 1.0), (0, 0, 1.0), (10, 1, 24 / 2048)])
+def test_mcnemar_p_is_the_exact_two_sided_binomial_tail_of_the_discordant_pairs(b, c, p):
+    # b records the baseline retrieved and the group did not, c the reverse, 5 concordant either way;
+    # by hand: b=3, c=0 -> 2 * 0.5^3; b=10, c=1 -> 2 * (1 + 11) / 2^11
+    base = [True] * b + [False] * c + [True] * 5 + [False] * 5
+    hits = [False] * b + [True] * c + [True] * 5 + [False] * 5
+    assert study_mod.mcnemar(hits, base) == {"b": b, "c": c, "p_value": pytest.approx(p, rel=1e-12)}
+
+
+PAIRED_PARAMS = "lengths: [280]\nbaseline_lengths: []\nrecords: 3\ndigits: 5\nbatch_size: 2\ngroups: [baseline, csa2]\n"
+
+
+def prepare_corpus(folder):
+    """``folder``'s held-out corpus, with the record ``prepare`` writes beside it."""
+    corpus = study_corpus(folder, records=3) / "eval.jsonl"
+    write_prepared(tiny_params(), folder, EVAL_JSONL, corpus.read_text())
+
+
+def test_study_params_with_an_unknown_key_are_refused_in_one_line(in_tiny_folder, monkeypatch, capsys):
+    prepare_corpus(in_tiny_folder)
+    path = in_tiny_folder / "s.yaml"
+    path.write_text(PAIRED_PARAMS + "recordz: 200\n")
+    with pytest.raises(ParamsError, match=f"^{path}: params key 'recordz' is not"):
+        study_mod.load_study(path)
+    monkeypatch.setattr(sys, "argv", ["retrieval.py", "--params", str(path)])
+    with pytest.raises(SystemExit) as ended:  # before the model or any map is read: the folder has none
+        study_mod.run_study(study_mod.main, study_mod.arguments())
+    err = capsys.readouterr().err.strip()
+    assert ended.value.code == 2 and "recordz" in err and "\n" not in err
+
+
+def test_the_paired_params_load_without_sparse_arms():
+    study = study_mod.load_study(ROOT / "studies" / "retrieval_paired.yaml")
+    assert study.groups == ["baseline", "csa2"] and study.baseline_lengths == [] and study.sparse is None
+
+
+def test_study_cli_runs_a_params_file_without_sparse_arms_into_its_out_folder(in_tiny_folder, tiny_model):
+    prepare_corpus(in_tiny_folder)
+    save_maps(in_tiny_folder / "models", only=("projector", "adapters"))  # no indexers: none are asked for
+    (in_tiny_folder / "paired.yaml").write_text(PAIRED_PARAMS)
+    args = study_mod.arguments().parse_args(["--params", "paired.yaml", "--out", "paired"])
+    study_mod.main(args)
+    m = json.loads((in_tiny_folder / "paired" / "metrics.json").read_text())
+    assert set(m["groups"]) == {"baseline", "csa2"} and set(m["groups"]["csa2"]) == {"280"}
+    row, base = m["groups"]["csa2"]["280"], m["groups"]["baseline"]["280"]
+    assert row["n"] == base["n"] == 3 and "mcnemar" not in base
+    t = row["mcnemar"]
+    # the discordant counts account for the change in hits: c - b = group's retrieved - baseline's
+    assert t["c"] - t["b"] == row["retrieved"] - base["retrieved"] and 0 < t["p_value"] <= 1
+    assert m["protocol"]["sparse"] is None
+    assert f"b {t['b']}, c {t['c']}" in (in_tiny_folder / "paired" / "retrieval.md").read_text()
+    assert (in_tiny_folder / "paired" / "accuracy_vs_length.png").stat().st_size > 0
+    defaults = study_mod.arguments().parse_args([])  # the full study's files, as stage retrieval runs it
+    assert (defaults.params, defaults.out) == (Path("studies/retrieval.yaml"), Path("studies/retrieval"))
