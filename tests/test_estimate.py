@@ -157,6 +157,18 @@ def test_cli_answers_a_bad_param_in_one_line(tmp_path, argv, message):
     assert text.startswith("error: ") and message.format(tmp=tmp_path) in text and "\n" not in text
 
 
+def test_an_asset_cache_that_is_a_file_is_one_line(tmp_path, monkeypatch):
+    """``CED_CSA2_CACHE`` naming a file (ENOTDIR when the probe's cache is written): a stage's one line, not a
+    traceback."""
+    cache = tmp_path / "afile"
+    cache.write_text("")
+    monkeypatch.setenv("CED_CSA2_CACHE", str(cache))
+    with pytest.raises(SystemExit) as exc:
+        estimate.main(TINY_OVERRIDES)
+    text = str(exc.value)
+    assert text.startswith(f"error: CED_CSA2_CACHE={cache}: ") and "is a file, not a folder" in text and "\n" not in text
+
+
 # Two stages as dvc.yaml's read params.yaml: `a` one key, `b` another and `a`'s output.
 DVC_YAML = """stages:
   a:

@@ -68,6 +68,7 @@ from .maps.ridge import map_groups
 from .model_utils import QWEN3_5_4B_ID, Geometry, geometry, load_config, qwen3_5_4b_config, resolve_dtype
 from .pipeline.cli import ArgumentParser
 from .pipeline.paths import EVAL_JSONL, GOLD_PATH, PREPARE_METRICS, TRAIN_JSONL, domain_jsonl
+from .pipeline.stage_runner import error_line, is_input_error
 from .plan import LayerPlan
 from .runtime.groups import GROUPS
 from .train.objectives import PHASE_GROUPS
@@ -915,8 +916,10 @@ def main(argv: list[str] | None = None) -> None:
         if device == "cpu":  # after setup: a bad params file answers before the probe's seconds
             s = dataclasses.replace(s, rates=calibrated_rates(args.probe))
         stages = estimate(s)
-    except ValueError as exc:  # a bad params file, plan or profile (ParamsError, PlanError, ...): one line
-        raise SystemExit(f"error: {exc}") from None
+    except Exception as exc:  # a bad params file, plan, profile or asset cache: one line, as a stage says it
+        if not is_input_error(exc):
+            raise
+        raise SystemExit(error_line(exc)) from None
     if args.changed:
         estimated = {e.stage: e.seconds for e in stages if e.seconds is not None}
         print(changed_report(rerun_plan(args.workdir, text), estimated, measured_seconds(args.workdir)))
