@@ -339,11 +339,13 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     t0 = time.perf_counter()
-    study = load_study()
     params = load_params(Path("params.yaml"))
+    # before anything else is read, as every study: a corpus made for other params
+    check_prepared(params, Path("."), EVAL_JSONL)
+    study = load_study()
     trained_objectives = [o for o in study.objectives if o != "ridge"]
-    # before the model loads: a corpus made for other params
-    check_prepared(params, Path("."), EVAL_JSONL, *([TRAIN_JSONL] if trained_objectives else []))
+    if trained_objectives:  # the trained rows read the train records too
+        check_prepared(params, Path("."), TRAIN_JSONL)
     plan, geo = load_plan(params.plan, params.model)
     plans = study_plans(geo, plan.split, study)  # refuses a k that leaves a Full layer without readers
     if any(GROUPS[a[-1]].projected_source for a in study.arms) and params.train.ced_csa2_start != "csa2":

@@ -57,7 +57,9 @@ def test_bad_study_params_are_refused_in_one_line(tmp_path, change, message):
 
 
 def test_an_unknown_objective_is_refused_before_any_data_or_model_is_read(in_tiny_folder):
-    # the folder has no corpus, dump or maps: the study's first check must be its own params
+    # the folder has a corpus (every study checks it first) but no dump or maps: the next check is its own params
+    params = load_params(in_tiny_folder / "params.yaml")
+    corpus.prepare(params, load_tokenizer(params.model), in_tiny_folder)
     (in_tiny_folder / "studies").mkdir()
     (in_tiny_folder / "studies" / "sharing.yaml").write_text(yaml.safe_dump({**TINY_STUDY, "objectives": ["kv_mse"]}))
     with pytest.raises(ValueError, match=r"studies/sharing.yaml: objectives must list ridge and any of") as err:
