@@ -10,11 +10,17 @@ are refused, naming the key.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import math
 import os
 from pathlib import Path
+
+# The machine's disk, not a bug, when a write (or a download) fails with one of these: full, over quota or
+# a file-size limit, read-only, failing, or not writable by this user.  Errors with them are one line naming
+# the file (stage_runner) or the cache folder (hub_refusals).
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
 
 
 def _pid_alive(pid: int) -> bool:

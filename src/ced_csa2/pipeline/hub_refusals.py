@@ -9,14 +9,12 @@ a download that failed on the disk (full, read-only) names the cache folder.
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
-# A download that failed on this machine's disk, not at the hub: full, over quota or a file-size limit,
-# read-only, failing, or not writable by this user.
-DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
+from .atomic_files import DISK_ERRNOS
+
 
 
 def _chain(exc: BaseException | None) -> Iterator[BaseException]:

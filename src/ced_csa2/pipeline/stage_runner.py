@@ -13,7 +13,6 @@ one line and exit status 130; ``CED_CSA2_DEBUG=1`` shows the traceback.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ import yaml
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from ..config import load_params, record_reads
-from .atomic_files import atomic_write_text
+from .atomic_files import DISK_ERRNOS, atomic_write_text
 from .cli import ArgumentParser
 from .paths import timings_path
 
@@ -40,9 +39,6 @@ INTERRUPTED = 130  # the exit status of a stage ended by Ctrl-C (SIGINT), as a s
 # dvc.yaml deps are its import closure: see tests/test_graph.py).
 INPUT_ERRORS = (ValueError, FileNotFoundError)
 INPUT_ERROR_NAMES = {("ced_csa2.assets", "AssetError")}
-# The machine, not a bug: an OSError with one of these is one line too (it names the file):
-# the disk (full, over quota or a size limit, read-only, failing) and permissions.
-OS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM})
 # The GPU running out of memory is the machine too: matched by name, as AssetError is (this module
 # imports no torch); torch.cuda.OutOfMemoryError is the same class.
 OUT_OF_MEMORY = ("torch", "OutOfMemoryError")
@@ -133,7 +129,7 @@ def stage_position(name: str, pipeline: Path = PIPELINE) -> str:
 
 def is_input_error(exc: BaseException) -> bool:
     """A bad input or a missing/corrupt artifact (one line, exit 2), not a bug (traceback)."""
-    return isinstance(exc, INPUT_ERRORS) or (isinstance(exc, OSError) and exc.errno in OS_ERRNOS) or any(
+    return isinstance(exc, INPUT_ERRORS) or (isinstance(exc, OSError) and exc.errno in DISK_ERRNOS) or any(
         (cls.__module__, cls.__qualname__) in INPUT_ERROR_NAMES for cls in type(exc).__mro__)
 
 

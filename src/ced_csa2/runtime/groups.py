@@ -36,25 +36,19 @@ group                     projector  targets read     adapters  block-format
 .. [#s] as ``ced_csa2``, but the first four positions of every sequence keep each replaced layer's
    own K/V: the source's in the shared store (in place of its projection: no bytes), each target's
    in a table of its own (``sink · 2 · kv_dim`` values per sequence and target, served in place
-   of its adapted entries; :class:`~ced_csa2.runtime.shared_kv.SharedKVCache`).  ``studies/sink.py``:
-   +7.88% ΔPPL [6.37, 9.58] against ``ced_csa2``'s +15.95% (embedded default, the main maps).
+   of its adapted entries; :class:`~ced_csa2.runtime.shared_kv.SharedKVCache`; what it costs:
+   ``studies/sink.py`` and the report).
 .. [#rot] ``rotate``: as the plain twin (same entries in FP4, same bytes per token), but
    each FP4 entry is rotated per head by a fixed randomised Hadamard matrix before FP4 and
    rotated back after reading (:mod:`ced_csa2.kv.rotation`): ``read = Rᵀ dequant(FP4(R x))``,
    K and V both (:data:`ced_csa2.kv.rotation.ROTATED_STREAMS`).  ``R`` is derived from a
-   fixed seed per layer: weights, never stored per token.  Measured (embedded default,
-   32 eval records; ΔPPL % vs baseline, then rotated vs plain, paired, with its 95% CI):
-   ``baseline_fp4`` 6.88% → 4.35% with NVFP4
-   (−2.37 [−3.44, −1.38]; K alone −2.08, V on top −0.30 [−0.83, +0.29]: no measurable
-   effect) and 14.92% → 7.97% with MXFP4 (−6.05 [−7.03, −5.05]; V on top of K −1.81
-   [−2.65, −0.96]); ``csa2_fp4`` +0.07 [−0.10, +0.24] (NVFP4: the one FP4 entry costs csa2
-   only +0.5 points) and −0.87 [−1.21, −0.52] (MXFP4).  So K and V are rotated.
+   fixed seed per layer: weights, never stored per token.  Why K and V both: the rotation study
+   (docs/results.md, "Beyond the seed") measured each stream rotated alone and both.
 .. [#k6v4] ``stream_formats``: every attention layer's K in FP6 (E2M3 elements, an E4M3 scale per 32
    channels) and V in MXFP4 (E2M1, an E8M0 scale per 32 channels), each head of both rotated
    first by the layer's randomised Hadamard matrix: ``3D/4 + D/32`` + ``D/2 + D/32`` bytes per
    layer and token (3.05x fewer than bf16).  The formats are the group's own, not ``kv_format``.
-   The winner of ``studies/kv_formats`` (its ``k_fp6_v_mx32_rot``): +1.02% ΔPPL [+0.59, +1.48] vs
-   ``baseline_fp4_rot``'s +4.35% (embedded default, 32 eval records).
+   The winner of ``studies/kv_formats`` (its ``k_fp6_v_mx32_rot``; figures: docs/results.md).
 """
 
 from __future__ import annotations
