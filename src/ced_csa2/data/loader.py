@@ -2,7 +2,7 @@
 
 Rows are never fetched one by one.  Every read is a contiguous slice of ``block_rows``
 rows starting at a multiple of the dump's chunk-aligned :attr:`DumpReader.block_rows`,
-so h5py reads whole chunks (per-row fancy indexing is 50-100x slower; see
+so h5py reads whole chunks (per-row fancy indexing is far slower; the figure:
 ``docs/design.md`` §5).  Randomness comes from permuting the *order* of blocks
 and then the rows inside an in-memory buffer of several blocks.
 
@@ -229,8 +229,8 @@ class BlockLoader(torch.utils.data.IterableDataset):
     on the first epoch, and later epochs gather their batches from memory: the same
     batches in the same order as streaming (the plan of blocks, buffers and
     permutations is computed from the mask alone), without re-reading and re-checking
-    every block each epoch (``benchmarks/train_throughput.py``: the loader's overhead over
-    rows preloaded by hand falls from 85% to a few percent on the embedded dump).
+    every block each epoch (``benchmarks/train_throughput.py``: most of the loader's overhead over
+    rows preloaded by hand goes; the figures: ``docs/costs.md``).
 
     The file is opened on first iteration in each process, never in ``__init__``, so
     the loader can be pickled or forked into ``DataLoader`` workers (use

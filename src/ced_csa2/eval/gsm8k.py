@@ -40,7 +40,7 @@ the maps of ``mode_a.maps``, ``mode_a.replay`` tokens replayed):
 the same lm-eval task through :class:`~ced_csa2.eval.lm_eval_models.ModeALM` -- each prompt
 prefilled by the prefill skip, the answer scored (``gold_nll``: gold NLL, paired against
 the baseline) and with ``generate`` also generated (exact match) through all layers -- one
-problem at a time (generation: ~1.5 s per problem on 2 CPU cores, 3.6x a batched Mode B group).
+problem at a time (slower than a batched Mode B group: ``docs/costs.md``).
 
 Every generated group (and Mode A with ``generate``) also records ``generations_sha256``,
 the sha256 of its generated texts in problem order: runs that agree on it generated the

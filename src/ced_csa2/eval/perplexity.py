@@ -75,8 +75,8 @@ def groups_ppl(model, plan, groups: list[str], parts: CEDParts | Mapping[str, CE
     single-process batches and the per-record sums are assembled on every rank, so the figures and their
     bootstrap intervals are the single-process ones.
     """
-    # Scored in order of length (9% fewer padded positions on the embedded default's 40
-    # records), reported in record order (the bootstrap's unit).
+    # Scored in order of length (fewer padded positions: docs/costs.md), reported in record
+    # order (the bootstrap's unit).
     sorted_ids, back = by_length(ids)
     lo, hi = distributed.batch_bounds(len(ids), params.eval_ppl.batch_size)
     nll = multi_group_nll(model, plan, groups, parts, sorted_ids[lo:hi], [0] * (hi - lo), params.eval_ppl.batch_size,

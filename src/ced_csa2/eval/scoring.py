@@ -121,7 +121,7 @@ def score_hidden(model, out: Mapping[str, torch.Tensor], start: int, hidden: Map
             p = torch.exp(x - lse[:, None])
             # Σ_v p_v x_v for every label's logits x = W h: with a plain linear head it is (pᵀ W)·h, one
             # (block, vocab) x (vocab, hidden) matmul per block for all labels instead of a pass over
-            # each label's (block, vocab) logits (memory-bound: ~1.5x the LM head's time over 11 labels).
+            # each label's (block, vocab) logits (memory-bound, a multiple of the LM head's time: docs/costs.md).
             p_w = p @ weight if weight is not None else None  # (block, hidden)
             p_x = (lambda r, x: (p_w * r.float()).sum(-1)) if p_w is not None else (lambda r, x: _dot(p, x))
             p_log_p, ref_top = p_x(rows[reference][lo:lo + block_tokens], x) - lse, x.argmax(-1)
@@ -132,7 +132,7 @@ def score_hidden(model, out: Mapping[str, torch.Tensor], start: int, hidden: Map
         for label, r in rows.items():
             if id(r) not in done:
                 x = head_logits(model, r[lo:lo + block_tokens]).float()
-                # (tokens, vocab) rows: on a transposed view the same call runs ~3.5x slower on CPU
+                # (tokens, vocab) rows: on a transposed view the same call runs several times slower on CPU
                 nll = F.cross_entropy(x, y, reduction="none")
                 done[id(r)] = [nll.double().cpu()]
                 if agreement:

@@ -45,8 +45,8 @@ import torch
 ROTATION_SEED = 13_000
 # Streams rotated before FP4: K and V.  Measured on the embedded default (SmolLM2, 32 eval
 # records, baseline_fp4, paired ΔPPL vs rotating K only): rotating V as well gains
-# -1.81 % [-2.65, -0.96] under MXFP4 and changes nothing measurable under NVFP4
-# (-0.30 % [-0.83, +0.29]); K gives most of the gain (figures in groups.py).
+# measurably under MXFP4 and changes nothing measurable under NVFP4
+# (figures: docs/results.md, "Beyond the seed"); K gives most of the gain.
 ROTATED_STREAMS: tuple[str, ...] = ("k", "v")
 
 

@@ -277,8 +277,8 @@ def init_linear_from_ridge(linear: nn.Linear, W: torch.Tensor, b: torch.Tensor) 
     expression such as ``x @ W + b`` is the same map but may differ in the last bits:
     BLAS sums in another order for the other operand layout, and the bias is added
     after rounding instead of inside the GEMM.  (Keeping ``W``'s own layout through a
-    transposed weight view would make it match ``torch.addmm(b, x, W)``, but costs
-    3x in CPU bf16 autocast, whose kernels want the standard layout.)
+    transposed weight view would make it match ``torch.addmm(b, x, W)``, but is several
+    times slower in CPU bf16 autocast, whose kernels want the standard layout.)
     """
     d_out, d_in = linear.weight.shape
     if tuple(W.shape) != (d_in, d_out) or tuple(b.shape) != (d_out,):

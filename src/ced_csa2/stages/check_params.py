@@ -37,7 +37,7 @@ def run(params: Params, workdir: Path = Path(".")) -> str:
     PlanError
         The plan does not fit the model's geometry (:meth:`ced_csa2.plan.LayerPlan.validate`), naming the layer.
     """
-    # Imported here: the plan's geometry needs transformers and torch (~2 s), which a params.yaml refused
+    # Imported here: the plan's geometry needs transformers and torch (seconds of imports), which a params.yaml refused
     # at load (the stage runner's own check, before this) never pays.
     from ..plan import load_plan
 

@@ -16,12 +16,12 @@ same records (paired bootstrap 95%); the report's headline shows the accuracy
 
 Why the defaults (``eval_retrieval`` in ``conf/config.yaml``): ``length`` 1,024 is the longest
 length where the embedded default's baseline still retrieves >= 80% (``studies/retrieval``:
-88% [76, 94] of 50 at 1,024, 78% at 2,048), so a group's loss is not hidden by a baseline that
+``docs/results.md``, "Long-context retrieval"), so a group's loss is not hidden by a baseline that
 fails anyway; ``records`` 8 is what the pipeline's time budget buys (the generation work adds
-<= 15% to ``make repro``'s ~23 min, ``eval_generation`` ~2 min of it: ~100 s left for this stage,
-at ~1.3 s per 1,024-token record and label on 2 CPU cores -- the study's 65 s per 50 records --
-and 9 labels; measured: 173 CPU-seconds on one thread, model load included).  Eight records
-catch a broken cache (the baseline's ~88% is ~7 of 8, a cache that loses the needle 0), not a
+a bounded share to ``make repro``'s time, most of it ``eval_generation``'s: what is left for this
+stage, at its cost per record and label on 2 CPU cores, gives 8 records over 9 labels; the
+figures: ``docs/costs.md``, "Budget").  Eight records
+catch a broken cache (the baseline retrieves most of 8, a cache that loses the needle none), not a
 5-point loss: that takes the paired test of ``studies/retrieval.yaml``'s n.
 
 Records: ``eval_retrieval.records`` passkey prompts of exactly ``eval_retrieval.length`` tokens

@@ -202,8 +202,8 @@ def amp_context(device: torch.device, amp_dtype: str):
 def warn_if_amp_is_emulated(device: torch.device, amp_dtype: str) -> None:
     """Warn when CPU autocast would run without native reduced-precision matmuls.
 
-    Without AMX, bf16 GEMMs run slower than float32 (emulated on AVX2: 4-8x; with
-    AVX512-BF16 alone: measured 1.65x, see :func:`ced_csa2.model_utils.fast_dtype`); the fix is
+    Without AMX, bf16 GEMMs run slower than float32 (emulated on AVX2; with
+    AVX512-BF16 alone too: ``docs/costs.md``, see :func:`ced_csa2.model_utils.fast_dtype`); the fix is
     ``amp_dtype: float32`` for that run.
     """
     if device.type != "cpu" or amp_dtype in ("float32", "auto"):
