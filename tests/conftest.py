@@ -229,18 +229,25 @@ ROOT = Path(__file__).resolve().parents[1]
 HEADLINE_BLOCK = re.compile(r"<!-- headline: metrics/summary.json -->\n(.*?)\n<!-- /headline -->", re.S)
 
 
-def staged_summary(root: Path) -> tuple[dict, str]:
-    """``(summary, where)``: ``metrics/summary.json`` as git's index holds it in ``root`` (what is committed,
-    or what the next commit will hold once staged), or the workspace file outside a git checkout.
+def staged_text(root: Path, rel: str) -> tuple[str, str]:
+    """``(text, where)``: the file ``rel`` as git's index holds it in ``root`` (what is committed, or what the
+    next commit will hold once staged), or the workspace file outside a git checkout or before it is added.
 
-    ``make repro`` rewrites the workspace file with the figures of the CPU it ran on (within the
-    tolerances README states); the README documents the committed figures, so that is what it is
-    checked against -- a user's own run must not turn the suite red.
+    ``make repro`` (and a study's ``dvc repro``) rewrites the workspace file with the figures of the CPU it ran
+    on; the docs state the committed figures, so that is what they are checked against -- a user's own run
+    must not turn the suite red.
     """
-    shown = subprocess.run(["git", "show", ":metrics/summary.json"], cwd=root, capture_output=True, text=True)
+    shown = subprocess.run(["git", "show", f":{rel}"], cwd=root, capture_output=True, text=True)
     if shown.returncode == 0:
-        return json.loads(shown.stdout), "git's index"
-    return json.loads((root / "metrics/summary.json").read_text()), "the workspace"
+        return shown.stdout, "git's index"
+    return (root / rel).read_text(), "the workspace"
+
+
+def staged_summary(root: Path) -> tuple[dict, str]:
+    """``(summary, where)``: ``metrics/summary.json`` as :func:`staged_text` reads it (the README's headline
+    documents the committed figures, within the tolerances README states)."""
+    text, where = staged_text(root, "metrics/summary.json")
+    return json.loads(text), where
 
 
 def readme_headline_problem(root: Path) -> str | None:

@@ -1,5 +1,7 @@
 """One home per fact (issue 65): measured figures live in the docs and the studies' outputs, never in a conf
-comment or a library docstring or comment, where they go stale unseen.  A conf comment or a docstring says *why*
+comment or a library docstring or comment, where they go stale unseen; and a doc table that copies a committed
+study's table is marked with its file and checked against it, as README's headline is against
+``metrics/summary.json`` (:func:`conftest.readme_headline_problem`).  A conf comment or a docstring says *why*
 a value or a choice is what it is and points to the doc that holds the figure (``docs/costs.md``,
 ``docs/results.md``).
 
@@ -12,12 +14,14 @@ measurement goes in :data:`DERIVED`, with its reason.
 
 import ast
 import io
+import itertools
 import re
+import subprocess
 import tokenize
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, staged_text
 
 _NUM = r"\d+(?:[.,]\d+)*"
 MEASURED = re.compile(
@@ -95,3 +99,69 @@ def test_no_conf_comment_or_library_docstring_quotes_a_measured_figure():
 def test_every_derived_figure_allowed_is_still_quoted():
     quoted = {(path, text) for path, _, text in quoted_figures()}
     assert not set(DERIVED) - quoted, f"stale DERIVED entries: {sorted(set(DERIVED) - quoted)}"
+
+
+# A doc's copy of a committed file's tables: ``<!-- table: <path> -->``, the copy, ``<!-- /table -->``.
+TABLE_BLOCK = re.compile(r"<!-- table: (\S+) -->\n(.*?)\n<!-- /table -->", re.S)
+TABLE_SEPARATOR = re.compile(r"^\|[-:| ]+\|$")
+
+
+def doc_files(root):
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def tables_of(text):
+    """``text`` from its first table row on: a study's file opens with its protocol line, which the doc that
+    copies the tables states in its own words."""
+    lines = text.rstrip("\n").splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("|")), len(lines))
+    return "\n".join(lines[first:])
+
+
+def table_block_problems(root):
+    """Why each marked table of ``root``'s README and docs is not its file's tables (git's index, as the headline)."""
+    problems = []
+    for doc in doc_files(root):
+        for rel, block in TABLE_BLOCK.findall(doc.read_text()):
+            if not (root / rel).is_file():
+                problems.append(f"{doc.relative_to(root)} copies {rel}, which does not exist")
+                continue
+            expected, where = staged_text(root, rel)
+            if block != tables_of(expected):
+                problems.append(f"{doc.relative_to(root)}'s copy of {rel} is stale against {where}; it should read:\n"
+                                f"{tables_of(expected)}")
+    return problems
+
+
+def test_every_marked_table_is_its_files():
+    problems = table_block_problems(ROOT)
+    assert not problems, "\n\n".join(problems)
+
+
+def test_a_drifted_copy_is_caught(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "studies").mkdir()
+    (tmp_path / "studies/t.md").write_text("Protocol line.\n\n| group | x |\n|---|---|\n| a | +1.00 |\n")
+    copy = "<!-- table: studies/t.md -->\n| group | x |\n|---|---|\n| a | +1.00 |\n<!-- /table -->\n"
+    (tmp_path / "README.md").write_text(copy)
+    assert table_block_problems(tmp_path) == []
+    (tmp_path / "README.md").write_text(copy.replace("+1.00", "+1.01"))
+    assert "README.md's copy of studies/t.md is stale" in table_block_problems(tmp_path)[0]
+
+
+def test_every_copied_study_row_is_inside_a_marked_table():
+    """A doc that copies a committed study's table row by row, unmarked, would drift unseen."""
+    studies = subprocess.run(["git", "ls-files", "studies"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    rows = {}
+    for rel in (s for s in studies if s.endswith(".md")):
+        lines = (ROOT / rel).read_text().splitlines()
+        for previous, line in itertools.pairwise(lines):
+            if line.startswith("|") and previous.startswith("|") and not TABLE_SEPARATOR.match(line):
+                rows.setdefault(line, rel)
+    unmarked = []
+    for doc in doc_files(ROOT):
+        outside = TABLE_BLOCK.sub("", doc.read_text())
+        unmarked += [f"{doc.relative_to(ROOT)}: {rows[line]}: {line[:80]}" for line in outside.splitlines()
+                     if line in rows]
+    assert not unmarked, "mark the copy <!-- table: <file> --> ... <!-- /table -->: " + "; ".join(unmarked)
