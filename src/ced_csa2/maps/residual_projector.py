@@ -1,7 +1,7 @@
 """A CED projector that is not linear: the ridge map plus a zero-initialised residual MLP.
 
-Every *linear* projector ``H_split -> KV_source`` lands on the ridge optimum (held-out R² K 0.61
-/ V 0.79 on the embedded default), and the seed's AdamW from there only adds noise.
+Every *linear* projector ``H_split -> KV_source`` lands on the ridge optimum, and the seed's AdamW
+from there only adds noise (``docs/results.md``).
 :class:`ResidualProjector` gives the map the CSA2 adapters' form (:class:`~ced_csa2.csa2.KVAdapter`):
 ``[K ‖ V] = base(h) + mlp(h)``, ``base`` the ridge map and ``mlp`` a ``Linear -> act -> Linear``
 whose last layer starts at zero, so the untrained head *is* the ridge map, bit for bit, and
