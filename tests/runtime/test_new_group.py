@@ -3,7 +3,8 @@
 On a copy of ``src/`` and ``conf/``, a throwaway group is added exactly as the recipe says -- one ``Group`` in
 ``runtime/groups.py``'s registry, its name in ``conf/config.yaml``'s ``eval_ppl.groups`` -- and nothing else is
 touched.  A fresh interpreter on that copy then composes the tiny profile's params (config validation takes the
-new name), runs the ``storage`` stage and scores the group in Mode B through the shared trunk, on the tiny Qwen3.5.
+new name), runs the ``storage`` stage, scores the group in Mode B through the shared trunk and decodes through the
+cache its flags pick, on the tiny Qwen3.5.
 """
 
 import json
@@ -29,6 +30,7 @@ from tiny_maps import QWEN_PLAN, check_exact
 
 from ced_csa2.compose import compose
 from ced_csa2.config import Params, from_dict
+from ced_csa2.eval.generation import generate
 from ced_csa2.model_utils import load_model_and_tokenizer
 from ced_csa2.stages import storage
 
@@ -36,8 +38,12 @@ params = from_dict(Params, yaml.safe_load(compose({TINY_OVERRIDES!r})))
 table = storage.run(params, Path(sys.argv[1]))
 model, _ = load_model_and_tokenizer(params.model, dtype=torch.float32)
 nll = check_exact(model, QWEN_PLAN, {SCORED!r})
+prompts = torch.randint(model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+decoded = {{g: generate(model, QWEN_PLAN, g, None, prompts, 4, "nvfp4") for g in ({NEW!r}, "share_plain")}}
 print(json.dumps({{"eval_ppl_groups": params.eval_ppl.groups, "storage": table,
-                   "nll": {{g: nll[g][:, 0].tolist() for g in nll}}}}))
+                   "nll": {{g: nll[g][:, 0].tolist() for g in nll}},
+                   "generation": {{g: {{"kind": d.kind, "used": d.bytes.used, "accounted": d.accounted}}
+                                  for g, d in decoded.items()}}}}))
 """
 
 
@@ -54,7 +60,7 @@ def add_the_group(copy):
     config.write_text(f"{head}\neval_ppl:\n{tail.replace('xkv]', f'xkv, {NEW}]', 1)}")
 
 
-def test_a_group_added_by_the_recipe_is_accounted_and_scored(tmp_path):
+def test_a_group_added_by_the_recipe_is_accounted_scored_and_decoded(tmp_path):
     copy = tmp_path / "project"
     for folder in ("src", "conf"):
         shutil.copytree(ROOT / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
@@ -81,3 +87,7 @@ def test_a_group_added_by_the_recipe_is_accounted_and_scored(tmp_path):
     nll = out["nll"]  # each equal to its own separate pass, bit for bit (check_exact)
     assert nll[NEW] != nll["share_plain"], "the FP4 source entry changed nothing"
     assert nll[NEW] != nll["csa2_fp4"] and nll[NEW] != nll["baseline"]
+
+    decoded = out["generation"]  # decoded through the cache its flags pick, its bytes the accounted ones
+    assert decoded[NEW]["kind"] == "SharedKVCache(nvfp4)" and decoded["share_plain"]["kind"] == "SharedKVCache(bf16)"
+    assert decoded[NEW]["used"] == decoded[NEW]["accounted"] < decoded["share_plain"]["used"]
