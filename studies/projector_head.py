@@ -35,7 +35,7 @@ from ced_csa2.data.records import check_prepared
 from ced_csa2.eval.perplexity import agreement, eval_ids
 from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_deltas
-from ced_csa2.maps.residual_projector import HeadConfig, train_residual_projector
+from ced_csa2.train.residual_projector_training import HeadConfig, train_residual_projector
 from ced_csa2.model_utils import load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.map_roles import MAIN

@@ -127,6 +127,20 @@ def test_library_never_imports_a_stage():
         assert not {m for m in project_imports(module) if m.startswith("ced_csa2.stages")}, path
 
 
+# Folder pairs that stack, (upper, lower): the upper may import the lower, never the reverse.
+STACKED = [
+    ("train", "maps"),  # closed-form fits are what the trainers start from
+]
+
+
+@pytest.mark.parametrize("upper, lower", STACKED)
+def test_a_lower_folder_never_imports_an_upper_one(upper, lower):
+    back = sorted(f"{path.relative_to(ROOT)} imports {m}" for module, path in library_modules().items()
+                  if module.startswith(f"ced_csa2.{lower}.")
+                  for m in project_imports(module) if m.startswith(f"ced_csa2.{upper}."))
+    assert not back, f"{lower}/ sits below {upper}/: move what it needs down, or the module up: {back}"
+
+
 def test_only_the_public_modules_are_at_the_top_and_subpackage_inits_import_nothing():
     assert {p.stem for p in (SRC / "ced_csa2").glob("*.py")} == TOP_LEVEL
     for init in (SRC / "ced_csa2").glob("*/__init__.py"):

@@ -17,7 +17,7 @@ from conftest import ROOT, tiny_params
 from torch import nn
 
 from ced_csa2 import release as rel
-from ced_csa2.ced_runtime import SinkKV, save_sink
+from ced_csa2.ced_runtime import CEDParts, SinkKV, save_parts
 from ced_csa2.config import to_dict
 from ced_csa2.csa2 import CSA2Adapters, save_adapters
 from ced_csa2.eval.model_card import model_card, read_groups_tsv
@@ -27,7 +27,7 @@ from ced_csa2.pipeline.atomic_files import read_json, write_json
 from ced_csa2.pipeline.checkpoint import checkpoint_meta
 from ced_csa2.pipeline.map_roles import MAIN, MODE_A
 from ced_csa2.plan import LayerPlan, load_plan
-from ced_csa2.projector import KVProjector, ProjectorBank, save_bank, save_projector
+from ced_csa2.projector import KVProjector, ProjectorBank, save_projector
 from ced_csa2.stages import release as release_stage
 from ced_csa2.stages import storage
 
@@ -62,11 +62,9 @@ def write_maps(workdir):
                    main["projector"])
     save_adapters(workdir / paths.ADAPTERS_PATH, adapters(), main["adapters"])
     bank = ProjectorBank(GEO.hidden_size, GEO.kv_dim, PLAN.projected, 8)
-    save_bank(workdir / paths.MODE_A_MODELS / "projector_bank.pt", bank, mode_a["bank"])
-    save_adapters(workdir / paths.MODE_A_MODELS / "adapters.pt", adapters(), mode_a["adapters"])
-    sink = SinkKV(PLAN.kv_layers, GEO.kv_dim)
-    nn.init.normal_(sink.k), nn.init.normal_(sink.v)
-    save_sink(workdir / paths.MODE_A_SINK, sink, mode_a["sink"])
+    parts = CEDParts(adapters=adapters(), bank=bank, sink=SinkKV(PLAN.kv_layers, GEO.kv_dim))
+    nn.init.normal_(parts.sink.k), nn.init.normal_(parts.sink.v)
+    save_parts(workdir / paths.MODE_A_MODELS, parts, PLAN, mode_a)
 
 
 def write_metrics(workdir):

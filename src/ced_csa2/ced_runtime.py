@@ -156,6 +156,8 @@ class SinkKV(nn.Module):
 
 SINK_KIND = "mode_a_sink"
 BANK_FILE = "projector_bank.pt"  # Mode A's projectors as one bank (mode_a.train.rank > 0), in models/mode_a/
+EXTRA_FILE = "projectors_extra.pt"  # the extra sources' projectors (covering plans)
+ADAPTERS_FILE = "adapters.pt"
 
 
 def save_sink(path: Path | str, sink: SinkKV, meta: Mapping) -> Path:
@@ -183,6 +185,43 @@ def _run(owner, fn, *xs: torch.Tensor) -> KV:
     device, dtype = (params.device, params.dtype) if params is not None else (xs[0].device, xs[0].dtype)
     k, v = fn(*(x.to(device, dtype) for x in xs))
     return k.to(xs[0].device, xs[0].dtype), v.to(xs[0].device, xs[0].dtype)
+
+
+def save_parts(models_dir: Path | str, parts: CEDParts, plan: LayerPlan, meta: Mapping[str, Mapping], *,
+               extra_sources: bool = True) -> None:
+    """Write ``parts`` into ``models_dir`` as :func:`load_parts` (and :func:`load_mode_a_parts`'s sink) read them.
+
+    Parameters
+    ----------
+    models_dir
+        The folder, e.g. ``models/mode_a/`` or an objective pair's
+        (:func:`ced_csa2.pipeline.paths.objective_pair_models`).
+    parts
+        The maps, moved to the CPU here: the projectors as ``parts.bank`` or as ``parts.projector``
+        (and ``parts.extra``), ``parts.adapters``, and ``parts.sink`` when it holds one.  Not the xKV
+        bases: stage ``fit_xkv`` writes those.
+    meta
+        :func:`ced_csa2.pipeline.checkpoint.checkpoint_meta`'s dicts by kind: its role is the one the
+        loader is then asked for.
+    extra_sources
+        Write ``projectors_extra.pt`` (empty when the plan has no extra sources, for a folder whose
+        files are fixed); ``False`` for a folder that holds none, as :func:`load_parts`'s.
+    """
+    from .csa2 import save_adapters
+    from .pipeline.paths import MODE_A_SINK
+    from .projector import save_bank, save_projector, save_projectors
+
+    models_dir = Path(models_dir)
+    if parts.bank is not None:
+        save_bank(models_dir / BANK_FILE, parts.bank.cpu(), meta["bank"])
+    else:
+        save_projector(models_dir / projector_path(plan.source).name, parts.projector.cpu(), meta["projector"])
+        if extra_sources:
+            save_projectors(models_dir / EXTRA_FILE, {l: p.cpu() for l, p in parts.extra.items()},
+                            meta["projectors"])
+    save_adapters(models_dir / ADAPTERS_FILE, parts.adapters.cpu(), meta["adapters"])
+    if parts.sink is not None:
+        save_sink(models_dir / MODE_A_SINK.name, parts.sink.cpu(), meta["sink"])
 
 
 def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geometry, *, role: Role, device=None,
@@ -224,22 +263,22 @@ def load_parts(models_dir: Path | str, params: Params, plan: LayerPlan, geo: Geo
 
     models_dir = Path(models_dir)
     expect = expected_meta(params, plan, geo)
-    adapters = load_adapters(models_dir / "adapters.pt", device=device, dtype=dtype, role=role,
+    adapters = load_adapters(models_dir / ADAPTERS_FILE, device=device, dtype=dtype, role=role,
                              expect=expect["adapters"])
-    check_meta_provenance(models_dir / "adapters.pt", adapters.meta, params, role)
+    check_meta_provenance(models_dir / ADAPTERS_FILE, adapters.meta, params, role)
     if bank:
         path = models_dir / BANK_FILE
         projectors, meta = load_bank(path, role=role, expect=expect["bank"], device=device, dtype=dtype)
         check_meta_provenance(path, meta, params, role)
         return CEDParts(adapters=adapters, bank=projectors)
-    path = models_dir / f"projector_k{plan.source}v{plan.source}.pt"
+    path = models_dir / projector_path(plan.source).name
     projector, meta = load_projector(path, role=role, expect=expect["projector"], device=device, dtype=dtype)
     check_meta_provenance(path, meta, params, role)
     extra = {}
     if plan.extra_sources and extra_sources:
-        extra, meta = load_projectors(models_dir / "projectors_extra.pt", role=role, expect=expect["projectors"],
+        extra, meta = load_projectors(models_dir / EXTRA_FILE, role=role, expect=expect["projectors"],
                                       device=device, dtype=dtype)
-        check_meta_provenance(models_dir / "projectors_extra.pt", meta, params, role)
+        check_meta_provenance(models_dir / EXTRA_FILE, meta, params, role)
     xkv = None
     if low_rank:
         xkv = load_xkv(models_dir / "xkv.pt", device=device, dtype=dtype, role=role, expect=expect["xkv"])

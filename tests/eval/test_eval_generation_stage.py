@@ -9,7 +9,7 @@ from tiny_maps import random_parts
 
 from ced_csa2.data.corpus import write_prepared
 from ced_csa2.eval import generation as gen
-from ced_csa2.eval.results import _generation_columns, generation_table, headline_table
+from ced_csa2.eval.results import generation_table, group_rows, headline_table
 from ced_csa2.model_utils import geometry, load_config
 from ced_csa2.pipeline.paths import EVAL_JSONL
 from ced_csa2.plan import load_plan
@@ -52,10 +52,13 @@ def test_every_group_and_mode_a_on_the_tiny_model(tiny_model):
     assert table[-1].startswith("Not run") and "`xkv`" in table[-1]
     everything = generation_table({"protocol": {**protocol, "not_run": {}}, "groups": rows})
     assert everything == table[:-2]  # every group ran: no "Not run" line
-    columns = _generation_columns(rows["ced"])
+    ppl = {"groups": {"baseline": {"ppl": 20.0}, "ced": {"ppl": 21.0}}, "mode_a": {"covered": False}}
+    storage = {"active_model": {"kv": {"bf16": {"decoder_attention": {}}}}}
+    columns = group_rows(ppl, {"groups": {}}, storage, {}, [], generation={"groups": rows})["ced"]
     assert columns["gen_agreement"] == rows["ced"]["agreement"]
     assert columns["gen_dnll_lo"] <= columns["gen_dnll"] <= columns["gen_dnll_hi"]
-    line = headline_table({"ced": {"dppl_pct": 1.0, **{k: v for k, v in columns.items() if "_" not in k[4:]}}})[2]
+    headline = {k: v for k, v in columns.items() if k.startswith("gen_") and "_" not in k[4:]}
+    line = headline_table({"ced": {"dppl_pct": 1.0, **headline}})[2]
     assert line.endswith(f"| {columns['gen_agreement']:.3f} | {columns['gen_dnll']:+.4f} | – |")  # no passkey run
 
 

@@ -13,7 +13,7 @@ from tiny_maps import random_parts
 from ced_csa2.data.corpus import write_prepared
 from ced_csa2.eval import generation as gen
 from ced_csa2.eval import retrieval
-from ced_csa2.eval.results import _retrieval_columns, headline_table, retrieval_table, summary
+from ced_csa2.eval.results import group_rows, headline_table, retrieval_table, summary
 from ced_csa2.model_utils import geometry, load_config
 from ced_csa2.pipeline.paths import EVAL_JSONL, RETRIEVAL_METRICS
 from ced_csa2.plan import load_plan
@@ -100,8 +100,12 @@ def test_the_report_s_table_and_the_headline_s_passkey_column():
     assert table[-1].startswith("Not run") and "`xkv`" in table[-1]
     everything = retrieval_table({"protocol": {**protocol, "not_run": {}}, "groups": rows})
     assert everything == table[:-2]  # every group ran: no "Not run" line
-    head = summary({"baseline": {"ppl": 20.0, "gold_nll": 1.5, **_retrieval_columns(rows["baseline"])},
-                    "csa2": {"dppl_pct": 6.0, "kl": 0.07, **_retrieval_columns(rows["csa2"])}})
+    ppl = {"groups": {"baseline": {"ppl": 20.0}, "csa2": {"ppl": 21.2}}, "mode_a": {"covered": False}}
+    storage = {"active_model": {"kv": {"bf16": {"decoder_attention": {}}}}}
+    passkey = {g: {k: v for k, v in row.items() if "passkey" in k}
+               for g, row in group_rows(ppl, {"groups": {}}, storage, {}, [], retrieval={"groups": rows}).items()}
+    head = summary({"baseline": {"ppl": 20.0, "gold_nll": 1.5, **passkey["baseline"]},
+                    "csa2": {"dppl_pct": 6.0, "kl": 0.07, **passkey["csa2"]}})
     assert head == {"baseline": {"ppl": 20.0, "gold_nll": 1.5, "passkey_pct": 75.0},
                     "csa2": {"dppl_pct": 6.0, "kl": 0.07, "passkey_pct": 50.0}}
     lines = headline_table(head)

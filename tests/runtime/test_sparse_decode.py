@@ -12,7 +12,7 @@ from ced_csa2.model_utils import attention, geometry
 from ced_csa2.plan import LayerPlan
 from ced_csa2.runtime.attention_calls import AttentionCalls
 from ced_csa2.runtime.shared_kv import SharedKVCache, TokenStore, cache_bytes, greedy_generate, shared_kv_generate
-from ced_csa2.runtime.sparse_decode import KeyScan, SparseDecode, SparseSharedKVCache, _Kept
+from ced_csa2.runtime.sparse_decode import KeptEntries, KeyScan, SparseDecode, SparseSharedKVCache
 
 PROMPT, NEW = 11, 6  # up to 16 cached positions
 
@@ -122,7 +122,7 @@ def test_the_targets_keep_the_most_recently_read_entries_in_one_table_and_rebuil
     entry makes room, and every read returns that target's own entry of each position."""
     attn = torch.nn.Module()
     attn.head_dim = 2
-    kept = _Kept(1, 3, torch.device("cpu"))
+    kept = KeptEntries(1, 3, torch.device("cpu"))
     like = torch.zeros(1, 1, 4)  # 2 KV heads of width 2
     reads = [[0, 1], [1, 2], [2, 3], [1, 3], [0, 3], [2, 3]]
     # the evicted: none (an empty slot takes 2), then 0, none (both kept), 2, then 1 (read at step 3)

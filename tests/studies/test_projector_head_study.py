@@ -6,7 +6,7 @@ from conftest import ROOT, study_corpus
 from study_params import refused
 from tiny_dump import params, write_synthetic_dump
 
-from ced_csa2.maps.residual_projector import HeadConfig
+from ced_csa2.train.residual_projector_training import HeadConfig
 from ced_csa2.stages import train_adapters, train_projector
 
 sys.path.insert(0, str(ROOT / "studies"))

@@ -1,6 +1,7 @@
 """attn_out and distill losses: exact zeros where they must vanish, gradients only into the maps."""
 
 import math
+from typing import Protocol, runtime_checkable
 
 import pytest
 import torch
@@ -14,7 +15,6 @@ from ced_csa2.eval.scoring import head_logits
 from ced_csa2.model_utils import geometry
 from ced_csa2.train.objectives import (
     TeacherCache,
-    _Offloaded,
     attn_out_loss,
     distill_loss,
     kl_distill,
@@ -25,6 +25,15 @@ from ced_csa2.train.objectives import (
     substituted_layers,
     teacher_pass,
 )
+
+
+@runtime_checkable
+class KeptOnHost(Protocol):
+    """What :class:`TeacherCache` keeps in place of each tensor: the tensor on the host and the device it came from."""
+
+    tensor: torch.Tensor
+    device: torch.device
+
 
 PHASES = {"ced": ("projector",), "csa2": ("adapters",), "ced_csa2": ("projector", "adapters")}
 
@@ -178,7 +187,7 @@ def test_teacher_cache_gives_every_phase_its_own_pass_bit_for_bit_from_one_forwa
     assert len(forwards) == len(batches) + students
     # kept on the host, each tensor with the device it came from (moved back at every read)
     leaves = []
-    map_tensors(cache._passes, leaves.append, leaf=_Offloaded)
+    map_tensors(cache._passes, leaves.append, leaf=KeptOnHost)
     map_tensors(cache._passes, lambda t: pytest.fail("a teacher tensor kept unwrapped"))
     assert leaves and all(o.tensor.device.type == "cpu" and o.device == ids.device for o in leaves)
     held = TeacherCache(model, QWEN_PLAN, final=True)(*batches[0])

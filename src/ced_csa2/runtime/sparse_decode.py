@@ -168,7 +168,7 @@ class KeyScan:
 
 @dataclass(frozen=True)
 class _Slots:
-    """Where the entries of one step's read sit in a :class:`_Kept` table.
+    """Where the entries of one step's read sit in a :class:`KeptEntries` table.
 
     ``slot`` ``(B, m)``: the slot of each read position kept (0 where missed); ``miss``
     ``(B, m)`` bool; ``missed`` ``(misses,)``: the missed entries' flat indices into ``(B·m)``,
@@ -181,7 +181,7 @@ class _Slots:
     free: tuple[torch.Tensor, torch.Tensor]
 
 
-class _Kept:
+class KeptEntries:
     """The entries the targets read at recent steps, as each target's attention read them: one slot table for all.
 
     Every target reads the same positions at a step, so which positions are kept, and in which
@@ -259,7 +259,7 @@ class _SparseStore(SharedStore):
         self.selection: torch.Tensor | None = None
         # the entries the targets read at recent sparse steps, adapted, normed and rotated (_rebuilt); None
         # until the first sparse step, and again after a dense one
-        self.adapted: _Kept | None = None
+        self.adapted: KeptEntries | None = None
 
     @property
     def used_bytes(self) -> int:
@@ -313,7 +313,7 @@ class _SparseStore(SharedStore):
         alone, so an entry it kept is taken from there: only the other positions run the
         adapter, k_norm and RoPE.  Each target keeps ``reads.kept`` entries (counted in
         :attr:`used_bytes`), the most recently read: the new ones replace the longest unread.  The
-        targets read the same positions, so one :class:`_Kept` table places them for all (at the
+        targets read the same positions, so one :class:`KeptEntries` table places them for all (at the
         first target of each forward).
         """
         at = self.selection
@@ -323,7 +323,7 @@ class _SparseStore(SharedStore):
             self.adapted = None
             return super()._rebuilt(layer, k, v, cos, sin)
         if self.adapted is None:
-            self.adapted = _Kept(at.shape[0], self.reads.kept, at.device)
+            self.adapted = KeptEntries(at.shape[0], self.reads.kept, at.device)
         if "slots" not in self._step:  # the first target of this forward places the step's positions for all
             self._step["slots"] = self.adapted.place(at, self.seen)
         slots = self._step["slots"]

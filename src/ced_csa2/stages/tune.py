@@ -22,7 +22,7 @@ ridge stage's ``ced_{k,v}_{t}*`` maps).
   (T = 1) on ``val_records`` records of the validation split before and after each phase.
 
 Writes ``models/objectives/<objective>/{projector_k{s}v{s}.pt, adapters.pt}`` and the same
-pair in ``.../ced_csa2/`` (the main branch's formats, so
+pair in ``.../ced_csa2/`` (:func:`ced_csa2.ced_runtime.save_parts`, in the main branch's formats, so
 :func:`ced_csa2.ced_runtime.load_parts` reads them),
 ``metrics/objectives/<objective>/train.json`` (per phase: steps, tokens, wall time,
 tokens/s, held-out losses) and, for the objectives that train, its curves
@@ -37,17 +37,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..ced_runtime import save_parts
 from ..config import Params, provenance, require_listed
 from ..data.records import check_prepared
 from ..maps.ridge import ridge_provenance
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.atomic_files import write_json
+from ..pipeline import map_roles
+from ..pipeline.checkpoint import checkpoint_meta
 from ..pipeline.map_roles import PAIRS
-from ..pipeline.paths import RIDGE_PATH, TRAIN_JSONL, objective_curves, objective_metrics
+from ..pipeline.paths import RIDGE_PATH, TRAIN_JSONL, objective_curves, objective_metrics, objective_pair_models
 from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
 from ..train.training import Curves, write_curves
-from ..train.tuning import ridge_served, save_parts, train_branch
+from ..train.tuning import ridge_served, train_branch
 
 # of dvc.yaml's params for tune@<objective>: every objective's, and those of the objectives that train
 PROVENANCE = ("seed", "model", "plan", "split", "ridge", "train_adapters.width_mult", "train_adapters.activation",
@@ -73,7 +76,10 @@ def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_
     keys = PROVENANCE if objective == "ridge" else (*PROVENANCE, *ONLINE_PROVENANCE)
     made_from = {**ridge_provenance(workdir / RIDGE_PATH), **provenance(params, *keys)}
     for pair in PAIRS:
-        save_parts(workdir, objective, pair, served[pair], params, plan, geo, made_from)
+        meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
+                               *([params.train.online] if objective != "ridge" else []),
+                               role=map_roles.objective(objective, pair), provenance=made_from)
+        save_parts(workdir / objective_pair_models(objective, pair), served[pair], plan, meta, extra_sources=False)
     # ridge trains nothing: its (declared) curve table is the header alone, not a flat line
     write_curves(workdir / objective_curves(objective), curves, x="step")
     write_json(workdir / objective_metrics(objective) / "train.json", metrics)

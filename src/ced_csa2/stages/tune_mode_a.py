@@ -32,27 +32,18 @@ from pathlib import Path
 
 import torch
 
-from ..ced_runtime import BANK_FILE, CEDModeARuntime, save_sink
+from ..ced_runtime import CEDModeARuntime, save_parts
 from ..config import Params, provenance, to_dict
-from ..csa2 import save_adapters
 from ..data.records import check_prepared
 from ..maps.ridge import ridge_provenance
 from ..model_utils import load_model_and_tokenizer, resolve_device
 from ..pipeline.atomic_files import write_json
 from ..pipeline.checkpoint import checkpoint_meta
 from ..pipeline.map_roles import MODE_A
-from ..pipeline.paths import (
-    MODE_A_CURVES,
-    MODE_A_METRICS,
-    MODE_A_MODELS,
-    MODE_A_SINK,
-    RIDGE_PATH,
-    TRAIN_JSONL,
-    projector_path,
-)
+from ..pipeline.paths import MODE_A_CURVES, MODE_A_METRICS, MODE_A_MODELS, RIDGE_PATH, TRAIN_JSONL
 from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
-from ..projector import reduced_rank, save_bank, save_projector, save_projectors
+from ..projector import reduced_rank
 from ..train.mode_a_training import OBJECTIVE, input_moments, input_stats, mean_sink, train, with_heads
 from ..train.objectives import online_records, ridge_parts
 from ..train.projector_training import ridge_projectors
@@ -118,16 +109,7 @@ def run(params: Params, workdir: Path = Path("."), *, model_and_tok=None) -> dic
     made_from = {**ridge_provenance(ridge), **provenance(params, *PROVENANCE)}
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
                            params.train.online, params.mode_a.train, role=MODE_A, provenance=made_from)
-    out = workdir / MODE_A_MODELS
-    if parts.bank is not None:
-        save_bank(out / BANK_FILE, parts.bank.cpu(), meta["bank"])
-    else:
-        save_projector(out / projector_path(plan.source).name, parts.projector.cpu(), meta["projector"])
-        save_projectors(out / "projectors_extra.pt", {l: p.cpu() for l, p in parts.extra.items()},
-                        meta["projectors"])
-    save_adapters(out / "adapters.pt", parts.adapters.cpu(), meta["adapters"])
-    if parts.sink is not None:
-        save_sink(workdir / MODE_A_SINK, parts.sink.cpu(), meta["sink"])
+    save_parts(workdir / MODE_A_MODELS, parts, plan, meta)
     write_curves(workdir / MODE_A_CURVES, curves, x="step")
     write_json(workdir / MODE_A_METRICS, metrics)
     return metrics

@@ -1,6 +1,5 @@
 """One training objective's branch (``tune@<objective>``): its phases (ced, csa2, ced_csa2) from
-the ridge maps, held-out losses, the optimizer of a phase, the maps saved as the main branch
-saves them.
+the ridge maps, held-out losses, the optimizer of a phase.
 """
 
 from __future__ import annotations
@@ -15,16 +14,12 @@ import torch
 from .. import kv_hooks
 from ..ced_runtime import CEDParts
 from ..config import Params, to_dict
-from ..csa2 import save_adapters
 from ..data.records import batches
 from ..model_utils import Geometry
-from ..pipeline import map_roles
-from ..pipeline.checkpoint import checkpoint_meta
-from ..pipeline.paths import RIDGE_PATH, objective_pair_models, projector_path
+from ..pipeline.paths import RIDGE_PATH
 from ..pipeline.progress import Progress
 from ..pipeline.stage_runner import record_timing
 from ..plan import LayerPlan
-from ..projector import save_projector
 from .objectives import (
     PHASE_GROUPS,
     SAMPLE_STREAM,
@@ -145,24 +140,6 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     for key in ("loss", "kl"):
         curves[group, f"val_{key}"] = [(first_step, before[key])] + ([(last_step, after[key])] if losses else [])
     return summary, curves
-
-
-def save_parts(workdir: Path, objective: str, pair: str, parts: CEDParts, params: Params, plan: LayerPlan,
-               geo: Geometry, made_from: dict) -> None:
-    """Both maps of ``objective``'s ``pair`` in their folder (:func:`ced_csa2.pipeline.paths.objective_pair_models`),
-    in the main branch's checkpoint formats.
-
-    The metadata is :func:`ced_csa2.pipeline.checkpoint.checkpoint_meta`'s (role
-    ``objective:<objective>`` with ``pair``, model, layers, geometry, plan, provenance: ``made_from``):
-    what ``eval_objectives`` checks on loading.
-    """
-    # The ridge export does not depend on the online budget: same params, same bytes.
-    meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
-                           *([params.train.online] if objective != "ridge" else []),
-                           role=map_roles.objective(objective, pair), provenance=made_from)
-    out = workdir / objective_pair_models(objective, pair)
-    save_projector(out / projector_path(plan.source).name, parts.projector.cpu(), meta["projector"])
-    save_adapters(out / "adapters.pt", parts.adapters.cpu(), meta["adapters"])
 
 
 def ridge_served(params: Params, plan: LayerPlan, geo: Geometry, workdir: Path) -> dict[str, CEDParts]:

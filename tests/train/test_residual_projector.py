@@ -4,7 +4,8 @@ import pytest
 import torch
 from tiny_dump import HIDDEN, KV, params, write_synthetic_dump
 
-from ced_csa2.maps.residual_projector import HeadConfig, ResidualProjector, train_residual_projector
+from ced_csa2.maps.residual_projector import ResidualProjector
+from ced_csa2.train.residual_projector_training import HeadConfig, train_residual_projector
 from ced_csa2.pipeline import paths
 from ced_csa2.plan import load_plan
 from ced_csa2.train.training import ridge_maps, split_masks
