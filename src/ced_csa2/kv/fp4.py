@@ -1,6 +1,7 @@
 """FP4 storage formats for KV entries, written from their definitions in plain torch (design §7).
 
-Two block formats share one 4-bit element type and differ only in the block scale
+Two block formats (:class:`~ced_csa2.kv.block_format.BlockFormat`) share one 4-bit element type,
+the codec :data:`E2M1`, and differ only in the block scale, :data:`E4M3_SCALE` or :data:`E8M0_SCALE`
 (seed 003 §4.4):
 
 * :class:`NVFP4` — E2M1 elements with one **E4M3** scale per 16 channels, the main-KV

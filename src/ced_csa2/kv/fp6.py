@@ -1,5 +1,7 @@
 """FP6 (E2M3) block formats: more bits for K where FP4 rounds keys too coarsely.
 
+The codec :data:`E2M3` with :mod:`ced_csa2.kv.fp4`'s two scale rules (:class:`~ced_csa2.kv.block_format.BlockFormat`).
+
 Keys need more bits than values (KV-AdaQuant; on the embedded default NVFP4 with rotation
 costs +4.2% ΔPPL on K alone and +0.8% on V alone: ``studies/kv_formats``).  These formats store
 OCP FP6 E2M3 elements -- 1 sign, 2 exponent (bias 1), 3 mantissa bits: magnitudes 0, 1/8 .. 7/8
