@@ -91,8 +91,7 @@ from ..kv.kv_bytes import StoredCopy, kv_copies, sink_copies
 from ..kv.rotation import HeadRotation, layer_rotation, stream_rotations, work_dtype
 from ..model_utils import Geometry, attention, geometry, layer_type, rope_fn, rotary
 from ..plan import LayerPlan
-from .groups import GROUPS, SHARED_GROUPS
-from .groups import group as group_spec
+from .groups import GROUPS, SHARED_GROUPS, group as group_spec
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
