@@ -56,6 +56,7 @@ from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.paths import EVAL_JSONL, TRAIN_JSONL
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
+from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.runtime.layer_modes import sparse_layers
 from ced_csa2.train import indexer_training as it
 
@@ -166,7 +167,8 @@ def run(params, study: Study, workdir: Path = Path("."), *, model_and_tok=None) 
         "attention_top_k": it.selection(None, held[layer], study.k, study.window, by_attention=True),
         "variants": results,
         "every_layer": every_layer,
-        "csa2_kv_bytes_per_token_bf16_all_attention": bytes_per_token(kv_copies(geo, plan, "csa2", "all_attention", 2)),
+        "csa2_kv_bytes_per_token_bf16_all_attention": bytes_per_token(kv_copies(geo, plan, GROUPS["csa2"],
+                                                                                "all_attention", 2)),
         "seconds": time.perf_counter() - t0,
     }
 

@@ -43,13 +43,14 @@ from ced_csa2.data.records import check_prepared
 from ced_csa2.eval.perplexity import agreement, eval_ids
 from ced_csa2.eval.scoring import multi_group_nll
 from ced_csa2.eval.stats import paired_deltas
-from ced_csa2.kv.formats import FormatRuntime, KVFormat, StreamFormat
+from ced_csa2.kv.formats import KVFormat, StreamFormat
 from ced_csa2.model_utils import geometry, load_model_and_tokenizer, qwen3_5_4b_config, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.paths import EVAL_JSONL
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
+from ced_csa2.runtime.format_runtime import FormatRuntime
 
 STUDY_PARAMS = Path("studies/kv_formats.yaml")
 OUT = Path("studies/kv_formats")

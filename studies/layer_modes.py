@@ -62,6 +62,7 @@ from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import LayerPlan, load_plan
+from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.runtime.layer_modes import LayerModes, sparse_layers
 from ced_csa2.runtime.sparse_attention import HSI, SelectionStats, SparseAttention, SparseGroup, SparseReads
 
@@ -118,7 +119,7 @@ def _ppl(v: np.ndarray) -> dict:
 
 def stored_bytes(geo: Geometry, plan: LayerPlan, kv: str) -> dict:
     """KV bytes stored per token in bf16 (:mod:`ced_csa2.kv.kv_bytes`), on both bases."""
-    return {basis: bytes_per_token(kv_copies(geo, plan, kv, basis, BF16))
+    return {basis: bytes_per_token(kv_copies(geo, plan, GROUPS[kv], basis, BF16))
             for basis in ("decoder_attention", "all_attention")}
 
 

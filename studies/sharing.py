@@ -68,7 +68,7 @@ from ced_csa2.data.records import check_prepared
 from ced_csa2.data.loader import aligned_block_rows, record_split, row_mask
 from ced_csa2.eval.perplexity import eval_ids, groups_ppl
 from ced_csa2.eval.results import frontier
-from ced_csa2.kv.fp4 import FORMATS
+from ced_csa2.kv.formats import FP4_FORMATS
 from ced_csa2.kv.kv_bytes import BASES, DTYPE_BYTES, adapter_params_per_target, bytes_per_token, kv_copies, \
     projector_params
 from ced_csa2.maps.ridge import MapGroup, adapter_map, evaluate_maps, fit_maps, map_groups, save_ridge
@@ -226,8 +226,8 @@ def arm_bytes(geo: Geometry, arm: list[str], plans: list[LayerPlan], basis: str,
     """Bytes per token (:data:`BYTES`) of the arm's caches on ``basis``."""
     *outer, group = arm
     return bytes_per_token(nested_copies(
-        [kv_copies(geo, plans[0], g, basis, DTYPE_BYTES[BYTES], fp4_group) for g in outer]
-        + [kv_copies(geo, p, group, basis, DTYPE_BYTES[BYTES], fp4_group) for p in plans]))
+        [kv_copies(geo, plans[0], GROUPS[g], basis, DTYPE_BYTES[BYTES], fp4_group) for g in outer]
+        + [kv_copies(geo, p, GROUPS[group], basis, DTYPE_BYTES[BYTES], fp4_group) for p in plans]))
 
 
 def map_params(geo: Geometry, params: Params, group: str, plans: list[LayerPlan]) -> int:
@@ -351,7 +351,7 @@ def main() -> None:
     if any(GROUPS[a[-1]].projected_source for a in study.arms) and params.train.ced_csa2_start != "csa2":
         raise ValueError(f"{STUDY_PARAMS}: a ced_csa2 arm reads csa2's ridge adapters (train.ced_csa2_start: csa2); "
                          f"params.yaml has train.ced_csa2_start: {params.train.ced_csa2_start}")
-    fp4_group = FORMATS[params.kv_format]().group
+    fp4_group = FP4_FORMATS[params.kv_format]().group
     # The maps first (checked against params.yaml, fitted in seconds), then the model.
     pipeline_parts = ridge_served(params, plan, geo, Path("."))  # the pipeline's ridge objective: models/ridge.pt
     distinct = list(dict.fromkeys(p for ps in plans.values() for p in ps))

@@ -98,7 +98,7 @@ def test_share_plain_targets_read_the_source_kv_verbatim(tiny_model):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fp4_groups_store_the_fp4_rounded_source(tiny_model, fmt):
-    from ced_csa2.kv.fp4 import FORMATS
+    from ced_csa2.kv.formats import FP4_FORMATS
 
     model, _ = tiny_model
     parts = random_parts(geometry(model.config), QWEN_PLAN)
@@ -108,7 +108,7 @@ def test_fp4_groups_store_the_fp4_rounded_source(tiny_model, fmt):
     parts.adapters = lambda layer, k, v: seen.setdefault(layer, (k.clone(), v.clone())) and adapters(layer, k, v)
     with torch.no_grad(), CEDModeBRuntime(model, QWEN_PLAN, "csa2_fp4", parts, kv_format=fmt):
         model(x)
-    fmt_ = FORMATS[fmt]()
+    fmt_ = FP4_FORMATS[fmt]()
     true_k = true_kv(model, x, [20])[20][0]
     rounded = fmt_.dequantize(fmt_.quantize(true_k))
     assert torch.equal(seen[24][0], rounded) and not torch.equal(rounded, true_k)

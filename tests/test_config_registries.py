@@ -16,14 +16,14 @@ from ced_csa2 import config, csa2
 from ced_csa2.ced_runtime import SINKS
 from ced_csa2.data.corpus import CORPORA, DOMAIN_READERS
 from ced_csa2.eval.results import CED_CSA2_START, KEPT, MODE_A_MAPS
-from ced_csa2.kv.fp4 import FORMATS
+from ced_csa2.kv.formats import FP4_FORMATS
 from ced_csa2.model_utils import TINY_ARCHS
 from ced_csa2.runtime.attention_calls import IMPLEMENTATIONS
 from ced_csa2.train.training import KEEP_CHOICES
 
 # (section class, field) -> the registry the code runs the value through.
 REGISTRIES = {
-    ("Params", "kv_format"): FORMATS,
+    ("Params", "kv_format"): FP4_FORMATS,
     ("TinyModelConfig", "arch"): TINY_ARCHS,
     ("ModelConfig", "attn_implementation"): IMPLEMENTATIONS,
     ("DataConfig", "kind"): CORPORA,

@@ -42,8 +42,7 @@ import torch
 from torch import nn
 
 from . import kv_hooks
-from .kv.formats import format_replacements, group_format
-from .kv.fp4 import FORMATS as FP4_FORMATS
+from .kv.formats import FP4_FORMATS, format_replacements, group_format
 from .kv.rotation import HeadRotation, fp4_round_trip, stream_rotations
 from .maps.xkv import XKVBasis, load_xkv
 from .model_utils import Geometry, attention, decoder_layer, geometry, layer_type, rope_fn, rotary

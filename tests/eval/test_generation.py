@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from ced_csa2 import kv_hooks
 from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts
 from ced_csa2.eval import generation as gen
-from ced_csa2.kv.fp4 import FORMATS
+from ced_csa2.kv.formats import FP4_FORMATS
 from ced_csa2.kv.kv_bytes import fp4_entry_bytes
 from ced_csa2.kv.rotation import layer_rotation
 from ced_csa2.model_utils import geometry
@@ -196,7 +196,7 @@ def test_the_rotated_shared_store_holds_the_rotated_blocks_mode_b_rounds(tiny_mo
     parts = random_parts(geometry(model.config), QWEN_PLAN)
     prompts = torch.randint(0, 250, (2, PROMPT))
     source, head_dim = QWEN_PLAN.source, geometry(model.config).head_dim
-    fmt, r = FORMATS[storage](), layer_rotation(head_dim, source)
+    fmt, r = FP4_FORMATS[storage](), layer_rotation(head_dim, source)
     stores = {}
     for g in (group, group.removesuffix("_rot"), dense_twin(group)):
         built = gen.group_cache(model, QWEN_PLAN, g, parts, storage)
@@ -228,7 +228,7 @@ def test_the_rotated_fp4_baseline_rounds_v_as_mode_b_and_k_after_rope(tiny_model
     (the documented caveat, true here: Qwen3.5 has a k_norm, and RoPE moves every position but the first)."""
     model, _ = tiny_model
     geo = geometry(model.config)
-    fmt = FORMATS[storage]()
+    fmt = FP4_FORMATS[storage]()
     prompts = torch.randint(0, 250, (2, PROMPT))
     built = gen.group_cache(model, QWEN_PLAN, "baseline_fp4_rot", None, storage)
     with torch.no_grad(), built.open(), kv_hooks.capture(model, list(geo.attention_layers)) as seen:
@@ -385,7 +385,7 @@ def test_baseline_k6v4_rot_s_cache_rounds_v_as_mode_b_and_k_after_rope(tiny_mode
         assert isinstance(cached, BlockLayer)
         r = layer_rotation(geo.head_dim, layer)
         v = seen["v"][layer]
-        assert torch.equal(cached.v_store.data.elements, FORMATS["mxfp4"]().quantize(r.rotate(v)).elements), layer
+        assert torch.equal(cached.v_store.data.elements, FP4_FORMATS["mxfp4"]().quantize(r.rotate(v)).elements), layer
         assert torch.equal(cached.v_store.read(), fmt.v.round_trip(v, r)) and not torch.equal(cached.v_store.read(), v)
         assert cached.k_store.data.elements.shape[-1] == 3 * geo.kv_dim // 4, layer
     first = built.cache.layers[geo.attention_layers[0] - 1]

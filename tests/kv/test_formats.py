@@ -11,12 +11,12 @@ from conftest import ROOT, nearest_on_grid, tiny_llama
 from tiny_maps import LLAMA_PLAN, QWEN_PLAN, rows
 
 from ced_csa2.eval.scoring import multi_group_nll
-from ced_csa2.kv.formats import FormatRuntime, KVFormat, StreamFormat, group_format
-from ced_csa2.kv.fp4 import FORMATS
+from ced_csa2.kv.formats import FP4_FORMATS, KVFormat, StreamFormat, group_format
 from ced_csa2.kv.kv_bytes import fp4_entry_bytes, kv_copies, rotation_params
 from ced_csa2.kv.rotation import fp4_round_trip, layer_rotation
 from ced_csa2.model_utils import Geometry, geometry
 from ced_csa2.plan import LayerPlan
+from ced_csa2.runtime.format_runtime import FormatRuntime
 from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.runtime.shared_kv import accounted_copies
 
@@ -54,7 +54,7 @@ def test_the_channel_axis_is_the_fp4_groups_round_trip_plain_and_rotated():
     x = torch.randn(2, 7, 128)
     rot = layer_rotation(64, 3)
     for element, group in (("nvfp4", 16), ("mxfp4", 32)):
-        fmt = FORMATS[element](group)
+        fmt = FP4_FORMATS[element](group)
         assert torch.equal(StreamFormat(element, group).round_trip(x), fp4_round_trip(fmt, x))
         assert torch.equal(StreamFormat(element, group, rotate=True).round_trip(x, rot), fp4_round_trip(fmt, x, rot))
 
@@ -122,7 +122,7 @@ def test_exact_channels_keep_each_head_s_rotary_slice_and_quantise_the_rest_inde
         assert torch.equal(got[..., h * head_dim:h * head_dim + exact], whole[..., :exact])  # bit for bit
     # the rest of every head, gathered by hand, through the format without exact channels
     rest = torch.cat([x[..., h * head_dim + exact:(h + 1) * head_dim] for h in range(heads)], dim=-1)
-    want = fp4_round_trip(FORMATS["nvfp4"](16), rest, rot)
+    want = fp4_round_trip(FP4_FORMATS["nvfp4"](16), rest, rot)
     got_rest = torch.cat([got[..., h * head_dim + exact:(h + 1) * head_dim] for h in range(heads)], dim=-1)
     assert torch.equal(got_rest, want)
     # a whole head exact (full RoPE, SmolLM2: 64 of 64) is the identity
@@ -169,10 +169,10 @@ def test_baseline_k6v4_rot_accounts_fp6_keys_and_mxfp4_values_and_a_rotation_per
     SmolLM2's D = 192), whatever ``fp4_group`` says; one ``head_dim²`` rotation per attention layer."""
     geo = Geometry(n_layers=30, hidden_size=576, n_kv_heads=3, head_dim=64, attention_layers=tuple(range(1, 31)))
     plan = LayerPlan(split=16, source=20, targets=(24, 28))
-    copies = {c.name: c.entry_bytes for c in kv_copies(geo, plan, "baseline_k6v4_rot", "all_attention", 2, 16)}
+    copies = {c.name: c.entry_bytes for c in kv_copies(geo, plan, GROUPS["baseline_k6v4_rot"], "all_attention", 2, 16)}
     assert copies == {f"{kind}{layer}": {"K": 144 + 6, "V": 96 + 6}[kind] for layer in range(1, 31) for kind in "KV"}
     assert 2 * 192 * 2 / (150 + 102) == pytest.approx(3.05, abs=0.005)  # the study's figure; rounding of the ratio
-    assert rotation_params(geo, plan, "baseline_k6v4_rot") == 30 * 64 ** 2
-    assert rotation_params(geo, plan, "baseline_fp4") == 0
+    assert rotation_params(geo, plan, GROUPS["baseline_k6v4_rot"]) == 30 * 64 ** 2
+    assert rotation_params(geo, plan, GROUPS["baseline_fp4"]) == 0
     with pytest.raises(ValueError, match="fixes its own stream_formats"):
         accounted_copies(geo, plan, "baseline_k6v4_rot", "nvfp4", 2)

@@ -5,11 +5,12 @@ import math
 import pytest
 import torch
 
-from ced_csa2.kv import fp4
+from ced_csa2.kv import block_format
+from ced_csa2.kv.block_format import Packed
 from ced_csa2.kv.fp4 import (
+    E2M1,
     MXFP4,
     NVFP4,
-    Packed,
     e2m1_decode,
     e2m1_encode,
     e4m3_scale_bytes,
@@ -48,7 +49,7 @@ def half_spacing(r: torch.Tensor) -> torch.Tensor:
 
 
 def block_scales(fmt, packed):
-    return fmt._scale_values(packed.scales).double()
+    return fmt.scale.to_values(packed.scales).double()
 
 
 # ----------------------------------------------------------------------------- E2M1 codes
@@ -229,7 +230,7 @@ def gaussian_blocks(n, d, seed):
 def test_elements_are_e2m1_of_x_over_scale(fmt):
     x = gaussian_blocks(64, 128, seed=5)
     p = fmt.quantize(x)
-    s = fmt._scale_values(p.scales).repeat_interleave(fmt.group, dim=-1)
+    s = fmt.scale.to_values(p.scales).repeat_interleave(fmt.group, dim=-1)
     assert torch.equal(unpack_nibbles(p.elements), e2m1_encode(x / s))
 
 
@@ -296,7 +297,7 @@ def test_round_trip_shapes_dtypes_and_chunking(fmt, monkeypatch):
     xt = x.transpose(0, 1)
     assert torch.equal(fmt.dequantize(fmt.quantize(xt)), y.transpose(0, 1))
     # chunking over rows does not change the result
-    monkeypatch.setattr(fp4, "_CHUNK_ELEMS", 3 * 64)
+    monkeypatch.setattr(block_format, "CHUNK_ELEMS", 3 * 64)
     small = fmt.quantize(x)
     assert torch.equal(small.elements, p.elements) and torch.equal(small.scales, p.scales)
     assert torch.equal(fmt.dequantize(small), y)
@@ -320,7 +321,7 @@ def test_shape_and_value_errors():
         MXFP4().dequantize(NVFP4().quantize(torch.randn(2, 32)))
     with pytest.raises(ValueError, match="scales must be"):
         Packed(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8), torch.Size([2, 32]),
-               16, "e4m3")
+               NVFP4())
 
 
 def test_formats_hold_group_and_scale_kind():
@@ -335,7 +336,7 @@ def test_e2m1_round_is_the_decoded_code_on_a_float32_sweep():
     sweep = torch.arange(0, 0x41000001, 257, dtype=torch.int64).to(torch.int32).view(torch.float32)
     sign = torch.where(torch.rand(sweep.shape, generator=g) < 0.5, -1.0, 1.0)
     x = torch.cat([sweep * sign, torch.randn(100_000, generator=g) * 4, torch.tensor([math.inf, -math.inf, -0.0])])
-    want, got = e2m1_decode(e2m1_encode(x)), fp4._e2m1_round(x.clone())
+    want, got = e2m1_decode(e2m1_encode(x)), E2M1.round(x.clone())
     assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
 
 
@@ -350,7 +351,7 @@ def test_round_trip_is_dequantize_of_quantize_bit_for_bit(fmt, monkeypatch):
         got = fmt.round_trip(y)
         assert got.dtype == y.dtype and torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
     assert torch.equal(fmt.round_trip(x, torch.bfloat16), fmt.dequantize(fmt.quantize(x), torch.bfloat16))
-    monkeypatch.setattr(fp4, "_CHUNK_ELEMS", 3 * 64)  # chunking over rows does not change the result
+    monkeypatch.setattr(block_format, "CHUNK_ELEMS", 3 * 64)  # chunking over rows does not change the result
     assert torch.equal(fmt.round_trip(x), fmt.dequantize(fmt.quantize(x)))
     x[0, 0, 0] = math.nan
     with pytest.raises(ValueError, match="NaN or Inf"):

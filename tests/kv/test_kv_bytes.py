@@ -8,6 +8,7 @@ from ced_csa2.kv import kv_bytes as kb
 from ced_csa2.model_utils import Geometry, attention
 from ced_csa2.plan import LayerPlan
 from ced_csa2.projector import KVProjector
+from ced_csa2.runtime.groups import GROUPS
 
 QWEN = Geometry(n_layers=32, hidden_size=2560, n_kv_heads=4, head_dim=256, attention_layers=tuple(range(4, 33, 4)))
 SMOL = Geometry(n_layers=30, hidden_size=576, n_kv_heads=3, head_dim=64, attention_layers=tuple(range(1, 31)))
@@ -15,7 +16,7 @@ SMOL_PLAN = LayerPlan(15, 18, (22, 26, 30))
 
 
 def bpt(geo, plan, group, basis, dtype_bytes=2):
-    return kb.bytes_per_token(kb.kv_copies(geo, plan, group, basis, dtype_bytes))
+    return kb.bytes_per_token(kb.kv_copies(geo, plan, GROUPS[group], basis, dtype_bytes))
 
 
 # ----------------------------------------------------------------------------- generic rule
@@ -91,7 +92,8 @@ def test_v41_chain_steps_and_factors():
 # ----------------------------------------------------------------------------- this project's groups
 
 def test_qwen3_5_4b_bf16_figures_of_spec_section_6():
-    layer_20 = [c for c in kb.kv_copies(QWEN, QWEN_PLAN, "baseline", "all_attention", 2) if c.name[1:] == "20"]
+    layer_20 = [c for c in kb.kv_copies(QWEN, QWEN_PLAN, GROUPS["baseline"], "all_attention", 2)
+                if c.name[1:] == "20"]
     assert kb.bytes_per_token(layer_20) == 2 * 1024 * 2 == 4096
     decoder = bpt(QWEN, QWEN_PLAN, "baseline", "decoder_attention"), bpt(QWEN, QWEN_PLAN, "csa2", "decoder_attention")
     everything = bpt(QWEN, QWEN_PLAN, "baseline", "all_attention"), bpt(QWEN, QWEN_PLAN, "csa2", "all_attention")
@@ -109,17 +111,15 @@ def test_groups_ced_changes_no_bytes_and_share_plain_stores_like_csa2(basis):
 
 def test_stored_layers_follow_the_plan_on_an_all_attention_model():
     # SmolLM2: 30 attention layers; above split 15 are 16..30, of which the targets store nothing
-    assert kb.stored_layers(SMOL, SMOL_PLAN, "baseline", "decoder_attention") == tuple(range(16, 31))
+    assert kb.stored_layers(SMOL, SMOL_PLAN, GROUPS["baseline"], "decoder_attention") == tuple(range(16, 31))
     kept = tuple(layer for layer in range(1, 31) if layer not in (22, 26, 30))
-    assert kb.stored_layers(SMOL, SMOL_PLAN, "csa2", "all_attention") == kept
+    assert kb.stored_layers(SMOL, SMOL_PLAN, GROUPS["csa2"], "all_attention") == kept
     assert bpt(SMOL, SMOL_PLAN, "csa2", "decoder_attention") == 12 * 2 * 192 * 2
-    names = [c.name for c in kb.kv_copies(SMOL, SMOL_PLAN, "csa2", "decoder_attention", 2)]
+    names = [c.name for c in kb.kv_copies(SMOL, SMOL_PLAN, GROUPS["csa2"], "decoder_attention", 2)]
     assert names[:4] == ["K16", "V16", "K17", "V17"] and "K22" not in names
 
 
-def test_unknown_group_or_basis_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown group 'mla'"):
-        kb.stored_layers(QWEN, QWEN_PLAN, "mla", "all_attention")
+def test_unknown_basis_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown basis 'encoder'"):
         kb.basis_layers(QWEN, QWEN_PLAN, "encoder")
 
@@ -127,16 +127,17 @@ def test_unknown_group_or_basis_is_a_clear_error():
 def test_adapter_params_on_qwen3_5_4b():
     assert kb.adapter_params_per_target(1024, 1536, "own") == 8395776
     assert kb.adapter_params_per_target(1024, 1536, "kv") == 13638656
-    assert kb.adapter_params(QWEN_PLAN, "csa2", 1024, 1536, "own") == 3 * 8395776 == 25187328
-    assert kb.adapter_params(QWEN_PLAN, "ced_csa2", 1024, 1536, "kv") == 3 * 13638656
+    assert kb.adapter_params(QWEN_PLAN, GROUPS["csa2"], 1024, 1536, "own") == 3 * 8395776 == 25187328
+    assert kb.adapter_params(QWEN_PLAN, GROUPS["ced_csa2"], 1024, 1536, "kv") == 3 * 13638656
     for group in ("baseline", "ced", "share_plain"):
-        assert kb.adapter_params(QWEN_PLAN, group, 1024, 1536, "kv") == 0
+        assert kb.adapter_params(QWEN_PLAN, GROUPS[group], 1024, 1536, "kv") == 0
 
 
 @pytest.mark.parametrize("input", ["kv", "own"])
 def test_parameter_formulas_match_the_real_modules(tiny_model, input):
     adapters = CSA2Adapters([24, 28, 32], kv_dim=32, width=48, input=input)
-    assert sum(p.numel() for p in adapters.parameters()) == kb.adapter_params(QWEN_PLAN, "csa2", 32, 48, input)
+    assert sum(p.numel() for p in adapters.parameters()) == kb.adapter_params(QWEN_PLAN, GROUPS["csa2"], 32, 48,
+                                                                              input)
     projector = KVProjector(64, 32)
     assert sum(p.numel() for p in projector.parameters()) == kb.projector_params(64, 32)
     model, _ = tiny_model
@@ -146,7 +147,7 @@ def test_parameter_formulas_match_the_real_modules(tiny_model, input):
 
 
 def test_adapter_weights_amortise_over_the_context():
-    copies = [*kb.kv_copies(QWEN, QWEN_PLAN, "csa2", "all_attention", 2),
+    copies = [*kb.kv_copies(QWEN, QWEN_PLAN, GROUPS["csa2"], "all_attention", 2),
               kb.weight_copy("adapters", 25187328, 2, kb.CONTEXTS["4k"])]
     # 25,187,328 bf16 parameters spread over 4,096 tokens: 12,298.5 B/token on top of 20,480
     assert kb.bytes_per_token(copies) == 20480 + 25187328 * 2 / 4096 == 32778.5
@@ -160,7 +161,7 @@ def test_a_sliding_layer_holds_min_context_window_minus_one_entries():
     geo = Geometry(n_layers=18, hidden_size=640, n_kv_heads=1, head_dim=256, attention_layers=tuple(range(1, 19)),
                    windows=tuple((la, window) for la in range(1, 19) if la not in (6, 12, 18)))
     plan = LayerPlan(9, 12, (14, 18))
-    copies = kb.kv_copies(geo, plan, "baseline", "all_attention", 2)
+    copies = kb.kv_copies(geo, plan, GROUPS["baseline"], "all_attention", 2)
     entry = 2 * 256  # one K (or V) entry in bf16
     assert [c.max_entries for c in copies if c.name in ("K5", "K6")] == [window - 1, None]
     assert kb.bytes_per_token(copies) == 18 * 2 * entry  # no context: every layer per token
@@ -169,7 +170,7 @@ def test_a_sliding_layer_holds_min_context_window_minus_one_entries():
         # float64 byte counts (integers up to ~1e9, one division): a few eps64 relative
         assert kb.bytes_per_token(copies, context) * context == pytest.approx(held, rel=1e-12)
     # csa2 drops one sliding (14) and one full (18) reader: at 128K the full one is what counts.
-    csa2 = kb.kv_copies(geo, plan, "csa2", "all_attention", 2)
+    csa2 = kb.kv_copies(geo, plan, GROUPS["csa2"], "all_attention", 2)
     saved = kb.bytes_per_token(copies, 131072) - kb.bytes_per_token(csa2, 131072)
     # float64 byte counts (integers, one division by 131072): a few eps64 relative
     assert saved == pytest.approx(2 * entry * (1 + (window - 1) / 131072), rel=1e-12)

@@ -14,7 +14,8 @@ from tiny_maps import (
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.kv import rotation
-from ced_csa2.kv.fp4 import FORMATS, MXFP4
+from ced_csa2.kv.formats import FP4_FORMATS
+from ced_csa2.kv.fp4 import MXFP4
 from ced_csa2.kv.kv_bytes import BASES, bytes_per_token, kv_copies, rotation_params
 from ced_csa2.kv.rotation import HeadRotation, fp4_round_trip, hadamard, layer_rotation, rotation_matrix
 from ced_csa2.kv.storage_table import QWEN3_5_4B_PLAN, qwen3_5_4b_geometry
@@ -114,15 +115,16 @@ def test_rotated_group_costs_exactly_its_plain_twins_bytes(geo, plan, rot):
     for basis in BASES:
         for dtype_bytes in (2, 4):
             for fp4_group in (16, 32):
-                assert kv_copies(geo, plan, rot, basis, dtype_bytes, fp4_group) == \
-                       kv_copies(geo, plan, plain, basis, dtype_bytes, fp4_group)
-    for storage in FORMATS:
+                assert kv_copies(geo, plan, GROUPS[rot], basis, dtype_bytes, fp4_group) == \
+                       kv_copies(geo, plan, GROUPS[plain], basis, dtype_bytes, fp4_group)
+    for storage in FP4_FORMATS:
         got = bytes_per_token(accounted_copies(geo, plan, rot, storage, 2))
         assert got == bytes_per_token(accounted_copies(geo, plan, plain, storage, 2))
         assert got < bytes_per_token(accounted_copies(geo, plan, "baseline", "bf16", 2))
     # the matrices are weights: one head_dim x head_dim per FP4 layer, none for the plain twin
     n_fp4 = len(GROUPS[rot].fp4_layers(geo.attention_layers, plan.source))
-    assert rotation_params(geo, plan, rot) == n_fp4 * geo.head_dim ** 2 and rotation_params(geo, plan, plain) == 0
+    assert rotation_params(geo, plan, GROUPS[rot]) == n_fp4 * geo.head_dim ** 2
+    assert rotation_params(geo, plan, GROUPS[plain]) == 0
 
 
 def test_accounted_fp4_groups_count_their_own_fp4_entries():
@@ -179,7 +181,7 @@ def _by_hand(fmt, x, layer, head_dim):
 def test_rotated_runtime_reads_back_rotated_fp4(tiny_model, fmt_name):
     """baseline_fp4_rot: every attention layer's rotated streams read Rᵀ FP4(R x) -- not FP4(x), not x."""
     model, _ = tiny_model
-    geo, fmt = geometry(model.config), FORMATS[fmt_name]()
+    geo, fmt = geometry(model.config), FP4_FORMATS[fmt_name]()
     assert "k" in rotation.ROTATED_STREAMS
     x = torch.randint(0, 250, (2, 21))
     seen = {}
@@ -213,7 +215,7 @@ def test_rotated_runtime_reads_back_rotated_fp4(tiny_model, fmt_name):
 def test_rotated_shared_source_is_what_the_adapters_read(tiny_model):
     """csa2_fp4_rot: the adapters get Rᵀ FP4(R KV_source) of the source layer (20), K and V."""
     model, _ = tiny_model
-    geo, fmt = geometry(model.config), FORMATS["nvfp4"]()
+    geo, fmt = geometry(model.config), FP4_FORMATS["nvfp4"]()
     parts = random_parts(geo, QWEN_PLAN)
     x = torch.randint(0, 250, (1, 18))
     seen, adapters = {}, parts.adapters

@@ -21,6 +21,7 @@ from ced_csa2.pipeline import paths
 from ced_csa2.pipeline.checkpoint import CheckpointError, checkpoint_meta, expected_meta
 from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.plan import LayerPlan
+from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.stages import fit_xkv
 
 LAYERS = (TINY_PLAN.source, *TINY_PLAN.targets)
@@ -290,15 +291,16 @@ QWEN_4B_PLAN = LayerPlan(16, 20, (24, 28, 32))
 @pytest.mark.parametrize("dtype_bytes", [2, 4])
 def test_bytes_per_token_at_rank_kv_dim_equal_csa2s(basis, dtype_bytes):
     for geo, plan in ((QWEN, QWEN_4B_PLAN), (TINY_GEO, TINY_PLAN)):
-        xkv = kb.bytes_per_token(kb.kv_copies(geo, plan, "xkv", basis, dtype_bytes))
-        assert xkv == kb.bytes_per_token(kb.kv_copies(geo, plan, "csa2", basis, dtype_bytes))
-        assert kb.stored_layers(geo, plan, "xkv", basis) == kb.stored_layers(geo, plan, "csa2", basis)
+        xkv = kb.bytes_per_token(kb.kv_copies(geo, plan, GROUPS["xkv"], basis, dtype_bytes))
+        assert xkv == kb.bytes_per_token(kb.kv_copies(geo, plan, GROUPS["csa2"], basis, dtype_bytes))
+        assert kb.stored_layers(geo, plan, GROUPS["xkv"], basis) == \
+               kb.stored_layers(geo, plan, GROUPS["csa2"], basis)
         # rank r: the one entry is r wide for K and for V, every other layer as csa2
         r = 100
-        assert kb.bytes_per_token(kb.kv_copies(geo, plan, "xkv", basis, dtype_bytes, rank=r)) == \
+        assert kb.bytes_per_token(kb.kv_copies(geo, plan, GROUPS["xkv"], basis, dtype_bytes, rank=r)) == \
             xkv - 2 * (geo.kv_dim - r) * dtype_bytes
-    assert kb.xkv_basis_params(QWEN_4B_PLAN, "xkv", 1024, 1024) == 2 * 4 * 1024 * 1024
-    assert kb.xkv_basis_params(QWEN_4B_PLAN, "csa2", 1024, 1024) == 0
+    assert kb.xkv_basis_params(QWEN_4B_PLAN, GROUPS["xkv"], 1024, 1024) == 2 * 4 * 1024 * 1024
+    assert kb.xkv_basis_params(QWEN_4B_PLAN, GROUPS["csa2"], 1024, 1024) == 0
 
 
 def test_storage_stage_counts_xkv_entries_and_bases(tmp_path):

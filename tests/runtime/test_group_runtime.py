@@ -15,8 +15,9 @@ from conftest import ROOT
 from tiny_maps import QWEN_PLAN, random_parts
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
-from ced_csa2.kv.formats import FormatRuntime, group_format
+from ced_csa2.kv.formats import group_format
 from ced_csa2.model_utils import geometry
+from ced_csa2.runtime.format_runtime import FormatRuntime
 from ced_csa2.runtime.group_runtime import GroupRuntime
 from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.runtime.layer_modes import LayerModes

@@ -11,7 +11,8 @@ from transformers import DynamicCache
 
 from ced_csa2 import kv_hooks
 from ced_csa2.ced_runtime import CEDModeBRuntime
-from ced_csa2.kv.fp4 import FORMATS, Packed
+from ced_csa2.kv.block_format import Packed
+from ced_csa2.kv.formats import FP4_FORMATS
 from ced_csa2.kv import rotation
 from ced_csa2.kv.kv_bytes import bytes_per_token, fp4_entry_bytes, kv_copies
 from ced_csa2.kv.rotation import fp4_round_trip, layer_rotation
@@ -142,7 +143,7 @@ def test_used_bytes_are_the_accounted_bytes_and_fewer_than_dynamic_cache(setup, 
     assert cache_bytes(cache).used == expected + kept
     context = stored_tokens(prompt) // prompt.shape[0]
     assert expected == round(stored_tokens(prompt) * bytes_per_token(
-        kv_copies(geo, plan, group, "all_attention", FP32_BYTES), context))
+        kv_copies(geo, plan, GROUPS[group], "all_attention", FP32_BYTES), context))
     assert expected + kept == accounted(geo, plan, group, "bf16", prompt)
     assert dynamic_bytes == held_entries(geo, geo.attention_layers, prompt) * 2 * geo.kv_dim * FP32_BYTES
     assert cache_bytes(cache).used < dynamic_bytes
@@ -169,7 +170,7 @@ def test_fp4_store_holds_packed_blocks_of_exactly_fp4_entry_bytes(tiny_model, mo
     geo = geometry(model.config)
     parts = random_parts(geo, plan)
     prompt = torch.randint(0, 250, (2, PROMPT))
-    fmt = FORMATS[storage]()
+    fmt = FP4_FORMATS[storage]()
     got = shared_kv_generate(model, plan, "csa2", parts, prompt, NEW, storage=storage)
     dense = shared_kv_generate(model, plan, "csa2", parts, prompt, NEW, storage="bf16")
     store = got.cache._store
@@ -191,7 +192,7 @@ def test_fp4_store_holds_packed_blocks_of_exactly_fp4_entry_bytes(tiny_model, mo
 @pytest.mark.parametrize("storage", ["bf16", "nvfp4", "mxfp4"])
 def test_a_token_store_read_at_positions_is_those_rows_of_the_whole_read(storage):
     """The sparse decode's read: packed rows gathered, then dequantised -- the same bits as the whole read's rows."""
-    store = TokenStore(FORMATS[storage]() if storage in FORMATS else None)
+    store = TokenStore(FP4_FORMATS[storage]() if storage in FP4_FORMATS else None)
     x = torch.randn(2, 9, 64)
     store.append(x[:, :5])
     store.append(x[:, 5:])
@@ -205,7 +206,7 @@ def test_a_token_store_growing_past_its_reserve_holds_every_entry_once(storage):
     """Appends that cross the reserved capacity (a prefill, then one entry a step past 2 x GROW), then a
     sliding window's cut and more appends: the entries read back are those written, in order; the bytes used
     are the entries', the bytes allocated the buffers' (the reserve included: capacity a multiple of GROW)."""
-    fmt = FORMATS[storage]() if storage in FORMATS else None
+    fmt = FP4_FORMATS[storage]() if storage in FP4_FORMATS else None
     store, grow = TokenStore(fmt), TokenStore.GROW
     x = torch.randn(2, 2 * grow + 7, 32)
     store.append(x[:, :grow - 3])
@@ -226,7 +227,7 @@ def test_a_token_store_growing_past_its_reserve_holds_every_entry_once(storage):
 
 
 def test_fp4_layer_returns_the_fp4_round_trip_of_what_it_was_given():
-    fmt = FORMATS["nvfp4"]()
+    fmt = FP4_FORMATS["nvfp4"]()
     layer = BlockLayer(fmt, fmt)
     k1, v1, k2, v2 = (torch.randn(2, 3, n, 32) for n in (5, 5, 1, 1))
     layer.update(k1, v1)
@@ -243,7 +244,7 @@ def test_fp4_layer_returns_the_fp4_round_trip_of_what_it_was_given():
 def test_a_rotated_token_store_holds_fp4_of_the_rotated_entries_and_reads_the_rotated_round_trip(storage, dtype):
     """The buffers hold ``FP4(R x)`` per head (the unrotated store's bytes); a read, whole or at positions, is
     ``fp4_round_trip(fmt, x, R)`` -- Mode B's rotated rounding -- bit for bit, in the written dtype."""
-    fmt, r = FORMATS[storage](), layer_rotation(32, 4)
+    fmt, r = FP4_FORMATS[storage](), layer_rotation(32, 4)
     x = (torch.randn(2, 9, 64, dtype=torch.float64) * torch.linspace(0.1, 8, 64, dtype=torch.float64)).to(dtype)
     store, plain = TokenStore(fmt, r), TokenStore(fmt)
     for part in (x[:, :5], x[:, 5:]):
@@ -262,7 +263,7 @@ def test_a_rotated_token_store_holds_fp4_of_the_rotated_entries_and_reads_the_ro
 
 def test_a_rotated_fp4_layer_returns_the_rotated_round_trip_of_what_it_was_given():
     """Each stream rotated by its own ``R`` (here K by one matrix, V by another, to tell them apart) before FP4."""
-    fmt = FORMATS["nvfp4"]()
+    fmt = FP4_FORMATS["nvfp4"]()
     rk, rv = layer_rotation(32, 2), layer_rotation(32, 3)
     layer = BlockLayer(fmt, fmt, rotations={"k": rk, "v": rv})
     k1, v1, k2, v2 = (torch.randn(2, 3, n, 32) for n in (5, 5, 1, 1))

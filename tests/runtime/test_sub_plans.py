@@ -12,11 +12,12 @@ from transformers import DynamicCache
 from ced_csa2 import kv_hooks
 from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.eval.scoring import multi_group_nll, sequence_nll
-from ced_csa2.kv.fp4 import FORMATS
+from ced_csa2.kv.formats import FP4_FORMATS
 from ced_csa2.kv.kv_bytes import bytes_per_token, kv_copies
 from ced_csa2.kv.rotation import fp4_round_trip
 from ced_csa2.model_utils import Geometry, geometry
 from ced_csa2.plan import LayerPlan, PlanError
+from ced_csa2.runtime.groups import GROUPS
 from ced_csa2.runtime.shared_kv import FP4KVCache, SharedKVCache, cache_bytes
 from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
 from ced_csa2.runtime.sub_plans import NestedRuntimes, SubPlansSharedKVCache, nested_copies, spaced_full_layers, \
@@ -96,7 +97,7 @@ def test_the_shared_trunk_scores_nested_runtimes_as_a_whole_forward_under_them(l
 
 def test_fp4_outside_the_sharing_runtimes_rounds_what_each_store_holds(llama):
     model, _, plans, parts, x = llama
-    fmt = FORMATS["nvfp4"]()
+    fmt = FP4_FORMATS["nvfp4"]()
     with torch.no_grad(), kv_hooks.capture(model, range(1, 7)) as raw, \
             nested(model, plans, parts, outer="baseline_fp4"), kv_hooks.capture(model, range(1, 7)) as read:
         model(x)  # `raw`, installed first, sees each k_proj/v_proj output; `read`, last, what attention gets
@@ -139,7 +140,7 @@ def test_nested_accounting_is_the_sum_over_sub_plans_of_what_each_real_store_sav
     for plan, p in zip(plans, parts):  # each sub-plan's SharedKVCache, against the ordinary cache
         cache = SharedKVCache(model, plan, "csa2", p, storage)
         saved += dense - prefill_bytes(model, cache, x)
-    copies = nested_copies([kv_copies(geo, p, group, "all_attention", FP32_BYTES) for p in plans])
+    copies = nested_copies([kv_copies(geo, p, GROUPS[group], "all_attention", FP32_BYTES) for p in plans])
     assert tokens * bytes_per_token(copies) == dense - saved
     # an independent count: layers 1, 2 and 4 keep K and V, the Full layers in FP4 when the group says so
     fp4_entry = geo.kv_dim // 2 + geo.kv_dim // 16
@@ -153,10 +154,10 @@ def test_fp4_every_stored_copy_with_sharing_is_the_fp4_cache_without_the_readers
     prefill_bytes(model, fp4, x)
     readers = {t for p in plans for t in p.targets}
     kept = sum(layer.used_bytes for i, layer in enumerate(fp4.layers, 1) if i not in readers)
-    copies = nested_copies([kv_copies(geo, plans[0], "baseline_fp4", "all_attention", FP32_BYTES)]
-                           + [kv_copies(geo, p, "csa2", "all_attention", FP32_BYTES) for p in plans])
+    copies = nested_copies([kv_copies(geo, plans[0], GROUPS["baseline_fp4"], "all_attention", FP32_BYTES)]
+                           + [kv_copies(geo, p, GROUPS["csa2"], "all_attention", FP32_BYTES) for p in plans])
     assert x.numel() * bytes_per_token(copies) == kept
-    decoder = nested_copies([kv_copies(geo, p, "csa2", "decoder_attention", FP32_BYTES) for p in plans])
+    decoder = nested_copies([kv_copies(geo, p, GROUPS["csa2"], "decoder_attention", FP32_BYTES) for p in plans])
     assert [c.name for c in decoder] == ["K2", "V2", "K4", "V4"]  # the decoder basis: the Full layers alone
 
 
@@ -164,7 +165,7 @@ def test_the_sub_plans_shared_cache_decodes_as_the_nested_runtimes_and_holds_the
     model, geo, plans, parts, x = llama
     cache = SubPlansSharedKVCache(model, plans, "csa2", dict(zip(plans, parts)))
     assert prefill_bytes(model, cache, x) == x.numel() * bytes_per_token(
-        nested_copies([kv_copies(geo, p, "csa2", "all_attention", FP32_BYTES) for p in plans]))
+        nested_copies([kv_copies(geo, p, GROUPS["csa2"], "all_attention", FP32_BYTES) for p in plans]))
     step = torch.randint(0, 300, (2, 1), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         with cache.feed():

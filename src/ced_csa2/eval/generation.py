@@ -60,7 +60,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, parts_for
-from ..kv.fp4 import FORMATS as FP4_FORMATS
+from ..kv.formats import FP4_FORMATS, group_format
 from ..kv.kv_bytes import bytes_per_token
 from ..data.records import seeded_subset
 from ..model_utils import geometry
@@ -69,7 +69,6 @@ from ..plan import LayerPlan
 from ..runtime.groups import GROUPS, Group
 from ..runtime.groups import group as lookup_group
 from ..runtime.low_rank_kv import LowRankKVCache
-from ..kv.formats import group_format
 from ..runtime.shared_kv import (
     BlockKVCache,
     CacheBytes,

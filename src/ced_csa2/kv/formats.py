@@ -1,4 +1,10 @@
-"""Block-scaled KV formats per stream: element bits, which axis a block scale runs along, how wide, rotated or not.
+"""The registry of named stored-KV formats, and how a stream (K or V) of a layer is stored in one.
+
+:data:`FORMATS` names every block format (:class:`~ced_csa2.kv.block_format.BlockFormat`: an element
+codec and a scale rule): the E2M1 formats of :mod:`ced_csa2.kv.fp4` (``nvfp4`` with E4M3 scales,
+``mxfp4`` with E8M0 scales) and the E2M3 formats of :mod:`ced_csa2.kv.fp6` (``fp6``, ``mxfp6``: more bits
+for keys).  The pipeline's ``kv_format`` picks one of :data:`FP4_FORMATS` for the ``*_fp4`` groups;
+a group's own ``stream_formats`` and the ``kv_formats`` study pick any by name.
 
 NVFP4 as DeepSeek-V4.1 stores its main KV (:mod:`ced_csa2.kv.fp4`) scales each *token's*
 entry in blocks of 16 channels.  Keys are not shaped for that: a few pre-RoPE key channels are
@@ -9,10 +15,8 @@ for a channel's values over a block of consecutive tokens, and values per token;
 (Hooper et al., 2024) does the keys' per-channel step *before* RoPE, where a channel keeps
 its scale across positions -- the injection point here (pre-k_norm, pre-RoPE).
 
-A :class:`StreamFormat` is one stream's (K's or V's) format: the element and scale types of
-:mod:`ced_csa2.kv.fp4` (E2M1 elements; E4M3 scales ``nvfp4`` or E8M0 scales ``mxfp4``) or of
-:mod:`ced_csa2.kv.fp6` (E2M3 elements, 6 bits: ``fp6`` with E4M3 scales, ``mxfp6`` with E8M0 --
-more bits for keys), the block width ``group`` and the block's ``axis``:
+A :class:`StreamFormat` is one stream's (K's or V's) format: a format of :data:`FORMATS` by name,
+the block width ``group`` and the block's ``axis``:
 
 * ``channels`` -- one scale per ``group`` channels of a token's entry (NVFP4, MXFP4);
 * ``tokens`` -- one scale per channel for each block of ``group`` consecutive tokens.
@@ -36,21 +40,20 @@ it has (zero padding leaves a block's maximum, and so its scale, unchanged).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from .. import kv_hooks
-from ..runtime.group_runtime import GroupRuntime
-from ..runtime.groups import GROUPS, Group
-from .fp4 import FORMATS as FP4_FORMATS
-from .fp6 import FORMATS as FP6_FORMATS
-from .kv_bytes import ELEMENT_BITS
+from .block_format import BlockFormat
+from .fp4 import E2M1, MXFP4, NVFP4
+from .fp6 import FP6, MXFP6
 from .rotation import HeadRotation, layer_rotation
 
+# Every stored-KV block format by name; each is called with its group (or none: the format's default).
+FORMATS: dict[str, type[BlockFormat]] = {"nvfp4": NVFP4, "mxfp4": MXFP4, "fp6": FP6, "mxfp6": MXFP6}
+# The pipeline's kv_format choices: the FP4 (E2M1) formats the *_fp4 groups store.
+FP4_FORMATS = {name: fmt for name, fmt in FORMATS.items() if fmt.element is E2M1}
 AXES = ("channels", "tokens")
-ELEMENTS = {**FP4_FORMATS, **FP6_FORMATS}  # element name -> block format (called with the group)
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,8 @@ class StreamFormat:
     Parameters
     ----------
     element
-        ``nvfp4`` (E2M1 elements, E4M3 scales), ``mxfp4`` (E2M1, E8M0 scales), ``fp6`` (E2M3,
-        E4M3 scales) or ``mxfp6`` (E2M3, E8M0 scales).
+        A key of :data:`FORMATS`: ``nvfp4`` (E2M1 elements, E4M3 scales), ``mxfp4`` (E2M1, E8M0
+        scales), ``fp6`` (E2M3, E4M3 scales) or ``mxfp6`` (E2M3, E8M0 scales).
     group
         Values per scale: channels (``axis: channels``) or tokens (``axis: tokens``).
     axis
@@ -79,8 +82,8 @@ class StreamFormat:
     exact: int = 0
 
     def __post_init__(self):
-        if self.element not in ELEMENTS:
-            raise ValueError(f"element {self.element!r}: choose one of {list(ELEMENTS)}")
+        if self.element not in FORMATS:
+            raise ValueError(f"element {self.element!r}: choose one of {list(FORMATS)}")
         if self.axis not in AXES:
             raise ValueError(f"axis {self.axis!r}: choose one of {list(AXES)}")
         if not isinstance(self.group, int) or self.group < 1:
@@ -109,8 +112,8 @@ class StreamFormat:
         return 2 * heads * exact + (self._format_bytes(rest) if rest else 0.0)
 
     def _format_bytes(self, kv_dim: int) -> float:
-        bits = ELEMENT_BITS[self.element]
-        pack = 8 // math.gcd(8, bits)  # values per whole number of bytes: 2 (4-bit), 4 (6-bit)
+        element = FORMATS[self.element].element
+        bits, pack = element.bits, element.per_byte_run
         packed_axis = kv_dim if self.axis == "channels" else self.group
         if kv_dim % 2 or packed_axis % pack or (self.axis == "channels" and kv_dim % self.group):
             raise ValueError(f"{self}: kv_dim {kv_dim} does not split into packed runs of {pack} values and "
@@ -146,7 +149,7 @@ class StreamFormat:
     def _rest_round_trip(self, x: torch.Tensor, rotation: HeadRotation | None) -> torch.Tensor:
         if self.rotate and rotation is None:
             raise ValueError(f"{self}: a rotated format needs the layer's rotation")
-        fmt = ELEMENTS[self.element](self.group)
+        fmt = FORMATS[self.element](self.group)
         y = rotation.rotate(x) if self.rotate else x.to(torch.float32)
         if self.axis == "channels":
             y = fmt.dequantize(fmt.quantize(y), dtype=y.dtype)
@@ -170,8 +173,9 @@ class KVFormat:
         return self.k.bytes_per_token(kv_dim, head_dim) + self.v.bytes_per_token(kv_dim, head_dim)
 
 
-def group_format(spec: Group) -> KVFormat:
-    """The :class:`KVFormat` of a group with its own ``stream_formats`` (channel axis, no exact channels)."""
+def group_format(spec) -> KVFormat:
+    """The :class:`KVFormat` of a group (:class:`~ced_csa2.runtime.groups.Group`) with its own ``stream_formats``
+    (channel axis, no exact channels)."""
     if spec.stream_formats is None:
         raise ValueError(f"group {spec.name!r} has no stream_formats of its own (its FP4 entries follow kv_format)")
     return KVFormat(*(StreamFormat(s.element, s.group, rotate=s.rotate) for s in spec.stream_formats))
@@ -186,31 +190,3 @@ def format_replacements(fmt: KVFormat, layers, head_dim: int) -> dict:
                  for layer in layers for kind, s in streams.items()}
     return {(layer, kind): lambda out, s=streams[kind], r=rotations[layer, kind]: s.round_trip(out, r, head_dim)
             for layer in layers for kind in "kv"}
-
-
-class FormatRuntime(GroupRuntime):
-    """Every attention layer's K and V read back from a :class:`KVFormat`: one context, scored like a group.
-
-    A :class:`~ced_csa2.runtime.group_runtime.GroupRuntime` (:func:`ced_csa2.eval.scoring.multi_group_nll`'s ``extra=``):
-    ``replaced_layers`` (every attention layer, so the shared trunk branches at the first),
-    ``spec`` (``baseline_fp4``'s: every layer's own entries stored, nothing shared) and
-    ``seed`` (nothing to seed).  The hooks (:func:`ced_csa2.kv_hooks.inject`) are always removed.
-    """
-
-    def __init__(self, model, fmt: KVFormat, attention_layers, head_dim: int):
-        self.model, self.fmt, self.spec = model, fmt, GROUPS["baseline_fp4"]
-        self.replaced_layers = tuple(attention_layers)
-        self._replacements = format_replacements(fmt, self.replaced_layers, head_dim)
-        self._hooks = None
-
-    def seed(self, **kwargs) -> None:
-        """Nothing to hand over: the hooks read only the layer's own output."""
-
-    def __enter__(self) -> FormatRuntime:
-        self._hooks = kv_hooks.inject(self.model, self._replacements)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        hooks, self._hooks = self._hooks, None
-        hooks.__exit__(*exc)

@@ -1,6 +1,7 @@
 """FP4 storage formats for KV entries, written from their definitions in plain torch (design §7).
 
-Two block formats share one 4-bit element type and differ only in the block scale
+Two block formats (:class:`~ced_csa2.kv.block_format.BlockFormat`) share one 4-bit element type,
+the codec :data:`E2M1`, and differ only in the block scale, :data:`E4M3_SCALE` or :data:`E8M0_SCALE`
 (seed 003 §4.4):
 
 * :class:`NVFP4` — E2M1 elements with one **E4M3** scale per 16 channels, the main-KV
@@ -43,12 +44,13 @@ and silently storing a NaN block would poison every read).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from .kv_bytes import fp4_entry_bytes
+from .block_format import BlockFormat, ElementCodec, ScaleRule
 
 # Magnitudes of E2M1 codes 0..7 (seed 003 §4.4; [MX] FP4 E2M1).
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -63,9 +65,6 @@ E2M1_EMAX = 2               # [MX]: emax_elem of E2M1 (largest normal 6 = 1.5 ·
 
 # Per packed byte, the float32 values of its (low, high) nibbles: one gather decodes a byte.
 _BYTE_PAIRS = torch.stack((E2M1_VALUES[torch.arange(256) & 0xF], E2M1_VALUES[torch.arange(256) >> 4]), dim=-1)
-
-# Rows are processed in chunks of about this many elements (bounds temporaries, stays in cache).
-_CHUNK_ELEMS = 1 << 18
 
 
 # ----------------------------------------------------------------------------- E2M1 elements
@@ -192,8 +191,11 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- block scales
 
-def e4m3_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
+def e4m3_scale_bytes(amax: torch.Tensor, element_max: float = E2M1_MAX) -> torch.Tensor:
     """NVFP4 block-scale bytes: ``amax / 6`` rounded to E4M3 as ``torch.float8_e4m3fn`` rounds.
+
+    ``6`` is E2M1's largest magnitude, ``element_max``: another element type scales its blocks
+    to its own (FP6's 7.5).  The figures below are E2M1's.
 
     Rules at the edges of E4M3's range (no per-tensor scale can move a block into range):
 
@@ -209,13 +211,15 @@ def e4m3_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
     ----------
     amax : torch.Tensor, shape (...), float32
         Block maxima of ``|x|``, finite and ``>= 0``.
+    element_max : float
+        The element type's largest magnitude.
 
     Returns
     -------
     torch.Tensor, shape (...), uint8
         The ``torch.float8_e4m3fn`` bit patterns (always positive: bit 7 clear).
     """
-    scale = (amax / E2M1_MAX).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    scale = (amax / element_max).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where((scale == 0) & (amax > 0), torch.ones_like(scale), scale)
 
 
@@ -224,8 +228,10 @@ def e4m3_scale_values(scale_bytes: torch.Tensor) -> torch.Tensor:
     return scale_bytes.view(torch.float8_e4m3fn).to(torch.float32)
 
 
-def e8m0_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
+def e8m0_scale_bytes(amax: torch.Tensor, emax: int = E2M1_EMAX) -> torch.Tensor:
     """MXFP4 block-scale bytes: the biased exponent of ``2^(floor(log2 amax) − 2)``.
+
+    ``2`` is E2M1's ``emax_elem``, ``emax`` (FP6 E2M3's is 2 as well).
 
     ``floor(log2 amax)`` is taken exactly from ``torch.frexp`` (also for subnormal
     ``amax``).  The block maximum then lands in ``[4, 8)`` after scaling: values in
@@ -240,6 +246,8 @@ def e8m0_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
     ----------
     amax : torch.Tensor, shape (...), float32
         Block maxima of ``|x|``, finite and ``>= 0``.
+    emax : int
+        The element type's ``emax_elem``.
 
     Returns
     -------
@@ -247,7 +255,7 @@ def e8m0_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
         ``floor(log2 amax) − 2 + 127``, clamped to ``[0, 254]``.
     """
     _, exponent = torch.frexp(amax)  # amax = m · 2^e, m in [0.5, 1): floor(log2 amax) = e − 1
-    biased = (exponent - 1 - E2M1_EMAX + E8M0_BIAS).clamp(0, 254)
+    biased = (exponent - 1 - emax + E8M0_BIAS).clamp(0, 254)
     return torch.where(amax > 0, biased, torch.zeros_like(biased)).to(torch.uint8)
 
 
@@ -264,209 +272,24 @@ def e8m0_scale_values(scale_bytes: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-# ----------------------------------------------------------------------------- packed entries
+def _e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """float32 values ``(..., D)`` of packed E2M1 bytes ``(..., D/2)``: one gather per byte, low nibble first."""
+    return F.embedding(packed.to(torch.int64), _BYTE_PAIRS.to(packed.device)).flatten(-2)
+
+
+# ----------------------------------------------------------------------------- the codec and scale rules
+
+E2M1 = ElementCodec("e2m1", bits=4, max=E2M1_MAX, emax=E2M1_EMAX, codes=_e2m1_codes, round=_e2m1_round,
+                    pack=pack_nibbles, values=_e2m1_values)
+# E4M3: amax / element max, rounded as torch.float8_e4m3fn rounds; E8M0: a power of two from amax's exponent.
+E4M3_SCALE = ScaleRule("e4m3", lambda amax, element: e4m3_scale_bytes(amax, element.max), e4m3_scale_values)
+E8M0_SCALE = ScaleRule("e8m0", lambda amax, element: e8m0_scale_bytes(amax, element.emax), e8m0_scale_values)
+
+
+# ----------------------------------------------------------------------------- the formats
 
 @dataclass(frozen=True)
-class Packed:
-    """FP4-packed entries: element bytes, scale bytes, and what is needed to unpack them.
-
-    Attributes
-    ----------
-    elements : torch.Tensor, shape (..., D/2), uint8
-        E2M1 codes, two per byte, low nibble = even channel.
-    scales : torch.Tensor, shape (..., D/G), uint8
-        One scale byte per group of ``G`` channels (E4M3 or E8M0 bit patterns).
-    shape : torch.Size
-        Shape of the quantised tensor, ``(..., D)``.
-    group : int
-        ``G``, channels per scale.
-    scale_kind : str
-        ``"e4m3"`` or ``"e8m0"``.
-    """
-
-    elements: torch.Tensor
-    scales: torch.Tensor
-    shape: torch.Size
-    group: int
-    scale_kind: str
-
-    def __post_init__(self):
-        d = self.shape[-1]
-        lead = tuple(self.shape[:-1])
-        if tuple(self.elements.shape) != lead + (d // 2,) or self.elements.dtype != torch.uint8:
-            raise ValueError(f"elements must be uint8 of shape {lead + (d // 2,)}, "
-                             f"got {self.elements.dtype} {tuple(self.elements.shape)}")
-        if tuple(self.scales.shape) != lead + (d // self.group,) or self.scales.dtype != torch.uint8:
-            raise ValueError(f"scales must be uint8 of shape {lead + (d // self.group,)}, "
-                             f"got {self.scales.dtype} {tuple(self.scales.shape)}")
-
-    @property
-    def entries(self) -> int:
-        """Number of ``D``-channel entries (product of the leading dimensions)."""
-        n = 1
-        for s in self.shape[:-1]:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        """Stored bytes: ``elements.nbytes + scales.nbytes`` = ``entries · fp4_entry_bytes(D, G)``."""
-        return self.elements.nbytes + self.scales.nbytes
-
-
-def _check_shape(d: int, group: int) -> None:
-    if group < 1 or d % group or d % 2:
-        raise ValueError(f"FP4 packing needs the channel count D to be even and divisible by the group "
-                         f"size G: got D = {d}, G = {group}")
-
-
-@dataclass(frozen=True)
-class _BlockFP4:
-    """Shared quantise/dequantise of the two block formats (E2M1 elements, one scale byte per group)."""
-
-    group: int
-    scale_kind: str = field(init=False)
-
-    def __post_init__(self):
-        if not isinstance(self.group, int) or self.group < 1:
-            raise ValueError(f"group must be a positive int, got {self.group!r}")
-
-    # subclasses: amax (n, D/G) float32 -> bytes (n, D/G) uint8; bytes -> float32 values
-    def _scale_bytes(self, amax: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _scale_values(self, scale_bytes: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _rows(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        """``x`` ``(..., D)``, checked for ``what`` (a floating tensor whose ``D`` fits the group), as ``(N, D)``."""
-        if not x.is_floating_point():
-            raise TypeError(f"{what} expects a floating tensor, got {x.dtype}")
-        if x.dim() == 0:
-            raise ValueError(f"{what} expects a tensor of shape (..., D), got a scalar")
-        _check_shape(x.shape[-1], self.group)
-        return x.reshape(-1, x.shape[-1])
-
-    def _blocks(self, flat: torch.Tensor, what: str):
-        """Chunks of ``flat`` ``(N, D)``: ``(start, blocks, amax)``, ``blocks`` ``(rows, D/G, G)`` float32 of the
-        rows from ``start`` and ``amax`` ``(rows, D/G)`` their block maxima (finite, else ValueError naming ``what``)."""
-        d, g = flat.shape[1], self.group
-        rows = max(1, _CHUNK_ELEMS // d)
-        for start in range(0, flat.shape[0], rows):
-            blocks = flat[start:start + rows].to(torch.float32).view(-1, d // g, g)
-            amax = blocks.abs().amax(dim=-1)
-            if not torch.isfinite(amax).all():
-                raise ValueError(f"{type(self).__name__}.{what}: input holds NaN or Inf "
-                                 f"(rows {start}..{start + blocks.shape[0] - 1} of the flattened (N, D))")
-            yield start, blocks, amax
-
-    def entry_bytes(self, channels: int) -> int:
-        """Bytes of one ``channels``-wide entry: ``fp4_entry_bytes(channels, group)``."""
-        _check_shape(channels, self.group)
-        return fp4_entry_bytes(channels, self.group)
-
-    def quantize(self, x: torch.Tensor) -> Packed:
-        """Quantise entries to packed E2M1 elements with one scale byte per group.
-
-        Per group of ``G`` channels: ``scale`` from the group's ``amax = max |x|`` (see the
-        subclass), ``element = e2m1(x / scale)`` (round to nearest even, saturating).
-        Computed in float32, in chunks of rows.
-
-        Parameters
-        ----------
-        x : torch.Tensor, shape (..., D), floating
-            ``D`` even and divisible by ``G``; finite.
-
-        Returns
-        -------
-        Packed
-            ``elements`` (..., D/2) and ``scales`` (..., D/G), uint8.
-
-        Raises
-        ------
-        ValueError
-            If ``D`` does not fit ``G``, or ``x`` holds NaN or Inf.
-        """
-        flat = self._rows(x, "quantize")
-        (n, d), g = flat.shape, self.group
-        elements = torch.empty(n, d // 2, dtype=torch.uint8, device=x.device)
-        scales = torch.empty(n, d // g, dtype=torch.uint8, device=x.device)
-        for start, blocks, amax in self._blocks(flat, "quantize"):
-            sb = self._scale_bytes(amax)
-            scale = self._scale_values(sb)
-            scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero blocks: 0 / 1
-            codes = _e2m1_codes(blocks / scale.unsqueeze(-1)).view(-1, d)
-            end = start + codes.shape[0]
-            elements[start:end], scales[start:end] = pack_nibbles(codes), sb
-        lead = tuple(x.shape[:-1])
-        return Packed(elements.view(*lead, d // 2), scales.view(*lead, d // g), x.shape, g, self.scale_kind)
-
-    def round_trip(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``dequantize(quantize(x), dtype)`` bit for bit, without packing and unpacking the codes.
-
-        What reading ``x`` back from storage gives, for the runtimes that only need the values
-        (Mode B's FP4 groups, on every layer of ``baseline_fp4``): the same scales and
-        element rounding, the element values taken straight from the rounding
-        (:func:`_e2m1_round`) instead of codes packed into bytes and decoded again.
-
-        Parameters
-        ----------
-        x : torch.Tensor, shape (..., D), floating
-            As for :meth:`quantize`.
-        dtype : torch.dtype, optional
-            Output dtype (default ``x``'s); the product is formed in float32 and then cast.
-
-        Returns
-        -------
-        torch.Tensor, shape (..., D), ``dtype``
-
-        Raises
-        ------
-        ValueError
-            As :meth:`quantize`.
-        """
-        flat = self._rows(x, "round_trip")
-        out = torch.empty(flat.shape, dtype=dtype or x.dtype, device=x.device)
-        for start, blocks, amax in self._blocks(flat, "round_trip"):
-            scale = self._scale_values(self._scale_bytes(amax))  # the decoded scale: 0 for all-zero blocks
-            divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-            values = (_e2m1_round(blocks / divisor) * scale.unsqueeze(-1)).flatten(1)
-            out[start:start + values.shape[0]] = values
-        return out.view(x.shape)
-
-    def dequantize(self, packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Decode packed entries: ``e2m1_value(code) · scale`` per channel.
-
-        Parameters
-        ----------
-        packed : Packed
-            From :meth:`quantize` of a format with the same group and scale kind.
-        dtype : torch.dtype
-            Output dtype; the product is formed in float32 and then cast.
-
-        Returns
-        -------
-        torch.Tensor, shape packed.shape = (..., D), ``dtype``
-        """
-        if packed.group != self.group or packed.scale_kind != self.scale_kind:
-            raise ValueError(f"{self!r} cannot decode a Packed with group {packed.group} "
-                             f"and {packed.scale_kind} scales")
-        d, g = packed.shape[-1], self.group
-        el = packed.elements.reshape(-1, d // 2)
-        sc = packed.scales.reshape(-1, d // g)
-        n = el.shape[0]
-        out = torch.empty(n, d, dtype=dtype, device=el.device)
-        pairs = _BYTE_PAIRS.to(el.device)
-        rows = max(1, _CHUNK_ELEMS // d)
-        for start in range(0, n, rows):
-            values = F.embedding(el[start:start + rows].to(torch.int64), pairs).view(-1, d // g, g)
-            scale = self._scale_values(sc[start:start + rows]).unsqueeze(-1)
-            out[start:start + rows] = (values * scale).view(-1, d)
-        return out.view(packed.shape)
-
-
-@dataclass(frozen=True)
-class NVFP4(_BlockFP4):
+class NVFP4(BlockFormat):
     """E2M1 elements with one E4M3 scale per ``group`` (16) channels, no per-tensor scale.
 
     Block scale ``s = e4m3(amax / 6)``, rounded exactly as ``torch.float8_e4m3fn`` rounds
@@ -493,17 +316,12 @@ class NVFP4(_BlockFP4):
     """
 
     group: int = 16
-    scale_kind: str = field(default="e4m3", init=False)
-
-    def _scale_bytes(self, amax):
-        return e4m3_scale_bytes(amax)
-
-    def _scale_values(self, scale_bytes):
-        return e4m3_scale_values(scale_bytes)
+    element: ClassVar[ElementCodec] = E2M1
+    scale: ClassVar[ScaleRule] = E4M3_SCALE
 
 
 @dataclass(frozen=True)
-class MXFP4(_BlockFP4):
+class MXFP4(BlockFormat):
     """OCP MXFP4 [MX]: E2M1 elements with one E8M0 scale per ``group`` (32) channels.
 
     Block scale ``s = 2^(floor(log2 amax) − 2)`` (``emax_elem = 2``), stored as the
@@ -521,13 +339,5 @@ class MXFP4(_BlockFP4):
     """
 
     group: int = 32
-    scale_kind: str = field(default="e8m0", init=False)
-
-    def _scale_bytes(self, amax):
-        return e8m0_scale_bytes(amax)
-
-    def _scale_values(self, scale_bytes):
-        return e8m0_scale_values(scale_bytes)
-
-
-FORMATS = {"nvfp4": NVFP4, "mxfp4": MXFP4}
+    element: ClassVar[ElementCodec] = E2M1
+    scale: ClassVar[ScaleRule] = E8M0_SCALE

@@ -1,5 +1,7 @@
 """FP6 (E2M3) block formats: more bits for K where FP4 rounds keys too coarsely.
 
+The codec :data:`E2M3` with :mod:`ced_csa2.kv.fp4`'s two scale rules (:class:`~ced_csa2.kv.block_format.BlockFormat`).
+
 Keys need more bits than values (KV-AdaQuant; on the embedded default NVFP4 with rotation
 costs far more ΔPPL on K alone than on V alone: ``studies/kv_formats``).  These formats store
 OCP FP6 E2M3 elements -- 1 sign, 2 exponent (bias 1), 3 mantissa bits: magnitudes 0, 1/8 .. 7/8
@@ -11,19 +13,23 @@ OCP FP6 E2M3 elements -- 1 sign, 2 exponent (bias 1), 3 mantissa bits: magnitude
   ``torch.float8_e4m3fn`` rounds; no per-tensor scale, as :class:`~ced_csa2.kv.fp4.NVFP4`).
 
 Elements pack four to three bytes (little-endian 24-bit words, channel ``4i`` in the low six
-bits), so an entry of ``D`` channels costs ``3D/4 + D/G`` bytes (:meth:`FP6.entry_bytes`).
+bits), so an entry of ``D`` channels costs ``3D/4 + D/G`` bytes
+(:meth:`~ced_csa2.kv.block_format.BlockFormat.entry_bytes`).
 Rounding is to nearest, ties to even, saturating at ±7.5; a NaN or Inf input is refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from .fp4 import E4M3_MAX, e4m3_scale_values, e8m0_scale_bytes, e8m0_scale_values
+from .block_format import BlockFormat, ElementCodec, ScaleRule
+from .fp4 import E4M3_SCALE, E8M0_SCALE
 
 E2M3_MAX = 7.5
+E2M3_EMAX = 2  # largest normal 7.5 = 1.875 · 2^2, as E2M1's exponent
 # Magnitudes of codes 0..31 (bit 4..3 exponent, bits 2..0 mantissa); code | 32 is the negative.
 E2M3_MAGNITUDES = torch.tensor([m / 8 for m in range(8)] + [(1 + m / 8) * 2.0 ** (e - 1)
                                                            for e in (1, 2, 3) for m in range(8)])
@@ -43,6 +49,11 @@ def e2m3_encode(x: torch.Tensor) -> torch.Tensor:
     x = x.to(torch.float32)
     if not torch.isfinite(x).all():
         raise ValueError("e2m3_encode: input holds NaN or Inf")
+    return _e2m3_codes(x)
+
+
+def _e2m3_codes(x: torch.Tensor) -> torch.Tensor:
+    """:func:`e2m3_encode` of finite float32 ``x`` without the check."""
     a = x.abs().clamp_(max=E2M3_MAX)
     magic_bits = (a.view(torch.int32) & 0x7F800000).clamp_(min=127 << 23).add_(20 << 23)  # bits of M
     k = a.add_(magic_bits.view(torch.float32)).view(torch.int32).sub_(magic_bits)
@@ -75,101 +86,33 @@ def unpack_sextets(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([(word >> s) & 63 for s in (0, 6, 12, 18)], dim=-1).flatten(-2).to(torch.uint8)
 
 
-@dataclass(frozen=True)
-class Packed6:
-    """FP6-packed entries: ``elements`` ``(..., 3D/4)`` and ``scales`` ``(..., D/G)``, both uint8."""
-
-    elements: torch.Tensor
-    scales: torch.Tensor
-    shape: torch.Size
-    group: int
-    scale_kind: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.elements.nbytes + self.scales.nbytes
+def _e2m3_round(x: torch.Tensor) -> torch.Tensor:
+    """float32 values of the E2M3 codes of finite float32 ``x``."""
+    return e2m3_decode(_e2m3_codes(x))
 
 
-@dataclass(frozen=True)
-class _BlockFP6:
-    """E2M3 elements with one scale byte per ``group`` channels (the subclass says which scale)."""
+def _e2m3_values(packed: torch.Tensor) -> torch.Tensor:
+    """float32 values ``(..., D)`` of packed E2M3 bytes ``(..., 3D/4)``."""
+    return e2m3_decode(unpack_sextets(packed))
 
-    group: int
-    scale_kind: str = field(init=False)
 
-    def __post_init__(self):
-        if not isinstance(self.group, int) or self.group < 1:
-            raise ValueError(f"group must be a positive int, got {self.group!r}")
-
-    def _check(self, d: int) -> None:
-        if d % 4 or d % self.group:
-            raise ValueError(f"FP6 packing needs the channel count D divisible by 4 and by the group size G: "
-                             f"got D = {d}, G = {self.group}")
-
-    def entry_bytes(self, channels: int) -> int:
-        """Bytes of one ``channels``-wide entry: ``3 · channels / 4 + channels / group``."""
-        self._check(channels)
-        return 3 * channels // 4 + channels // self.group
-
-    def quantize(self, x: torch.Tensor) -> Packed6:
-        """Per block of ``G`` channels: a scale byte from the block's ``max |x|``, elements ``e2m3(x / scale)``."""
-        d = x.shape[-1]
-        self._check(d)
-        blocks = x.to(torch.float32).reshape(-1, d // self.group, self.group)
-        amax = blocks.abs().amax(dim=-1)
-        if not torch.isfinite(amax).all():
-            raise ValueError(f"{type(self).__name__}.quantize: input holds NaN or Inf")
-        sb = self._scale_bytes(amax)
-        scale = self._scale_values(sb)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero blocks: 0 / 1
-        codes = e2m3_encode(blocks / scale.unsqueeze(-1)).view(*x.shape)
-        lead = tuple(x.shape[:-1])
-        return Packed6(pack_sextets(codes), sb.view(*lead, d // self.group), x.shape, self.group, self.scale_kind)
-
-    def dequantize(self, packed: Packed6, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``e2m3_value(code) · scale`` per channel, formed in float32, returned in ``dtype``."""
-        if packed.group != self.group or packed.scale_kind != self.scale_kind:
-            raise ValueError(f"{self!r} cannot decode a Packed6 with group {packed.group} "
-                             f"and {packed.scale_kind} scales")
-        d = packed.shape[-1]
-        values = e2m3_decode(unpack_sextets(packed.elements)).view(-1, d // self.group, self.group)
-        scale = self._scale_values(packed.scales.reshape(-1, d // self.group)).unsqueeze(-1)
-        return (values * scale).view(packed.shape).to(dtype)
-
-    def _scale_bytes(self, amax: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _scale_values(self, scale_bytes: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+E2M3 = ElementCodec("e2m3", bits=6, max=E2M3_MAX, emax=E2M3_EMAX, codes=_e2m3_codes, round=_e2m3_round,
+                    pack=pack_sextets, values=_e2m3_values)
 
 
 @dataclass(frozen=True)
-class FP6(_BlockFP6):
+class FP6(BlockFormat):
     """E2M3 elements, one E4M3 scale ``amax / 7.5`` per ``group`` (16) channels (NVFP4's scale rule)."""
 
     group: int = 16
-    scale_kind: str = field(default="e4m3", init=False)
-
-    def _scale_bytes(self, amax: torch.Tensor) -> torch.Tensor:
-        scale = (amax / E2M3_MAX).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        return torch.where((scale == 0) & (amax > 0), torch.ones_like(scale), scale)  # underflow: 2^-9
-
-    def _scale_values(self, scale_bytes: torch.Tensor) -> torch.Tensor:
-        return e4m3_scale_values(scale_bytes)
+    element: ClassVar[ElementCodec] = E2M3
+    scale: ClassVar[ScaleRule] = E4M3_SCALE
 
 
 @dataclass(frozen=True)
-class MXFP6(_BlockFP6):
+class MXFP6(BlockFormat):
     """OCP MXFP6 E2M3: one E8M0 scale ``2^(floor(log2 amax) − 2)`` per ``group`` (32) channels."""
 
     group: int = 32
-    scale_kind: str = field(default="e8m0", init=False)
-
-    def _scale_bytes(self, amax: torch.Tensor) -> torch.Tensor:
-        return e8m0_scale_bytes(amax)
-
-    def _scale_values(self, scale_bytes: torch.Tensor) -> torch.Tensor:
-        return e8m0_scale_values(scale_bytes)
-
-
-FORMATS = {"fp6": FP6, "mxfp6": MXFP6}
+    element: ClassVar[ElementCodec] = E2M3
+    scale: ClassVar[ScaleRule] = E8M0_SCALE

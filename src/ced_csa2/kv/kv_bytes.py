@@ -22,14 +22,13 @@ Two parts:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..csa2 import input_dim
 from ..model_utils import Geometry
 from ..plan import LayerPlan
-from ..runtime.groups import group as _group
+from .formats import FORMATS
 
 # Bytes per element of the dense dtypes the project reports.
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -39,8 +38,6 @@ CONTEXTS = {"4k": 4096, "32k": 32768, "128k": 131072}
 BASES = ("decoder_attention", "all_attention")
 # Both FP4 scale formats of seed 003 §4.4 (E4M3 and E8M0) are one byte per group.
 FP4_SCALE_BYTES = 1
-# Bits per element of each block format (:data:`ced_csa2.kv.formats.ELEMENTS`): E2M1 (FP4) and E2M3 (FP6).
-ELEMENT_BITS = {"nvfp4": 4, "mxfp4": 4, "fp6": 6, "mxfp6": 6}
 
 
 # ----------------------------------------------------------------------------- generic rule
@@ -116,26 +113,6 @@ def fp4_entry_bytes(channels: int, group: int) -> int:
     return channels // 2 + channels // group * FP4_SCALE_BYTES
 
 
-def block_entry_bytes(channels: int, element: str, group: int) -> int:
-    """Bytes of an entry in a block format on the channel axis: ``D · bits/8 + D/G`` (FP4: :func:`fp4_entry_bytes`).
-
-    FP6 (E2M3) packs four elements to three bytes, so ``D`` must be a multiple of 4 (FP4: of 2).
-
-    Raises
-    ------
-    ValueError
-        An unknown ``element``, or ``channels`` that do not split into packed runs and groups.
-    """
-    if element not in ELEMENT_BITS:
-        raise ValueError(f"unknown block element {element!r}; choose one of {list(ELEMENT_BITS)}")
-    bits = ELEMENT_BITS[element]
-    pack = 8 // math.gcd(8, bits)  # values per whole number of bytes: 2 (4-bit), 4 (6-bit)
-    if channels % pack or channels % group:
-        raise ValueError(f"a {element} entry needs channels divisible by {pack} and by the group: "
-                         f"got {channels} channels in groups of {group}")
-    return channels * bits // 8 + channels // group * FP4_SCALE_BYTES
-
-
 # ----------------------------------------------------------------------------- this project's groups
 
 def basis_layers(geo: Geometry, plan: LayerPlan, basis: str) -> tuple[int, ...]:
@@ -147,17 +124,16 @@ def basis_layers(geo: Geometry, plan: LayerPlan, basis: str) -> tuple[int, ...]:
     raise ValueError(f"unknown basis {basis!r}; choose one of {list(BASES)}")
 
 
-def stored_layers(geo: Geometry, plan: LayerPlan, group: str, basis: str) -> tuple[int, ...]:
-    """The layers of ``basis`` that hold a K/V cache in ``group`` (CSA2 and xKV targets hold none).
+def stored_layers(geo: Geometry, plan: LayerPlan, spec, basis: str) -> tuple[int, ...]:
+    """The layers of ``basis`` that hold a K/V cache in group ``spec`` (CSA2 and xKV targets hold none).
 
     Under ``xkv`` the source's cache holds the group's one entry of coefficients (see :func:`kv_copies`).
     """
-    spec = _group(group)
     dropped = set(plan.targets) if spec.shares_source_kv or spec.low_rank else set()
     return tuple(layer for layer in basis_layers(geo, plan, basis) if layer not in dropped)
 
 
-def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_bytes: int,
+def kv_copies(geo: Geometry, plan: LayerPlan, spec, basis: str, dtype_bytes: int,
               fp4_group: int = 16, rank: int | None = None) -> list[StoredCopy]:
     """One K and one V copy (``kv_dim`` channels, one entry per token) per storing layer.
 
@@ -169,13 +145,12 @@ def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_byte
     Under a ``low_rank`` group (``xkv``) the source's K and V copies hold the group's
     ``rank`` cross-layer coefficients instead (default ``rank = kv_dim``: csa2's bytes).
     A group with its own ``stream_formats`` stores each layer's K and V in its stream's block
-    format (:func:`block_entry_bytes`), whatever ``fp4_group`` and the dtype.
+    format (:meth:`~ced_csa2.kv.block_format.BlockFormat.entry_bytes`), whatever ``fp4_group`` and the dtype.
     """
-    spec = _group(group)
     fp4 = spec.fp4_layers(geo.attention_layers, plan.source)
     fp4_bytes, dense = fp4_entry_bytes(geo.kv_dim, fp4_group), dense_entry_bytes(geo.kv_dim, dtype_bytes)
     coefficients = dense_entry_bytes(geo.kv_dim if rank is None else rank, dtype_bytes)
-    own = ({kind: block_entry_bytes(geo.kv_dim, s.element, s.group) for kind, s in zip("KV", spec.stream_formats)}
+    own = ({kind: FORMATS[s.element](s.group).entry_bytes(geo.kv_dim) for kind, s in zip("KV", spec.stream_formats)}
            if spec.stream_formats is not None else None)
 
     def entry(layer: int, kind: str) -> int:
@@ -190,10 +165,10 @@ def kv_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_byte
         return None if window is None else window - 1
 
     return [StoredCopy(f"{kind}{layer}", entry(layer, kind), max_entries=cap(layer))
-            for layer in stored_layers(geo, plan, group, basis) for kind in ("K", "V")]
+            for layer in stored_layers(geo, plan, spec, basis) for kind in ("K", "V")]
 
 
-def sink_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_bytes: int) -> list[StoredCopy]:
+def sink_copies(geo: Geometry, plan: LayerPlan, spec, basis: str, dtype_bytes: int) -> list[StoredCopy]:
     """A sink group's kept entries that no per-token copy holds: each target's own K and V at a sequence's first
     ``sink`` positions, dense (``max_entries = sink``: a constant per sequence once the context passes ``sink``).
 
@@ -201,7 +176,6 @@ def sink_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_by
     source's kept entries are its stored ones, and under an ordinary cache (``ced_sink``) every kept entry is an
     ordinary one: no copies.  Not in :func:`kv_copies`: per token (the context past ``sink``) they cost nothing.
     """
-    spec = _group(group)
     if not (spec.sink and spec.shares_source_kv):
         return []
     dense = dense_entry_bytes(geo.kv_dim, dtype_bytes)
@@ -209,9 +183,9 @@ def sink_copies(geo: Geometry, plan: LayerPlan, group: str, basis: str, dtype_by
             for layer in basis_layers(geo, plan, basis) if layer in plan.targets for kind in ("K", "V")]
 
 
-def sink_bytes_per_sequence(geo: Geometry, plan: LayerPlan, group: str, dtype_bytes: int) -> int:
+def sink_bytes_per_sequence(geo: Geometry, plan: LayerPlan, spec, dtype_bytes: int) -> int:
     """Bytes of a sink group's kept target entries per sequence of at least ``sink`` tokens (:func:`sink_copies`)."""
-    return sum(int(c.entry_bytes) * c.max_entries for c in sink_copies(geo, plan, group, "all_attention", dtype_bytes))
+    return sum(int(c.entry_bytes) * c.max_entries for c in sink_copies(geo, plan, spec, "all_attention", dtype_bytes))
 
 
 def adapter_params_per_target(kv_dim: int, width: int, input: str) -> int:
@@ -225,17 +199,17 @@ def adapter_params_per_target(kv_dim: int, width: int, input: str) -> int:
     return 2 * (n * d + d + n * w + w + w * d + d)
 
 
-def adapter_params(plan: LayerPlan, group: str, kv_dim: int, width: int, input: str) -> int:
+def adapter_params(plan: LayerPlan, spec, kv_dim: int, width: int, input: str) -> int:
     """All adapter parameters a group holds: one K+V pair per target, or 0."""
-    return len(plan.targets) * adapter_params_per_target(kv_dim, width, input) if _group(group).adapters else 0
+    return len(plan.targets) * adapter_params_per_target(kv_dim, width, input) if spec.adapters else 0
 
 
-def xkv_basis_params(plan: LayerPlan, group: str, kv_dim: int, rank: int) -> int:
+def xkv_basis_params(plan: LayerPlan, spec, kv_dim: int, rank: int) -> int:
     """The ``xkv`` group's bases: ``2 · L · kv_dim · rank`` (K and V, ``L = 1 + len(targets)``), or 0."""
-    return 2 * (1 + len(plan.targets)) * kv_dim * rank if _group(group).low_rank else 0
+    return 2 * (1 + len(plan.targets)) * kv_dim * rank if spec.low_rank else 0
 
 
-def rotation_params(geo: Geometry, plan: LayerPlan, group: str) -> int:
+def rotation_params(geo: Geometry, plan: LayerPlan, spec) -> int:
     """A rotated group's matrices (``*_fp4_rot``, ``baseline_k6v4_rot``): ``head_dim²`` per rotated layer, or 0.
 
     One ``(head_dim, head_dim)`` matrix per layer whose entry is rotated
@@ -244,7 +218,7 @@ def rotation_params(geo: Geometry, plan: LayerPlan, group: str) -> int:
     are its unrotated twin's.  Built from a fixed seed per layer, so nothing needs storing; this
     is what they would take as dense matrices.
     """
-    return len(_group(group).rotated_layers(geo.attention_layers, plan.source)) * geo.head_dim ** 2
+    return len(spec.rotated_layers(geo.attention_layers, plan.source)) * geo.head_dim ** 2
 
 
 def projector_params(hidden_size: int, kv_dim: int) -> int:

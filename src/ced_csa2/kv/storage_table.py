@@ -1,14 +1,18 @@
 """The storage table: stored KV bytes per token of every group on each basis (the decoder's
 attention layers, all attention layers, amortised over a context), for the active model and
 Qwen3.5-4B, and the maps' parameter counts.
+
+The groups come in as their registry (``{name: Group}``, :data:`ced_csa2.runtime.groups.GROUPS`), read
+only for their flags: byte accounting is data the runtime builds on, so it imports none of it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ..csa2 import mlp_width
 from ..model_utils import Geometry, geometry, qwen3_5_4b_config
 from ..plan import LayerPlan
-from ..runtime.groups import GROUPS
 from .kv_bytes import (
     BASES,
     CONTEXTS,
@@ -60,9 +64,6 @@ BASIS_DOC = {
 }
 
 
-GROUP_DOC = {name: g.doc for name, g in GROUPS.items()}
-
-
 PROJECTOR_COUNTING = (
     "the projector is not in any amortised basis: it replaces the projected layer's k_proj/v_proj "
     "(bias-free, 2 * hidden * kv_dim), weights the base model holds anyway; its net extra is its bias, 2 * kv_dim")
@@ -98,15 +99,15 @@ def qwen3_5_4b_geometry() -> Geometry:
     return geometry(qwen3_5_4b_config())
 
 
-def basis_copies(geo: Geometry, plan: LayerPlan, group: str, dtype_bytes: int, width: int, adapter_input: str,
+def basis_copies(geo: Geometry, plan: LayerPlan, spec, dtype_bytes: int, width: int, adapter_input: str,
                  fp4_group: int, rank: int) -> dict[str, list]:
-    """The stored copies of ``group`` on every basis (amortised bases add one adapter-weights copy,
+    """The stored copies of group ``spec`` on every basis (amortised bases add one adapter-weights copy,
     for ``xkv`` one copy of its bases, and a sink group's kept target entries; ``rank``: xkv's coefficients
     per token)."""
-    copies = {basis: kv_copies(geo, plan, group, basis, dtype_bytes, fp4_group, rank) for basis in BASES}
-    weights = adapter_params(plan, group, geo.kv_dim, width, adapter_input)
-    bases = xkv_basis_params(plan, group, geo.kv_dim, rank)
-    kept = sink_copies(geo, plan, group, "all_attention", dtype_bytes)
+    copies = {basis: kv_copies(geo, plan, spec, basis, dtype_bytes, fp4_group, rank) for basis in BASES}
+    weights = adapter_params(plan, spec, geo.kv_dim, width, adapter_input)
+    bases = xkv_basis_params(plan, spec, geo.kv_dim, rank)
+    kept = sink_copies(geo, plan, spec, "all_attention", dtype_bytes)
     for name, context in CONTEXTS.items():
         copies[f"all_attention_amortised_{name}"] = [
             *copies["all_attention"], *kept, weight_copy("adapters", weights, dtype_bytes, context),
@@ -114,23 +115,24 @@ def basis_copies(geo: Geometry, plan: LayerPlan, group: str, dtype_bytes: int, w
     return copies
 
 
-def kv_table(geo: Geometry, plan: LayerPlan, dtype_bytes: int, width: int, adapter_input: str, fp4_group: int,
-             rank: int) -> dict:
-    """``{basis: {group: {"bytes_per_token", "compression_vs_baseline"}}}`` at one dtype."""
+def kv_table(geo: Geometry, plan: LayerPlan, groups: Mapping, dtype_bytes: int, width: int, adapter_input: str,
+             fp4_group: int, rank: int) -> dict:
+    """``{basis: {group: {"bytes_per_token", "compression_vs_baseline"}}}`` at one dtype, for ``groups``
+    (``{name: Group}``, ``baseline`` among them)."""
     per_group = {g: {basis: bytes_per_token(c, BASIS_CONTEXT.get(basis))
-                     for basis, c in basis_copies(geo, plan, g, dtype_bytes, width, adapter_input, fp4_group,
-                                                               rank).items()}
-                 for g in GROUPS}
+                     for basis, c in basis_copies(geo, plan, spec, dtype_bytes, width, adapter_input, fp4_group,
+                                                  rank).items()}
+                 for g, spec in groups.items()}
     return {basis: {g: {"bytes_per_token": per_group[g][basis],
                         "compression_vs_baseline": per_group["baseline"][basis] / per_group[g][basis]}
-                    for g in GROUPS}
+                    for g in groups}
             for basis in per_group["baseline"]}
 
 
-def model_section(model: str, geo: Geometry, plan: LayerPlan, width_mult: float, adapter_input: str, fp4_group: int,
-                  xkv_rank: int = 0) -> dict:
-    """Every storage figure of one model geometry and plan (``xkv_rank`` as params' ``xkv.rank``: 0 = kv_dim;
-    ``adapter_input`` as ``train_adapters.input``)."""
+def model_section(model: str, geo: Geometry, plan: LayerPlan, groups: Mapping, width_mult: float, adapter_input: str,
+                  fp4_group: int, xkv_rank: int = 0) -> dict:
+    """Every storage figure of one model geometry and plan for ``groups`` (``{name: Group}``; ``xkv_rank`` as
+    params' ``xkv.rank``: 0 = kv_dim; ``adapter_input`` as ``train_adapters.input``)."""
     width = mlp_width(geo.kv_dim, width_mult)
     rank = xkv_rank or geo.kv_dim
     return {
@@ -140,28 +142,31 @@ def model_section(model: str, geo: Geometry, plan: LayerPlan, width_mult: float,
         "geometry": {"n_layers": geo.n_layers, "hidden_size": geo.hidden_size, "kv_dim": geo.kv_dim,
                      "attention_layers": list(geo.attention_layers),
                      "sliding_windows": {str(layer): w for layer, w in geo.windows}},
-        "stored_layers": {basis: {g: list(stored_layers(geo, plan, g, basis)) for g in GROUPS} for basis in BASES},
+        "stored_layers": {basis: {g: list(stored_layers(geo, plan, spec, basis)) for g, spec in groups.items()}
+                          for basis in BASES},
         "weights": {
             "adapter_width": width,
             "adapter_input": adapter_input,
             "adapter_params_per_target": adapter_params_per_target(geo.kv_dim, width, adapter_input),
-            "adapter_params": {g: adapter_params(plan, g, geo.kv_dim, width, adapter_input) for g in GROUPS},
+            "adapter_params": {g: adapter_params(plan, spec, geo.kv_dim, width, adapter_input)
+                               for g, spec in groups.items()},
             "adapter_counting": ADAPTER_COUNTING,
             "xkv_rank": rank,
-            "xkv_basis_params": {g: xkv_basis_params(plan, g, geo.kv_dim, rank) for g in GROUPS},
+            "xkv_basis_params": {g: xkv_basis_params(plan, spec, geo.kv_dim, rank) for g, spec in groups.items()},
             "xkv_counting": XKV_COUNTING,
-            "rotation_params": {g: rotation_params(geo, plan, g) for g in GROUPS},
+            "rotation_params": {g: rotation_params(geo, plan, spec) for g, spec in groups.items()},
             "rotation_counting": ROTATION_COUNTING,
             "projected_layers": list(plan.projected),
             "projector_params_per_layer": projector_params(geo.hidden_size, geo.kv_dim),
             "replaced_kv_proj_params_per_layer": kv_proj_params(geo.hidden_size, geo.kv_dim),
             "projector_counting": PROJECTOR_COUNTING,
         },
-        "sink_bytes_per_sequence": {dtype: {g: sink_bytes_per_sequence(geo, plan, g, nbytes) for g in GROUPS}
+        "sink_bytes_per_sequence": {dtype: {g: sink_bytes_per_sequence(geo, plan, spec, nbytes)
+                                            for g, spec in groups.items()}
                                     for dtype, nbytes in DTYPE_BYTES.items()},
         "sink_counting": SINK_COUNTING,
         "fp4_group": fp4_group,
-        "kv": {dtype: kv_table(geo, plan, nbytes, width, adapter_input, fp4_group, rank)
+        "kv": {dtype: kv_table(geo, plan, groups, nbytes, width, adapter_input, fp4_group, rank)
                for dtype, nbytes in DTYPE_BYTES.items()},
     }
 

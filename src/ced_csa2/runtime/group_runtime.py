@@ -6,7 +6,7 @@ scores each group under its :class:`~ced_csa2.ced_runtime.CEDModeBRuntime`, and 
 trunk), hands the runtime what its hooks would have captured below that layer, and runs the rest inside it.
 :class:`GroupRuntime` names the members that takes.  Every runtime declares it (subclasses it explicitly), so
 a runtime missing a member fails where it is defined, not in the middle of a scoring run; the runtimes
-are :class:`~ced_csa2.ced_runtime.CEDModeBRuntime`, :class:`~ced_csa2.kv.formats.FormatRuntime`,
+are :class:`~ced_csa2.ced_runtime.CEDModeBRuntime`, :class:`~ced_csa2.runtime.format_runtime.FormatRuntime`,
 :class:`~ced_csa2.runtime.sink.SinkGroup`, :class:`~ced_csa2.runtime.sparse_attention.SparseGroup` and
 :class:`~ced_csa2.runtime.sub_plans.NestedRuntimes` (``tests/runtime/test_group_runtime.py`` finds them).
 """

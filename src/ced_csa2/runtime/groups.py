@@ -67,13 +67,13 @@ class StreamSpec:
     """How a group stores one stream (K or V) of every attention layer: a block format on the channel axis.
 
     Plain data, so this registry stays free of torch and of :mod:`ced_csa2.kv` (whose byte accounting
-    reads it); :func:`ced_csa2.kv.formats.group_format` makes it the study's ``StreamFormat``, which
+    is handed these entries); :func:`ced_csa2.kv.formats.group_format` makes it the study's ``StreamFormat``, which
     checks ``element`` and quantises.
 
     Attributes
     ----------
     element
-        ``nvfp4``, ``mxfp4`` (E2M1 elements), ``fp6`` or ``mxfp6`` (E2M3): :data:`ced_csa2.kv.formats.ELEMENTS`.
+        ``nvfp4``, ``mxfp4`` (E2M1 elements), ``fp6`` or ``mxfp6`` (E2M3): :data:`ced_csa2.kv.formats.FORMATS`.
     group
         Channels per scale byte.
     rotate

@@ -85,31 +85,30 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from .. import kv_hooks
 from ..ced_runtime import CEDModeBRuntime, CEDParts, require_parts
 from ..kv import rotation as kv_rotation
-from ..kv.formats import ELEMENTS, KVFormat, StreamFormat
-from ..kv.fp4 import FORMATS, Packed
-from ..kv.fp6 import Packed6
-from ..kv.kv_bytes import StoredCopy, fp4_entry_bytes, kv_copies, sink_copies
+from ..kv.block_format import Packed
+from ..kv.formats import FORMATS, FP4_FORMATS, KVFormat, StreamFormat
+from ..kv.kv_bytes import StoredCopy, kv_copies, sink_copies
 from ..kv.rotation import HeadRotation, layer_rotation, stream_rotations, work_dtype
 from ..model_utils import Geometry, attention, geometry, layer_type, rope_fn, rotary
 from ..plan import LayerPlan
-from .groups import GROUPS, SHARED_GROUPS
+from .groups import GROUPS, SHARED_GROUPS, group as group_spec
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
 # "bf16" is the model's own dtype (bf16 on the full profile; fp32 on an fp32 model): plain tensors.
-STORAGES = ("bf16", *FORMATS)
+STORAGES = ("bf16", *FP4_FORMATS)
 
 
 def _format(storage: str):
     """The FP4 format object of ``storage``, or ``None`` for dense storage."""
     if storage not in STORAGES:
         raise ValueError(f"unknown storage {storage!r}; choose one of {list(STORAGES)}")
-    return FORMATS[storage]() if storage in FORMATS else None
+    return FP4_FORMATS[storage]() if storage in FP4_FORMATS else None
 
 
 def _check_rotate(rotate: bool, fmt, storage: str) -> None:
     if rotate and fmt is None:
-        raise ValueError(f"rotate=True rotates FP4 entries; storage {storage!r} is not FP4 ({list(FORMATS)})")
+        raise ValueError(f"rotate=True rotates FP4 entries; storage {storage!r} is not FP4 ({list(FP4_FORMATS)})")
 
 
 def _check_block_width(fmt, kv_dim: int) -> None:
@@ -149,7 +148,6 @@ class TokenStore:
             # Without a block format the round trip RᵀR x is x: a rotation would cost two matmuls and change nothing.
             raise ValueError("TokenStore: a rotation applies to block-format entries; give an FP4 or FP6 format")
         self.fmt, self.rotation = fmt, rotation
-        self._packed_type = Packed  # what fmt.quantize returns (FP4: Packed, FP6: Packed6), for views of the buffers
         self._buffers: tuple[torch.Tensor, ...] = ()  # dense: (entries,); packed: (elements, scales); capacity along dim 1
         self._n = 0
         self._batch_shape: torch.Size | None = None  # (B, ·, D) of the entries, for Packed views
@@ -159,7 +157,7 @@ class TokenStore:
         return self._n
 
     @property
-    def data(self) -> torch.Tensor | Packed | Packed6 | None:
+    def data(self) -> torch.Tensor | Packed | None:
         """The entries written, ``(B, T, D)`` (a view of the buffers), or ``None`` when empty."""
         if not self._buffers:
             return None
@@ -167,11 +165,11 @@ class TokenStore:
         if self.fmt is None:
             return views[0]
         b, _, d = self._batch_shape
-        return self._packed_type(*views, torch.Size((b, self._n, d)), self.fmt.group, self.fmt.scale_kind)
+        return Packed(*views, torch.Size((b, self._n, d)), self.fmt)
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the entries written: ``B·T·D·itemsize`` dense, ``B·T·block_entry_bytes(D, element, G)`` packed."""
+        """Bytes of the entries written: ``B·T·D·itemsize`` dense, ``B·T·fmt.entry_bytes(D)`` packed."""
         return 0 if self.data is None else self.data.nbytes
 
     @property
@@ -192,7 +190,7 @@ class TokenStore:
             parts = (x,)
         else:
             packed = self.fmt.quantize(x if self.rotation is None else self.rotation.rotate(x))
-            parts, self._packed_type = (packed.elements, packed.scales), type(packed)
+            parts = (packed.elements, packed.scales)
         end = self._n + x.shape[1]
         if not self._buffers or end > self._buffers[0].shape[1]:
             capacity = -(-end // self.GROW) * self.GROW
@@ -220,8 +218,8 @@ class TokenStore:
         if at is not None:
             if self.fmt is None:
                 return _rows(d, at)
-            d = self._packed_type(_rows(d.elements, at), _rows(d.scales, at),
-                                  torch.Size((d.shape[0], at.shape[1], d.shape[2])), d.group, d.scale_kind)
+            d = Packed(_rows(d.elements, at), _rows(d.scales, at), torch.Size((d.shape[0], at.shape[1], d.shape[2])),
+                       d.format)
         if self.fmt is None:
             return d
         if self.rotation is None:
@@ -744,7 +742,7 @@ class BlockKVCache(DynamicCache):
         if bad:  # token-axis blocks need a residual of unfilled blocks; exact channels a split store: neither built
             raise ValueError(f"BlockKVCache stores channel-axis blocks without exact channels; stream(s) {bad} of "
                              f"{formats} are not")
-        blocks = {kind: ELEMENTS[s.element](s.group) for kind, s in streams.items()}
+        blocks = {kind: FORMATS[s.element](s.group) for kind, s in streams.items()}
         geo = geometry(config)
         for fmt in blocks.values():
             _check_block_width(fmt, geo.kv_dim)
@@ -778,7 +776,7 @@ class FP4KVCache(BlockKVCache):
     def __init__(self, config, storage: str = "nvfp4", *, rotate: bool = False):
         fmt = _format(storage)
         if fmt is None:
-            raise ValueError(f"FP4KVCache needs an FP4 storage ({list(FORMATS)}), got {storage!r}")
+            raise ValueError(f"FP4KVCache needs an FP4 storage ({list(FP4_FORMATS)}), got {storage!r}")
         # ROTATED_STREAMS read at the call, as stream_rotations reads it (a study may set it).
         super().__init__(config, KVFormat(*(StreamFormat(storage, fmt.group, rotate=rotate and kind in
                                                          kv_rotation.ROTATED_STREAMS) for kind in "kv")))
@@ -801,20 +799,20 @@ def accounted_copies(geo: Geometry, plan: LayerPlan, group: str, storage: str, d
     A sink group's targets hold their kept entries in the model's dtype (:func:`~ced_csa2.kv.kv_bytes.sink_copies`).
     """
     fmt = _format(storage)
-    copies = kv_copies(geo, plan, group, "all_attention", dtype_bytes, rank=rank)  # refuses an unknown group
-    kept = sink_copies(geo, plan, group, "all_attention", dtype_bytes)  # dense whatever the storage
-    spec = GROUPS[group]
+    spec = group_spec(group)  # refuses an unknown group
+    copies = kv_copies(geo, plan, spec, "all_attention", dtype_bytes, rank=rank)
+    kept = sink_copies(geo, plan, spec, "all_attention", dtype_bytes)  # dense whatever the storage
     if spec.stream_formats is not None and fmt is not None:
         raise ValueError(f"group {group!r} fixes its own stream_formats; FP4 storage {storage!r} does not apply "
                          "(give 'bf16')")
     if spec.is_fp4 and fmt is None:
-        raise ValueError(f"group {group!r} stores FP4 entries: give its kv_format as storage ({list(FORMATS)}), "
+        raise ValueError(f"group {group!r} stores FP4 entries: give its kv_format as storage ({list(FP4_FORMATS)}), "
                          f"got {storage!r}")
     if fmt is None:
         return copies + kept
-    if GROUPS[group].low_rank:
+    if spec.low_rank:
         raise ValueError(f"group {group!r} stores dense cross-layer coefficients; FP4 storage {storage!r} is not defined")
-    fp4 = fp4_entry_bytes(geo.kv_dim, fmt.group)
+    fp4 = fmt.entry_bytes(geo.kv_dim)
     if spec.is_fp4:  # the group's own FP4 entries (its rotation, if any, is weights: no bytes per token)
         fp4_names = {f"{kind}{layer}" for layer in spec.fp4_layers(geo.attention_layers, plan.source) for kind in "KV"}
     else:

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv.fp4 import Packed, e2m1_decode, e8m0_scale_values, unpack_nibbles
+from ..kv.block_format import Packed
+from ..kv.fp4 import e2m1_decode, e8m0_scale_values, unpack_nibbles
 from ..maps.indexer import LightningIndexer, key_format
 from ..model_utils import attention, rotary
 from .attention_calls import AttentionCalls

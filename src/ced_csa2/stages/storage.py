@@ -29,10 +29,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import Params
-from ..kv.fp4 import FORMATS as FP4_FORMATS
+from ..kv.formats import FP4_FORMATS
 from ..kv.storage_table import (
     BASIS_DOC,
-    GROUP_DOC,
     QWEN3_5_4B_PLAN,
     deepseek_section,
     model_section,
@@ -44,6 +43,7 @@ from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import STORAGE_METRICS
 from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
+from ..runtime.groups import GROUPS
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +55,14 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     fp4_group = FP4_FORMATS[params.kv_format]().group
     qwen_geo = qwen3_5_4b_geometry()
     xkv_rank = params.xkv.rank  # 0 = each geometry's own kv_dim
-    qwen = model_section(QWEN3_5_4B_ID, qwen_geo, QWEN3_5_4B_PLAN.validate(qwen_geo), width_mult, adapter_input,
-                         fp4_group, xkv_rank)
+    qwen = model_section(QWEN3_5_4B_ID, qwen_geo, QWEN3_5_4B_PLAN.validate(qwen_geo), GROUPS, width_mult,
+                         adapter_input, fp4_group, xkv_rank)
     metrics = {
         "kv_format": params.kv_format,  # the FP4 groups' entries (fp4_group); the report checks it is params.yaml's
         "bases": BASIS_DOC,
-        "groups": GROUP_DOC,
-        "active_model": model_section(params.model.name, geo, plan, width_mult, adapter_input, fp4_group, xkv_rank),
+        "groups": {name: g.doc for name, g in GROUPS.items()},
+        "active_model": model_section(params.model.name, geo, plan, GROUPS, width_mult, adapter_input, fp4_group,
+                                      xkv_rank),
         "qwen3_5_4b": qwen,
         "deepseek_v4_1": deepseek_section(),
         "note": seed_ratio_note(qwen),
