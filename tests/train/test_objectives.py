@@ -29,6 +29,8 @@ from ced_csa2.train.objectives import (
 
 PHASES = {"ced": ("projector",), "csa2": ("adapters",), "ced_csa2": ("projector", "adapters")}
 TRAINED = [name for name, o in OBJECTIVES.items() if o.trains]  # the objectives with a loss
+# Each objective that trains, its row: whether its loss runs the substituted model (a student forward per loss).
+RUNS_A_STUDENT = {"attn_out": False, "distill": True}
 
 
 def batch(seed=0):
@@ -177,7 +179,7 @@ def test_teacher_cache_gives_every_phase_its_own_pass_bit_for_bit_from_one_forwa
     finally:
         handle.remove()
     # one teacher pass per distinct batch (plus, for distill, the students' forwards: one per loss)
-    students = {"distill": len(PHASES) * len(batches), "attn_out": 0}[objective]
+    students = len(PHASES) * len(batches) if RUNS_A_STUDENT[objective] else 0
     assert len(forwards) == len(batches) + students
     # kept on the host, each tensor with the device it came from (moved back at every read)
     leaves = []
@@ -235,4 +237,5 @@ def test_a_registry_row_that_contradicts_its_class_is_refused():
     with pytest.raises(ValueError, match="'idle' trains nothing"):
         TuneObjective("idle", final_teacher=True)
     assert [o.name for o in OBJECTIVES.values() if not o.trains] == ["ridge"]
+    assert set(RUNS_A_STUDENT) == set(TRAINED), "give each objective that trains its row in RUNS_A_STUDENT"
     assert tune_objective("distill") is OBJECTIVES["distill"]
