@@ -153,7 +153,7 @@ def save_parts(workdir: Path, objective: str, pair: str, parts: CEDParts, params
     ``objective:<objective>`` with ``pair``, model, layers, geometry, plan, provenance: ``made_from``):
     what ``eval_objectives`` checks on loading.
     """
-    # The ridge export does not depend on the online budget: same params, same bytes.
+    # An objective that trains nothing (the ridge export) does not depend on the online budget: same params, same bytes.
     meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
                            *([params.train.online] if tune_objective(objective).trains else []),
                            role=map_roles.objective(objective, pair), provenance=made_from)
