@@ -6,10 +6,12 @@
 For one batch of ``--batch`` train records cropped to ``--seq-len`` tokens, times
 
 * ``forward``: the frozen model's plain no-grad forward (the baseline);
-* one optimizer step of ``attn_out`` and of ``distill`` in each phase (projector under
+* one optimizer step of each objective that trains (``attn_out``, ``distill``:
+  :data:`ced_csa2.train.objective_registry.OBJECTIVES`) in each phase (projector under
   ``ced``, adapters under ``csa2``): teacher pass, loss, backward, AdamW step;
 
-and prints tokens/s and the step time as a multiple of the plain forward (all five through
+and prints tokens/s and the step time as a multiple of the plain forward (an objective's
+``step_cost``; all arms through
 :func:`ced_csa2.pipeline.timing.paired_seconds`: one untimed warm-up of each, their order rotated
 over ``--repeats`` >= 3 rounds, per-arm median, the device synchronised at each reading).
 No bound is claimed: a step's teacher pass and backward are not a fixed multiple of a forward.
@@ -30,7 +32,8 @@ from ced_csa2.pipeline.paths import RIDGE_PATH
 from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import load_plan
-from ced_csa2.train.objectives import objective_loss, online_records, ridge_parts
+from ced_csa2.train.objective_registry import OBJECTIVES
+from ced_csa2.train.objectives import online_records, ridge_parts
 
 
 def main() -> None:
@@ -61,16 +64,16 @@ def main() -> None:
         opt = torch.optim.AdamW(module.parameters(), lr=0.0)  # lr 0: time the step, keep the maps
 
         def step():
-            loss = objective_loss(objective, model, parts, plan, group, ids, mask, cfg.temperature, cfg.kv_weight)
+            loss = objective.batch_loss(model, parts, plan, group, ids, mask, cfg.temperature, cfg.kv_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
         return step
 
     arms = {"forward (baseline)": forward}
-    for objective in ("attn_out", "distill"):
+    for objective in (o for o in OBJECTIVES.values() if o.trains):
         for group, module in (("ced", parts.projector), ("csa2", parts.adapters)):
-            arms[f"{objective} step, {group}"] = step_of(objective, group, module)
+            arms[f"{objective.name} step, {group}"] = step_of(objective, group, module)
     seconds = paired_seconds(arms, args.repeats, device=device).seconds
     base = seconds["forward (baseline)"]
     print(f"{params.model.name} ({str(model.dtype).removeprefix('torch.')}, {device}, "

@@ -32,6 +32,7 @@ import torch
 from ced_csa2 import compose as _compose
 from ced_csa2.config import COMPUTE_DTYPES, Params, from_dict
 from ced_csa2.model_utils import build_tiny_model, load_model_and_tokenizer, resolve_dtype
+from ced_csa2.train.objective_registry import OBJECTIVES
 
 TINY_OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5"]
 
@@ -305,7 +306,7 @@ E2E_OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5", "train_adapt
              "train_projector.epochs=2", "eval_gsm8k.max_gen_toks=12", "eval_gsm8k.groups=[baseline,csa2,ced]",
              "eval_gsm8k.generate=[baseline,csa2]",
              "train.online.records=8", "train.online.val_records=2", "train.online.seq_len=32", "mode_a.train.records=8",
-             "train.objectives=[ridge,attn_out,distill]",
+             f"train.objectives=[{','.join(OBJECTIVES)}]",  # every objective the registry has
              "eval_retrieval.length=320", "eval_retrieval.records=4",
              # a training mix, so that every stage that can read data.mix_rows does (the read log's check)
              "data.mix=[{domain:tiny,weight:3},{domain:reports_a,weight:1}]", "data.mix_rows=4000", "dump.records=0"]

@@ -19,6 +19,7 @@ from ced_csa2.eval.results import CED_CSA2_START, KEPT, MODE_A_MAPS
 from ced_csa2.kv.formats import FP4_FORMATS
 from ced_csa2.model_utils import TINY_ARCHS
 from ced_csa2.runtime.attention_calls import IMPLEMENTATIONS
+from ced_csa2.train.objective_registry import OBJECTIVES
 from ced_csa2.train.training import KEEP_CHOICES
 
 # (section class, field) -> the registry the code runs the value through.
@@ -78,3 +79,8 @@ def test_a_literal_s_values_are_its_registry_s_keys(field):
 def test_every_value_of_a_literal_has_its_label(field):
     assert set(literal_fields()[field]) <= set(LABELS[field])
 
+
+def test_the_tune_objectives_params_accept_are_the_registry_s():
+    """``train.objectives`` is a list checked by hand against ``config.TUNE_OBJECTIVES`` (its refusal names ``kv_mse``'s
+    branch), not a ``Literal``: the same rule, the registry's keys in its order."""
+    assert config.TUNE_OBJECTIVES == tuple(OBJECTIVES)

@@ -21,8 +21,12 @@ from conftest import (AMP_OVERRIDES, E2E_OVERRIDES, ROOT, project_copy, read_cur
 
 from ced_csa2.diff import parse_table
 from ced_csa2.eval.results import HEADLINE
+from ced_csa2.train.objective_registry import OBJECTIVES
 
 pytestmark = pytest.mark.slow
+TRAINED = [name for name, o in OBJECTIVES.items() if o.trains]  # each writes its phases and their curves
+
+
 def stages_run(output: str) -> set[str]:
     return {line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage")}
 
@@ -68,12 +72,12 @@ def test_full_pipeline_writes_every_metric_and_the_report(repo, reproduced):
     objective_rows = {tuple(c.strip() for c in line.split("|")[1:3]) for line in report.splitlines()
                       if line.startswith("| ")}
     for group in ("ced", "csa2", "ced_csa2"):
-        assert {(group, o) for o in ("kv_mse (seed)", "ridge", "attn_out", "distill")} <= objective_rows
+        assert {(group, o) for o in ("kv_mse (seed)", *OBJECTIVES)} <= objective_rows
     assert ("ced", "kv_mse, random init (seed read literally)") in objective_rows
     assert "mode_a (prefill skip, sink: mean, replay 0, maps trained through the skip (tune_mode_a))" in rows
     mode_a = json.loads((repo / "metrics/mode_a/train.json").read_text())
     assert mode_a["covered"] and mode_a["val_after"]["kl"] < mode_a["val_before"]["kl"]
-    for objective in ("attn_out", "distill"):
+    for objective in TRAINED:
         phases = json.loads((repo / f"metrics/objectives/{objective}/train.json").read_text())["phases"]
         assert set(phases) == {"ced", "csa2", "ced_csa2"} and all(p["tokens"] > 0 for p in phases.values())
     for png in ("ppl_by_group", "adapter_cosine", "bytes_vs_ppl"):
@@ -188,10 +192,10 @@ def test_the_readme_order_repro_then_test_passes_whatever_the_figures(repo, repr
 def test_curves_one_table_per_stage_and_plots_render(repo, reproduced):
     curves = repo / "metrics/curves"
     tables = {p.relative_to(curves).as_posix(): read_curves(p) for p in curves.rglob("*.tsv")}
-    assert sorted(tables) == ["train_adapters.tsv", "train_projector.tsv", "tune/attn_out.tsv",
-                              "tune/distill.tsv", "tune/ridge.tsv", "tune_mode_a.tsv"]
+    assert sorted(tables) == sorted(["train_adapters.tsv", "train_projector.tsv", "tune_mode_a.tsv",
+                                     *(f"tune/{o}.tsv" for o in OBJECTIVES)])
     assert tables["tune/ridge.tsv"] == ("step", {})  # ridge trains nothing
-    for objective in ("attn_out", "distill"):
+    for objective in TRAINED:
         tuned = tables[f"tune/{objective}.tsv"][1]
         ced, csa2 = ([s for s, _ in tuned[g, "train_loss"]] for g in ("ced", "csa2"))
         assert ced[0] == 1 and csa2[0] == ced[-1] + 1  # one step counter across the two phases

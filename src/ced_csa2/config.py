@@ -540,7 +540,8 @@ class DistributedConfig(Section):
 
 RUNTIME_GROUPS = GROUP_NAMES  # the registry in groups.py
 # Objectives of the `tune` branch (one pipeline branch each, all starting from the ridge
-# maps): `ridge` = the closed-form maps untouched.  The seed's K/V-MSE objective is the
+# maps): the keys of ced_csa2.train.objective_registry.OBJECTIVES, which sits above this module
+# (tests/test_config_registries.py holds the two equal).  The seed's K/V-MSE objective is the
 # main branch (train_projector / train_adapters), reported as `kv_mse`.
 TUNE_OBJECTIVES = ("ridge", "attn_out", "distill")
 

@@ -71,6 +71,7 @@ from .pipeline.paths import EVAL_JSONL, GOLD_PATH, PREPARE_METRICS, TRAIN_JSONL,
 from .pipeline.stage_runner import error_line, is_input_error
 from .plan import LayerPlan
 from .runtime.groups import GROUPS
+from .train.objective_registry import tune_objective
 from .train.objectives import PHASE_GROUPS
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -122,11 +123,6 @@ PROBE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides the
 # Peak RSS of a stage that imports torch + transformers and loads no model (the storage stage, 308 MiB, repro_e2e.md).
 RUNTIME_HOST = 308 * MiB
 CUDA_CONTEXT = 512 * MiB  # ASSUMED: what the CUDA context and kernels take on the device before any tensor
-# Objective steps as multiples of a plain forward of the same batch (benchmarks/objective_throughput.py on
-# SmolLM2: attn_out 0.51 / 0.97, distill 3.93 / 3.56 for the ced / csa2 phases); the joint ced_csa2 phase is
-# taken as the dearer of the two.
-STEP_COST = {"attn_out": {"ced": 0.51, "csa2": 0.97, "ced_csa2": 0.97},
-             "distill": {"ced": 3.93, "csa2": 3.56, "ced_csa2": 3.93}}
 # GSM8K token counts before `gold_pairs` has run: the embedded default's lm-eval pairs (SmolLM2's tokenizer):
 # prompt 67 + gold answer 124 tokens on average, the longest 361; GSM8K test has 1,319 problems.
 GOLD_PROMPT_TOKENS, GOLD_TOKENS, GOLD_MAX_TOKENS, GSM8K_TEST = 67, 191, 361, 1319
@@ -582,31 +578,32 @@ def online_counts(s: Setup, records: int | None = None) -> tuple[int, int, int]:
 
 
 def est_tune(s: Setup, objective: str) -> StageEstimate:
-    name = f"tune@{objective}"
-    if objective == "ridge":
+    name, spec = f"tune@{objective}", tune_objective(objective)
+    if not spec.trains:
         return StageEstimate(name, "-", note="the ridge maps as they are: seconds")
     cfg, geo = s.params.train.online, s.model.geo
     records, val, seq = online_counts(s)
     steps_per_phase = cfg.epochs * math.ceil(records / cfg.batch_size)
     step = forward_flops(s.model, cfg.batch_size * seq)
-    train = sum(STEP_COST[objective][g] for g in PHASE_GROUPS) * steps_per_phase * step
+    train = sum(spec.step_cost[g] for g in PHASE_GROUPS) * steps_per_phase * step
     checks = len(PHASE_GROUPS) * 2 * 2 * forward_flops(s.model, val * seq)  # teacher + student, before and after
     tokens = cfg.batch_size * seq
     # kept for the backward from the first substituted layer up: ~(8 hidden + 4 intermediate) values per token
-    # and layer; distill also holds teacher and student logits and their fp32 log-softmax
+    # and layer; a loss that reads the final hidden state (distill) also holds teacher and student logits and
+    # their fp32 log-softmax
     layers = geo.n_layers - s.plan.source + 1
     work = tokens * layers * (8 * geo.hidden_size + 4 * s.model.intermediate) * s.b
-    if objective == "distill":
+    if spec.final_teacher:
         work += 2 * logits_bytes(s, tokens)
     # the held-out KL: the teacher's and the student's logits of one block of positions at a time
     block = min(s.params.eval_ppl.score_block_tokens, tokens)
     work = max(work, 2 * logits_bytes(s, block))
     # the teacher passes, kept on the host for every phase (TeacherCache): per token H_split and, for the source
     # and each target, its K/V, its attention's input and output and RoPE's cos/sin (~28 KB a token on SmolLM2
-    # in float32); the final hidden state of the held-out passes (and of the training ones for distill)
+    # in float32); the final hidden state of the held-out passes (and of the training ones where the loss reads it)
     readers = 1 + len(s.plan.targets)
     per_token = geo.hidden_size + readers * 2 * (geo.kv_dim + geo.hidden_size + geo.head_dim)
-    finals = val + (records if objective == "distill" else 0)
+    finals = val + (records if spec.final_teacher else 0)
     kept = ((records + val) * per_token + finals * geo.hidden_size) * seq * s.b
     host, device = peaks(s, model=True, device_work=work, host_work=kept)
     return StageEstimate(name, f"{records:,} records x {seq} tokens", host=host, device=device,

@@ -1,4 +1,5 @@
-"""attn_out and distill losses: exact zeros where they must vanish, gradients only into the maps."""
+"""The objectives' losses (attn_out, distill): exact zeros where they must vanish, gradients only into the maps;
+the registry's rows (:data:`~ced_csa2.train.objective_registry.OBJECTIVES`) true to their classes."""
 
 import math
 from typing import Protocol, runtime_checkable
@@ -13,6 +14,7 @@ from tiny_maps import (
 
 from ced_csa2.eval.scoring import head_logits
 from ced_csa2.model_utils import geometry
+from ced_csa2.train.objective_registry import OBJECTIVES, TuneObjective, tune_objective
 from ced_csa2.train.objectives import (
     TeacherCache,
     attn_out_loss,
@@ -21,7 +23,6 @@ from ced_csa2.train.objectives import (
     kl_from_hidden,
     kv_loss,
     map_tensors,
-    objective_loss,
     substituted_layers,
     teacher_pass,
 )
@@ -36,6 +37,9 @@ class KeptOnHost(Protocol):
 
 
 PHASES = {"ced": ("projector",), "csa2": ("adapters",), "ced_csa2": ("projector", "adapters")}
+TRAINED = [name for name, o in OBJECTIVES.items() if o.trains]  # the objectives with a loss
+# Each objective that trains, its row: whether its loss runs the substituted model (a student forward per loss).
+RUNS_A_STUDENT = {"attn_out": False, "distill": True}
 
 
 def batch(seed=0):
@@ -103,7 +107,7 @@ def test_distill_without_substitution_is_zero_and_reaches_nothing(frozen, group)
     assert all(p.grad is None for p in [*parts.projector.parameters(), *parts.adapters.parameters()])
 
 
-@pytest.mark.parametrize("objective", ["distill", "attn_out"])
+@pytest.mark.parametrize("objective", TRAINED)
 @pytest.mark.parametrize("group", list(PHASES))
 def test_gradients_reach_only_the_trained_maps(frozen, group, objective):
     model, _ = frozen
@@ -115,7 +119,8 @@ def test_gradients_reach_only_the_trained_maps(frozen, group, objective):
     opt = torch.optim.AdamW(trained.parameters(), lr=1e-2)
 
     ids, mask = batch()
-    loss = objective_loss(objective, model, parts, QWEN_PLAN, group, ids, mask, temperature=2.0, kv_weight=0.5)
+    # the teacher pass the registry row asks for (final_teacher) is all the loss reads
+    loss = OBJECTIVES[objective].batch_loss(model, parts, QWEN_PLAN, group, ids, mask, temperature=2.0, kv_weight=0.5)
     assert loss.item() > 0
     loss.backward()
     opt.step()
@@ -163,7 +168,7 @@ def test_phase_groups_are_checked():
     assert substituted_layers(QWEN_PLAN, "ced_csa2") == (QWEN_PLAN.source, *QWEN_PLAN.targets)
 
 
-@pytest.mark.parametrize("objective", ["distill", "attn_out"])
+@pytest.mark.parametrize("objective", TRAINED)
 def test_teacher_cache_gives_every_phase_its_own_pass_bit_for_bit_from_one_forward(frozen, objective):
     model, _ = frozen
     parts = random_parts(geometry(model.config), QWEN_PLAN)
@@ -171,19 +176,19 @@ def test_teacher_cache_gives_every_phase_its_own_pass_bit_for_bit_from_one_forwa
     forwards = []
     handle = model.model.register_forward_pre_hook(lambda *a: forwards.append(1))
     try:
-        cache = TeacherCache(model, QWEN_PLAN, final=objective == "distill")
+        spec = OBJECTIVES[objective]
+        cache = TeacherCache(model, QWEN_PLAN, final=spec.final_teacher)
         for group in PHASES:
             for ids, mask in batches:
-                cached = objective_loss(objective, model, parts, QWEN_PLAN, group, ids, mask, 2.0, 0.5,
-                                        teacher=cache(ids, mask))
+                cached = spec.batch_loss(model, parts, QWEN_PLAN, group, ids, mask, 2.0, 0.5, teacher=cache(ids, mask))
                 n = len(forwards)
-                own = objective_loss(objective, model, parts, QWEN_PLAN, group, ids, mask, 2.0, 0.5)
+                own = spec.batch_loss(model, parts, QWEN_PLAN, group, ids, mask, 2.0, 0.5)
                 forwards[n:] = []  # the uncached reference's own passes are not the cache's
                 assert torch.equal(cached, own), (group, objective)
     finally:
         handle.remove()
     # one teacher pass per distinct batch (plus, for distill, the students' forwards: one per loss)
-    students = len(PHASES) * len(batches) if objective == "distill" else 0
+    students = len(PHASES) * len(batches) if RUNS_A_STUDENT[objective] else 0
     assert len(forwards) == len(batches) + students
     # kept on the host, each tensor with the device it came from (moved back at every read)
     leaves = []
@@ -211,15 +216,35 @@ def test_map_tensors_keeps_the_tree_and_reaches_every_tensor():
     assert torch.equal(out["kv"]["k"][3], torch.ones(1)) and torch.equal(out["final"], torch.full((2,), 2.0))
 
 
-def test_a_held_out_loss_is_never_another_objective_s(frozen):
-    """``tuning.held_out`` refuses an objective it has no held-out loss for, rather than scoring it as distill."""
+def test_held_out_scores_each_objective_by_its_own_loss_and_refuses_one_without(frozen):
+    """``tuning.held_out``'s loss is the registry objective's own (the training loss, on the held-out teacher); an
+    objective that trains nothing, or a name the registry lacks, is refused rather than scored as another."""
     from ced_csa2.train.tuning import held_out, new_teachers
 
     model, _ = frozen
     parts = random_parts(geometry(model.config), QWEN_PLAN)
-    _, teachers = new_teachers("attn_out", model, QWEN_PLAN)
     val = [batch()]
-    got = held_out("attn_out", model, parts, QWEN_PLAN, "ced", val, 1.0, 0.0, teachers, 64)
-    assert set(got) == {"loss", "kl"} and got["loss"] > 0
-    with pytest.raises(ValueError, match="no held-out loss for objective 'kv_mse'"):
+    for objective in TRAINED:
+        _, teachers = new_teachers(objective, model, QWEN_PLAN)
+        got = held_out(objective, model, parts, QWEN_PLAN, "ced", val, 2.0, 0.5, teachers, 64)
+        with torch.no_grad():
+            own = OBJECTIVES[objective].batch_loss(model, parts, QWEN_PLAN, "ced", *val[0], 2.0, 0.5,
+                                                   teacher=teachers(*val[0]))
+        # distill's held-out KL runs the LM head on 64 positions at a time: the same sum in another order
+        assert got["loss"] == pytest.approx(own.item(), rel=1e-5) and got["loss"] > 0, objective
+    with pytest.raises(ValueError, match="objective 'ridge' trains nothing"):
+        held_out("ridge", model, parts, QWEN_PLAN, "ced", val, 1.0, 0.0, teachers, 64)
+    with pytest.raises(ValueError, match=r"unknown tune objective 'kv_mse'; known: \['ridge', 'attn_out', 'distill'\]"):
         held_out("kv_mse", model, parts, QWEN_PLAN, "ced", val, 1.0, 0.0, teachers, 64)
+
+
+def test_a_registry_row_that_contradicts_its_class_is_refused():
+    """A row is refused at import: an objective with a loss prices every phase; one without has no costs or keys."""
+    trained = type(OBJECTIVES["distill"])
+    with pytest.raises(ValueError, match=r"'half': step_cost must give every phase \['ced', 'csa2', 'ced_csa2'\]"):
+        trained("half", step_cost={"ced": 1.0})
+    with pytest.raises(ValueError, match="'idle' trains nothing"):
+        TuneObjective("idle", final_teacher=True)
+    assert [o.name for o in OBJECTIVES.values() if not o.trains] == ["ridge"]
+    assert set(RUNS_A_STUDENT) == set(TRAINED), "give each objective that trains its row in RUNS_A_STUDENT"
+    assert tune_objective("distill") is OBJECTIVES["distill"]

@@ -15,6 +15,7 @@ from ced_csa2.maps.ridge import save_ridge
 from ced_csa2.pipeline import paths
 from ced_csa2.plan import load_plan
 from ced_csa2.stages import tune
+from ced_csa2.train.objective_registry import OBJECTIVES
 from ced_csa2.train.tuning import train_branch
 
 ONLINE = OnlineConfig(records=12, val_records=4, seq_len=32, batch_size=4, epochs=3, projector_lr=1e-2,
@@ -45,7 +46,7 @@ def write_inputs(workdir, params, tok, n_records=40, seed=0):
 
 def with_online(params, **changes):
     train = dataclasses.replace(params.train, online=dataclasses.replace(ONLINE, **changes),
-                                objectives=["ridge", "attn_out", "distill"])
+                                objectives=list(OBJECTIVES))
     return dataclasses.replace(params, train=train)
 
 

@@ -13,7 +13,7 @@ by its own pair from the ridge start -- its adapters from ``csa2``'s maps or
 ridge stage's ``ced_{k,v}_{t}*`` maps).
 
 * ``ridge``: the start itself, untrained -- the reference every objective must beat.
-* ``attn_out`` / ``distill`` (:mod:`ced_csa2.train.objectives`): three phases through the frozen
+* ``attn_out`` / ``distill`` (:mod:`ced_csa2.train.objective_registry`): three phases through the frozen
   model, on ``train.online.records`` records of the train split (the ridge stage's split),
   cropped to ``seq_len`` tokens: the projector under the ``ced`` substitution, the
   adapters under ``csa2`` (true source K/V), then ``ced_csa2``'s projector and adapters
@@ -49,35 +49,35 @@ from ..pipeline.map_roles import PAIRS
 from ..pipeline.paths import RIDGE_PATH, TRAIN_JSONL, objective_curves, objective_metrics, objective_pair_models
 from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
+from ..train.objective_registry import tune_objective
 from ..train.training import Curves, write_curves
 from ..train.tuning import ridge_served, train_branch
 
-# of dvc.yaml's params for tune@<objective>: every objective's, and those of the objectives that train
+# of dvc.yaml's params for tune@<objective>: every objective's (each adds its own: TuneObjective.provenance)
 PROVENANCE = ("seed", "model", "plan", "split", "ridge", "train_adapters.width_mult", "train_adapters.activation",
               "train_adapters.input", "train.ced_csa2_start")
-ONLINE_PROVENANCE = ("data.name", "data.max_tokens", "data.revision", "train.online")
 
 
 def run(params: Params, objective: str, workdir: Path = Path("."), *, model_and_tok=None) -> dict:
-    """Build (and for attn_out/distill train) one objective's maps; returns ``train.json``'s content."""
+    """Build (and, for an objective that trains, train) one objective's maps; returns ``train.json``'s content."""
     workdir = Path(workdir)
     require_listed(params, objective)
+    spec = tune_objective(objective)
     plan, geo = load_plan(params.plan, params.model)
-    if objective != "ridge":  # the objectives that train read the training records
+    if spec.trains:  # the objectives that train read the training records
         check_prepared(params, workdir, TRAIN_JSONL)
     served = ridge_served(params, plan, geo, workdir)
     metrics: dict = {"objective": objective, "init": "ridge", "phases": {}}
     curves: Curves = {}
-    if objective != "ridge":
+    if spec.trains:
         model, tok = model_and_tok or load_model_and_tokenizer(params.model, device=resolve_device("auto"))
         metrics["phases"], curves, metrics["protocol"] = train_branch(objective, params, plan, served, model, tok,
                                                                       workdir)
-    # The ridge export does not depend on the online budget or the data it reads: same params, same bytes.
-    keys = PROVENANCE if objective == "ridge" else (*PROVENANCE, *ONLINE_PROVENANCE)
-    made_from = {**ridge_provenance(workdir / RIDGE_PATH), **provenance(params, *keys)}
+    # An objective that trains nothing does not depend on the online budget or the data: same params, same bytes.
+    made_from = {**ridge_provenance(workdir / RIDGE_PATH), **provenance(params, *PROVENANCE, *spec.provenance)}
     for pair in PAIRS:
         meta = checkpoint_meta(params, plan, geo, params.model, params.plan, params.split, params.ridge,
-                               *([params.train.online] if objective != "ridge" else []),
+                               *([params.train.online] if spec.trains else []),
                                role=map_roles.objective(objective, pair), provenance=made_from)
         save_parts(workdir / objective_pair_models(objective, pair), served[pair], plan, meta, extra_sources=False)
     # ridge trains nothing: its (declared) curve table is the header alone, not a flat line

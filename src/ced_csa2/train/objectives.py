@@ -299,22 +299,6 @@ def distill_loss(model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str,
     return loss
 
 
-def objective_loss(objective: str, model: nn.Module, parts: CEDParts, plan: LayerPlan, group: str,
-                   ids: torch.Tensor, mask: torch.Tensor, temperature: float, kv_weight: float,
-                   teacher: dict | None = None) -> torch.Tensor:
-    """The loss of ``objective`` (``attn_out`` | ``distill``) on one batch ``ids``/``mask`` ``(B, T)``.
-
-    ``teacher``: the batch's teacher pass when already made (:class:`TeacherCache`); else it runs here.
-    """
-    if teacher is None:
-        teacher = teacher_pass(model, plan, group, ids, mask, final=objective == "distill")
-    if objective == "attn_out":
-        return attn_out_loss(model, parts, plan, group, teacher, mask)
-    if objective == "distill":
-        return distill_loss(model, parts, plan, group, teacher, ids, mask, temperature, kv_weight)
-    raise ValueError(f"objective {objective!r} does not train through the model; expected attn_out or distill")
-
-
 @dataclass
 class ModeATeacher:
     """The plain model's pass over records ``(B, T)`` of one length, as :func:`mode_a_kl` reads it.

@@ -20,14 +20,12 @@ from ..pipeline.paths import RIDGE_PATH
 from ..pipeline.progress import Progress
 from ..pipeline.stage_runner import record_timing
 from ..plan import LayerPlan
+from .objective_registry import tune_objective
 from .objectives import (
     PHASE_GROUPS,
     SAMPLE_STREAM,
     TeacherCache,
-    attn_out_loss,
-    distill_loss,
     kl_from_hidden,
-    objective_loss,
     online_records,
     ridge_parts,
     student_final,
@@ -41,32 +39,30 @@ log = logging.getLogger(__name__)
 
 def held_out(objective: str, model, parts: CEDParts, plan: LayerPlan, group: str, val: list[tuple],
              temperature: float, kv_weight: float, teachers: TeacherCache, block_tokens: int) -> dict:
-    """Mean objective loss and KL (T = 1) of the ``group`` substitution over held-out batches.
+    """Mean objective loss (:meth:`~ced_csa2.train.objective_registry.TuneObjective.loss`) and KL (T = 1) of the
+    ``group`` substitution over held-out batches.
 
     ``teachers``: the held-out batches' teacher passes, to the final hidden state (one per batch for
     every phase).  The KLs run the LM head on ``block_tokens`` positions at a time
     (:func:`~ced_csa2.train.objectives.kl_from_hidden`): no ``(B, T, vocab)`` tensor.
     """
+    spec = tune_objective(objective)
     loss = kl = 0.0
     with torch.no_grad():
         for ids, mask in val:
             teacher = teachers(ids, mask)
             student = student_final(model, parts, plan, group, ids, mask)
             kl += kl_from_hidden(model, student, teacher["final"], mask, 1.0, block_tokens).item()
-            if objective == "attn_out":
-                loss += attn_out_loss(model, parts, plan, group, teacher, mask).item()
-            elif objective == "distill":
-                loss += distill_loss(model, parts, plan, group, teacher, ids, mask, temperature, kv_weight,
-                                     student=student, block_tokens=block_tokens).item()
-            else:  # a new objective must say its held-out loss, not take another's
-                raise ValueError(f"held_out: no held-out loss for objective {objective!r}")
+            loss += spec.loss(model, parts, plan, group, teacher, ids, mask, temperature, kv_weight,
+                              student=student, block_tokens=block_tokens).item()
     return {"loss": loss / len(val), "kl": kl / len(val)}
 
 
 def new_teachers(objective: str, model, plan: LayerPlan) -> tuple[TeacherCache, TeacherCache]:
-    """Empty teacher caches for one branch: its training batches (to the final hidden state for ``distill``
-    only) and held-out ones."""
-    return TeacherCache(model, plan, final=objective == "distill"), TeacherCache(model, plan, final=True)
+    """Empty teacher caches for one branch: its training batches (to the final hidden state where its loss reads
+    it: :attr:`~ced_csa2.train.objective_registry.TuneObjective.final_teacher`) and held-out ones."""
+    final = tune_objective(objective).final_teacher
+    return TeacherCache(model, plan, final=final), TeacherCache(model, plan, final=True)
 
 
 def phase_optimizer(parts: CEDParts, group: str, cfg, head_lr: float | None = None) -> torch.optim.AdamW:
@@ -101,6 +97,7 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     by a branch's phases; new ones when not given.  ``head_lr``: the projector's residual MLP's
     learning rate (:func:`phase_optimizer`).
     """
+    spec = tune_objective(objective)
     cfg = params.train.online
     n_batches = -(-len(train_rows) // cfg.batch_size)
     steps = cfg.epochs * n_batches
@@ -116,8 +113,8 @@ def train_phase(objective: str, model, parts: CEDParts, plan: LayerPlan, group: 
     for epoch in range(cfg.epochs):
         order = np.random.default_rng([params.seed, SAMPLE_STREAM, epoch]).permutation(len(train_rows))
         for ids, mask in batches(train_rows, cfg.batch_size, pad_id, device, order):
-            loss = objective_loss(objective, model, parts, plan, group, ids, mask, cfg.temperature, cfg.kv_weight,
-                                  teacher=train_teachers(ids, mask))
+            loss = spec.batch_loss(model, parts, plan, group, ids, mask, cfg.temperature, cfg.kv_weight,
+                                   teacher=train_teachers(ids, mask))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
