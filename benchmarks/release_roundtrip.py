@@ -27,7 +27,7 @@ from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import PPL_METRICS
 from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.release import RELEASE, base_model_config, load_release, release_plan
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 
 
 def main() -> int:

@@ -40,7 +40,7 @@ from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import PROTOCOL, check_bound, paired_seconds
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.projector import KVProjector
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 
 
 def random_parts(geo, plan: LayerPlan) -> CEDParts:

@@ -81,7 +81,7 @@ from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import paired_seconds
 from ced_csa2.plan import LayerPlan
 from ced_csa2.projector import KVProjector
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 from ced_csa2.runtime.shared_kv import SHARED_GROUPS, STORAGES, accounted_copies, cache_bytes
 from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
 from ced_csa2.runtime.sub_plans import SubPlansSharedKVCache, nested_copies, spaced_full_layers, sub_plans

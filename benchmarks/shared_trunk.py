@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/shared_trunk.py                 # tiny Qwen3.5, then SmolLM2
     python benchmarks/shared_trunk.py --models tiny --records 32 --repeats 3
 
-Times scoring every group of :data:`ced_csa2.runtime.groups.GROUP_NAMES` teacher-forced on the
+Times scoring every group of :data:`ced_csa2.groups.GROUP_NAMES` teacher-forced on the
 same records, (a) one :func:`~ced_csa2.eval.scoring.sequence_nll` pass per group under its
 :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (what ``eval_ppl`` did), (b) one
 :func:`~ced_csa2.eval.scoring.multi_group_nll` call (the layers below each group's first
@@ -43,7 +43,7 @@ from ced_csa2.pipeline.paths import EVAL_JSONL
 from ced_csa2.pipeline.study_runner import run_main
 from ced_csa2.pipeline.timing import check_bound, paired_seconds
 from ced_csa2.plan import load_plan
-from ced_csa2.runtime.groups import GROUP_NAMES
+from ced_csa2.groups import GROUP_NAMES
 
 PROFILES = {"tiny": ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5"], "smollm2": []}
 

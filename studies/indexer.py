@@ -56,7 +56,7 @@ from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json
 from ced_csa2.pipeline.paths import EVAL_JSONL, TRAIN_JSONL
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 from ced_csa2.runtime.layer_modes import sparse_layers
 from ced_csa2.train import indexer_training as it
 

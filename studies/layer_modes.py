@@ -62,7 +62,7 @@ from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import LayerPlan, load_plan
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 from ced_csa2.runtime.layer_modes import LayerModes, sparse_layers
 from ced_csa2.runtime.sparse_attention import HSI, SelectionStats, SparseAttention, SparseGroup, SparseReads
 

@@ -58,7 +58,7 @@ from ced_csa2.pipeline.paths import EVAL_JSONL, MODELS
 from ced_csa2.pipeline.progress import Progress
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
-from ced_csa2.runtime.groups import GROUP_NAMES, LOW_RANK_GROUPS
+from ced_csa2.groups import GROUP_NAMES, LOW_RANK_GROUPS
 from ced_csa2.runtime.layer_modes import LayerModes
 from ced_csa2.runtime.sparse_attention import SparseAttention, SparseGroup, SparseReads
 from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache

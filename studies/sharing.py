@@ -78,7 +78,7 @@ from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH, TIMINGS, TRAIN_JSONL
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import LayerPlan, load_plan
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 from ced_csa2.runtime.sub_plans import NestedRuntimes, nested_copies, spaced_full_layers, sub_plans
 from ced_csa2.stages import ridge
 from ced_csa2.train.objectives import PHASE_GROUPS

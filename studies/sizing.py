@@ -43,7 +43,7 @@ from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import load_plan
-from ced_csa2.runtime.groups import GROUP_NAMES
+from ced_csa2.groups import GROUP_NAMES
 from ced_csa2.train.objectives import ridge_parts
 
 OUT = Path(__file__).resolve().parent / "sizing"

@@ -19,7 +19,7 @@ from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, Sin
 from ced_csa2.eval.perplexity import prefill_bound
 from ced_csa2.model_utils import attention, geometry
 from ced_csa2.plan import LayerPlan, PlanError
-from ced_csa2.runtime.groups import GROUP_NAMES as GROUPS
+from ced_csa2.groups import GROUP_NAMES as GROUPS
 
 
 @pytest.mark.parametrize("group", ["baseline", "ced", "csa2", "ced_csa2"])

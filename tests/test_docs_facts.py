@@ -35,7 +35,7 @@ MEASURED = re.compile(
 # (file, quoted text) -> why it is no measurement.  Short on purpose: rephrase before adding to it.
 DERIVED = {
     ("src/ced_csa2/csa2.py", "1.5 x"): "width_mult x kv_dim, the docstring's worked example of the formula",
-    ("src/ced_csa2/runtime/groups.py", "3.05x"): "bytes per token of the FP6/MXFP4 formats against bf16, from the formats",
+    ("src/ced_csa2/groups.py", "3.05x"): "bytes per token of the FP6/MXFP4 formats against bf16, from the formats",
     ("src/ced_csa2/kv/kv_bytes.py", "3.95×"): "the last line of a worked byte computation in the docstring",
     ("src/ced_csa2/kv/storage_table.py", "3.44×"): "the seed's own stated figure, which the table explains",
     ("src/ced_csa2/stages/storage.py", "3.44×"): "the seed's own stated figure, which the table explains",

@@ -26,7 +26,7 @@ STAGES_DIR = SRC / "ced_csa2" / "stages"
 # The public modules (the seed's entry points, the typed config, the CLIs); the rest lives in
 # one subpackage per concern.
 TOP_LEVEL = {"__init__", "assets", "ced_runtime", "compose", "config", "csa2", "diff", "estimate", "graph", "kv_hooks",
-             "plots_page", "model_utils", "plan", "projector", "release"}
+             "plots_page", "model_utils", "plan", "groups", "projector", "release"}
 
 
 def stage_templates() -> dict[str, dict]:

@@ -294,7 +294,7 @@ def test_a_safetensors_file_is_the_same_bytes_in_every_process():
 
 def test_the_card_says_which_maps_each_row_reads_from_the_group_s_flags():
     from ced_csa2.eval.model_card import reads
-    from ced_csa2.runtime.groups import GROUPS
+    from ced_csa2.groups import GROUPS
 
     assert reads("mode_a") == "mode_a/" and reads("baseline") == "–" and reads("share_plain") == "–"
     assert reads("ced_sink") == "projector" and reads("csa2_fp4_rot") == "adapters"

@@ -13,7 +13,7 @@
   **Approximation:** non-attention layers above the cut (Qwen3.5's GatedDeltaNet
   layers) get no prompt state -- they start from a zero state.
 
-Groups (Mode B) are defined in :mod:`ced_csa2.runtime.groups`: ``baseline`` (no change),
+Groups (Mode B) are defined in :mod:`ced_csa2.groups`: ``baseline`` (no change),
 ``share_plain`` (targets read the true KV_source verbatim, no adapter -- the baseline
 every adapter must beat; like vLLM's ``kv_sharing_target_layer_name``, except that each
 target still applies its own k_norm), ``ced`` (source K/V from ``projector(H_split)``),
@@ -52,8 +52,8 @@ from .pipeline.map_roles import MAIN, MODE_A, PAIRS, SEED_INIT_ROLE, Role, objec
 from .pipeline.paths import SEED_INIT_MODELS, objective_pair_models, projector_path
 from .plan import LayerPlan
 from .runtime.group_runtime import GroupRuntime
-from .runtime.groups import GROUPS
-from .runtime.groups import group as lookup_group
+from .groups import GROUPS
+from .groups import group as lookup_group
 
 if TYPE_CHECKING:
     from .config import Params
@@ -375,7 +375,7 @@ class CEDModeBRuntime(GroupRuntime):
     plan
         The validated layer plan.
     group
-        One of :data:`ced_csa2.runtime.groups.GROUPS`.
+        One of :data:`ced_csa2.groups.GROUPS`.
     parts
         Trained maps (``projector`` needed by ``ced*``, ``adapters`` by ``*csa2``).
     kv_format

@@ -31,7 +31,7 @@ from typing import Any, Iterator, Literal, Mapping, Optional
 
 import yaml
 
-from .runtime.groups import GROUP_NAMES, MAP_GROUPS
+from .groups import GROUP_NAMES, MAP_GROUPS
 
 DTYPES = ("float32", "bfloat16", "float16")
 COMPUTE_DTYPES = ("auto", *DTYPES)  # auto: bf16 where native (CUDA, AMX/AVX512-BF16 CPUs), else fp32

@@ -70,7 +70,7 @@ from .pipeline.cli import ArgumentParser
 from .pipeline.paths import EVAL_JSONL, GOLD_PATH, PREPARE_METRICS, TRAIN_JSONL, domain_jsonl
 from .pipeline.stage_runner import error_line, is_input_error
 from .plan import LayerPlan
-from .runtime.groups import GROUPS
+from .groups import GROUPS
 from .train.objective_registry import tune_objective
 from .train.objectives import PHASE_GROUPS
 

@@ -17,7 +17,7 @@ from ced_csa2.eval import gsm8k
 from ced_csa2.model_utils import geometry
 from ced_csa2.pipeline import paths
 from ced_csa2.plan import LayerPlan, load_plan
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 from ced_csa2.stages import eval_gsm8k, gold_pairs
 
 # Short on purpose: the tiny model's tokenizer is byte-level and its GatedDeltaNet

@@ -17,7 +17,7 @@ from ced_csa2.data.corpus import write_prepared
 from ced_csa2.model_utils import geometry
 from ced_csa2.pipeline import paths, stage_runner
 from ced_csa2.plan import LayerPlan
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 from ced_csa2.stages import eval_ppl
 
 TEXTS = ALL_TEXTS[:4]  # the tiny Qwen3.5's DeltaNet layers run the slow torch fallback

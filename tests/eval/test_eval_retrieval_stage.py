@@ -17,7 +17,7 @@ from ced_csa2.eval.results import group_rows, headline_table, retrieval_table, s
 from ced_csa2.model_utils import geometry, load_config
 from ced_csa2.pipeline.paths import EVAL_JSONL, RETRIEVAL_METRICS
 from ced_csa2.plan import load_plan
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 from ced_csa2.stages import eval_retrieval as stage
 
 ANSWER_TOKENS = 6  # " 12345" in the tiny byte-level tokenizer

@@ -14,7 +14,7 @@ from ced_csa2.kv.formats import FP4_FORMATS
 from ced_csa2.kv.kv_bytes import fp4_entry_bytes
 from ced_csa2.kv.rotation import layer_rotation
 from ced_csa2.model_utils import geometry
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 from ced_csa2.kv.formats import group_format
 from ced_csa2.runtime.low_rank_kv import LowRankKVCache
 from ced_csa2.runtime.shared_kv import BlockKVCache, BlockLayer, FP4KVCache, SharedKVCache, greedy_generate

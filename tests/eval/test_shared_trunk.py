@@ -12,7 +12,7 @@ from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.eval.scoring import branch_point, multi_group_nll
 from ced_csa2.model_utils import geometry
 from ced_csa2.plan import LayerPlan
-from ced_csa2.runtime.groups import GROUP_NAMES, GROUPS
+from ced_csa2.groups import GROUP_NAMES, GROUPS
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from ced_csa2.kv.rotation import fp4_round_trip, layer_rotation
 from ced_csa2.model_utils import Geometry, geometry
 from ced_csa2.plan import LayerPlan
 from ced_csa2.runtime.format_runtime import FormatRuntime
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 from ced_csa2.runtime.shared_kv import accounted_copies
 
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

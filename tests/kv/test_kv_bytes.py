@@ -8,7 +8,7 @@ from ced_csa2.kv import kv_bytes as kb
 from ced_csa2.model_utils import Geometry, attention
 from ced_csa2.plan import LayerPlan
 from ced_csa2.projector import KVProjector
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 
 QWEN = Geometry(n_layers=32, hidden_size=2560, n_kv_heads=4, head_dim=256, attention_layers=tuple(range(4, 33, 4)))
 SMOL = Geometry(n_layers=30, hidden_size=576, n_kv_heads=3, head_dim=64, attention_layers=tuple(range(1, 31)))

@@ -21,7 +21,7 @@ from ced_csa2.kv.rotation import HeadRotation, fp4_round_trip, hadamard, layer_r
 from ced_csa2.kv.storage_table import QWEN3_5_4B_PLAN, qwen3_5_4b_geometry
 from ced_csa2.model_utils import Geometry, attention, geometry
 from ced_csa2.plan import LayerPlan
-from ced_csa2.runtime.groups import GROUPS, Group
+from ced_csa2.groups import GROUPS, Group
 from ced_csa2.runtime.shared_kv import SharedKVCache, accounted_copies
 
 TWINS = {"baseline_fp4_rot": "baseline_fp4", "csa2_fp4_rot": "csa2_fp4", "ced_csa2_fp4_rot": "ced_csa2_fp4"}
@@ -161,7 +161,7 @@ def _outlier_channels(n=2048, heads=4, head_dim=64):
 def test_rotation_lowers_mxfp4_error_on_outlier_channels():
     # MXFP4's power-of-two scale per 32 channels is set by the outlier; rotated, each head's
     # channels share its energy.  (NVFP4's finer E4M3 scale per 16 gains nothing here: its
-    # plain error is already at the Gaussian level -- see ced_csa2.runtime.groups.)
+    # plain error is already at the Gaussian level -- see ced_csa2.groups.)
     x, r = _outlier_channels(), layer_rotation(64, 1)
     plain = (fp4_round_trip(MXFP4(), x) - x).pow(2).mean()
     rotated = (fp4_round_trip(MXFP4(), x, r) - x).pow(2).mean()

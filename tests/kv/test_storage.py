@@ -11,7 +11,7 @@ from conftest import ROOT, TINY_OVERRIDES, compose, tiny_params
 from ced_csa2.kv.storage_table import qwen3_5_4b_geometry
 from ced_csa2.model_utils import Geometry
 from ced_csa2.pipeline.paths import STORAGE_METRICS as METRICS_PATH
-from ced_csa2.runtime.groups import GROUPS as REGISTRY
+from ced_csa2.groups import GROUPS as REGISTRY
 from ced_csa2.stages.storage import run
 
 GROUPS = set(REGISTRY)

@@ -21,7 +21,7 @@ from ced_csa2.pipeline import paths
 from ced_csa2.pipeline.checkpoint import CheckpointError, checkpoint_meta, expected_meta
 from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.plan import LayerPlan
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 from ced_csa2.stages import fit_xkv
 
 LAYERS = (TINY_PLAN.source, *TINY_PLAN.targets)

@@ -19,7 +19,7 @@ from ced_csa2.kv.formats import group_format
 from ced_csa2.model_utils import geometry
 from ced_csa2.runtime.format_runtime import FormatRuntime
 from ced_csa2.runtime.group_runtime import GroupRuntime
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 from ced_csa2.runtime.layer_modes import LayerModes
 from ced_csa2.runtime.sink import SinkGroup
 from ced_csa2.runtime.sparse_attention import SparseAttention, SparseGroup, SparseReads

@@ -1,7 +1,7 @@
 """docs/extending.md's recipe for a group from flags the code already has is complete: its edits alone add one.
 
 On a copy of ``src/`` and ``conf/``, a throwaway group is added exactly as the recipe says -- one ``Group`` in
-``runtime/groups.py``'s registry, its name in ``conf/config.yaml``'s ``eval_ppl.groups`` -- and nothing else is
+``groups.py``'s registry, its name in ``conf/config.yaml``'s ``eval_ppl.groups`` -- and nothing else is
 touched.  A fresh interpreter on that copy then composes the tiny profile's params (config validation takes the
 new name), runs the ``storage`` stage, scores the group in Mode B through the shared trunk and decodes through the
 cache its flags pick, on the tiny Qwen3.5.
@@ -49,7 +49,7 @@ print(json.dumps({{"eval_ppl_groups": params.eval_ppl.groups, "storage": table,
 
 def add_the_group(copy):
     """The recipe's two edits, on ``copy`` (a copy of ``src/`` and ``conf/``)."""
-    groups = copy / "src" / "ced_csa2" / "runtime" / "groups.py"
+    groups = copy / "src" / "ced_csa2" / "groups.py"
     text = groups.read_text()
     assert text.count("\n)}\nGROUP_NAMES") == 1, "GROUPS no longer ends as this test expects"
     groups.write_text(text.replace("\n)}\nGROUP_NAMES", f"\n{ROW})}}\nGROUP_NAMES"))

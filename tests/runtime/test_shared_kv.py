@@ -19,7 +19,7 @@ from ced_csa2.kv.rotation import fp4_round_trip, layer_rotation
 from ced_csa2.model_utils import geometry
 from ced_csa2.kv.formats import group_format
 from ced_csa2.plan import LayerPlan
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 from ced_csa2.runtime.shared_kv import (
     SHARED_GROUPS,
     BlockKVCache,

@@ -173,7 +173,7 @@ def test_a_left_padded_row_keeps_its_own_first_positions():
 def test_a_sink_needs_dense_entries_of_a_replaced_layer():
     """An ordinary cache with a projected source, or the dense shared store; not a group that replaces nothing,
     nor one whose store rounds or compresses the entries it would keep."""
-    from ced_csa2.runtime.groups import Group
+    from ced_csa2.groups import Group
 
     refused = "sink keeps the replaced layers' first entries in an ordinary cache with a projected source or in the"
     for flags in ((False, False, False, "none"), (False, True, True, "shared_source"), (False, False, False,

@@ -17,7 +17,7 @@ from ced_csa2.kv.kv_bytes import bytes_per_token, kv_copies
 from ced_csa2.kv.rotation import fp4_round_trip
 from ced_csa2.model_utils import Geometry, geometry
 from ced_csa2.plan import LayerPlan, PlanError
-from ced_csa2.runtime.groups import GROUPS
+from ced_csa2.groups import GROUPS
 from ced_csa2.runtime.shared_kv import FP4KVCache, SharedKVCache, cache_bytes
 from ced_csa2.runtime.sparse_decode import SparseDecode, SparseSharedKVCache
 from ced_csa2.runtime.sub_plans import NestedRuntimes, SubPlansSharedKVCache, nested_copies, spaced_full_layers, \

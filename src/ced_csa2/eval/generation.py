@@ -4,7 +4,7 @@ Every other figure of the pipeline is teacher-forced under :class:`~ced_csa2.ced
 whose K/V substitution leaves every layer an ordinary cache, and counts bytes by formula
 (:mod:`ced_csa2.kv.kv_bytes`).  Here each group decodes through the cache that really holds its
 bytes (:func:`group_cache`, the one place that builds it, from the group's
-:attr:`~ced_csa2.runtime.groups.Group.cache_kind` and ``rotate``):
+:attr:`~ced_csa2.groups.Group.cache_kind` and ``rotate``):
 
 * ``ordinary`` (``baseline``, ``ced``) -- ``DynamicCache``; for ``ced`` under Mode B's ``ced``
   runtime, so the source's K/V in it come from the projector: CED saves compute, not bytes, so
@@ -66,8 +66,8 @@ from ..data.records import seeded_subset
 from ..model_utils import geometry
 from ..pipeline.timing import Paired, paired_seconds
 from ..plan import LayerPlan
-from ..runtime.groups import GROUPS, Group
-from ..runtime.groups import group as lookup_group
+from ..groups import GROUPS, Group
+from ..groups import group as lookup_group
 from ..runtime.low_rank_kv import LowRankKVCache
 from ..runtime.shared_kv import (
     BlockKVCache,
@@ -141,7 +141,7 @@ class GroupCache:
 
 def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None,
                 kv_format: str | None) -> GroupCache:
-    """The cache that holds ``group``'s bytes: its :attr:`~ced_csa2.runtime.groups.Group.cache_kind`, rotated when the
+    """The cache that holds ``group``'s bytes: its :attr:`~ced_csa2.groups.Group.cache_kind`, rotated when the
     group is (the module's table).
 
     Parameters
@@ -149,7 +149,7 @@ def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts |
     model, plan, parts
         As for :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (``parts``: the maps the group reads).
     group
-        A group of :data:`~ced_csa2.runtime.groups.GROUPS`.
+        A group of :data:`~ced_csa2.groups.GROUPS`.
     kv_format
         The FP4 format of an FP4 group (``nvfp4`` | ``mxfp4``); ignored by the others.
 

@@ -14,7 +14,7 @@ from typing import Mapping
 
 import yaml
 
-from ..runtime.groups import GROUPS
+from ..groups import GROUPS
 
 QWEN = "qwen3_5_4b"
 MODE_A_READS = "mode_a/"  # Mode A's row: its own folder of the release (bank, adapters, sink)

@@ -14,7 +14,7 @@ from ..pipeline.atomic_files import read_json
 from ..pipeline.figures import write_png
 from ..pipeline.paths import (GENERATION_METRICS, GSM8K_METRICS, METRICS, OBJECTIVES_EVAL, PPL_METRICS,
                               RETRIEVAL_METRICS, SEED_INIT, STORAGE_METRICS)
-from ..runtime.groups import GROUP_NAMES, GROUPS
+from ..groups import GROUP_NAMES, GROUPS
 
 BASES = ("decoder_attention", "all_attention", "all_attention_amortised_32k")
 
@@ -611,7 +611,7 @@ KV_FORMAT_GOAL = (2.0, 3.0)
 
 def _counts_for(row: str, group: str) -> bool:
     """Whether ``row`` (a group or ``<group>@<objective>``) is a way of running ``group``: the same maps and
-    sharing (:attr:`~ced_csa2.runtime.groups.Group.layout`), no block-format entries (``ced_sink`` counts for
+    sharing (:attr:`~ced_csa2.groups.Group.layout`), no block-format entries (``ced_sink`` counts for
     ``ced`` and ``ced_csa2_sink`` for ``ced_csa2``, ``csa2_fp4`` not for ``csa2``)."""
     base = GROUPS.get(row.split("@")[0])
     return base is not None and base.layout == GROUPS[group].layout and not base.stores_block_format
@@ -624,7 +624,7 @@ def goals(rows: dict[str, dict[str, float]]) -> list[dict]:
     with ``_lo``/``_hi``, ``met``.  A group's goal takes its own row, its ``<group>@<objective>``
     recipes and the rows of groups that only keep other entries (:func:`_counts_for`); the format goal
     takes the groups that store block-format entries
-    (:attr:`~ced_csa2.runtime.groups.Group.stores_block_format`) and compress at least ``KV_FORMAT_GOAL[1]``x.
+    (:attr:`~ced_csa2.groups.Group.stores_block_format`) and compress at least ``KV_FORMAT_GOAL[1]``x.
     """
     out = []
     candidates = [(f"`{group}` ≤ +{limit:g}%", limit, [n for n in rows if _counts_for(n, group)])

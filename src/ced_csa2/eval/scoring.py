@@ -268,7 +268,7 @@ def multi_group_nll(model, plan: LayerPlan, groups: Sequence[str], parts: CEDPar
         As for :class:`~ced_csa2.ced_runtime.CEDModeBRuntime` (every group checked before
         scoring); ``parts`` may also map each group to its own maps (:func:`~ced_csa2.ced_runtime.parts_for`).
     groups
-        Group names (:data:`ced_csa2.runtime.groups.GROUP_NAMES`).
+        Group names (:data:`ced_csa2.groups.GROUP_NAMES`).
     sequences, score_from, batch_size, pad_id, block_tokens
         As for :func:`sequence_nll`.
     agreement

@@ -174,7 +174,7 @@ class KVFormat:
 
 
 def group_format(spec) -> KVFormat:
-    """The :class:`KVFormat` of a group (:class:`~ced_csa2.runtime.groups.Group`) with its own ``stream_formats``
+    """The :class:`KVFormat` of a group (:class:`~ced_csa2.groups.Group`) with its own ``stream_formats``
     (channel axis, no exact channels)."""
     if spec.stream_formats is None:
         raise ValueError(f"group {spec.name!r} has no stream_formats of its own (its FP4 entries follow kv_format)")

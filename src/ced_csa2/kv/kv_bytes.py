@@ -140,7 +140,7 @@ def kv_copies(geo: Geometry, plan: LayerPlan, spec, basis: str, dtype_bytes: int
     Qwen3.5-4B in bf16: ``2 · 1024 · 2 = 4,096`` B/token per attention layer (design §6).
     A sliding-window layer's copies hold at most ``window - 1`` entries (``max_entries``;
     :func:`bytes_per_token` applies it at a given context).
-    The group's FP4 entries (:meth:`~ced_csa2.runtime.groups.Group.fp4_layers`: every layer, or only
+    The group's FP4 entries (:meth:`~ced_csa2.groups.Group.fp4_layers`: every layer, or only
     the shared source) cost ``fp4_entry_bytes(kv_dim, fp4_group)`` whatever the dtype.
     Under a ``low_rank`` group (``xkv``) the source's K and V copies hold the group's
     ``rank`` cross-layer coefficients instead (default ``rank = kv_dim``: csa2's bytes).
@@ -172,7 +172,7 @@ def sink_copies(geo: Geometry, plan: LayerPlan, spec, basis: str, dtype_bytes: i
     """A sink group's kept entries that no per-token copy holds: each target's own K and V at a sequence's first
     ``sink`` positions, dense (``max_entries = sink``: a constant per sequence once the context passes ``sink``).
 
-    Only the shared store's targets keep entries of their own (:attr:`~ced_csa2.runtime.groups.Group.sink`); the
+    Only the shared store's targets keep entries of their own (:attr:`~ced_csa2.groups.Group.sink`); the
     source's kept entries are its stored ones, and under an ordinary cache (``ced_sink``) every kept entry is an
     ordinary one: no copies.  Not in :func:`kv_copies`: per token (the context past ``sink``) they cost nothing.
     """
@@ -213,7 +213,7 @@ def rotation_params(geo: Geometry, plan: LayerPlan, spec) -> int:
     """A rotated group's matrices (``*_fp4_rot``, ``baseline_k6v4_rot``): ``head_dim²`` per rotated layer, or 0.
 
     One ``(head_dim, head_dim)`` matrix per layer whose entry is rotated
-    (:meth:`~ced_csa2.runtime.groups.Group.rotated_layers`), shared by its heads, K and V
+    (:meth:`~ced_csa2.groups.Group.rotated_layers`), shared by its heads, K and V
     (:mod:`ced_csa2.kv.rotation`).  Weights, never per token: a rotated group's :func:`kv_copies`
     are its unrotated twin's.  Built from a fixed seed per layer, so nothing needs storing; this
     is what they would take as dense matrices.

@@ -29,7 +29,7 @@ for K and V of that layer), so every run, stage and process rebuilds the same ``
 rotated group's bytes per token are exactly its plain FP4 twin's.
 
 Which streams.  :data:`ROTATED_STREAMS` (K only, or K and V) was chosen by measurement:
-K and V, figures in :mod:`ced_csa2.runtime.groups`.  Elementwise error is a poor guide
+K and V, figures in :mod:`ced_csa2.groups`.  Elementwise error is a poor guide
 here: on SmolLM2's K/V the NVFP4 round trip's relative MSE is slightly *higher* rotated
 (K 0.0086 -> 0.0092) -- E4M3 scales per 16 channels already follow the outlier channels --
 yet perplexity improves, because the error no longer sits on the few channels that

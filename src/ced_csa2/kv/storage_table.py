@@ -2,7 +2,7 @@
 attention layers, all attention layers, amortised over a context), for the active model and
 Qwen3.5-4B, and the maps' parameter counts.
 
-The groups come in as their registry (``{name: Group}``, :data:`ced_csa2.runtime.groups.GROUPS`), read
+The groups come in as their registry (``{name: Group}``, :data:`ced_csa2.groups.GROUPS`), read
 only for their flags: byte accounting is data the runtime builds on, so it imports none of it.
 """
 

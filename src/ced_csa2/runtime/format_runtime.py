@@ -9,7 +9,7 @@ from __future__ import annotations
 from .. import kv_hooks
 from ..kv.formats import KVFormat, format_replacements
 from .group_runtime import GroupRuntime
-from .groups import GROUPS
+from ..groups import GROUPS
 
 
 class FormatRuntime(GroupRuntime):

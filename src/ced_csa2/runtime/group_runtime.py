@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Protocol, runtime_checkable
 
-from .groups import Group
+from ..groups import Group
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +28,7 @@ class GroupRuntime(Protocol):
     Attributes
     ----------
     spec
-        The registry entry whose flags the scoring reads (:class:`~ced_csa2.runtime.groups.Group`):
+        The registry entry whose flags the scoring reads (:class:`~ced_csa2.groups.Group`):
         ``low_rank`` makes the trunk capture the clean K/V of the plan's source and targets for
         :meth:`seed`'s ``clean_kv``.  A runtime that is not one group reports the one it stores like.
     replaced_layers

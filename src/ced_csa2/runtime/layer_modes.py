@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from ..model_utils import Geometry
 from ..plan import LayerPlan, PlanError
-from .groups import group as lookup_group
+from ..groups import group as lookup_group
 
 MODES = ("full", "reindex", "reuse")
 SHORT = {"full": "F", "reindex": "X", "reuse": "R"}  # seed 003 §4.3's letters

@@ -14,7 +14,7 @@ there.  :class:`SharedKVCache` turns it into real bytes (docs/design.md §2, *Sh
   RoPE; the source applies its own k_norm and RoPE.  This read-time compute (adapters
   over all ``T`` positions at every decode step) is the price of the saved bytes.
 
-A group with a :attr:`~ced_csa2.runtime.groups.Group.sink` (``ced_csa2_sink``) keeps each replaced
+A group with a :attr:`~ced_csa2.groups.Group.sink` (``ced_csa2_sink``) keeps each replaced
 layer's own K/V at every row's first ``sink`` positions, as Mode B's
 :func:`~ced_csa2.kv_hooks.keep_initial` does: the source's in the store, in place of its projection
 (the position ids say which entries: a left-padded row keeps its own first tokens), and each target's
@@ -91,7 +91,7 @@ from ..kv.kv_bytes import StoredCopy, kv_copies, sink_copies
 from ..kv.rotation import HeadRotation, layer_rotation, stream_rotations, work_dtype
 from ..model_utils import Geometry, attention, geometry, layer_type, rope_fn, rotary
 from ..plan import LayerPlan
-from .groups import GROUPS, SHARED_GROUPS, group as group_spec
+from ..groups import GROUPS, SHARED_GROUPS, group as group_spec
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -794,7 +794,7 @@ def accounted_copies(geo: Geometry, plan: LayerPlan, group: str, storage: str, d
     (dense storage only) holds ``rank`` coefficients (default ``kv_dim``) for K and for V
     per token in place of the source's and targets' entries.  An FP4 group (``*_fp4``,
     ``*_fp4_rot``) needs its ``kv_format`` as ``storage`` and holds its own FP4 entries
-    (:meth:`~ced_csa2.runtime.groups.Group.fp4_layers`); a rotation adds no per-token bytes.  A group
+    (:meth:`~ced_csa2.groups.Group.fp4_layers`); a rotation adds no per-token bytes.  A group
     with its own ``stream_formats`` (:class:`BlockKVCache`) holds them whatever the storage: give ``"bf16"``.
     A sink group's targets hold their kept entries in the model's dtype (:func:`~ced_csa2.kv.kv_bytes.sink_copies`).
     """

@@ -18,7 +18,7 @@ position 0 only.
 The kept positions are read from the position ids each decoder layer gets
 (:func:`ced_csa2.kv_hooks.keep_initial`), so the group also decodes through a cache.  Measured by
 ``studies/sink.py``; the pipeline's ``ced_sink`` and ``ced_csa2_sink`` groups are ``ced`` and ``ced_csa2``
-with ``exact`` at four positions (:attr:`ced_csa2.runtime.groups.Group.sink`).
+with ``exact`` at four positions (:attr:`ced_csa2.groups.Group.sink`).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from ..kv.fp4 import e2m1_decode, e8m0_scale_values, unpack_nibbles
 from ..maps.indexer import LightningIndexer, key_format
 from ..model_utils import attention, rotary
 from .attention_calls import AttentionCalls
-from .groups import GROUPS
+from ..groups import GROUPS
 from .shared_kv import KV, SharedKVCache, TokenStore, SharedStore
 from .sparse_attention import index_scores
 

@@ -38,7 +38,7 @@ from ..pipeline.paths import GOLD_PATH, GSM8K_JSONL, MODELS
 from ..pipeline.paths import GSM8K_METRICS as METRICS_PATH
 from ..pipeline.stage_runner import record_timing, run_stage, stage_arguments
 from ..plan import load_plan
-from ..runtime.groups import GROUPS
+from ..groups import GROUPS
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from ..pipeline.map_roles import MAIN
 from ..pipeline.paths import EVAL_JSONL, MODELS, PPL_METRICS, domain_jsonl
 from ..pipeline.stage_runner import record_timing, run_stage, stage_arguments
 from ..plan import load_plan
-from ..runtime.groups import LOW_RANK_GROUPS
+from ..groups import LOW_RANK_GROUPS
 
 log = logging.getLogger(__name__)
 

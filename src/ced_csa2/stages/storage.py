@@ -43,7 +43,7 @@ from ..pipeline.atomic_files import write_json
 from ..pipeline.paths import STORAGE_METRICS
 from ..pipeline.stage_runner import run_stage, stage_arguments
 from ..plan import load_plan
-from ..runtime.groups import GROUPS
+from ..groups import GROUPS
 
 log = logging.getLogger(__name__)
 
