@@ -132,7 +132,7 @@ def test_the_shared_prefill_gives_every_group_its_own_prefill_to_the_bit(model_n
     """groups_hits' prefill (the plain layers below each cache's branch run once, their entries copied) gives every
     supported group the logits and the cache of its own whole prefill, bit for bit (fp32): the logits after the
     prompts and after one more decode step through the filled cache.  On the all-attention Llama the ordinary and
-    unprojected shared-store caches do take the trunk (branch above layer 1)."""
+    shared-store caches do take the trunk (branch above layer 1; the projector's stores seeded with H_split)."""
     from conftest import tiny_llama
     from tiny_maps import LLAMA_PLAN, QWEN_PLAN
 
@@ -165,6 +165,7 @@ def test_the_shared_prefill_gives_every_group_its_own_prefill_to_the_bit(model_n
         assert shared["baseline"].branch == n + 1
         assert shared["csa2"].branch == shared["csa2_fp4"].branch == plan.source
         assert 1 < shared["ced"].branch <= plan.split + 1
-        assert shared["ced_csa2"].branch == shared["baseline_fp4"].branch == 1
+        assert shared["ced_csa2"].branch == shared["ced_csa2_fp4"].branch == shared["ced"].branch
+        assert shared["baseline_fp4"].branch == shared["xkv"].branch == 1
         # layer 1 ran in the trunk and in the whole prefills of the branch-1 caches only
         assert len(first_layer_calls) == 1 + sum(b.branch == 1 for b in shared.values()) < 1 + len(groups)

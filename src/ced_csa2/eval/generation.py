@@ -136,7 +136,7 @@ class GroupCache:
         ``H_split`` and the source's K/V (what :meth:`~ced_csa2.runtime.group_runtime.GroupRuntime.seed`
         hands a runtime) and the cache stores what a ``DynamicCache`` stores.  ``n_layers + 1`` for
         ``baseline``; 1 where no layer is known to be plain (the every-layer FP4 and block caches, the
-        low-rank cache, a shared store fed by the projector).
+        low-rank cache).
     """
 
     group: str
@@ -182,9 +182,13 @@ def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts |
         return GroupCache(group, cache, cache.feed, storage, f"LowRankKVCache(rank {cache.rank})", cache.rank)
     if spec.cache_kind == "shared_store":  # the source stores once (FP4 or not, rotated or not), the targets nothing
         cache = SharedKVCache(model, plan, twin, parts, storage=storage, rotate=spec.rotate)
-        # feed() hooks the source layer alone, unless the projector (from H_split, below it) feeds the store
+        # feed() hooks the source layer, and the projector's runtime (seeded: SharedKVCache.seed) from the split up
+        branch = plan.source
+        if spec.projected_source:
+            branch = min(branch, branch_point(CEDModeBRuntime(model, plan, "ced", parts, kv_format=None),
+                                              len(model.model.layers)))
         return GroupCache(group, cache, cache.feed, storage, f"SharedKVCache({storage}{', rotated' if spec.rotate else ''})",
-                          branch=1 if spec.projected_source else plan.source)
+                          branch=branch)
     # Every layer stores its own entry: ordinary, or FP4 / block formats everywhere; the projector (ced) changes compute only.
     if spec.cache_kind == "fp4_every_layer":
         cache = FP4KVCache(model.config, storage, rotate=spec.rotate)

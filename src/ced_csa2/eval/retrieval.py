@@ -46,7 +46,6 @@ from .. import kv_hooks
 from ..ced_runtime import CEDModeARuntime, CEDParts, parts_for
 from ..model_utils import geometry
 from ..plan import LayerPlan
-from ..runtime.group_runtime import GroupRuntime
 from . import generation, stats
 from .scoring import continuation_logprob, final_hidden, head_logits
 
@@ -239,8 +238,8 @@ def trunk_prefill(model: nn.Module, plan: LayerPlan, built: Mapping[str, generat
     each decoder layer, the hidden state entering each cache's
     :attr:`~ced_csa2.eval.generation.GroupCache.branch`, ``H_split`` and the source's K/V
     (:mod:`ced_csa2.kv_hooks`).  Each cache then takes that prefill's entries of the layers below its
-    branch (the tensors a ``DynamicCache`` stores), and inside its context (a runtime seeded with what
-    the skipped layers' hooks would have captured) runs its layers from the branch on and the LM head:
+    branch (the tensors a ``DynamicCache`` stores), and inside its context (a runtime or a shared store,
+    seeded with what the skipped layers' hooks would have captured) runs its layers from the branch on and the LM head:
     the same ops on the same inputs as its own whole prefill, so the same logits to the bit.  A cache
     whose branch is layer 1, or whose layers below it are not the trunk's ``DynamicLayer`` s, prefills whole.
 
@@ -268,10 +267,10 @@ def trunk_prefill(model: nn.Module, plan: LayerPlan, built: Mapping[str, generat
             elif below == 0:
                 out[g] = next_logits(model, b.cache, prompts)
             else:
-                if isinstance(context, GroupRuntime):
-                    context.seed(h_split=captured["h"][plan.split] if plan.split <= below else None,
-                                 source_kv=(captured["k"][plan.source], captured["v"][plan.source])
-                                 if plan.source <= below else None)
+                # a runtime or a shared store: what the hooks of the layers skipped would have captured
+                context.seed(h_split=captured["h"][plan.split] if plan.split <= below else None,
+                             source_kv=(captured["k"][plan.source], captured["v"][plan.source])
+                             if plan.source <= below else None)
                 hidden = kv_hooks.run_layers(model, calls["inputs"][below + 1], below + 1, calls, fresh_cache=False,
                                              cache=b.cache)
                 out[g] = head_logits(model, hidden[:, -1:])[:, -1]  # as logits_to_keep=1 slices
