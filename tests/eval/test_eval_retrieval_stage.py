@@ -129,7 +129,7 @@ def test_lengths_beyond_the_window_and_short_filler_are_refused_before_the_model
 
 @pytest.mark.parametrize("model_name", ["llama", "qwen3_5"])
 def test_the_shared_prefill_gives_every_group_its_own_prefill_to_the_bit(model_name, tiny_model):
-    """groups_hits' prefill (the plain layers below each cache's branch run once, their entries copied) gives every
+    """PromptTrunk's prefill (the plain layers below each cache's branch run once, their entries copied) gives every
     supported group the logits and the cache of its own whole prefill, bit for bit (fp32): the logits after the
     prompts and after one more decode step through the filled cache.  On the all-attention Llama the ordinary and
     shared-store caches do take the trunk (branch above layer 1; the projector's stores seeded with H_split)."""
@@ -151,7 +151,8 @@ def test_the_shared_prefill_gives_every_group_its_own_prefill_to_the_bit(model_n
     first_layer_calls = []
     handle = model.model.layers[0].register_forward_hook(lambda *args: first_layer_calls.append(1))
     try:
-        logits = retrieval.trunk_prefill(model, plan, shared, prompts)
+        trunk = retrieval.PromptTrunk(model, plan, [b.branch for b in shared.values()], prompts)
+        logits = {g: trunk.prefill(b) for g, b in shared.items()}
     finally:
         handle.remove()
     for g in groups:

@@ -23,7 +23,7 @@ cut at a seeded offset.
   group's bytes (:func:`~ced_csa2.eval.generation.group_cache`) and after Mode A's prefill
   skip, records of one prompt length batched (all of them, when the key's tokens do not vary);
   :func:`groups_hits` scores several groups so, the layers below each cache's branch prefilled
-  once per batch (:func:`trunk_prefill`);
+  once per batch (:class:`PromptTrunk`);
 * :func:`accuracy_row` is one group's accuracy with its Wilson interval and its paired change
   against the baseline over the same records;
 * :func:`wilson` is the interval of an accuracy.
@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -229,60 +229,67 @@ def group_hits(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | 
     return _in_order(len(records), scored())
 
 
-@torch.inference_mode()
-def trunk_prefill(model: nn.Module, plan: LayerPlan, built: Mapping[str, generation.GroupCache],
-                  prompts: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Prefill ``prompts`` ``(B, T)`` into every cache of ``built`` (fresh), the layers below the caches' branches once.
+class PromptTrunk:
+    """One batch of prompts prefilled by the plain model once, so that each group's cache starts at its branch.
 
-    The plain model prefills the prompts through a ``DynamicCache`` once, recording what its forward hands
-    each decoder layer, the hidden state entering each cache's
-    :attr:`~ced_csa2.eval.generation.GroupCache.branch`, ``H_split`` and the source's K/V
-    (:mod:`ced_csa2.kv_hooks`).  Each cache then takes that prefill's entries of the layers below its
-    branch (the tensors a ``DynamicCache`` stores), and inside its context (a runtime or a shared store,
-    seeded with what the skipped layers' hooks would have captured) runs its layers from the branch on and the LM head:
-    the same ops on the same inputs as its own whole prefill, so the same logits to the bit.  A cache
-    whose branch is layer 1, or whose layers below it are not the trunk's ``DynamicLayer`` s, prefills whole.
+    The plain model prefills ``prompts`` ``(B, T)`` through a ``DynamicCache``, recording what its forward
+    hands each decoder layer, the hidden state entering each layer of ``branches``, ``H_split`` and the
+    source's K/V (:mod:`ced_csa2.kv_hooks`).  :meth:`prefill` then fills one group's fresh cache.
 
-    Returns
-    -------
-    dict
-        ``{group: logits after the prompts' last position (B, vocab)}``.
+    Parameters
+    ----------
+    model, plan
+        The HF causal LM (no runtime open) and the layer plan.
+    branches
+        The :attr:`~ced_csa2.eval.generation.GroupCache.branch` of every cache to fill.
+    prompts : torch.Tensor, shape (B, T)
+        Unpadded prompts.
     """
-    n = len(model.model.layers)
-    points = sorted({b.branch for b in built.values() if 1 < b.branch <= n})
-    trunk = DynamicCache(config=model.config)
-    with kv_hooks.layer_calls(model, None, points) as calls, \
-            kv_hooks.capture(model, [plan.source], [plan.split]) as captured:
-        plain = next_logits(model, trunk, prompts)
-    out = {}
-    for g, b in built.items():
-        below = min(b.branch, n + 1) - 1
-        if not all(type(trunk.layers[i]) is type(b.cache.layers[i]) is DynamicLayer for i in range(below)):
+
+    @torch.inference_mode()
+    def __init__(self, model: nn.Module, plan: LayerPlan, branches: Iterable[int], prompts: torch.Tensor):
+        self.model, self.plan, self.prompts, self.n = model, plan, prompts, len(model.model.layers)
+        self.cache = DynamicCache(config=model.config)
+        with kv_hooks.layer_calls(model, None, sorted({b for b in branches if 1 < b <= self.n})) as self.calls, \
+                kv_hooks.capture(model, [plan.source], [plan.split]) as self.captured:
+            self.logits = next_logits(model, self.cache, prompts)
+
+    @torch.inference_mode()
+    def prefill(self, built: generation.GroupCache) -> torch.Tensor:
+        """Fill ``built``'s fresh cache with the prompts; the logits after their last position ``(B, vocab)``.
+
+        The cache takes the trunk's entries of the layers below its branch (the tensors a ``DynamicCache``
+        stores), and inside its context (a runtime or a shared store, seeded with what the skipped layers'
+        hooks would have captured) runs its layers from the branch on and the LM head: the same ops on the
+        same inputs as its own whole prefill, so the same logits and entries to the bit.  A cache whose
+        branch is layer 1, or whose layers below it are not the trunk's ``DynamicLayer`` s, prefills whole.
+        """
+        model, plan, n, trunk = self.model, self.plan, self.n, self.cache
+        below = min(built.branch, n + 1) - 1
+        if not all(type(trunk.layers[i]) is type(built.cache.layers[i]) is DynamicLayer for i in range(below)):
             below = 0
         for i in range(below):
-            b.cache.layers[i].update(trunk.layers[i].keys, trunk.layers[i].values)
-        with b.open() as context:
+            built.cache.layers[i].update(trunk.layers[i].keys, trunk.layers[i].values)
+        with built.open() as context:
             if below == n:  # the plain model's forward: the trunk's own logits
-                out[g] = plain
-            elif below == 0:
-                out[g] = next_logits(model, b.cache, prompts)
-            else:
-                # a runtime or a shared store: what the hooks of the layers skipped would have captured
-                context.seed(h_split=captured["h"][plan.split] if plan.split <= below else None,
-                             source_kv=(captured["k"][plan.source], captured["v"][plan.source])
-                             if plan.source <= below else None)
-                hidden = kv_hooks.run_layers(model, calls["inputs"][below + 1], below + 1, calls, fresh_cache=False,
-                                             cache=b.cache)
-                out[g] = head_logits(model, hidden[:, -1:])[:, -1]  # as logits_to_keep=1 slices
-    return out
+                return self.logits
+            if below == 0:
+                return next_logits(model, built.cache, self.prompts)
+            # a runtime or a shared store: what the hooks of the layers skipped would have captured
+            context.seed(h_split=self.captured["h"][plan.split] if plan.split <= below else None,
+                         source_kv=(self.captured["k"][plan.source], self.captured["v"][plan.source])
+                         if plan.source <= below else None)
+            hidden = kv_hooks.run_layers(model, self.calls["inputs"][below + 1], below + 1, self.calls,
+                                         fresh_cache=False, cache=built.cache)
+            return head_logits(model, hidden[:, -1:])[:, -1]  # as logits_to_keep=1 slices
 
 
 @torch.inference_mode()
 def groups_hits(model: nn.Module, plan: LayerPlan, groups: Sequence[str], parts: CEDParts | Mapping[str, CEDParts] | None,
                 records: Sequence[Passkey], kv_format: str | None, batch_size: int) -> dict[str, list[bool]]:
     """:func:`group_hits` of every group in ``groups``, each batch's prompts prefilled once below the groups' branch
-    layers (:func:`trunk_prefill`: the same logits to the bit as each group's own prefill), then each group's
-    answers decoded through its cache (:func:`answer_hits`).
+    layers (:class:`PromptTrunk`: the same logits to the bit as each group's own prefill), then each group's
+    answers decoded through its cache (:func:`answer_hits`), one group's cache held at a time.
 
     Returns
     -------
@@ -291,11 +298,13 @@ def groups_hits(model: nn.Module, plan: LayerPlan, groups: Sequence[str], parts:
     """
     scored: dict[str, list[tuple[_Batch, list[bool]]]] = {g: [] for g in groups}
     for batch in _batches(model, records, batch_size):
-        built = {g: generation.group_cache(model, plan, g, parts_for(parts, g), kv_format) for g in groups}
-        logits = trunk_prefill(model, plan, built, batch.prompts)
-        for g, b in built.items():
-            with b.open():
-                scored[g].append((batch, answer_hits(model, b.cache, logits[g], batch.answers)))
+        built = {g: generation.group_cache(model, plan, g, parts_for(parts, g), kv_format) for g in groups}  # empty
+        trunk = PromptTrunk(model, plan, [b.branch for b in built.values()], batch.prompts)
+        for g in groups:
+            cache = built.pop(g)
+            logits = trunk.prefill(cache)
+            with cache.open():
+                scored[g].append((batch, answer_hits(model, cache.cache, logits, batch.answers)))
     return {g: _in_order(len(records), iter(s)) for g, s in scored.items()}
 
 
