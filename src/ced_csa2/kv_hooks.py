@@ -214,19 +214,23 @@ def layer_calls(model: nn.Module, stop: int | None = None, inputs_at: Iterable[i
         yield store
 
 
-def run_layers(model: nn.Module, hidden: torch.Tensor, first: int, calls: dict, *, fresh_cache: bool) -> torch.Tensor:
+def run_layers(model: nn.Module, hidden: torch.Tensor, first: int, calls: dict, *, fresh_cache: bool,
+               cache=None) -> torch.Tensor:
     """Decoder layers ``first..n`` on ``hidden`` ``(B, T, hidden)``, then the final norm: the forward's end.
 
     Each layer gets the arguments :func:`layer_calls` recorded for its kind; with ``fresh_cache``
     a new cache of the recorded one's type (one for all these layers, as a forward makes one)
-    instead of the recorded cache.  Returns the final hidden states ``(B, T, hidden)``.
+    instead of the recorded cache, with ``cache`` that cache (which holds the layers below
+    ``first`` already).  Returns the final hidden states ``(B, T, hidden)``.
     """
+    if fresh_cache and cache is not None:
+        raise ValueError("run_layers: give fresh_cache or a cache, not both")
     layers, kinds, fresh = model.model.layers, layer_kinds(model), {}
     for i in range(first, len(layers) + 1):
         kw = dict(calls["kwargs"][kinds[i - 1]])
-        if fresh_cache:
-            for name in ("cache", "past_key_values"):
-                if kw.get(name) is not None:
-                    kw[name] = fresh.setdefault(name, type(kw[name])(config=model.model.config))
+        for name in ("cache", "past_key_values"):
+            if kw.get(name) is not None and (fresh_cache or cache is not None):
+                kw[name] = cache if cache is not None else fresh.setdefault(
+                    name, type(kw[name])(config=model.model.config))
         hidden = _hidden(layers[i - 1](hidden, **kw))
     return model.model.norm(hidden)

@@ -129,3 +129,48 @@ def test_lengths_beyond_the_window_and_short_filler_are_refused_before_the_model
         stage.run(tiny_params(eval_retrieval={"length": window}), tmp_path)
     with pytest.raises(ValueError, match=r"eval_retrieval.records.*must be at least 2"):
         tiny_params(eval_retrieval={"records": 1})
+
+
+@pytest.mark.parametrize("model_name", ["llama", "qwen3_5"])
+def test_the_shared_prefill_gives_every_group_its_own_prefill_to_the_bit(model_name, tiny_model):
+    """PromptTrunk's prefill (the plain layers below each cache's branch run once, their entries copied) gives every
+    supported group the logits and the cache of its own whole prefill, bit for bit (fp32): the logits after the
+    prompts and after one more decode step through the filled cache.  On the all-attention Llama the ordinary and
+    shared-store caches do take the trunk (branch above layer 1; the projector's stores seeded with H_split)."""
+    from conftest import tiny_llama
+    from tiny_maps import LLAMA_PLAN, QWEN_PLAN
+
+    model, plan, vocab = (tiny_llama(), LLAMA_PLAN, 300) if model_name == "llama" else (tiny_model[0], QWEN_PLAN, 250)
+    parts = random_parts(geometry(model.config), plan)
+    torch.manual_seed(1)
+    prompts, step = torch.randint(0, vocab, (3, 40)), torch.randint(0, vocab, (3, 1))
+    n = len(model.model.layers)
+    # the Llama's kv_dim of 16 holds no 32-channel block formats (baseline_k6v4_rot's)
+    groups = [g for g in gen.supported_groups() if model_name == "qwen3_5" or GROUPS[g].stream_formats is None]
+
+    def built():
+        return {g: gen.group_cache(model, plan, g, parts, "nvfp4") for g in groups}
+
+    shared, own = built(), built()
+    first_layer_calls = []
+    handle = model.model.layers[0].register_forward_hook(lambda *args: first_layer_calls.append(1))
+    try:
+        trunk = retrieval.PromptTrunk(model, plan, [b.branch for b in shared.values()], prompts)
+        logits = {g: trunk.prefill(b) for g, b in shared.items()}
+    finally:
+        handle.remove()
+    for g in groups:
+        with torch.inference_mode(), own[g].open():
+            assert torch.equal(logits[g], retrieval.next_logits(model, own[g].cache, prompts)), g
+        with torch.inference_mode(), shared[g].open():
+            after_shared = retrieval.next_logits(model, shared[g].cache, step)
+        with torch.inference_mode(), own[g].open():
+            assert torch.equal(after_shared, retrieval.next_logits(model, own[g].cache, step)), g
+    if model_name == "llama":
+        assert shared["baseline"].branch == n + 1
+        assert shared["csa2"].branch == shared["csa2_fp4"].branch == plan.source
+        assert 1 < shared["ced"].branch <= plan.split + 1
+        assert shared["ced_csa2"].branch == shared["ced_csa2_fp4"].branch == shared["ced"].branch
+        assert shared["baseline_fp4"].branch == shared["xkv"].branch == 1
+        # layer 1 ran in the trunk and in the whole prefills of the branch-1 caches only
+        assert len(first_layer_calls) == 1 + sum(b.branch == 1 for b in shared.values()) < 1 + len(groups)

@@ -79,7 +79,7 @@ from ..runtime.shared_kv import (
     greedy_generate,
 )
 from . import stats
-from .scoring import sequence_nll
+from .scoring import branch_point, sequence_nll
 
 MODE_A = "mode_a"  # the label of Mode A's run (not a group: the prefill skip over the plain cache)
 
@@ -129,6 +129,13 @@ class GroupCache:
         ``"BlockKVCache(k fp6/32 rotated, v mxfp4/32 rotated)"``, ``"LowRankKVCache(rank 16)"``, ...
     rank
         Coefficients per token for K and for V of a low-rank cache (the accounting's ``rank``); ``None``: none.
+    branch
+        The first layer (1-based) whose forward through this cache, inside ``open()``, may differ from
+        the plain model's forward through a ``DynamicCache``: below it the hooks capture at most
+        ``H_split`` and the source's K/V (what :meth:`~ced_csa2.runtime.group_runtime.GroupRuntime.seed`
+        hands a runtime) and the cache stores what a ``DynamicCache`` stores.  ``n_layers + 1`` for
+        ``baseline``; 1 where no layer is known to be plain (the every-layer FP4 and block caches, the
+        low-rank cache).
     """
 
     group: str
@@ -137,6 +144,7 @@ class GroupCache:
     storage: str
     kind: str
     rank: int | None = None
+    branch: int = 1
 
 
 def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | None,
@@ -173,7 +181,13 @@ def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts |
         return GroupCache(group, cache, cache.feed, storage, f"LowRankKVCache(rank {cache.rank})", cache.rank)
     if spec.cache_kind == "shared_store":  # the source stores once (FP4 or not, rotated or not), the targets nothing
         cache = SharedKVCache(model, plan, twin, parts, storage=storage, rotate=spec.rotate)
-        return GroupCache(group, cache, cache.feed, storage, f"SharedKVCache({storage}{', rotated' if spec.rotate else ''})")
+        # feed() hooks the source layer, and the projector's runtime (seeded: SharedKVCache.seed) from the split up
+        branch = plan.source
+        if spec.projected_source:
+            branch = min(branch, branch_point(CEDModeBRuntime(model, plan, "ced", parts, kv_format=None),
+                                              len(model.model.layers)))
+        return GroupCache(group, cache, cache.feed, storage, f"SharedKVCache({storage}{', rotated' if spec.rotate else ''})",
+                          branch=branch)
     # Every layer stores its own entry: ordinary, or FP4 / block formats everywhere; the projector (ced) changes compute only.
     if spec.cache_kind == "fp4_every_layer":
         cache = FP4KVCache(model.config, storage, rotate=spec.rotate)
@@ -186,7 +200,9 @@ def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts |
     else:
         cache, kind = DynamicCache(config=model.config), "DynamicCache"
     runtime = CEDModeBRuntime(model, plan, twin, parts, kv_format=None)
-    return GroupCache(group, cache, lambda: runtime, storage, kind)  # the runtime re-enters
+    # An ordinary cache under Mode B: the runtime's branch point, as the shared trunk of scoring takes it
+    branch = branch_point(runtime, len(model.model.layers)) if kind == "DynamicCache" else 1
+    return GroupCache(group, cache, lambda: runtime, storage, kind, branch=branch)  # the runtime re-enters
 
 
 def runs_protocol(plan: LayerPlan, mode_a, covered: bool) -> dict:

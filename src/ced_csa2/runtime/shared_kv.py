@@ -696,8 +696,18 @@ class SharedKVCache(DynamicCache):
         self.plan, self.group, self.storage, self.rotate = plan, group, storage, rotate
         rotations = stream_rotations(geo.head_dim, plan.source) if rotate else {}
         self._store = self._make_store(model, plan, group, parts, fmt, geo, rotations)
+        self._projection: CEDModeBRuntime | None = None  # the projector's runtime while feed() is open
         for layer in (plan.source, *plan.targets):
             self.layers[layer - 1] = SharedLayer(self._store, layer)
+
+    def seed(self, *, h_split: torch.Tensor | None = None, source_kv: KV | None = None) -> None:
+        """Hand the hooks feed() installed what they would have captured in layers a forward skips (a prefill that
+        starts above the split from a plain trunk's hidden state, :class:`ced_csa2.eval.retrieval.PromptTrunk`):
+        ``H_split`` ``(B, T, hidden)`` for the projector of a ``ced_csa2*`` store (as
+        :meth:`CEDModeBRuntime.seed <ced_csa2.ced_runtime.CEDModeBRuntime.seed>`; the source's K/V are captured
+        at the source itself).  Call inside ``feed()``; a no-op without the projector."""
+        if self._projection is not None:
+            self._projection.seed(h_split=h_split, source_kv=source_kv)
 
     def _make_store(self, model, plan, group, parts, fmt, geo, rotations) -> SharedStore:
         return SharedStore(model, plan, group, parts, fmt, geo, rotations)
@@ -710,7 +720,9 @@ class SharedKVCache(DynamicCache):
         with ExitStack() as stack:
             if GROUPS[self.group].projected_source:
                 # Entered first, so the capture hook below sees the projected K/V.
-                stack.enter_context(CEDModeBRuntime(store.model, self.plan, "ced", store.parts, kv_format=None))
+                self._projection = stack.enter_context(
+                    CEDModeBRuntime(store.model, self.plan, "ced", store.parts, kv_format=None))
+                stack.callback(setattr, self, "_projection", None)
                 if store.sink:  # after the projection, as in Mode B: the first positions store the source's own
                     stack.enter_context(kv_hooks.keep_initial(store.model, [self.plan.source], store.sink))
             store.captured = stack.enter_context(kv_hooks.capture(store.model, [self.plan.source]))

@@ -8,7 +8,9 @@ passkey task of :mod:`ced_csa2.eval.retrieval` (a 5-digit key hidden in held-out
 stratified depth, asked for at the end; retrieved when greedy decoding returns every token of
 it) runs for each group with a cache that holds its bytes
 (:func:`ced_csa2.eval.generation.supported_groups`, each through
-:func:`~ced_csa2.eval.generation.group_cache`) and for Mode A (the prefill skip, decoding on the
+:func:`~ced_csa2.eval.generation.group_cache`; :func:`~ced_csa2.eval.retrieval.groups_hits`
+prefills the layers below the first one a group's cache changes once per batch for every group,
+the same logits to the bit) and for Mode A (the prefill skip, decoding on the
 ordinary cache it returns; covering plans), as ``eval_generation`` decodes them.  Per label:
 accuracy with its Wilson 95% interval and its change against the baseline in points over the
 same records (paired bootstrap 95%); the report's headline shows the accuracy
@@ -31,7 +33,8 @@ in one line before the model is loaded.  Maps: the main pipeline's (``models/``)
 ``mode_a.maps``.
 
 Writes ``metrics/retrieval.json`` (``protocol``, ``groups``: one row per label, with each
-record's hit); wall seconds per label go to ``timings/eval_retrieval.json``, never into the metrics.
+record's hit); wall seconds of the groups and of Mode A go to ``timings/eval_retrieval.json``, never into
+the metrics.
 """
 
 from __future__ import annotations
@@ -93,18 +96,21 @@ def run(params: Params, workdir: Path = Path("."), *, parts: CEDParts | None = N
         parts = load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device, extra_sources=False,
                            low_rank=True)  # xkv decodes too: models/xkv.pt
     covered = not plan.uncovered(geo)
-    jobs = {g: (lambda g=g: retrieval.group_hits(model, plan, g, parts, records, params.kv_format, cfg.batch_size))
-            for g in gen.supported_groups()}
+    jobs = {"groups": lambda: retrieval.groups_hits(model, plan, gen.supported_groups(), parts, records,
+                                                    params.kv_format, cfg.batch_size)}
     if covered:
         mode_a = parts if given else load_mode_a_parts(workdir, params, plan, geo, device=device)
-        jobs[gen.MODE_A] = lambda: retrieval.mode_a_hits(model, plan, mode_a, records, cfg.batch_size,
-                                                         replay=params.mode_a.replay, sink=params.mode_a.sink)
+        jobs[gen.MODE_A] = lambda: {gen.MODE_A: retrieval.mode_a_hits(model, plan, mode_a, records, cfg.batch_size,
+                                                                      replay=params.mode_a.replay,
+                                                                      sink=params.mode_a.sink)}
     hits, seconds = {}, {}
-    for label, job in jobs.items():
+    for job_name, job in jobs.items():
         t0 = time.perf_counter()
-        hits[label] = job()
-        seconds[label] = round(time.perf_counter() - t0, 2)
-        log.info("%s: %d/%d retrieved in %.1f s", label, sum(hits[label]), len(records), seconds[label])
+        hits.update(job())
+        seconds[job_name] = round(time.perf_counter() - t0, 2)
+        log.info("%s: done in %.1f s", job_name, seconds[job_name])
+    for label, h in hits.items():
+        log.info("%s: %d/%d retrieved", label, sum(h), len(records))
     record_timing(seconds=seconds)
     base = hits["baseline"]
     rows = {label: {**retrieval.accuracy_row(h, None if label == "baseline" else base, params.seed),
