@@ -25,10 +25,12 @@ every Full layer from ``H_split`` (its ridge projector).  ``attn_out`` / ``disti
 maps trained from those ridge maps by the pipeline's own ``tune@<objective>`` branch
 (:func:`~ced_csa2.train.tuning.train_branch`, ``train.online``'s budget and records) through the
 phases the arms serve -- ``csa2`` (the readers' adapters, true source K/V) and, for a ``ced_csa2``
-arm, ``ced_csa2`` (its own projector and adapters jointly) -- on ``trained_full_layers``' ``k`` only
-(rows ``k{k}/<arm>@<objective>``, beside the ridge rows).  Each sub-plan is trained alone, as the
-pipeline trains its one plan: under ``distill`` the other sub-plans' layers keep their true K/V
-(``attn_out`` re-runs each reader's attention on its true input whatever the other layers do).
+arm, ``ced_csa2`` (its own projector and adapters jointly) -- each objective on its own ``k`` (``trained``;
+rows ``k{k}/<arm>@<objective>``, beside the ridge rows): ``attn_out`` on every ``k``, ``distill`` (a pass to the
+final hidden state per step) on ``k`` = 1 and 2 only, the one or two Full layers of the issue's goal, for time.
+Each sub-plan is trained alone, as the pipeline trains its one plan: under ``distill`` the other sub-plans'
+layers keep their true K/V (``attn_out`` re-runs each reader's attention on its true input whatever the other
+layers do).
 
 Arms (``arms``): the groups nested, outermost first: a sharing group run by every sub-plan
 (``csa2``: sharing alone; ``csa2_fp4_rot``: the Full layers' stored entries in rotated FP4, every
@@ -37,7 +39,9 @@ other layer dense; ``ced_csa2``), optionally inside an every-layer FP4 group (``
 pipeline's ``pipeline_groups`` (the plan's own groups; those with maps at the ``ridge`` objective's,
 ``models/ridge.pt``, like every arm here) in one :func:`~ced_csa2.eval.perplexity.groups_ppl`
 call -- one baseline, paired bootstrap 95% intervals over the same records -- on the held-out
-records of ``data/corpus/eval.jsonl`` (``eval_ppl.records``).  Bytes per token (bf16, as the
+records of ``data/corpus/eval.jsonl`` (``eval_ppl.records``), then once per other domain (``data.domains``:
+``eval_ppl.domain_records`` seeded records of each, the records and scorer of eval_ppl's domain panel), every
+row carrying its worst other domain's ΔPPL as the pipeline's headline groups do.  Bytes per token (bf16, as the
 report's frontier) on both bases (:func:`~ced_csa2.runtime.sub_plans.nested_copies`), adapter and
 projector parameters apart.
 
@@ -75,7 +79,7 @@ from ced_csa2.maps.ridge import MapGroup, adapter_map, evaluate_maps, fit_maps, 
 from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json, write_tsv
 from ced_csa2.pipeline.figures import write_png
-from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH, TIMINGS, TRAIN_JSONL
+from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH, TIMINGS, TRAIN_JSONL, domain_jsonl
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.groups import GROUPS
@@ -92,12 +96,26 @@ log = logging.getLogger("sharing")
 
 
 @dataclass(frozen=True)
+class Training:
+    objective: str  # of TUNE_OBJECTIVES but ridge: trains the ridge maps through the model
+    full_layers: list[int]  # the k (of the study's full_layers) whose maps it trains
+
+
+@dataclass(frozen=True)
 class Study:
     full_layers: list[int]  # k: one arm family per entry
     arms: list[list[str]]  # groups nested, outermost first: [every-layer FP4 group,] sharing group
     pipeline_groups: list[str]  # the pipeline's own groups, scored beside (baseline among them)
-    objectives: list[str]  # of TUNE_OBJECTIVES: ridge (the maps untrained) and those that train through the model
-    trained_full_layers: list[int]  # the k (of full_layers) whose maps the training objectives train
+    trained: list[Training]  # the objectives that train the ridge maps (the ridge rows are always there)
+
+    @property
+    def objectives(self) -> list[str]:
+        """``ridge`` (the maps untrained), then each training objective."""
+        return ["ridge", *(t.objective for t in self.trained)]
+
+    def trains(self, objective: str, k: int) -> bool:
+        """Whether the study has a row of ``k``'s maps at ``objective`` (every ``k`` has its ridge rows)."""
+        return objective == "ridge" or any(t.objective == objective and k in t.full_layers for t in self.trained)
 
 
 def load_study(path: Path = STUDY_PARAMS) -> Study:
@@ -111,12 +129,13 @@ def load_study(path: Path = STUDY_PARAMS) -> Study:
                 GROUPS[g].fp4 != "every_layer" for g in arm[:-1]) or (len(arm) == 2 and GROUPS[arm[-1]].is_fp4):
             raise ValueError(f"{path}: arms entry {arm}: give a sharing group without FP4 of its own after at most "
                              f"one every-layer FP4 group (baseline_fp4, baseline_fp4_rot), or a sharing group alone")
-    if "ridge" not in study.objectives or not set(study.objectives) <= set(TUNE_OBJECTIVES):  # ridge: start, reference
-        raise ValueError(f"{path}: objectives must list ridge and any of {list(TUNE_OBJECTIVES[1:])}; got "
-                         f"{study.objectives}")
-    if not set(study.trained_full_layers) <= set(study.full_layers):
-        raise ValueError(f"{path}: trained_full_layers {study.trained_full_layers} must be some of full_layers "
-                         f"{study.full_layers}")
+    for i, t in enumerate(study.trained):
+        if t.objective not in TUNE_OBJECTIVES[1:] or study.objectives.index(t.objective) != i + 1:
+            raise ValueError(f"{path}: trained.{i}.objective must be one of {list(TUNE_OBJECTIVES[1:])}, each "
+                             f"once (ridge: the untrained maps, always scored); got {t.objective!r}")
+        if not t.full_layers or not set(t.full_layers) <= set(study.full_layers):
+            raise ValueError(f"{path}: trained.{i}.full_layers {t.full_layers} must be some of full_layers "
+                             f"{study.full_layers}")
     if "baseline" not in study.pipeline_groups or not set(study.pipeline_groups) <= set(GROUPS):
         raise ValueError(f"{path}: pipeline_groups must be known groups, baseline among them; got "
                          f"{study.pipeline_groups}")
@@ -238,6 +257,24 @@ def map_params(geo: Geometry, params: Params, group: str, plans: list[LayerPlan]
     return n + (len(plans) * projector_params(geo.hidden_size, geo.kv_dim) if GROUPS[group].projected_source else 0)
 
 
+def domain_columns(scores: dict[str, dict]) -> dict:
+    """One row's other-domain columns from its :func:`~ced_csa2.eval.perplexity.groups_ppl` result per domain.
+
+    ``<domain>_dppl_pct`` with ``_ci_low``/``_ci_high`` (0 for the baseline, as in domain), then
+    ``worst_domain`` (``–`` for the baseline) and its ``worst_domain_dppl_pct`` with the interval.
+    """
+    row = {}
+    for domain, s in scores.items():
+        low, high = s.get("delta_pct_ci95", (0.0, 0.0))
+        row |= {f"{domain}_dppl_pct": s.get("delta_pct", 0.0), f"{domain}_dppl_ci_low": low,
+                f"{domain}_dppl_ci_high": high}
+    worst = max(scores, key=lambda d: row[f"{d}_dppl_pct"]) if any("delta_pct" in s for s in scores.values()) \
+        else None
+    return row | {"worst_domain": worst or "–",
+                  **{f"worst_domain_dppl_{c}": row[f"{worst}_dppl_{c}"] if worst else 0.0
+                     for c in ("pct", "ci_low", "ci_high")}}
+
+
 def budget_answer(rows: list[dict], basis: str) -> list[str]:
     """At which byte budgets on ``basis`` the best sharing row has a lower ΔPPL than the best FP4-alone row.
 
@@ -266,21 +303,25 @@ def budget_answer(rows: list[dict], basis: str) -> list[str]:
 
 
 def table(rows: list[dict], params: Params, study: Study, n: int, tokens: int, dtype: str, seconds: float,
-          train_seconds: dict[str, float]) -> str:
+          train_seconds: dict[str, float], domain_ids: dict[str, list[list[int]]]) -> str:
     """``sharing.md``: the protocol, one row per arm, the Pareto fronts and the byte-budget answer."""
     online = params.train.online
     trained = "".join(
-        f" `@{o}` rows (k ∈ {{{', '.join(map(str, study.trained_full_layers))}}}): the same maps trained by the "
-        f"pipeline's `{o}` objective (tune@{o}'s phases of the groups the arms run; {online.records} train records "
-        f"of {online.seq_len} tokens, {online.epochs} epoch(s), batch {online.batch_size}, adapters lr "
-        f"{online.adapters_lr:g}; {train_seconds[o] / 60:.1f} min)." for o in train_seconds)
+        f" `@{t.objective}` rows (k ∈ {{{', '.join(map(str, t.full_layers))}}}): the same maps trained by the "
+        f"pipeline's `{t.objective}` objective (tune@{t.objective}'s phases of the groups the arms run; "
+        f"{online.records} train records of {online.seq_len} tokens, {online.epochs} epoch(s), batch "
+        f"{online.batch_size}, adapters lr {online.adapters_lr:g}; {train_seconds[t.objective] / 60:.1f} min)."
+        for t in study.trained)
+    domains = ", ".join(f"{d} ({len(ids)} records)" for d, ids in domain_ids.items())
     protocol = (
         f"Cross-layer sharing on {params.model.name} ({dtype}), cut after layer {params.plan.split}: k Full layers "
         "above the cut (evenly spaced from the first), every other attention layer above the cut a reader of the "
         "Full layer below it; ridge maps (the `ridge` objective, untrained) fitted on the pipeline's dump."
         f"{trained} "
         f"ΔPPL %, KL and top-1 against the baseline with paired bootstrap 95% intervals over {n} held-out "
-        f"{params.data.name} records ({tokens:,} scored tokens, teacher-forced, eval_ppl.records), in domain. "
+        f"{params.data.name} records ({tokens:,} scored tokens, teacher-forced, eval_ppl.records), in domain; "
+        f"worst other domain: the largest ΔPPL % of the same scoring on each other domain (data.domains, "
+        f"eval_ppl.domain_records: {domains or 'none'}), its interval over that domain's records. "
         f"Bytes per token counted in {BYTES} (FP4: {params.kv_format}), on the whole cache (all attention layers) "
         "and the decoder basis (attention layers above the cut); compression against the baseline's. Map "
         "parameters are weights, not per-token bytes. `pipeline:` rows are the pipeline's own groups (plan "
@@ -289,16 +330,19 @@ def table(rows: list[dict], params: Params, study: Study, n: int, tokens: int, d
         f"Study wall time {seconds / 60:.1f} min.")
     lines = [protocol, "",
              "| arm | Full layers | readers | B/token whole | × whole | B/token decoder | × decoder | "
-             "ΔPPL % [95% CI] | KL | top-1 % | readers' ridge R² | map params | front whole / decoder |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|:---:|"]
+             "ΔPPL % [95% CI] | ΔPPL % worst other domain [95% CI] | KL | top-1 % | readers' ridge R² | "
+             "map params | front whole / decoder |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|:---:|"]
     for r in rows:
-        d = "–" if r["arm"] == "pipeline:baseline" else \
-            f"{r['dppl_pct']:+.2f} [{r['dppl_ci_low']:+.2f}, {r['dppl_ci_high']:+.2f}]"
+        d, worst = ("–", "–") if r["arm"] == "pipeline:baseline" else \
+            (f"{r['dppl_pct']:+.2f} [{r['dppl_ci_low']:+.2f}, {r['dppl_ci_high']:+.2f}]",
+             f"{r['worst_domain_dppl_pct']:+.2f} [{r['worst_domain_dppl_ci_low']:+.2f}, "
+             f"{r['worst_domain_dppl_ci_high']:+.2f}] ({r['worst_domain']})")
         r2 = f"{r['ridge_r2']:.3f}" if r["ridge_r2"] is not None else "–"
         front = f"{'✓' if r['front_all_attention'] else '·'} / {'✓' if r['front_decoder_attention'] else '·'}"
         lines.append(f"| {r['arm']} | {r['full_layers']} | {r['readers']} | {r['bytes_all_attention']:,.0f} | "
                      f"{r['x_all_attention']:.2f} | {r['bytes_decoder_attention']:,.0f} | "
-                     f"{r['x_decoder_attention']:.2f} | {d} | {r['kl']:.4f} | {r['top1_pct']:.1f} | {r2} | "
+                     f"{r['x_decoder_attention']:.2f} | {d} | {worst} | {r['kl']:.4f} | {r['top1_pct']:.1f} | {r2} | "
                      f"{r['map_params']:,} | {front} |")
     for basis in ("all_attention", "decoder_attention"):
         lines += ["", f"Where sharing (alone or with FP4) beats FP4 alone ({', '.join(FP4_ALONE)}), by budget on the "
@@ -343,9 +387,9 @@ def main() -> None:
     # before anything else is read, as every study: a corpus made for other params
     check_prepared(params, Path("."), EVAL_JSONL)
     study = load_study()
-    trained_objectives = [o for o in study.objectives if o != "ridge"]
-    if trained_objectives:  # the trained rows read the train records too
+    if study.trained:  # the trained rows read the train records too
         check_prepared(params, Path("."), TRAIN_JSONL)
+    check_prepared(params, Path("."), *(domain_jsonl(d.name) for d in params.data.domains))
     plan, geo = load_plan(params.plan, params.model)
     plans = study_plans(geo, plan.split, study)  # refuses a k that leaves a Full layer without readers
     if any(GROUPS[a[-1]].projected_source for a in study.arms) and params.train.ced_csa2_start != "csa2":
@@ -359,28 +403,35 @@ def main() -> None:
         parts, r2 = fit_sub_plans(params, distinct, geo, Path("."), Path(scratch))
     model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
     model.requires_grad_(False)
-    trained_plans = list(dict.fromkeys(p for k in study.trained_full_layers for p in plans[k]))
+    # Every domain's records before any training or scoring: a missing or short domain file fails in seconds.
+    ids = eval_ids(params, tok, Path("."))
+    domain_ids = {d.name: eval_ids(params, tok, Path("."), d.name) for d in params.data.domains}
     maps_of, train_seconds = {"ridge": parts}, {}
-    for objective in trained_objectives:
+    for t in study.trained:
         t_train = time.perf_counter()
-        maps_of[objective] = train_sub_plans(objective, params, trained_plans, parts, {a[-1] for a in study.arms},
-                                             model, tok, Path("."))
-        train_seconds[objective] = round(time.perf_counter() - t_train, 1)
+        trained_plans = list(dict.fromkeys(p for k in t.full_layers for p in plans[k]))
+        maps_of[t.objective] = train_sub_plans(t.objective, params, trained_plans, parts,
+                                               {a[-1] for a in study.arms}, model, tok, Path("."))
+        train_seconds[t.objective] = round(time.perf_counter() - t_train, 1)
     # (k, arm, objective) of every study row: a ridge row, then its trained twins
     families = [(k, arm, objective) for k in plans for arm in study.arms for objective in study.objectives
-                if objective == "ridge" or k in study.trained_full_layers]
+                if study.trains(objective, k)]
     runtimes = {arm_name(k, arm, o): arm_runtime(model, arm, plans[k], maps_of[o], params.kv_format)
                 for k, arm, o in families}
-    ids = eval_ids(params, tok, Path("."))
     log.info("scoring %d arms and %d pipeline groups on %d records", len(runtimes), len(study.pipeline_groups),
              len(ids))
     scores = groups_ppl(model, plan, study.pipeline_groups, pipeline_parts, ids, params, tok.pad_token_id,
                         extra=runtimes)
+    domain_scores = {}
+    for domain, d_ids in domain_ids.items():
+        log.info("scoring every arm on the other domain %s: %d records", domain, len(d_ids))
+        domain_scores[domain] = groups_ppl(model, plan, study.pipeline_groups, pipeline_parts, d_ids, params,
+                                           tok.pad_token_id, extra=runtimes)
     arms = {pipeline_name(g): (0, [g], [plan], "ridge") for g in study.pipeline_groups}
     arms |= {arm_name(k, arm, o): (k, arm, plans[k], o) for k, arm, o in families}
-    rows = []
+    rows, scored_as = [], {name: arm[0] if k == 0 else name for name, (k, arm, _, _) in arms.items()}
     for name, (k, arm, ps, objective) in arms.items():
-        s = scores[arm[0]] if k == 0 else scores[name]
+        s = scores[scored_as[name]]
         shares = GROUPS[arm[-1]].shares_source_kv
         row = {"arm": name, "k": k, "objective": objective if GROUPS[arm[-1]].uses_maps else "–",
                "full_layers": " ".join(str(p.source) for p in ps) if shares else "–",
@@ -405,10 +456,12 @@ def main() -> None:
         for r in rows:
             r[f"x_{basis}"] = base[basis] / r[f"bytes_{basis}"]
             r[f"front_{basis}"] = r["arm"] in front
+    for r in rows:  # after the in-domain columns, which keep their places
+        r |= domain_columns({d: s[scored_as[r["arm"]]] for d, s in domain_scores.items()})
     seconds = time.perf_counter() - t0
     write_tsv(OUT / "sharing.tsv", rows)
     atomic_write_text(OUT / "sharing.md", table(rows, params, study, len(ids), rows[0]["tokens"], rows[0]["dtype"],
-                                                seconds, train_seconds))
+                                                seconds, train_seconds, domain_ids))
     plot(rows, OUT / "frontier.png", params.model.name)
     write_json(TIMINGS / "study_sharing.json", {"seconds": round(time.perf_counter() - t0, 1),
                                                 "train_seconds": train_seconds, "threads": torch.get_num_threads()})

@@ -26,8 +26,8 @@ from ced_csa2.train.objectives import TeacherCache, attn_out_loss, online_record
 from ced_csa2.train.tuning import ridge_served, train_branch  # noqa: E402
 
 TINY_STUDY = {"full_layers": [1, 2], "arms": [["csa2"], ["baseline_fp4_rot", "csa2"], ["ced_csa2"]],
-              "pipeline_groups": ["baseline", "baseline_fp4_rot", "csa2"], "objectives": ["ridge", "attn_out"],
-              "trained_full_layers": [2]}
+              "pipeline_groups": ["baseline", "baseline_fp4_rot", "csa2"],
+              "trained": [{"objective": "attn_out", "full_layers": [2]}, {"objective": "distill", "full_layers": [1]}]}
 
 
 def test_the_committed_study_params_load_and_plan_the_embedded_default():
@@ -47,9 +47,14 @@ def test_the_committed_study_params_load_and_plan_the_embedded_default():
     ({"arms": [["csa3"]]}, r"arms entry \['csa3'\]"),
     ({"pipeline_groups": ["csa2"]}, "baseline among them"),
     ({"full_layers": []}, "full_layers and arms must each list at least one entry"),
-    ({"objectives": ["ridge", "sgd"]}, r"objectives must list ridge and any of \['attn_out', 'distill'\]"),
-    ({"objectives": ["attn_out"]}, "objectives must list ridge"),
-    ({"trained_full_layers": [3]}, r"trained_full_layers \[3\] must be some of full_layers \[1, 2\]"),
+    ({"trained": [{"objective": "sgd", "full_layers": [1]}]},
+     r"trained.0.objective must be one of \['attn_out', 'distill'\], each once"),
+    ({"trained": [{"objective": "ridge", "full_layers": [1]}]}, "trained.0.objective must be one of"),
+    ({"trained": [{"objective": "distill", "full_layers": [1]}, {"objective": "distill", "full_layers": [2]}]},
+     "trained.1.objective must be one of"),
+    ({"trained": [{"objective": "attn_out", "full_layers": [3]}]},
+     r"trained.0.full_layers \[3\] must be some of full_layers \[1, 2\]"),
+    ({"trained": [{"objective": "attn_out", "full_layers": []}]}, r"trained.0.full_layers \[\] must be some of"),
 ])
 def test_bad_study_params_are_refused_in_one_line(tmp_path, change, message):
     path, err = refused(study_mod, tmp_path, {**TINY_STUDY, **change}, message)
@@ -61,8 +66,9 @@ def test_an_unknown_objective_is_refused_before_any_data_or_model_is_read(in_tin
     params = load_params(in_tiny_folder / "params.yaml")
     corpus.prepare(params, load_tokenizer(params.model), in_tiny_folder)
     (in_tiny_folder / "studies").mkdir()
-    (in_tiny_folder / "studies" / "sharing.yaml").write_text(yaml.safe_dump({**TINY_STUDY, "objectives": ["kv_mse"]}))
-    with pytest.raises(ValueError, match=r"studies/sharing.yaml: objectives must list ridge and any of") as err:
+    (in_tiny_folder / "studies" / "sharing.yaml").write_text(yaml.safe_dump(
+        {**TINY_STUDY, "trained": [{"objective": "kv_mse", "full_layers": [1]}]}))
+    with pytest.raises(ValueError, match=r"studies/sharing.yaml: trained.0.objective must be one of") as err:
         study_mod.main()
     assert "\n" not in str(err.value)
 
@@ -84,13 +90,16 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
     rows = read_tsv(in_tiny_folder / "studies" / "sharing" / "sharing.tsv")
     arms = ("csa2", "baseline_fp4_rot+csa2", "ced_csa2")
     assert list(rows) == ["pipeline:baseline", "pipeline:baseline_fp4_rot", "pipeline:csa2@ridge",
-                          *(f"k1/{arm}" for arm in arms), *(f"k2/{arm}{o}" for arm in arms for o in ("", "@attn_out"))]
-    for arm in arms:  # trained maps: the ridge row's bytes and parameters, another ΔPPL
-        ridge_row, trained_row = rows[f"k2/{arm}"], rows[f"k2/{arm}@attn_out"]
-        assert (ridge_row["objective"], trained_row["objective"]) == ("ridge", "attn_out")
+                          *(f"k1/{arm}{o}" for arm in arms for o in ("", "@distill")),
+                          *(f"k2/{arm}{o}" for arm in arms for o in ("", "@attn_out"))]
+    for k, objective, arm in [(2, "attn_out", a) for a in arms] + [(1, "distill", a) for a in arms]:
+        # trained maps: the ridge row's bytes and parameters, another ΔPPL, in domain and on every other domain
+        ridge_row, trained_row = rows[f"k{k}/{arm}"], rows[f"k{k}/{arm}@{objective}"]
+        assert (ridge_row["objective"], trained_row["objective"]) == ("ridge", objective)
         for key in ("bytes_all_attention", "bytes_decoder_attention", "map_params", "full_layers", "readers"):
             assert trained_row[key] == ridge_row[key], (arm, key)
-        assert trained_row["dppl_pct"] != ridge_row["dppl_pct"], arm
+        for key in ["dppl_pct"] + [f"{d.name}_dppl_pct" for d in params.data.domains]:
+            assert trained_row[key] != ridge_row[key], (arm, objective, key)
     assert rows["k2/csa2"]["full_layers"] == "20 28" and rows["k2/csa2"]["readers"] == "2"
     # bf16 bytes, layer by layer: 8 attention layers of K and V, 2 x 16 channels each (2 B dense; FP4: 16 + 2)
     dense, fp4 = 2 * 32 * 2, 2 * (16 + 2)
@@ -111,6 +120,21 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
     assert (rows["k1/csa2"]["ppl"], rows["k1/csa2"]["dppl_pct"]) == (f"{ref['ppl']:.6g}", f"{ref['delta_pct']:.6g}")
     assert rows["pipeline:csa2@ridge"]["dppl_pct"] == rows["k1/csa2"]["dppl_pct"]
     assert rows["k2/csa2"]["dppl_pct"] != f"{ref['delta_pct']:.6g}"  # another plan
+    # every other domain: the same maps scored the same way on that domain's records (eval_ppl's domain panel), and
+    # the worst of them the row's largest
+    domains = [d.name for d in params.data.domains]
+    assert len(domains) == 2
+    for d in domains:
+        ref_d = groups_ppl(model, plan, ["baseline", "csa2"], ridge_served(params, plan, geo, in_tiny_folder)["csa2"],
+                           eval_ids(params, tok, in_tiny_folder, d), params, tok.pad_token_id)["csa2"]
+        assert rows["k1/csa2"][f"{d}_dppl_pct"] == f"{ref_d['delta_pct']:.6g}" != rows["k1/csa2"]["dppl_pct"], d
+        assert rows["k1/csa2"][f"{d}_dppl_ci_low"] == f"{ref_d['delta_pct_ci95'][0]:.6g}", d
+    for a, r in rows.items():
+        if a == "pipeline:baseline":
+            assert r["worst_domain"] == "–" and all(float(r[f"{d}_dppl_pct"]) == 0 for d in domains)
+            continue
+        worst = max(domains, key=lambda d: float(r[f"{d}_dppl_pct"]))
+        assert (r["worst_domain"], r["worst_domain_dppl_pct"]) == (worst, r[f"{worst}_dppl_pct"]), a
     for basis in ("all_attention", "decoder_attention"):  # on the front: no other row at most as many bytes and ΔPPL
         pts = {a: (float(r[f"bytes_{basis}"]), float(r["dppl_pct"])) for a, r in rows.items()}
         for a, (b, d) in pts.items():
@@ -120,7 +144,10 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
     assert f"over {len(eval_ids(params, tok, in_tiny_folder))} held-out" in md
     fewest = min(float(r["bytes_all_attention"]) for r in rows.values() if r["family"] == "sharing")
     assert f"- from {fewest:,.0f} B/token up to " in md  # the budget answer starts where the first sharing row fits
-    assert "`@attn_out` rows (k ∈ {2})" in md
+    assert "`@attn_out` rows (k ∈ {2})" in md and "`@distill` rows (k ∈ {1})" in md
+    worst = rows["k1/csa2"]
+    assert (f"| {float(worst['worst_domain_dppl_pct']):+.2f} [{float(worst['worst_domain_dppl_ci_low']):+.2f}, "
+            f"{float(worst['worst_domain_dppl_ci_high']):+.2f}] ({worst['worst_domain']}) |") in md
     assert (in_tiny_folder / "studies" / "sharing" / "frontier.png").stat().st_size > 0
 
     # The trained maps themselves: the readers' adapters moved off their ridge start (which stays as it was) and
