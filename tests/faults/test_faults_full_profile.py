@@ -334,8 +334,8 @@ def test_a_model_folder_of_another_architecture_is_refused_by_the_plan(tmp_path)
 # Each eval stage's device set to CUDA on a machine without it: refused when params.yaml loads, so by
 # check_params before DVC runs a stage.
 DEVICE_SECTIONS = {
-    "eval_generation": ("  new_tokens: 32\n  batch_size: 8\n  device: auto\n",
-                        "  new_tokens: 32\n  batch_size: 8\n  device: cuda\n"),
+    "eval_generation": ("  new_tokens: 32\n  batch_size: 32\n  device: auto\n",
+                        "  new_tokens: 32\n  batch_size: 32\n  device: cuda\n"),
     "eval_retrieval": ("  digits: 5\n  batch_size: 8\n  device: auto\n",
                        "  digits: 5\n  batch_size: 8\n  device: cuda\n"),
     "eval_gsm8k": ("  batch_size: 16\n  device: auto\n", "  batch_size: 16\n  device: cuda\n"),
