@@ -702,7 +702,7 @@ class SharedKVCache(DynamicCache):
 
     def seed(self, *, h_split: torch.Tensor | None = None, source_kv: KV | None = None) -> None:
         """Hand the hooks feed() installed what they would have captured in layers a forward skips (a prefill that
-        starts above the split from a plain trunk's hidden state, :class:`ced_csa2.eval.retrieval.PromptTrunk`):
+        starts above the split from a plain trunk's hidden state, :class:`ced_csa2.eval.generation.PromptTrunk`):
         ``H_split`` ``(B, T, hidden)`` for the projector of a ``ced_csa2*`` store (as
         :meth:`CEDModeBRuntime.seed <ced_csa2.ced_runtime.CEDModeBRuntime.seed>`; the source's K/V are captured
         at the source itself).  Call inside ``feed()``; a no-op without the projector."""
