@@ -545,14 +545,18 @@ def est_eval_gsm8k(s: Setup) -> StageEstimate:
 def est_eval_generation(s: Setup) -> StageEstimate:
     cfg = s.params.eval_generation
     labels = len(supported_groups()) + mode_a_covered(s)
-    # per label: the generation, then the plain model scoring prompt + continuation
-    scoring = forward_flops(s.model, cfg.prompts * (cfg.prompt_tokens + cfg.new_tokens)) / s.rates.model_flops
-    seconds = labels * (generation_seconds(s, cfg.prompts, cfg.batch_size, cfg.new_tokens, cfg.prompt_tokens) + scoring)
+    # per label: the generation; then the plain model prefills the prompts once and scores every label's
+    # continuation on that prefill (eval.generation.continuation_nlls)
+    scoring = forward_flops(s.model, cfg.prompts * cfg.prompt_tokens) + labels * forward_flops(
+        s.model, cfg.prompts * cfg.new_tokens)
+    seconds = (labels * generation_seconds(s, cfg.prompts, cfg.batch_size, cfg.new_tokens, cfg.prompt_tokens)
+               + scoring / s.rates.model_flops)
     context = cfg.batch_size * (cfg.prompt_tokens + cfg.new_tokens)
     cache = decode_bytes(s, context)
     host, device = peaks(s, model=True, device_work=cache)
     return StageEstimate("eval_generation", f"{cfg.prompts} prompts x {cfg.prompt_tokens} + {cfg.new_tokens} tokens",
-                         host=host, device=device, seconds=seconds, note=f"{labels} groups and Mode A, greedy")
+                         host=host, device=device, seconds=seconds,
+                         note=f"{len(supported_groups())} groups{' and Mode A' * mode_a_covered(s)}, greedy")
 
 
 def est_eval_retrieval(s: Setup) -> StageEstimate:

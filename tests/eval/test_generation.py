@@ -1,15 +1,17 @@
 """Generation through the cache that holds each group's bytes (ced_csa2.eval.generation): Mode B's tokens, the
 accounted bytes to the byte, Mode A on its own cache, the fidelity figures, and the refusals."""
 
+import numpy as np
 import pytest
 import torch
-from conftest import EPS64, tiny_gemma3, tiny_llama
+from conftest import EPS32, EPS64, tiny_gemma3, tiny_llama
 from tiny_maps import GEMMA_PLAN, LLAMA_PLAN, QWEN_PLAN, identity_parts, random_parts
 from transformers import DynamicCache
 
 from ced_csa2 import kv_hooks
 from ced_csa2.ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts
 from ced_csa2.eval import generation as gen
+from ced_csa2.eval.scoring import sequence_nll
 from ced_csa2.kv.formats import FP4_FORMATS
 from ced_csa2.kv.kv_bytes import fp4_entry_bytes
 from ced_csa2.kv.rotation import layer_rotation
@@ -288,12 +290,88 @@ def test_fidelity_counts_divergence_agreement_and_plausibility_per_prompt(tiny_m
     assert f["first_divergence"]["median"]["value"] == 2
     assert f["agreement"]["by_position"][:3] == [2 / 3, 1.0, 2 / 3] and f["agreement"]["by_position"][3:] == [1.0] * 3
     assert f["agreement"]["mean"]["value"] == pytest.approx((3 * NEW - 2) / (3 * NEW), rel=8 * EPS64)  # as above
-    nll = {k: gen.continuation_nll(model, prompts, t, 2) for k, t in {"b": base, "x": other}.items()}
+    nll = gen.continuation_nlls(model, prompts, {"b": base, "x": other}, 8)  # fidelity's default batch
     assert f["delta_nll"]["per_prompt"][2] == 0.0 and f["delta_nll"]["per_prompt"][0] != 0.0
     assert f["delta_nll"]["value"] == pytest.approx((nll["x"][:, 0] - nll["b"][:, 0]).sum() / (3 * NEW),
                                                     rel=64 * EPS64)  # float64 sums of three terms
     lo, hi = f["first_divergence"]["mean"]["ci95"]
     assert lo <= f["first_divergence"]["mean"]["value"] <= hi
+
+
+@pytest.mark.parametrize("model_name", ["llama", "qwen3_5"])
+def test_the_shared_prefill_gives_every_group_its_own_prefill_to_the_bit(model_name, tiny_model):
+    """PromptTrunk's prefill (the plain layers below each cache's branch run once, their entries copied) gives every
+    supported group the logits and the cache of its own whole prefill, bit for bit (fp32): the logits after the
+    prompts and after one more decode step through the filled cache.  On the all-attention Llama the ordinary and
+    shared-store caches do take the trunk (branch above layer 1; the projector's stores seeded with H_split)."""
+    model, plan, vocab = (tiny_llama(), LLAMA_PLAN, 300) if model_name == "llama" else (tiny_model[0], QWEN_PLAN, 250)
+    parts = random_parts(geometry(model.config), plan)
+    torch.manual_seed(1)
+    prompts, step = torch.randint(0, vocab, (3, 40)), torch.randint(0, vocab, (3, 1))
+    n = len(model.model.layers)
+    # the Llama's kv_dim of 16 holds no 32-channel block formats (baseline_k6v4_rot's)
+    groups = [g for g in gen.supported_groups() if model_name == "qwen3_5" or GROUPS[g].stream_formats is None]
+
+    def built():
+        return {g: gen.group_cache(model, plan, g, parts, "nvfp4") for g in groups}
+
+    shared, own = built(), built()
+    first_layer_calls = []
+    handle = model.model.layers[0].register_forward_hook(lambda *args: first_layer_calls.append(1))
+    try:
+        trunk = gen.PromptTrunk(model, plan, [b.branch for b in shared.values()], prompts)
+        logits = {g: trunk.prefill(b) for g, b in shared.items()}
+    finally:
+        handle.remove()
+    for g in groups:
+        with torch.inference_mode(), own[g].open():
+            assert torch.equal(logits[g], gen.next_logits(model, own[g].cache, prompts)), g
+        with torch.inference_mode(), shared[g].open():
+            after_shared = gen.next_logits(model, shared[g].cache, step)
+        with torch.inference_mode(), own[g].open():
+            assert torch.equal(after_shared, gen.next_logits(model, own[g].cache, step)), g
+    if model_name == "llama":
+        assert shared["baseline"].branch == n + 1
+        assert shared["csa2"].branch == shared["csa2_fp4"].branch == plan.source
+        assert 1 < shared["ced"].branch <= plan.split + 1
+        assert shared["ced_csa2"].branch == shared["ced_csa2_fp4"].branch == shared["ced"].branch
+        assert shared["baseline_fp4"].branch == shared["xkv"].branch == 1
+        # layer 1 ran in the trunk and in the whole prefills of the branch-1 caches only
+        assert len(first_layer_calls) == 1 + sum(b.branch == 1 for b in shared.values()) < 1 + len(groups)
+
+
+@pytest.mark.parametrize("model_name", ["llama", "qwen3_5"])
+def test_decoding_from_the_shared_prefill_gives_every_group_its_own_generation(model_name, tiny_model):
+    """run_groups (one PromptTrunk per batch, each group decoding from it) writes for every supported group the
+    tokens and the bytes that its own whole prefill and decode (generate) give, exactly (fp32)."""
+    model, plan, vocab = (tiny_llama(), LLAMA_PLAN, 300) if model_name == "llama" else (tiny_model[0], QWEN_PLAN, 250)
+    parts = random_parts(geometry(model.config), plan)
+    torch.manual_seed(2)
+    prompts = torch.randint(0, vocab, (3, PROMPT))
+    groups = [g for g in gen.supported_groups() if model_name == "qwen3_5" or GROUPS[g].stream_formats is None]
+    runs = gen.run_groups(model, plan, groups, parts, prompts, NEW, FORMAT)
+    for g in groups:
+        own = gen.generate(model, plan, g, parts, prompts, NEW, FORMAT)
+        assert torch.equal(runs[g].tokens, own.tokens), g
+        assert (runs[g].bytes, runs[g].positions, runs[g].kind) == (own.bytes, own.positions, own.kind), g
+
+
+
+def test_continuations_scored_on_one_prefill_are_the_whole_sequences_nll(tiny_model):
+    """continuation_nlls (each batch's prompts prefilled once, every continuation scored on a copy of that cache) gives
+    each continuation the NLL that scoring prompt + continuation in one forward gives (sequence_nll), within fp32:
+    other matmul shapes only."""
+    model, _ = tiny_model
+    torch.manual_seed(6)
+    prompts = torch.randint(0, 250, (3, PROMPT))
+    runs = {"a": torch.randint(0, 250, (3, NEW)), "b": torch.randint(0, 250, (3, NEW))}
+    nll = gen.continuation_nlls(model, prompts, runs, 2)
+    for label, tokens in runs.items():
+        whole = sequence_nll(model, torch.cat([prompts, tokens], 1).tolist(), [PROMPT] * 3, 3).numpy()
+        assert (nll[label][:, 1] == NEW).all() and (whole[:, 1] == NEW).all()
+        # a sum of NEW fp32 log-softmax terms of magnitude ~log(vocab): each within a few ulps
+        assert np.allclose(nll[label][:, 0], whole[:, 0], rtol=64 * NEW * EPS32, atol=0), label
+    assert not np.array_equal(nll["a"], nll["b"])
 
 
 def test_batches_join_into_one_run(tiny_model):

@@ -49,21 +49,24 @@ its own -- with paired bootstrap 95% intervals over prompts (:mod:`ced_csa2.eval
 
 from __future__ import annotations
 
+import copy
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicLayer
 
-from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, parts_for
+from .. import kv_hooks
+from ..ced_runtime import CEDModeARuntime, CEDModeBRuntime, CEDParts, continue_hidden, parts_for, plain_prefill
 from ..kv.formats import FP4_FORMATS, group_format
 from ..kv.kv_bytes import bytes_per_token
 from ..data.records import seeded_subset
 from ..model_utils import geometry
+from ..pipeline.progress import Progress
 from ..pipeline.timing import Paired, paired_seconds
 from ..plan import LayerPlan
 from ..groups import GROUPS, Group
@@ -79,7 +82,7 @@ from ..runtime.shared_kv import (
     greedy_generate,
 )
 from . import stats
-from .scoring import branch_point, sequence_nll
+from .scoring import branch_point, head_logits, score_hidden
 
 MODE_A = "mode_a"  # the label of Mode A's run (not a group: the prefill skip over the plain cache)
 
@@ -203,6 +206,69 @@ def group_cache(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts |
     # An ordinary cache under Mode B: the runtime's branch point, as the shared trunk of scoring takes it
     branch = branch_point(runtime, len(model.model.layers)) if kind == "DynamicCache" else 1
     return GroupCache(group, cache, lambda: runtime, storage, kind, branch=branch)  # the runtime re-enters
+
+
+# ----------------------------------------------------------------------------- the shared prefill
+
+
+def next_logits(model: nn.Module, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
+    """The logits ``(B, vocab)`` after feeding ``ids`` ``(B, t)`` through ``cache`` (the caller opened its context)."""
+    return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+
+class PromptTrunk:
+    """One batch of prompts prefilled by the plain model once, so that each group's cache starts at its branch.
+
+    The plain model prefills ``prompts`` ``(B, T)`` through a ``DynamicCache``, recording what its forward
+    hands each decoder layer, the hidden state entering each layer of ``branches``, ``H_split`` and the
+    source's K/V (:mod:`ced_csa2.kv_hooks`).  :meth:`prefill` then fills one group's fresh cache.
+
+    Parameters
+    ----------
+    model, plan
+        The HF causal LM (no runtime open) and the layer plan.
+    branches
+        The :attr:`GroupCache.branch` of every cache to fill.
+    prompts : torch.Tensor, shape (B, T)
+        Unpadded prompts.
+    """
+
+    @torch.inference_mode()
+    def __init__(self, model: nn.Module, plan: LayerPlan, branches: Iterable[int], prompts: torch.Tensor):
+        self.model, self.plan, self.prompts, self.n = model, plan, prompts, len(model.model.layers)
+        self.cache = DynamicCache(config=model.config)
+        with kv_hooks.layer_calls(model, None, sorted({b for b in branches if 1 < b <= self.n})) as self.calls, \
+                kv_hooks.capture(model, [plan.source], [plan.split]) as self.captured:
+            self.logits = next_logits(model, self.cache, prompts)
+
+    @torch.inference_mode()
+    def prefill(self, built: GroupCache) -> torch.Tensor:
+        """Fill ``built``'s fresh cache with the prompts; the logits after their last position ``(B, vocab)``.
+
+        The cache takes the trunk's entries of the layers below its branch (the tensors a ``DynamicCache``
+        stores), and inside its context (a runtime or a shared store, seeded with what the skipped layers'
+        hooks would have captured) runs its layers from the branch on and the LM head: the same ops on the
+        same inputs as its own whole prefill, so the same logits and entries to the bit.  A cache whose
+        branch is layer 1, or whose layers below it are not the trunk's ``DynamicLayer`` s, prefills whole.
+        """
+        model, plan, n, trunk = self.model, self.plan, self.n, self.cache
+        below = min(built.branch, n + 1) - 1
+        if not all(type(trunk.layers[i]) is type(built.cache.layers[i]) is DynamicLayer for i in range(below)):
+            below = 0
+        for i in range(below):
+            built.cache.layers[i].update(trunk.layers[i].keys, trunk.layers[i].values)
+        with built.open() as context:
+            if below == n:  # the plain model's forward: the trunk's own logits
+                return self.logits
+            if below == 0:
+                return next_logits(model, built.cache, self.prompts)
+            # a runtime or a shared store: what the hooks of the layers skipped would have captured
+            context.seed(h_split=self.captured["h"][plan.split] if plan.split <= below else None,
+                         source_kv=(self.captured["k"][plan.source], self.captured["v"][plan.source])
+                         if plan.source <= below else None)
+            hidden = kv_hooks.run_layers(model, self.calls["inputs"][below + 1], below + 1, self.calls,
+                                         fresh_cache=False, cache=built.cache)
+            return head_logits(model, hidden[:, -1:])[:, -1]  # as logits_to_keep=1 slices
 
 
 def runs_protocol(plan: LayerPlan, mode_a, covered: bool) -> dict:
@@ -367,6 +433,11 @@ class StepDecoder:
         """``ids`` ``(B, T)`` into the cache; each row's greedy next token is the first step's input."""
         self._forward(ids)
 
+    def start(self, logits: torch.Tensor) -> None:
+        """Begin from a cache filled elsewhere (:meth:`PromptTrunk.prefill`): ``logits`` ``(B, vocab)`` after
+        its last position choose the first step's input."""
+        self.x = logits.argmax(-1, keepdim=True)
+
     def step(self) -> None:
         """One greedy decode step: the last token in, the next one chosen."""
         self._forward(self.x)
@@ -376,17 +447,19 @@ def decode_step_seconds(model: nn.Module, plan: LayerPlan, groups, parts: CEDPar
                         prompts: torch.Tensor, kv_format: str | None, *, steps: int) -> Paired:
     """Seconds per greedy decode step through each group's cache, the groups alternated.
 
-    Every group's cache (:func:`group_cache`) is prefilled with ``prompts`` ``(B, T)`` (unpadded); then
+    Every group's cache (:func:`group_cache`) is filled with ``prompts`` ``(B, T)`` (unpadded), the layers
+    below its branch prefilled once for all (:class:`PromptTrunk`); then
     :func:`~ced_csa2.pipeline.timing.paired_seconds` times their decode steps: one untimed step of
     each, ``steps`` rounds of one step per group in an order rotated each round, the per-group median.
     Each step opens its group's context (hooks: microseconds against a step), and the caches grow by
     one position per step alike, so every round compares the groups at one context length.
     """
+    built = {group: group_cache(model, plan, group, parts_for(parts, group), kv_format) for group in groups}
+    trunk = PromptTrunk(model, plan, [b.branch for b in built.values()], prompts)
     decoders = {}
-    for group in groups:
-        built = group_cache(model, plan, group, parts_for(parts, group), kv_format)
-        decoders[group] = StepDecoder(model, built.cache, built.open)
-        decoders[group].prefill(prompts)
+    for group, b in built.items():
+        decoders[group] = StepDecoder(model, b.cache, b.open)
+        decoders[group].start(trunk.prefill(b))
     return paired_seconds({group: d.step for group, d in decoders.items()}, steps, device=prompts.device)
 
 
@@ -414,11 +487,26 @@ def median_ci(values: np.ndarray, *, seed: int, n_boot: int = 2000) -> dict:
     return stats.bootstrap(lambda idx: np.median(values[idx], axis=-1), len(values), n_boot, seed, 0.95)
 
 
-def continuation_nll(model: nn.Module, prompts: torch.Tensor, tokens: torch.Tensor, batch_size: int) -> np.ndarray:
-    """The plain model's summed NLL of each continuation ``tokens`` ``(B, N)`` after its prompt ``(B, T)``,
-    teacher-forced, and its token count: ``(B, 2)`` float64.  Call with no runtime hooks installed."""
-    rows = torch.cat([prompts, tokens.to(prompts.device)], dim=1).tolist()
-    return sequence_nll(model, rows, [prompts.shape[1]] * len(rows), batch_size).numpy()
+@torch.inference_mode()
+def continuation_nlls(model: nn.Module, prompts: torch.Tensor, runs: Mapping[str, torch.Tensor],
+                      batch_size: int) -> dict[str, np.ndarray]:
+    """Per label of ``runs`` (``{label: tokens (B, N)}``), the plain model's summed NLL of each continuation after
+    its prompt (``prompts`` ``(B, T)``, ``T >= 2``), teacher-forced, and its token count: ``(B, 2)`` float64.
+
+    Each batch of ``batch_size`` prompts is prefilled once (:func:`~ced_csa2.ced_runtime.plain_prefill`, all but
+    the last token) and every label's continuation is scored on a copy of that cache
+    (:func:`~ced_csa2.ced_runtime.continue_hidden`): the prompts' positions run once, not once per label.
+    Call with no runtime hooks installed.
+    """
+    out = {label: torch.zeros(len(prompts), 2, dtype=torch.float64) for label in runs}
+    for start in range(0, len(prompts), batch_size):
+        x = prompts[start:start + batch_size]
+        cache = plain_prefill(model, x[:, :-1])
+        for label, tokens in runs.items():
+            t = tokens[start:start + len(x)].to(x.device)
+            hidden = continue_hidden(model, copy.deepcopy(cache), x, t)
+            score_hidden(model, {label: out[label]}, start, {label: hidden}, t, torch.ones_like(t, dtype=torch.bool))
+    return {label: o.numpy() for label, o in out.items()}
 
 
 def fidelity(model: nn.Module, prompts: torch.Tensor, runs: Mapping[str, torch.Tensor], *, base: str = "baseline",
@@ -436,7 +524,7 @@ def fidelity(model: nn.Module, prompts: torch.Tensor, runs: Mapping[str, torch.T
     seed
         The bootstrap's seed (the same prompts drawn for every figure).
     batch_size
-        Sequences per scoring forward.
+        Prompts prefilled together, every run's continuations then scored on that prefill (:func:`continuation_nlls`).
 
     Returns
     -------
@@ -456,7 +544,7 @@ def fidelity(model: nn.Module, prompts: torch.Tensor, runs: Mapping[str, torch.T
         raise ValueError(f"fidelity needs every run's tokens {tuple(ref.shape)} for the {prompts.shape[0]} prompts; "
                          f"got {shapes or tuple(ref.shape)}")
     n = ref.shape[1]
-    nll = {label: continuation_nll(model, prompts, t, batch_size) for label, t in runs.items()}
+    nll = continuation_nlls(model, prompts, runs, batch_size)
     out = {}
     for label, tokens in runs.items():
         first = first_divergence(tokens, ref)
@@ -482,14 +570,36 @@ def run_groups(model: nn.Module, plan: LayerPlan, groups, parts: CEDParts | Mapp
     """:func:`generate` for each of ``groups`` (and :func:`mode_a_generation` with ``mode_a``'s maps, if given),
     ``batch_size`` prompts at a time (``None``: all at once); the batches' tokens joined and bytes added up.
 
-    ``parts``: one set of maps for every group, or ``{group: CEDParts}``.
+    Each batch's prompts are prefilled once below the groups' branch layers (:class:`PromptTrunk`: the
+    same logits and entries to the bit as each group's own prefill), then each group decodes through
+    its cache, one group's cache held at a time.  ``parts``: one set of maps for every group, or
+    ``{group: CEDParts}``.
     """
-    batches = list(torch.split(prompts, batch_size or len(prompts)))
-    jobs = {g: (lambda x, g=g: generate(model, plan, g, parts_for(parts, g), x, new_tokens, kv_format))
-            for g in groups}
-    if mode_a is not None:
-        jobs[MODE_A] = lambda x: mode_a_generation(model, plan, mode_a, x, new_tokens, replay=replay, sink=sink)
-    return {label: _joined([job(x) for x in batches]) for label, job in jobs.items()}
+    runs: dict[str, list[GroupGeneration]] = {g: [] for g in groups}
+    for x in torch.split(prompts, batch_size or len(prompts)):
+        check_prompts(model, x, new_tokens)
+        built = {g: group_cache(model, plan, g, parts_for(parts, g), kv_format) for g in groups}  # empty
+        trunk = PromptTrunk(model, plan, [b.branch for b in built.values()], x) if built else None
+        for g in Progress(groups, desc="generate", unit="group"):
+            b = built.pop(g)
+            tokens = greedy_from(model, b, trunk.prefill(b), new_tokens)
+            runs[g].append(checked_run(model, plan, g, g, b.storage, tokens, b.cache, b.kind, rank=b.rank))
+        if mode_a is not None:
+            runs.setdefault(MODE_A, []).append(mode_a_generation(model, plan, mode_a, x, new_tokens, replay=replay,
+                                                                 sink=sink))
+    return {label: _joined(r) for label, r in runs.items()}
+
+
+@torch.inference_mode()
+def greedy_from(model: nn.Module, built: GroupCache, logits: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy tokens ``(B, new_tokens)`` through ``built``'s filled cache, the first chosen from ``logits``
+    ``(B, vocab)`` after the prompts (:meth:`PromptTrunk.prefill`): as :func:`generate` continues after its own
+    prefill, the last token never fed back."""
+    tokens = [logits.argmax(-1, keepdim=True)]
+    with built.open():
+        for _ in range(new_tokens - 1):
+            tokens.append(next_logits(model, built.cache, tokens[-1]).argmax(-1, keepdim=True))
+    return torch.cat(tokens, dim=1)
 
 
 def _joined(runs: list[GroupGeneration]) -> GroupGeneration:

@@ -23,7 +23,7 @@ cut at a seeded offset.
   group's bytes (:func:`~ced_csa2.eval.generation.group_cache`) and after Mode A's prefill
   skip, records of one prompt length batched (all of them, when the key's tokens do not vary);
   :func:`groups_hits` scores several groups so, the layers below each cache's branch prefilled
-  once per batch (:class:`PromptTrunk`);
+  once per batch (:class:`~ced_csa2.eval.generation.PromptTrunk`);
 * :func:`accuracy_row` is one group's accuracy with its Wilson interval and its paired change
   against the baseline over the same records;
 * :func:`wilson` is the interval of an accuracy.
@@ -34,20 +34,19 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
-from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
-from .. import kv_hooks
 from ..ced_runtime import CEDModeARuntime, CEDParts, parts_for
 from ..model_utils import geometry
 from ..plan import LayerPlan
 from . import generation, stats
-from .scoring import continuation_logprob, final_hidden, head_logits
+from .generation import next_logits
+from .scoring import continuation_logprob, final_hidden
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.\n\n")
@@ -125,11 +124,6 @@ def forward_hits(model, records: Sequence[Passkey], batch_size: int = 1) -> list
     return hits
 
 
-def next_logits(model: nn.Module, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
-    """The logits ``(B, vocab)`` after feeding ``ids`` ``(B, t)`` through ``cache`` (the caller opened its context)."""
-    return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-
-
 @torch.inference_mode()
 def answer_hits(model: nn.Module, cache: Cache, logits: torch.Tensor, answers: torch.Tensor) -> list[bool]:
     """Per row: is the answer the greedy continuation, decoded through ``cache``?
@@ -139,7 +133,7 @@ def answer_hits(model: nn.Module, cache: Cache, logits: torch.Tensor, answers: t
     cache
         Holds every prompt position; the caller has opened whatever context its forwards need.
     logits : torch.Tensor, shape (B, vocab)
-        The logits after the prompts' last position (:func:`next_logits` of the positions ``cache``
+        The logits after the prompts' last position (:func:`~ced_csa2.eval.generation.next_logits` of the positions ``cache``
         did not hold yet).
     answers : torch.Tensor, shape (B, A)
         The answers: each token checked against the argmax, then fed as one decode step --
@@ -229,66 +223,11 @@ def group_hits(model: nn.Module, plan: LayerPlan, group: str, parts: CEDParts | 
     return _in_order(len(records), scored())
 
 
-class PromptTrunk:
-    """One batch of prompts prefilled by the plain model once, so that each group's cache starts at its branch.
-
-    The plain model prefills ``prompts`` ``(B, T)`` through a ``DynamicCache``, recording what its forward
-    hands each decoder layer, the hidden state entering each layer of ``branches``, ``H_split`` and the
-    source's K/V (:mod:`ced_csa2.kv_hooks`).  :meth:`prefill` then fills one group's fresh cache.
-
-    Parameters
-    ----------
-    model, plan
-        The HF causal LM (no runtime open) and the layer plan.
-    branches
-        The :attr:`~ced_csa2.eval.generation.GroupCache.branch` of every cache to fill.
-    prompts : torch.Tensor, shape (B, T)
-        Unpadded prompts.
-    """
-
-    @torch.inference_mode()
-    def __init__(self, model: nn.Module, plan: LayerPlan, branches: Iterable[int], prompts: torch.Tensor):
-        self.model, self.plan, self.prompts, self.n = model, plan, prompts, len(model.model.layers)
-        self.cache = DynamicCache(config=model.config)
-        with kv_hooks.layer_calls(model, None, sorted({b for b in branches if 1 < b <= self.n})) as self.calls, \
-                kv_hooks.capture(model, [plan.source], [plan.split]) as self.captured:
-            self.logits = next_logits(model, self.cache, prompts)
-
-    @torch.inference_mode()
-    def prefill(self, built: generation.GroupCache) -> torch.Tensor:
-        """Fill ``built``'s fresh cache with the prompts; the logits after their last position ``(B, vocab)``.
-
-        The cache takes the trunk's entries of the layers below its branch (the tensors a ``DynamicCache``
-        stores), and inside its context (a runtime or a shared store, seeded with what the skipped layers'
-        hooks would have captured) runs its layers from the branch on and the LM head: the same ops on the
-        same inputs as its own whole prefill, so the same logits and entries to the bit.  A cache whose
-        branch is layer 1, or whose layers below it are not the trunk's ``DynamicLayer`` s, prefills whole.
-        """
-        model, plan, n, trunk = self.model, self.plan, self.n, self.cache
-        below = min(built.branch, n + 1) - 1
-        if not all(type(trunk.layers[i]) is type(built.cache.layers[i]) is DynamicLayer for i in range(below)):
-            below = 0
-        for i in range(below):
-            built.cache.layers[i].update(trunk.layers[i].keys, trunk.layers[i].values)
-        with built.open() as context:
-            if below == n:  # the plain model's forward: the trunk's own logits
-                return self.logits
-            if below == 0:
-                return next_logits(model, built.cache, self.prompts)
-            # a runtime or a shared store: what the hooks of the layers skipped would have captured
-            context.seed(h_split=self.captured["h"][plan.split] if plan.split <= below else None,
-                         source_kv=(self.captured["k"][plan.source], self.captured["v"][plan.source])
-                         if plan.source <= below else None)
-            hidden = kv_hooks.run_layers(model, self.calls["inputs"][below + 1], below + 1, self.calls,
-                                         fresh_cache=False, cache=built.cache)
-            return head_logits(model, hidden[:, -1:])[:, -1]  # as logits_to_keep=1 slices
-
-
 @torch.inference_mode()
 def groups_hits(model: nn.Module, plan: LayerPlan, groups: Sequence[str], parts: CEDParts | Mapping[str, CEDParts] | None,
                 records: Sequence[Passkey], kv_format: str | None, batch_size: int) -> dict[str, list[bool]]:
     """:func:`group_hits` of every group in ``groups``, each batch's prompts prefilled once below the groups' branch
-    layers (:class:`PromptTrunk`: the same logits to the bit as each group's own prefill), then each group's
+    layers (:class:`~ced_csa2.eval.generation.PromptTrunk`: the same logits to the bit as each group's own prefill), then each group's
     answers decoded through its cache (:func:`answer_hits`), one group's cache held at a time.
 
     Returns
@@ -299,7 +238,7 @@ def groups_hits(model: nn.Module, plan: LayerPlan, groups: Sequence[str], parts:
     scored: dict[str, list[tuple[_Batch, list[bool]]]] = {g: [] for g in groups}
     for batch in _batches(model, records, batch_size):
         built = {g: generation.group_cache(model, plan, g, parts_for(parts, g), kv_format) for g in groups}  # empty
-        trunk = PromptTrunk(model, plan, [b.branch for b in built.values()], batch.prompts)
+        trunk = generation.PromptTrunk(model, plan, [b.branch for b in built.values()], batch.prompts)
         for g in groups:
             cache = built.pop(g)
             logits = trunk.prefill(cache)

@@ -25,8 +25,9 @@ pipeline's (``models/``), Mode A's per ``mode_a.maps``.
 
 Writes ``metrics/generation.json`` (``protocol``, ``groups``: one row per group and ``mode_a``);
 the report turns it into a table, the headline's generation columns and
-``reports/agreement.png``.  Wall seconds per label and per phase (``phase_seconds``: the
-generation runs, the decode-step timing, the fidelity figures), and each group's decode step
+``reports/agreement.png``.  Wall seconds per phase (``phase_seconds``: the generation runs, every group's
+prompts prefilled once below its branch (:class:`~ced_csa2.eval.generation.PromptTrunk`), the decode-step
+timing, the fidelity figures), the torch thread count, and each group's decode step
 time through its cache over the baseline's ``DynamicCache``
 (:func:`~ced_csa2.eval.generation.decode_step_seconds`: one batch of prompts prefilled into every
 cache, one untimed warm-up step of each, then :data:`DECODE_TIMING_ROUNDS` rounds of one step per
@@ -40,6 +41,8 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 from ..ced_runtime import load_mode_a_parts, load_parts
 from ..config import Params
@@ -79,18 +82,13 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     parts = load_parts(workdir / MODELS, params, plan, geo, role=MAIN, device=device, extra_sources=False,
                        low_rank=True)  # xkv decodes too: models/xkv.pt
     covered = not plan.uncovered(geo)
-    jobs = {g: dict(groups=[g]) for g in gen.supported_groups()}
-    if covered:
-        jobs[gen.MODE_A] = dict(groups=[], mode_a=load_mode_a_parts(workdir, params, plan, geo, device=device),
-                                replay=params.mode_a.replay, sink=params.mode_a.sink)
-    runs, seconds = {}, {}
+    mode_a = dict(mode_a=load_mode_a_parts(workdir, params, plan, geo, device=device), replay=params.mode_a.replay,
+                  sink=params.mode_a.sink) if covered else {}
     t_phase = time.perf_counter()
-    for label, job in jobs.items():
-        t0 = time.perf_counter()
-        runs.update(gen.run_groups(model, plan, parts=parts, prompts=prompts, new_tokens=cfg.new_tokens,
-                                   kv_format=params.kv_format, batch_size=cfg.batch_size, **job))
-        seconds[label] = round(time.perf_counter() - t0, 2)
-        log.info("%s: %d prompts x %d tokens in %.1f s", label, len(prompts), cfg.new_tokens, seconds[label])
+    runs = gen.run_groups(model, plan, gen.supported_groups(), parts, prompts, cfg.new_tokens, params.kv_format,
+                          batch_size=cfg.batch_size, **mode_a)
+    log.info("%d groups%s: %d prompts x %d tokens in %.1f s", len(gen.supported_groups()), " and Mode A" * covered,
+             len(prompts), cfg.new_tokens, time.perf_counter() - t_phase)
     # Decode step time through each group's cache against the ordinary one, the groups alternated on one
     # batch of prompts: a timing (timings/eval_generation.json), never a metric.
     phases = {"generation": time.perf_counter() - t_phase}
@@ -101,7 +99,8 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     t_phase = time.perf_counter()
     rows = gen.generation_rows(model, prompts, runs, seed=params.seed, batch_size=cfg.batch_size)
     phases["fidelity"] = time.perf_counter() - t_phase
-    record_timing(seconds=seconds, phase_seconds={phase: round(t, 2) for phase, t in phases.items()},
+    # the thread count beside the figures: the every-layer block caches' tokens depend on it (BLAS order), as on the batch
+    record_timing(threads=torch.get_num_threads(), phase_seconds={phase: round(t, 2) for phase, t in phases.items()},
                   decode_step_ms={g: round(1e3 * t, 3) for g, t in steps.seconds.items()},
                   decode_step_ratio={g: round(t / steps.seconds["baseline"], 3) for g, t in steps.seconds.items()},
                   decode_step_protocol=(f"{len(prompts[:cfg.batch_size])} prompts of {cfg.prompt_tokens} tokens "
@@ -109,7 +108,7 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
                                         "one greedy decode step per call; ratio: over the baseline's DynamicCache"))
     protocol = {"model": params.model.hf_id or params.model.name, "dtype": str(model.dtype).removeprefix("torch."),
                 "data": str(EVAL_JSONL), "domain": params.data.name, "prompts": len(prompts),
-                "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens,
+                "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens, "batch_size": cfg.batch_size,
                 "cached_positions": runs["baseline"].positions, "kv_format": params.kv_format,
                 "decoding": "greedy, each group through the cache that holds its bytes",
                 "reference": "the baseline's own greedy continuation of the same prompts",
