@@ -307,7 +307,9 @@ E2E_OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5", "train_adapt
              "eval_gsm8k.generate=[baseline,csa2]",
              "train.online.records=8", "train.online.val_records=2", "train.online.seq_len=32", "mode_a.train.records=8",
              f"train.objectives=[{','.join(OBJECTIVES)}]",  # every objective the registry has
-             "eval_retrieval.length=320", "eval_retrieval.records=4",
+             "eval_retrieval.length=320", "eval_retrieval.records=2",
+             # two short greedy continuations through every cache: its 16 labels run at setup and again in the ablation
+             "eval_generation.prompts=2", "eval_generation.new_tokens=8",
              # a training mix, so that every stage that can read data.mix_rows does (the read log's check)
              "data.mix=[{domain:tiny,weight:3},{domain:reports_a,weight:1}]", "data.mix_rows=4000", "dump.records=0"]
 

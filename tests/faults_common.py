@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import os
 import re
 import subprocess
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import torch
 from conftest import TINY_OVERRIDES, compose
 
 from ced_csa2 import assets
@@ -87,6 +90,28 @@ def run_stage_process(workdir: Path, stage: str, prelude: str = "") -> subproces
         sys.executable, "-c", f"{prelude}\nimport ced_csa2.stages.{stage} as stage_module\nstage_module.main()\n"]
     return subprocess.run(cmd, cwd=workdir, env=stage_env(), capture_output=True, text=True, timeout=600,
                           check=False)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Intra-op threads as a stage's own process has them (``OMP_NUM_THREADS=1``: :func:`stage_env`, torchrun's
+    workers), for a run in this process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_stage_here(workdir: Path, stage: str) -> None:
+    """Stage ``stage``'s own ``run()`` on ``workdir/params.yaml``, in this process on one thread: the outputs of
+    :func:`run_stage_process` (whose exit status and error line are not asked for) without a new interpreter's
+    imports."""
+    from ced_csa2.config import load_params
+
+    with one_thread():
+        importlib.import_module(f"ced_csa2.stages.{stage}").run(load_params(workdir / "params.yaml"), workdir)
 
 
 def one_error_line(done: subprocess.CompletedProcess) -> str:

@@ -816,12 +816,14 @@ def rerun_plan(workdir: Path, params_text: str | None = None) -> list[tuple[str,
         def params_values(dep):  # the composition's values of a stage's params, flattened as DVC records them
             return read_param_file(LocalFileSystem(), str(composed), list(dep.params) or None, flatten=True)
 
+        # Both from one index, taken before `status`: DVC drops its index after each locked call, and
+        # collecting it again parses every dvc.yaml and dvc.lock again.
         graph = repo.index.graph  # an edge points from a stage to a stage it depends on
-        status = repo.status(targets=[str(workdir / "dvc.yaml")])
         target = (workdir / "dvc.yaml").resolve()
         # dvc.yaml's order (already an order its dependencies respect); studies/dvc.yaml is not
         # what `dvc repro` runs
         stages = [s for s in repo.index.stages if Path(s.path).resolve() == target]
+        status = repo.status(targets=[str(workdir / "dvc.yaml")])
         if params_text is not None:  # the composition's verdict on params in place of the workspace file's
             for stage in stages:
                 params = [d for d in stage.deps if isinstance(d, ParamsDependency)]

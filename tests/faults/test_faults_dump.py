@@ -28,6 +28,7 @@ from faults_common import (
     edit,
     flip_bytes,
     one_error_line,
+    run_stage_here,
     run_stage_process,
     sha,
     snapshot,
@@ -65,8 +66,7 @@ def dumped_workdir(tmp_path_factory) -> Path:
     workdir = tmp_path_factory.mktemp("dumped")
     (workdir / "params.yaml").write_text(TINY_YAML)
     for stage in ("prepare", "dump", "ridge"):
-        done = run_stage_process(workdir, stage)
-        assert done.returncode == 0, done.stderr[-3000:]
+        run_stage_here(workdir, stage)
     for rel, content in DUMP_PRIOR.items():
         write(str(rel), content)(workdir)
     with h5py.File(workdir / DUMP_PATH, "r") as f:  # the geometry the cases below rely on
@@ -365,8 +365,7 @@ def test_dump_killed_at_three_seeded_points_resumes_to_the_same_datasets(dumped_
         shutil.copytree(dumped_workdir / "data" / "corpus", folder / "data" / "corpus")
         shutil.copy(dumped_workdir / "params.yaml", folder / "params.yaml")
         one_record_batches(folder)
-    done = run_stage_process(ref, "dump")  # uninterrupted
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_stage_here(ref, "dump")  # uninterrupted
 
     rng, resumed_from = np.random.default_rng(16), []
     for kill in range(3):
@@ -421,14 +420,13 @@ def test_train_projector_killed_mid_epoch_keeps_the_old_checkpoint_then_writes_t
     base, ref, work = tmp_path / "base", tmp_path / "ref", tmp_path / "work"
     shutil.copytree(dumped_workdir, base)
     edit(anchor, "  epochs: 1\n  batch_size: 256\n")(base)
-    assert run_stage_process(base, "train_projector").returncode == 0  # the old, complete output
+    run_stage_here(base, "train_projector")  # the old, complete output
     (base / "params.yaml").write_text(TINY_YAML)
     edit(anchor, "  epochs: 3\n  batch_size: 4\n")(base)
     shutil.copytree(base, ref)
     shutil.copytree(base, work)
     ckpt = projector_path(20)
-    done = run_stage_process(ref, "train_projector")  # uninterrupted
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_stage_here(ref, "train_projector")  # uninterrupted
     old, new = sha(base / ckpt), sha(ref / ckpt)
     assert old != new
 

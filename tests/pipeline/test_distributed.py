@@ -1,7 +1,7 @@
 """Data-parallel stages (torchrun, gloo, 2 CPU processes) give what one process gives, on the tiny profile.
 
-Each stage runs from the same inputs with ``distributed.nproc: 1`` and ``2`` (the stage starts
-torchrun itself) and the outputs are compared: the dump exactly, the ridge statistics' float64
+Each stage runs from the same inputs with ``distributed.nproc: 1`` (its ``run()`` in the test's
+process) and ``2`` (``python -m``: the stage starts torchrun itself) and the outputs are compared: the dump exactly, the ridge statistics' float64
 solutions to 1e-10 relative, one epoch of each trainer to the tolerance of its autocast dtype
 (``conftest.rtol_for``), perplexities to 1e-6, GSM8K's metrics (generated texts, exact match,
 gold NLL) exactly.  A 2-process dump killed midway resumes to the uninterrupted file.  Each
@@ -41,9 +41,16 @@ def env() -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
 
 
-def stage(repo: Path, name: str, nproc: int) -> subprocess.CompletedProcess:
-    """``python -m ced_csa2.stages.<name>`` in ``repo`` with ``distributed.nproc: nproc``."""
+def stage(repo: Path, name: str, nproc: int) -> subprocess.CompletedProcess | None:
+    """Stage ``name`` in ``repo`` with ``distributed.nproc: nproc``: ``python -m ced_csa2.stages.<name>`` (which
+    starts torchrun itself), or for ``nproc`` 1, the reference, the stage's own ``run()`` in this process on one
+    thread, as torchrun gives each process (the imports are paid once; returns ``None``)."""
+    from faults_common import run_stage_here
+
     shutil.copy(repo / f"params{nproc}.yaml", repo / "params.yaml")
+    if nproc == 1:
+        run_stage_here(repo, name)
+        return None
     proc = subprocess.run([sys.executable, "-m", f"ced_csa2.stages.{name}"], cwd=repo, env=env(),
                           capture_output=True, text=True)
     assert proc.returncode == 0, f"{name} (nproc {nproc}) failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
@@ -122,13 +129,14 @@ def ridge_float64(workdir: Path, out: Path) -> None:
 
 @pytest.mark.slow
 def test_ridge_statistics_all_reduced_solve_as_one_process(repo):
+    from faults_common import one_thread
+
     built(repo, "dump")
-    for n in (1, 2):
-        launch = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  f"--nproc-per-node={n}"]
-        proc = subprocess.run([*launch, __file__, str(repo), str(repo / f"ridge64_{n}.pt")], env=env(),
-                              capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-5000:]
+    with one_thread():  # one process: this one
+        ridge_float64(repo, repo / "ridge64_1.pt")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           __file__, str(repo), str(repo / "ridge64_2.pt")], env=env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-5000:]
     one, two = (torch.load(repo / f"ridge64_{n}.pt") for n in (1, 2))
     for (W1, b1), (W2, b2) in zip(one, two):
         assert W1.dtype == torch.float64
@@ -245,17 +253,6 @@ def save_random_maps(workdir: Path, params) -> None:
     csa2.save_adapters(workdir / paths.ADAPTERS_PATH, adapters, meta["adapters"])
 
 
-@contextlib.contextmanager
-def one_thread():
-    """Intra-op threads as torchrun gives each process (OMP_NUM_THREADS=1), for a run in this process."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def without_seconds(tree):
     """A metrics tree without its timings (``seconds``), the one thing two runs may differ in."""
     if isinstance(tree, dict):
@@ -274,6 +271,7 @@ def test_distributed_gsm8k_is_single_process_gsm8k(tmp_path):
     count (rank 1 shows none).
     """
     from conftest import compose
+    from faults_common import one_thread
 
     from ced_csa2.config import load_params
     from ced_csa2.pipeline.paths import GSM8K_METRICS
@@ -362,6 +360,7 @@ def test_device_map_auto_keeps_dump_rows_and_logits(tmp_path, tiny_model):
     """A model spread by accelerate -- layers from 14 on offloaded to disk, hooks on every module -- computes the
     plain model's dump rows and, under the K/V-replacing runtime, its logits, bit for bit."""
     from conftest import tiny_params
+    from faults_common import one_thread
     from test_ced_runtime import random_parts
 
     from ced_csa2.ced_runtime import CEDModeBRuntime
