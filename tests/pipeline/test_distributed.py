@@ -304,7 +304,8 @@ def test_two_process_dump_killed_midway_resumes_to_the_uninterrupted_file(repo, 
     The kill goes out when each rank has logged at least one committed batch of its shard
     and neither has finished.  It reaches torchrun and both workers (``relaunch``'s
     parent-death signal), the shards keep their complete batches, and the rerun resumes both
-    and merges: the same datasets and attributes as an uninterrupted 2-process dump.
+    and merges: the same datasets and attributes as an uninterrupted dump (of one process, which two
+    processes match).
     """
     from faults_common import committed, dump_contents, wait_until
 
@@ -313,9 +314,10 @@ def test_two_process_dump_killed_midway_resumes_to_the_uninterrupted_file(repo, 
     ref, work = tmp_path / "ref", tmp_path / "work"
     for folder in (ref, work):
         shutil.copytree(repo / "data" / "corpus", folder / "data" / "corpus")
-        (folder / "params2.yaml").write_text((repo / "params2.yaml").read_text().replace(
-            "  batch_size: 4\n  storage_dtype", "  batch_size: 1\n  storage_dtype"))
-    stage(ref, "dump", 2)  # uninterrupted
+        for n in (1, 2):
+            (folder / f"params{n}.yaml").write_text((repo / f"params{n}.yaml").read_text().replace(
+                "  batch_size: 4\n  storage_dtype", "  batch_size: 1\n  storage_dtype"))
+    stage(ref, "dump", 1)  # uninterrupted; one process writes what two do (the sharded dump's test above)
 
     shutil.copy(work / "params2.yaml", work / "params.yaml")
     log = tmp_path / "killed.log"
