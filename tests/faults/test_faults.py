@@ -27,6 +27,7 @@ from faults_common import (
     local_model,
     one_error_line,
     remove,
+    run_stage_here,
     snapshot,
     stage_env,
     write,
@@ -140,8 +141,7 @@ def good_workdir(tmp_path_factory) -> Path:
     workdir = tmp_path_factory.mktemp("good")
     (workdir / "params.yaml").write_text(TINY_YAML)
     for stage in ("storage", "prepare"):
-        done = run_module(workdir, stage)
-        assert done.returncode == 0, done.stderr
+        run_stage_here(workdir, stage)
     for rel, content in PRIOR.items():
         write(str(rel), content)(workdir)
     return workdir

@@ -28,6 +28,7 @@ from faults_common import (
     hub_cache_with,
     one_error_line,
     probe_hub,
+    run_stage_here,
     run_stage_process,
     snapshot,
     stage_env,
@@ -151,8 +152,7 @@ def prepared_workdir(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("prepared")
     (workdir / "params.yaml").write_text(TINY_YAML)
     edit("  device: auto\n  records: 128\n", "  device: auto\n  records: 16\n")(workdir)
-    done = run_stage_process(workdir, "prepare")
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_stage_here(workdir, "prepare")
     return workdir
 
 
