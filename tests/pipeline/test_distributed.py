@@ -1,12 +1,12 @@
 """Data-parallel stages (torchrun, gloo, 2 CPU processes) give what one process gives, on the tiny profile.
 
 Each stage runs from the same inputs with ``distributed.nproc: 1`` (its ``run()`` in the test's
-process) and ``2`` (``python -m``: the stage starts torchrun itself) and the outputs are compared: the dump exactly, the ridge statistics' float64
-solutions to 1e-10 relative, one epoch of each trainer to the tolerance of its autocast dtype
-(``conftest.rtol_for``), perplexities to 1e-6, GSM8K's metrics (generated texts, exact match,
-gold NLL) exactly.  A 2-process dump killed midway resumes to the uninterrupted file.  Each
-test runs the upstream stages it reads (one process) unless an earlier test of the module
-already has, so that any of them runs alone.  ``model.device_map: auto`` (one process, the model
+process) and ``2`` (``python -m``: the stage starts torchrun itself) and the outputs are compared:
+the dump exactly, the ridge statistics' float64 solutions to 1e-10 relative, one epoch of each
+trainer to the tolerance of its autocast dtype (``conftest.rtol_for``), perplexities to 1e-6,
+GSM8K's metrics (generated texts, exact match, gold NLL) exactly.  A 2-process dump killed
+midway resumes to the uninterrupted file.  Each test runs the upstream stages it reads (one
+process) unless an earlier test of the module already has, so that any of them runs alone.  ``model.device_map: auto`` (one process, the model
 spread by accelerate) keeps the dump rows and logits bit for bit (its refusal of ``nproc > 1``:
 ``tests/test_config.py``).
 
