@@ -6,9 +6,9 @@ the dump exactly, the ridge statistics' float64 solutions to 1e-10 relative, one
 trainer to the tolerance of its autocast dtype (``conftest.rtol_for``), perplexities to 1e-6,
 GSM8K's metrics (generated texts, exact match, gold NLL) exactly.  A 2-process dump killed
 midway resumes to the uninterrupted file.  Each test runs the upstream stages it reads (one
-process) unless an earlier test of the module already has, so that any of them runs alone.  ``model.device_map: auto`` (one process, the model
-spread by accelerate) keeps the dump rows and logits bit for bit (its refusal of ``nproc > 1``:
-``tests/test_config.py``).
+process) unless an earlier test of the module already has, so that any of them runs alone.
+``model.device_map: auto`` (one process, the model spread by accelerate) keeps the dump rows and
+logits bit for bit (its refusal of ``nproc > 1``: ``tests/test_config.py``).
 
     torchrun --nproc-per-node 2 tests/test_distributed.py <workdir> <out.pt>   # the float64 ridge check
 """
