@@ -105,10 +105,11 @@ def test_out_of_memory_in_a_stage_without_batch_params_says_what_else_to_do(in_t
                                        f"it) or use a GPU with more; {KEPT}\n")
 
 
-def test_gpu_out_of_memory_in_a_study_is_the_same_one_line(in_tiny_folder, capsys):
+def test_gpu_out_of_memory_in_a_study_is_the_same_one_line(in_tiny_folder, capsys, monkeypatch):
     def main():
         raise torch.OutOfMemoryError(CUDA_OOM)
 
+    monkeypatch.setattr(sys, "argv", [__file__])  # run_study parses the command line: pytest's own arguments are not it
     with pytest.raises(SystemExit) as end:
         run_study(main)
     assert end.value.code == 2
