@@ -517,10 +517,16 @@ def generation_seconds(s: Setup, problems: int, batch: int, new_tokens: int, pro
     return batches * new_tokens * step + forward_flops(s.model, problems * prompt_tokens) / s.rates.model_flops
 
 
+def kv_cache_bytes(s: Setup, context: int) -> float:
+    """Device bytes of every attention layer's K/V cache over ``context`` positions (batch rows x positions), in the
+    model's dtype."""
+    return context * 2 * s.model.geo.kv_dim * len(s.model.geo.attention_layers) * s.b
+
+
 def decode_bytes(s: Setup, context: int) -> float:
-    """Device bytes of decoding ``context`` positions (batch rows x positions): every attention layer's K/V cache
-    in the model's dtype, and one layer's activations over them."""
-    return context * 2 * s.model.geo.kv_dim * len(s.model.geo.attention_layers) * s.b + layer_bytes(s, context)
+    """Device bytes of decoding ``context`` positions (batch rows x positions): the K/V cache and one layer's
+    activations over them."""
+    return kv_cache_bytes(s, context) + layer_bytes(s, context)
 
 
 def est_eval_gsm8k(s: Setup) -> StageEstimate:
@@ -552,7 +558,8 @@ def est_eval_generation(s: Setup) -> StageEstimate:
     seconds = (labels * generation_seconds(s, cfg.prompts, cfg.batch_size, cfg.new_tokens, cfg.prompt_tokens)
                + scoring / s.rates.model_flops)
     context = cfg.batch_size * (cfg.prompt_tokens + cfg.new_tokens)
-    cache = decode_bytes(s, context)
+    # every group's cache of a batch held at once (they decode alternated), each at most the ordinary one
+    cache = decode_bytes(s, context) + (len(supported_groups()) - 1) * kv_cache_bytes(s, context)
     host, device = peaks(s, model=True, device_work=cache)
     return StageEstimate("eval_generation", f"{cfg.prompts} prompts x {cfg.prompt_tokens} + {cfg.new_tokens} tokens",
                          host=host, device=device, seconds=seconds,

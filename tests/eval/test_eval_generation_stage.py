@@ -26,7 +26,7 @@ def test_every_group_and_mode_a_on_the_tiny_model(tiny_model):
     prompts = gen.prompt_ids(records, "eval.jsonl", tok, 3, 12, params.seed, 0)
     assert prompts.shape == (3, 12)
     runs = gen.run_groups(model, plan, gen.supported_groups(), parts, prompts, 5, params.kv_format, mode_a=parts,
-                          batch_size=2)
+                          batch_size=2).runs
     rows = gen.generation_rows(model, prompts, runs, seed=params.seed, batch_size=2)
     assert list(rows) == [*gen.supported_groups(), gen.MODE_A]
     base = rows["baseline"]

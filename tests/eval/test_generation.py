@@ -349,7 +349,7 @@ def test_decoding_from_the_shared_prefill_gives_every_group_its_own_generation(m
     torch.manual_seed(2)
     prompts = torch.randint(0, vocab, (3, PROMPT))
     groups = [g for g in gen.supported_groups() if model_name == "qwen3_5" or GROUPS[g].stream_formats is None]
-    runs = gen.run_groups(model, plan, groups, parts, prompts, NEW, FORMAT)
+    runs = gen.run_groups(model, plan, groups, parts, prompts, NEW, FORMAT).runs
     for g in groups:
         own = gen.generate(model, plan, g, parts, prompts, NEW, FORMAT)
         assert torch.equal(runs[g].tokens, own.tokens), g
@@ -379,8 +379,10 @@ def test_batches_join_into_one_run(tiny_model):
     torch.manual_seed(6)
     prompts = torch.randint(0, 250, (3, PROMPT))
     parts = random_parts(geometry(model.config), QWEN_PLAN)
-    whole = gen.run_groups(model, QWEN_PLAN, ["csa2"], parts, prompts, NEW, FORMAT, mode_a=parts)
-    split = gen.run_groups(model, QWEN_PLAN, ["csa2"], parts, prompts, NEW, FORMAT, mode_a=parts, batch_size=2)
+    one = gen.run_groups(model, QWEN_PLAN, ["csa2"], parts, prompts, NEW, FORMAT, mode_a=parts)
+    assert one.step_seconds is None  # one group: no other arm to alternate its steps with
+    whole, split = one.runs, gen.run_groups(model, QWEN_PLAN, ["csa2"], parts, prompts, NEW, FORMAT, mode_a=parts,
+                                            batch_size=2).runs
     for label in ("csa2", gen.MODE_A):
         assert torch.equal(whole[label].tokens, split[label].tokens)
         assert whole[label].bytes.used == split[label].bytes.used == split[label].accounted
@@ -418,27 +420,30 @@ def test_refusals(tiny_model):
         gen.fidelity(model, prompts, {"csa2": run.tokens}, seed=0)
 
 
-def test_decode_steps_are_timed_alternated_through_each_group_s_cache(setup, monkeypatch):
-    """Every group's cache is prefilled, then stepped once per round in a rotated order; a step goes through the
-    group's own cache (the shared store's caches grow; its hooks are gone after each step)."""
+def test_the_decode_steps_are_timed_alternated_through_each_group_s_cache(setup, monkeypatch):
+    """run_groups decodes the groups step by step, alternated, in an order rotated each round: their step times are
+    the decode's own steps (the first of each untimed), each through the group's own cache (the shared store's
+    caches grow; its hooks are gone after each step)."""
     model, plan, parts, prompts = setup
     groups = ["baseline", "csa2", "csa2_fp4"]
-    steps = 3
     built = []
     real_group_cache = gen.group_cache
 
-    def spying_group_cache(*args):  # the real builder; kept to read the caches after the timing
+    def spying_group_cache(*args):  # the real builder; kept to read the caches after the decode
         built.append(real_group_cache(*args))
         return built[-1]
 
     monkeypatch.setattr(gen, "group_cache", spying_group_cache)
-    paired = gen.decode_step_seconds(model, plan, groups, parts, prompts, FORMAT, steps=steps)
+    decoded = gen.run_groups(model, plan, groups, parts, prompts, NEW, FORMAT)
+    paired = decoded.step_seconds
     assert set(paired.seconds) == set(groups) and all(t > 0 for t in paired.seconds.values())
-    assert paired.repeats == steps and len(paired.order) == steps * len(groups)
+    # NEW tokens: the first from the prefill's logits, NEW - 1 steps, the first of each untimed
+    assert paired.repeats == NEW - 2 and len(paired.order) == paired.repeats * len(groups)
     assert len({tuple(paired.order[i:i + len(groups)]) for i in range(0, len(paired.order), len(groups))}) > 1
-    # prefill + one untimed warm-up step + `steps` timed ones: PROMPT + steps + 1 positions, through each group's cache
+    # the prompts and every token but the last fed back, through each group's cache
     assert [b.kind for b in built] == ["DynamicCache", "SharedKVCache(bf16)", "SharedKVCache(nvfp4)"]
-    assert all(b.cache.get_seq_length() == PROMPT + steps + 1 for b in built)
+    assert all(b.cache.get_seq_length() == PROMPT + NEW - 1 for b in built)
+    assert all(decoded.runs[g].tokens.shape == (len(prompts), NEW) for g in groups)
     assert no_hooks(model)
 
 

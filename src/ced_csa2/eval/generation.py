@@ -67,7 +67,7 @@ from ..kv.kv_bytes import bytes_per_token
 from ..data.records import seeded_subset
 from ..model_utils import geometry
 from ..pipeline.progress import Progress
-from ..pipeline.timing import Paired, paired_seconds
+from ..pipeline.timing import MIN_REPEATS, Paired, paired_seconds
 from ..plan import LayerPlan
 from ..groups import GROUPS, Group
 from ..groups import group as lookup_group
@@ -119,7 +119,7 @@ class GroupCache:
         :class:`BlockKVCache`.
     open
         A fresh context manager to run forwards in, at each call: opened once around a whole
-        decode, or around each step (:func:`decode_step_seconds`, where groups alternate): the
+        decode, or around each step (:func:`run_groups`, where groups alternate): the
         shared store's :meth:`~ced_csa2.runtime.shared_kv.SharedKVCache.feed`, or the Mode B
         runtime of the group's dense twin (a no-op for ``baseline``, the projector for ``ced``).
     storage
@@ -407,8 +407,8 @@ def checked_run(model, plan, label: str, accounted_as: str, storage: str, tokens
 
 
 class StepDecoder:
-    """One cache's greedy decode, a forward per call: :meth:`prefill` once, then :meth:`step`, each forward
-    inside a fresh ``open()`` (so that decoders of several groups can alternate on one model).
+    """One cache's greedy decode, a forward per call: :meth:`prefill` (or :meth:`start`) once, then :meth:`step`,
+    each forward inside a fresh ``open()`` (so that decoders of several groups can alternate on one model).
 
     Parameters
     ----------
@@ -421,13 +421,23 @@ class StepDecoder:
     """
 
     def __init__(self, model: nn.Module, cache: Cache, open: Callable[[], AbstractContextManager]):
-        self.model, self.cache, self.open, self.x = model, cache, open, None
+        self.model, self.cache, self.open, self.chosen = model, cache, open, []
+
+    @property
+    def x(self) -> torch.Tensor:
+        """The last token chosen ``(B, 1)``: the next step's input."""
+        return self.chosen[-1]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """Every token chosen so far ``(B, n)``, the first from the prefill's logits."""
+        return torch.cat(self.chosen, dim=1)
 
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor) -> None:
         with self.open():
             logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1).logits
-        self.x = logits[:, -1:].argmax(-1)
+        self.chosen.append(logits[:, -1:].argmax(-1))
 
     def prefill(self, ids: torch.Tensor) -> None:
         """``ids`` ``(B, T)`` into the cache; each row's greedy next token is the first step's input."""
@@ -436,31 +446,31 @@ class StepDecoder:
     def start(self, logits: torch.Tensor) -> None:
         """Begin from a cache filled elsewhere (:meth:`PromptTrunk.prefill`): ``logits`` ``(B, vocab)`` after
         its last position choose the first step's input."""
-        self.x = logits.argmax(-1, keepdim=True)
+        self.chosen.append(logits.argmax(-1, keepdim=True))
 
     def step(self) -> None:
         """One greedy decode step: the last token in, the next one chosen."""
         self._forward(self.x)
 
 
-def decode_step_seconds(model: nn.Module, plan: LayerPlan, groups, parts: CEDParts | Mapping[str, CEDParts] | None,
-                        prompts: torch.Tensor, kv_format: str | None, *, steps: int) -> Paired:
-    """Seconds per greedy decode step through each group's cache, the groups alternated.
+def decode_alternated(decoders: Mapping[str, StepDecoder], steps: int, device: torch.device) -> Paired | None:
+    """``steps`` greedy decode steps of every decoder, the decoders alternated step by step; their step times.
 
-    Every group's cache (:func:`group_cache`) is filled with ``prompts`` ``(B, T)`` (unpadded), the layers
-    below its branch prefilled once for all (:class:`PromptTrunk`); then
-    :func:`~ced_csa2.pipeline.timing.paired_seconds` times their decode steps: one untimed step of
-    each, ``steps`` rounds of one step per group in an order rotated each round, the per-group median.
-    Each step opens its group's context (hooks: microseconds against a step), and the caches grow by
-    one position per step alike, so every round compares the groups at one context length.
+    With two or more decoders and ``steps >= MIN_REPEATS + 1`` the loop is
+    :func:`~ced_csa2.pipeline.timing.paired_seconds`' (the first step of each untimed, then ``steps - 1`` rounds
+    of one step per decoder in an order rotated each round, each decoder's median); otherwise the steps run
+    untimed and ``None`` is returned.  Either way each decoder's own steps run in order on its own cache, so
+    its tokens are those of decoding it alone.
     """
-    built = {group: group_cache(model, plan, group, parts_for(parts, group), kv_format) for group in groups}
-    trunk = PromptTrunk(model, plan, [b.branch for b in built.values()], prompts)
-    decoders = {}
-    for group, b in built.items():
-        decoders[group] = StepDecoder(model, b.cache, b.open)
-        decoders[group].start(trunk.prefill(b))
-    return paired_seconds({group: d.step for group, d in decoders.items()}, steps, device=prompts.device)
+    with Progress(total=steps * len(decoders), desc="decode", unit="step") as bar:
+        if len(decoders) >= 2 and steps - 1 >= MIN_REPEATS:
+            return paired_seconds({label: d.step for label, d in decoders.items()}, steps - 1, device=device,
+                                  setup=bar.update)  # the bar moves untimed, before each step
+        for _ in range(steps):
+            for d in decoders.values():
+                bar.update()
+                d.step()
+    return None
 
 
 # ----------------------------------------------------------------------------- fidelity
@@ -563,43 +573,54 @@ def fidelity(model: nn.Module, prompts: torch.Tensor, runs: Mapping[str, torch.T
     return out
 
 
+@dataclass
+class DecodedGroups:
+    """What :func:`run_groups` decoded.
+
+    Attributes
+    ----------
+    runs
+        ``{label: GroupGeneration}``, the groups' in their order, then :data:`MODE_A`'s if it ran.
+    step_seconds
+        The decode step times of the first batch's groups, alternated step by step (:func:`decode_alternated`;
+        ``None`` for fewer than two groups or ``MIN_REPEATS + 2`` new tokens): a timing, never a metric.
+    """
+
+    runs: dict[str, GroupGeneration]
+    step_seconds: Paired | None
+
+
 def run_groups(model: nn.Module, plan: LayerPlan, groups, parts: CEDParts | Mapping[str, CEDParts] | None,
                prompts: torch.Tensor, new_tokens: int, kv_format: str | None, *,
                mode_a: CEDParts | None = None, replay: int = 0, sink: str = "none",
-               batch_size: int | None = None) -> dict[str, GroupGeneration]:
+               batch_size: int | None = None) -> DecodedGroups:
     """:func:`generate` for each of ``groups`` (and :func:`mode_a_generation` with ``mode_a``'s maps, if given),
     ``batch_size`` prompts at a time (``None``: all at once); the batches' tokens joined and bytes added up.
 
     Each batch's prompts are prefilled once below the groups' branch layers (:class:`PromptTrunk`: the
-    same logits and entries to the bit as each group's own prefill), then each group decodes through
-    its cache, one group's cache held at a time.  ``parts``: one set of maps for every group, or
-    ``{group: CEDParts}``.
+    same logits and entries to the bit as each group's own prefill), then the groups decode through their
+    caches alternated step by step (:func:`decode_alternated`): each group's tokens are its own decode's, and
+    the steps are the decode step timing, every group at the same context length in each round, so the
+    timing costs no step of its own.  All of one batch's caches are held at once.  ``parts``: one set of
+    maps for every group, or ``{group: CEDParts}``.
     """
     runs: dict[str, list[GroupGeneration]] = {g: [] for g in groups}
-    for x in torch.split(prompts, batch_size or len(prompts)):
+    step_seconds = None
+    for i, x in enumerate(torch.split(prompts, batch_size or len(prompts))):
         check_prompts(model, x, new_tokens)
         built = {g: group_cache(model, plan, g, parts_for(parts, g), kv_format) for g in groups}  # empty
         trunk = PromptTrunk(model, plan, [b.branch for b in built.values()], x) if built else None
-        for g in Progress(groups, desc="generate", unit="group"):
-            b = built.pop(g)
-            tokens = greedy_from(model, b, trunk.prefill(b), new_tokens)
-            runs[g].append(checked_run(model, plan, g, g, b.storage, tokens, b.cache, b.kind, rank=b.rank))
+        decoders = {g: StepDecoder(model, b.cache, b.open) for g, b in built.items()}
+        for g in Progress(groups, desc="prefill", unit="group"):
+            decoders[g].start(trunk.prefill(built[g]))
+        paired = decode_alternated(decoders, new_tokens - 1, x.device)
+        step_seconds = paired if i == 0 else step_seconds
+        for g, b in built.items():
+            runs[g].append(checked_run(model, plan, g, g, b.storage, decoders[g].tokens, b.cache, b.kind, rank=b.rank))
         if mode_a is not None:
             runs.setdefault(MODE_A, []).append(mode_a_generation(model, plan, mode_a, x, new_tokens, replay=replay,
                                                                  sink=sink))
-    return {label: _joined(r) for label, r in runs.items()}
-
-
-@torch.inference_mode()
-def greedy_from(model: nn.Module, built: GroupCache, logits: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Greedy tokens ``(B, new_tokens)`` through ``built``'s filled cache, the first chosen from ``logits``
-    ``(B, vocab)`` after the prompts (:meth:`PromptTrunk.prefill`): as :func:`generate` continues after its own
-    prefill, the last token never fed back."""
-    tokens = [logits.argmax(-1, keepdim=True)]
-    with built.open():
-        for _ in range(new_tokens - 1):
-            tokens.append(next_logits(model, built.cache, tokens[-1]).argmax(-1, keepdim=True))
-    return torch.cat(tokens, dim=1)
+    return DecodedGroups({label: _joined(r) for label, r in runs.items()}, step_seconds)
 
 
 def _joined(runs: list[GroupGeneration]) -> GroupGeneration:
@@ -608,7 +629,6 @@ def _joined(runs: list[GroupGeneration]) -> GroupGeneration:
     return GroupGeneration(first.group, torch.cat([r.tokens for r in runs]),
                            CacheBytes(sum(r.bytes.used for r in runs), sum(r.bytes.allocated for r in runs)),
                            first.positions, sum(r.accounted for r in runs), first.kind)
-
 
 
 def prompt_ids(records: list[dict], where, tok, n: int, prompt_tokens: int, seed: int, stream: int) -> torch.Tensor:

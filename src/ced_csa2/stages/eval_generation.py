@@ -25,14 +25,12 @@ pipeline's (``models/``), Mode A's per ``mode_a.maps``.
 
 Writes ``metrics/generation.json`` (``protocol``, ``groups``: one row per group and ``mode_a``);
 the report turns it into a table, the headline's generation columns and
-``reports/agreement.png``.  Wall seconds per phase (``phase_seconds``: the generation runs, every group's
-prompts prefilled once below its branch (:class:`~ced_csa2.eval.generation.PromptTrunk`), the decode-step
-timing, the fidelity figures), the torch thread count, and each group's decode step
-time through its cache over the baseline's ``DynamicCache``
-(:func:`~ced_csa2.eval.generation.decode_step_seconds`: one batch of prompts prefilled into every
-cache, one untimed warm-up step of each, then :data:`DECODE_TIMING_ROUNDS` rounds of one step per
-group in an order rotated each round, each group's median), go to ``timings/eval_generation.json``,
-never into the metrics.
+``reports/agreement.png``.  Wall seconds per phase (``phase_seconds``: ``generation``, every group's
+prompts and their decode, and ``fidelity``, the figures), the torch thread count, and each group's
+decode step time through its cache over the baseline's ``DynamicCache`` go to
+``timings/eval_generation.json``, never into the metrics.  The step times are the generation's own
+steps of the first batch (:func:`~ced_csa2.eval.generation.run_groups`: the groups alternated step by
+step, the first step of each untimed, each group's median over the rest), so timing adds no step.
 """
 
 from __future__ import annotations
@@ -59,12 +57,6 @@ from ..plan import load_plan
 
 log = logging.getLogger(__name__)
 
-# Timed rounds of the decode-step comparison (a timing, never a metric).  Each round steps every
-# group's cache once, so the phase costs rounds x groups decode steps; a median of this many
-# alternated rounds still ignores a few preempted ones (pipeline/timing.py).  The caches grow by
-# one position a round, from the prompts' length on.
-DECODE_TIMING_ROUNDS = 16
-
 
 def run(params: Params, workdir: Path = Path(".")) -> dict:
     """Decode every group and Mode A; returns the metrics written to ``metrics/generation.json``."""
@@ -85,27 +77,27 @@ def run(params: Params, workdir: Path = Path(".")) -> dict:
     mode_a = dict(mode_a=load_mode_a_parts(workdir, params, plan, geo, device=device), replay=params.mode_a.replay,
                   sink=params.mode_a.sink) if covered else {}
     t_phase = time.perf_counter()
-    runs = gen.run_groups(model, plan, gen.supported_groups(), parts, prompts, cfg.new_tokens, params.kv_format,
-                          batch_size=cfg.batch_size, **mode_a)
+    decoded = gen.run_groups(model, plan, gen.supported_groups(), parts, prompts, cfg.new_tokens, params.kv_format,
+                             batch_size=cfg.batch_size, **mode_a)
+    runs = decoded.runs
     log.info("%d groups%s: %d prompts x %d tokens in %.1f s", len(gen.supported_groups()), " and Mode A" * covered,
              len(prompts), cfg.new_tokens, time.perf_counter() - t_phase)
-    # Decode step time through each group's cache against the ordinary one, the groups alternated on one
-    # batch of prompts: a timing (timings/eval_generation.json), never a metric.
     phases = {"generation": time.perf_counter() - t_phase}
-    t_phase = time.perf_counter()
-    steps = gen.decode_step_seconds(model, plan, list(gen.supported_groups()), parts, prompts[:cfg.batch_size],
-                                    params.kv_format, steps=DECODE_TIMING_ROUNDS)
-    phases["decode_step_timing"] = time.perf_counter() - t_phase
     t_phase = time.perf_counter()
     rows = gen.generation_rows(model, prompts, runs, seed=params.seed, batch_size=cfg.batch_size)
     phases["fidelity"] = time.perf_counter() - t_phase
+    # Decode step time through each group's cache against the ordinary one: a timing, never a metric.
+    steps = decoded.step_seconds
+    step_timing = {} if steps is None else dict(
+        decode_step_ms={g: round(1e3 * t, 3) for g, t in steps.seconds.items()},
+        decode_step_ratio={g: round(t / steps.seconds["baseline"], 3) for g, t in steps.seconds.items()},
+        decode_step_protocol=(f"the generation's decode steps of its first batch ({len(prompts[:cfg.batch_size])} "
+                              f"prompts of {cfg.prompt_tokens} tokens, prefilled per cache), the groups alternated: "
+                              f"{TIMING_PROTOCOL.format(repeats=steps.repeats)}; "
+                              "one greedy decode step per call; ratio: over the baseline's DynamicCache"))
     # the thread count beside the figures: the every-layer block caches' tokens depend on it (BLAS order), as on the batch
     record_timing(threads=torch.get_num_threads(), phase_seconds={phase: round(t, 2) for phase, t in phases.items()},
-                  decode_step_ms={g: round(1e3 * t, 3) for g, t in steps.seconds.items()},
-                  decode_step_ratio={g: round(t / steps.seconds["baseline"], 3) for g, t in steps.seconds.items()},
-                  decode_step_protocol=(f"{len(prompts[:cfg.batch_size])} prompts of {cfg.prompt_tokens} tokens "
-                                        f"prefilled per cache, then {TIMING_PROTOCOL.format(repeats=steps.repeats)}; "
-                                        "one greedy decode step per call; ratio: over the baseline's DynamicCache"))
+                  **step_timing)
     protocol = {"model": params.model.hf_id or params.model.name, "dtype": str(model.dtype).removeprefix("torch."),
                 "data": str(EVAL_JSONL), "domain": params.data.name, "prompts": len(prompts),
                 "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens, "batch_size": cfg.batch_size,
