@@ -310,28 +310,27 @@ def test_an_ablation_reruns_what_reads_it_and_its_revert_restores_from_the_run_c
     cached = {p: (repo / p).read_bytes() for p in ("metrics/adapters.json", "metrics/ppl.json", "reports/results.md")}
     params = repo / "params.yaml"
     original = params.read_text()
-    # How many held-out records the scoring reads: eval_ppl and eval_objectives read it, nothing upstream, so
-    # the rerun is short and every other stage must stay put.  (An edit of a trainer does not do here: the tiny
-    # adapters start at the ridge optimum and move ΔPPL by ~1e-6 relative, which `dvc exp show` rounds to 5
-    # significant digits before --only-changed compares: on an AVX-512 Xeon the change vanished.)
-    assert "\n  records: 32\n" in original and (repo / "data/corpus/eval.jsonl").read_text().count("\n") > 6
-    params.write_text(original.replace("\n  records: 32\n", "\n  records: 6\n", 1))
+    # The FP4 groups' block format, read by storage and the three scoring stages. (An edit of a
+    # trainer does not do here: the tiny adapters start at the ridge optimum and move ΔPPL by ~1e-6
+    # relative, which `dvc exp show` rounds to 5 significant digits before --only-changed compares:
+    # on an AVX-512 Xeon the change vanished.)
+    assert "\nkv_format: nvfp4\n" in original
+    params.write_text(original.replace("\nkv_format: nvfp4\n", "\nkv_format: mxfp4\n"))
     previewed = preview(repo)  # the cost of the edit before it runs
     assert previewed["eval_ppl"] == "changed: changed deps" and previewed["report"].startswith("downstream")
     ran = stages_run(sh(repo, "dvc", "repro"))
     assert set(previewed) == ran
-    assert {"check_params", "eval_ppl", "eval_objectives", "report"} <= ran
-    assert not ran & {"prepare", "dump", "ridge", "train_projector", "train_adapters", "tune@ridge", "tune@attn_out",
-                      "storage", "eval_gsm8k", "eval_generation", "eval_retrieval"}
+    assert {"check_params", "storage", "eval_ppl", "eval_gsm8k", "eval_objectives", "report"} <= ran
+    assert not ran & {"prepare", "dump", "ridge", "train_projector", "train_adapters", "tune@ridge", "tune@attn_out"}
     diff = json.loads(sh(repo, "dvc", "metrics", "diff", "--json"))
-    assert set(diff) == {"metrics/summary.json"} and diff["metrics/summary.json"]["csa2.dppl_pct"]["diff"] != 0
-    assert "eval_ppl.records" in sh(repo, "dvc", "params", "diff")
+    assert set(diff) == {"metrics/summary.json"} and diff["metrics/summary.json"]["csa2_fp4.dppl_pct"]["diff"] != 0
+    assert "kv_format" in sh(repo, "dvc", "params", "diff")
     # README's `dvc exp show` line fits a screen: the edited workspace against HEAD
     line = re.search(r"^(dvc exp show [^#\n]*?)\s+#", (ROOT / "README.md").read_text(), re.M).group(1)
     shown = sh(repo, *shlex.split(line), "--no-pager").strip().splitlines()
     assert len(shown) <= 30 and max(map(len, shown)) <= 200, "\n".join(shown)
     # the changed ΔPPL and the edited param, not the dependency hashes or the unchanged columns
-    assert any("workspace" in row for row in shown) and ".dppl_pct" in shown[0] and "eval_ppl.records" in shown[0]
+    assert any("workspace" in row for row in shown) and ".dppl_pct" in shown[0] and "kv_format" in shown[0]
     assert "/" not in shown[0] and ".kl " not in shown[0]
 
     params.write_text(original)  # the way back: no stage command runs, every output comes back
