@@ -17,6 +17,7 @@ take their tolerance from the dtype in effect (:func:`trainer_amp_dtype`, :func:
 """
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -53,7 +54,15 @@ AMP_OVERRIDES = _amp_overrides()  # Hydra overrides: the last one of a key wins,
 
 
 def compose(overrides=()) -> str:
-    """:func:`ced_csa2.compose.compose` with :data:`AMP_OVERRIDES` appended."""
+    """:func:`ced_csa2.compose.compose` with :data:`AMP_OVERRIDES` appended.
+
+    Composed once per list of overrides and worker: ``conf/`` does not change while the suite runs,
+    and hundreds of tests build params from the same few lists (each composition starts Hydra anew)."""
+    return _composed(tuple(overrides))
+
+
+@functools.cache
+def _composed(overrides: tuple[str, ...]) -> str:
     return _compose.compose([*overrides, *AMP_OVERRIDES])
 
 
@@ -267,11 +276,13 @@ def readme_headline_problem(root: Path) -> str | None:
 
 
 def project_copy(dst: Path) -> Path:
-    """The project's files (tracked and untracked-not-ignored; no results, no dvc.lock) in a new git repo."""
+    """The project's files (tracked and untracked-not-ignored) in a new git repo: no results, so neither
+    lock file (the studies' one, the largest YAML in the project, would be parsed by every DVC command
+    run in the copy, and it records runs the copy does not have)."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()
     for rel in files:
-        if (ROOT / rel).is_file() and not rel.startswith(("metrics/", "reports/", "dvc.lock")):
+        if (ROOT / rel).is_file() and not rel.startswith(("metrics/", "reports/", "dvc.lock", "studies/dvc.lock")):
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, dst / rel)
     subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
@@ -308,6 +319,7 @@ E2E_OVERRIDES = ["model=tiny_qwen3_5", "data=tiny", "plan=qwen3_5", "train_adapt
              "train.online.records=8", "train.online.val_records=2", "train.online.seq_len=32", "mode_a.train.records=8",
              f"train.objectives=[{','.join(OBJECTIVES)}]",  # every objective the registry has
              "eval_retrieval.length=320", "eval_retrieval.records=2",
+             "eval_ppl.timing_records=2",  # Mode A's timing prefills each timed record again, both arms, several rounds
              # two short greedy continuations through every cache: its 16 labels run at setup and again in the ablation
              "eval_generation.prompts=2", "eval_generation.new_tokens=8",
              # a training mix, so that every stage that can read data.mix_rows does (the read log's check)

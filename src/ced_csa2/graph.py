@@ -15,6 +15,7 @@ imports included, and every enclosing package's ``__init__`` (Python runs them b
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -42,19 +43,32 @@ def project_imports(module: str) -> set[str]:
 def file_imports(file: Path, package: str = "") -> set[str]:
     """``ced_csa2`` modules imported anywhere in ``file`` (relative imports resolved in ``package``)."""
     found = set()
-    for node in ast.walk(ast.parse(file.read_text())):
+    for base, names in _import_statements(file.read_text(), package):
+        if names is None:  # `import ced_csa2.x`
+            found.add(base)
+        for name in names or ():  # `from . import kv_hooks` names a module
+            candidate = f"{base}.{name}"
+            found.add(candidate if module_file(candidate).is_file() else base)
+    return found
+
+
+@functools.cache
+def _import_statements(source: str, package: str) -> tuple[tuple[str, tuple[str, ...] | None], ...]:
+    """``(module, names)`` of each ``ced_csa2`` import in ``source`` (``names`` None for a plain ``import``).
+
+    Cached by the text: a closure visits each module once per stage, and the stages share most modules."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([node.module] if node.module else []))
             if base.startswith("ced_csa2"):
-                for alias in node.names:  # `from . import kv_hooks` names a module
-                    candidate = f"{base}.{alias.name}"
-                    found.add(candidate if module_file(candidate).is_file() else base)
+                found.append((base, tuple(alias.name for alias in node.names)))
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("ced_csa2")}
-    return found
+            found += [(a.name, None) for a in node.names if a.name.startswith("ced_csa2")]
+    return tuple(found)
 
 
 def import_closure(*modules: str) -> set[str]:

