@@ -41,8 +41,9 @@ def test_hits_through_each_cache_are_its_own_greedy_generation(tiny_model, tmp_p
     recs = stage.passkey_records(params, prepared(tmp_path, params), tok)
     assert {len(r.answer) for r in recs} == {ANSWER_TOKENS}
     prompts = torch.tensor([r.prompt for r in recs])
+    # One batch here: the mixed batches under test are the hits' below.
     runs = gen.run_groups(model, plan, gen.supported_groups(), parts, prompts, ANSWER_TOKENS, params.kv_format,
-                          mode_a=parts, batch_size=len(recs)).runs  # the hits below batch them otherwise
+                          mode_a=parts, batch_size=len(recs)).runs
     changed = [None, 0, ANSWER_TOKENS - 1, None, 2]  # per record: which answer token is not the continuation
     for label, run in runs.items():
         answers = run.tokens.clone()
