@@ -45,6 +45,17 @@ row carrying its worst other domain's ΔPPL as the pipeline's headline groups do
 report's frontier) on both bases (:func:`~ced_csa2.runtime.sub_plans.nested_copies`), adapter and
 projector parameters apart.
 
+Generation through the real cache (``generation``): every row also greedily continues the pipeline's
+``eval_generation`` prompts (the same seeded held-out records' first ``prompt_tokens`` tokens,
+``new_tokens`` tokens, all prompts in one batch) through the cache that holds its bytes -- an arm's
+:class:`~ced_csa2.runtime.sub_plans.SubPlansSharedKVCache` (one store per Full layer, FP4 and rotated
+as its group stores its source, the readers nothing), a pipeline row's own cache
+(:func:`~ced_csa2.eval.generation.run_groups`) -- its used bytes checked against the arm's accounting
+to the byte, and is compared with the baseline's continuation as ``eval_generation`` compares
+(:func:`~ced_csa2.eval.generation.generation_rows`: agreement by position, the plain model's NLL per
+token of the continuation minus the baseline's, paired bootstrap 95% intervals over prompts).  An
+arm with an every-layer FP4 group around its sub-plans has none (``–``): no cache composes the two.
+
 Writes ``studies/sharing/sharing.tsv`` (one row per arm), ``sharing.md`` (the table, the Pareto
 fronts and the byte budgets at which sharing beats FP4 alone) and ``frontier.png``; the wall
 time to ``timings/study_sharing.json``.  Params: ``studies/sharing.yaml`` and ``params.yaml``.
@@ -62,28 +73,33 @@ from pathlib import Path
 
 import torch
 import yaml
+from torch import nn
 
 from ced_csa2.ced_runtime import CEDModeBRuntime
 from ced_csa2.config import TUNE_OBJECTIVES, Params, PlanConfig, check_provenance, from_dict, load_params, \
     provenance, to_dict
 from ced_csa2.csa2 import mlp_width
 from ced_csa2.data.dump_file import DumpReader
-from ced_csa2.data.records import check_prepared
+from ced_csa2.data.records import check_prepared, read_records
 from ced_csa2.data.loader import aligned_block_rows, record_split, row_mask
-from ced_csa2.eval.perplexity import eval_ids, groups_ppl
+from ced_csa2.eval import generation as gen
+from ced_csa2.eval.perplexity import EVAL_SAMPLE_STREAM, eval_ids, groups_ppl
 from ced_csa2.eval.results import frontier
 from ced_csa2.kv.formats import FP4_FORMATS
-from ced_csa2.kv.kv_bytes import BASES, DTYPE_BYTES, adapter_params_per_target, bytes_per_token, kv_copies, \
-    projector_params
+from ced_csa2.kv.kv_bytes import BASES, DTYPE_BYTES, StoredCopy, adapter_params_per_target, bytes_per_token, \
+    kv_copies, projector_params
 from ced_csa2.maps.ridge import MapGroup, adapter_map, evaluate_maps, fit_maps, map_groups, save_ridge
 from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json, write_tsv
 from ced_csa2.pipeline.figures import write_png
+from ced_csa2.pipeline.progress import Progress
 from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH, TIMINGS, TRAIN_JSONL, domain_jsonl
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.groups import GROUPS
-from ced_csa2.runtime.sub_plans import NestedRuntimes, nested_copies, spaced_full_layers, sub_plans
+from ced_csa2.runtime.shared_kv import cache_bytes
+from ced_csa2.runtime.sub_plans import NestedRuntimes, SubPlansSharedKVCache, nested_copies, spaced_full_layers, \
+    sub_plans
 from ced_csa2.stages import ridge
 from ced_csa2.train.objectives import PHASE_GROUPS
 from ced_csa2.train.tuning import new_teachers, ridge_served, train_branch
@@ -241,12 +257,57 @@ def arm_runtime(model, arm: list[str], plans: list[LayerPlan], parts: dict, kv_f
                           + [CEDModeBRuntime(model, p, group, parts[p][pair], kv_format=kv_format) for p in plans])
 
 
+def arm_copies(geo: Geometry, arm: list[str], plans: list[LayerPlan], basis: str, dtype_bytes: int,
+               fp4_group: int) -> list[StoredCopy]:
+    """The copies the arm's caches keep on ``basis``, a dense element ``dtype_bytes`` bytes."""
+    *outer, group = arm
+    return nested_copies([kv_copies(geo, plans[0], GROUPS[g], basis, dtype_bytes, fp4_group) for g in outer]
+                         + [kv_copies(geo, p, GROUPS[group], basis, dtype_bytes, fp4_group) for p in plans])
+
+
 def arm_bytes(geo: Geometry, arm: list[str], plans: list[LayerPlan], basis: str, fp4_group: int) -> float:
     """Bytes per token (:data:`BYTES`) of the arm's caches on ``basis``."""
-    *outer, group = arm
-    return bytes_per_token(nested_copies(
-        [kv_copies(geo, plans[0], GROUPS[g], basis, DTYPE_BYTES[BYTES], fp4_group) for g in outer]
-        + [kv_copies(geo, p, GROUPS[group], basis, DTYPE_BYTES[BYTES], fp4_group) for p in plans]))
+    return bytes_per_token(arm_copies(geo, arm, plans, basis, DTYPE_BYTES[BYTES], fp4_group))
+
+
+def arm_generation(model: nn.Module, geo: Geometry, name: str, arm: list[str], plans: list[LayerPlan], parts: dict,
+                   prompts: torch.Tensor, new_tokens: int, kv_format: str, fp4_group: int
+                   ) -> gen.GroupGeneration | None:
+    """The arm's greedy continuation of ``prompts`` ``(B, T)``, ``new_tokens`` tokens, through the cache that holds its
+    bytes, or ``None`` for an arm with an every-layer FP4 group around its sub-plans (no cache composes the two).
+
+    One :class:`~ced_csa2.runtime.sub_plans.SubPlansSharedKVCache`: each Full layer's store holds its K/V as the
+    arm's group stores its source (dense, or FP4 in ``kv_format``, rotated for a ``*_rot`` group), its readers
+    nothing.  Its used bytes after the last step must be the arm's accounting on the ``all_attention`` basis in the
+    model's dtype, to the byte (:func:`~ced_csa2.eval.generation.check_bytes`: one line naming the arm otherwise).
+    """
+    if len(arm) > 1:
+        return None
+    spec = GROUPS[arm[0]]
+    pair = "ced_csa2" if spec.projected_source else "csa2"  # the dense twin: the store's group and the maps it runs
+    storage = kv_format if spec.is_fp4 else "bf16"
+    cache = SubPlansSharedKVCache(model, plans, pair, {p: parts[p][pair] for p in plans}, storage, rotate=spec.rotate)
+    decoder = gen.StepDecoder(model, cache, cache.feed)
+    decoder.prefill(prompts)
+    for _ in range(new_tokens - 1):
+        decoder.step()
+    positions = cache.get_seq_length()
+    accounted = round(len(prompts) * positions * bytes_per_token(
+        arm_copies(geo, arm, plans, "all_attention", model.dtype.itemsize, fp4_group), positions))
+    kind = f"SubPlansSharedKVCache({len(plans)} stores, {storage}{', rotated' if spec.rotate else ''})"
+    return gen.check_bytes(gen.GroupGeneration(name, decoder.tokens, cache_bytes(cache), positions, accounted, kind))
+
+
+def generation_columns(row: dict | None) -> dict:
+    """A row's generation columns from its :func:`~ced_csa2.eval.generation.generation_rows` entry (``None``: not
+    decoded, every column ``None`` and the cache ``–``)."""
+    if row is None:
+        return {"gen_cache": "–", **{f"gen_{c}": None for c in ("agreement", "agreement_ci_low", "agreement_ci_high",
+                                                                 "dnll", "dnll_ci_low", "dnll_ci_high")}}
+    return {"gen_cache": row["cache"], "gen_agreement": row["agreement"],
+            "gen_agreement_ci_low": row["agreement_ci95"][0], "gen_agreement_ci_high": row["agreement_ci95"][1],
+            "gen_dnll": row["delta_nll"], "gen_dnll_ci_low": row["delta_nll_ci95"][0],
+            "gen_dnll_ci_high": row["delta_nll_ci95"][1]}
 
 
 def map_params(geo: Geometry, params: Params, group: str, plans: list[LayerPlan]) -> int:
@@ -303,7 +364,7 @@ def budget_answer(rows: list[dict], basis: str) -> list[str]:
 
 
 def table(rows: list[dict], params: Params, study: Study, n: int, tokens: int, dtype: str, seconds: float,
-          train_seconds: dict[str, float], domain_ids: dict[str, list[list[int]]]) -> str:
+          train_seconds: dict[str, float], domain_ids: dict[str, list[list[int]]], prompts: int) -> str:
     """``sharing.md``: the protocol, one row per arm, the Pareto fronts and the byte-budget answer."""
     online = params.train.online
     trained = "".join(
@@ -326,23 +387,34 @@ def table(rows: list[dict], params: Params, study: Study, n: int, tokens: int, d
         "and the decoder basis (attention layers above the cut); compression against the baseline's. Map "
         "parameters are weights, not per-token bytes. `pipeline:` rows are the pipeline's own groups (plan "
         f"source {params.plan.source}, readers {list(params.plan.targets)}; `@ridge`: the ridge stage's maps), "
-        "scored in the same run. Embedded default, not a Qwen3.5-4B result. "
+        "scored in the same run. "
+        f"Generation: {prompts} held-out prompts of {params.eval_generation.prompt_tokens} tokens (eval_generation's), "
+        f"{params.eval_generation.new_tokens} greedy tokens through the cache that holds the row's bytes (an arm's: one "
+        "store per Full layer, the readers nothing; used bytes checked against the accounting), against the "
+        "baseline's continuation: agreement (the fraction of positions with the baseline's token) and gen ΔNLL (the "
+        "plain model's NLL per token of the continuation minus the baseline's, nats), bootstrap 95% intervals over "
+        "prompts, paired; `–` where no cache composes the arm (an every-layer FP4 group around sub-plans). "
+        "Embedded default, not a Qwen3.5-4B result. "
         f"Study wall time {seconds / 60:.1f} min.")
     lines = [protocol, "",
              "| arm | Full layers | readers | B/token whole | × whole | B/token decoder | × decoder | "
-             "ΔPPL % [95% CI] | ΔPPL % worst other domain [95% CI] | KL | top-1 % | readers' ridge R² | "
-             "map params | front whole / decoder |",
-             "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|:---:|"]
+             "ΔPPL % [95% CI] | ΔPPL % worst other domain [95% CI] | KL | top-1 % | agreement [95% CI] | "
+             "gen ΔNLL [95% CI] | readers' ridge R² | map params | front whole / decoder |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|---|---|---:|---:|:---:|"]
     for r in rows:
         d, worst = ("–", "–") if r["arm"] == "pipeline:baseline" else \
             (f"{r['dppl_pct']:+.2f} [{r['dppl_ci_low']:+.2f}, {r['dppl_ci_high']:+.2f}]",
              f"{r['worst_domain_dppl_pct']:+.2f} [{r['worst_domain_dppl_ci_low']:+.2f}, "
              f"{r['worst_domain_dppl_ci_high']:+.2f}] ({r['worst_domain']})")
         r2 = f"{r['ridge_r2']:.3f}" if r["ridge_r2"] is not None else "–"
+        agree, dnll = ("–", "–") if r["gen_agreement"] is None or r["arm"] == "pipeline:baseline" else (
+            f"{r['gen_agreement']:.3f} [{r['gen_agreement_ci_low']:.3f}, {r['gen_agreement_ci_high']:.3f}]",
+            f"{r['gen_dnll']:+.3f} [{r['gen_dnll_ci_low']:+.3f}, {r['gen_dnll_ci_high']:+.3f}]")
         front = f"{'✓' if r['front_all_attention'] else '·'} / {'✓' if r['front_decoder_attention'] else '·'}"
         lines.append(f"| {r['arm']} | {r['full_layers']} | {r['readers']} | {r['bytes_all_attention']:,.0f} | "
                      f"{r['x_all_attention']:.2f} | {r['bytes_decoder_attention']:,.0f} | "
-                     f"{r['x_decoder_attention']:.2f} | {d} | {worst} | {r['kl']:.4f} | {r['top1_pct']:.1f} | {r2} | "
+                     f"{r['x_decoder_attention']:.2f} | {d} | {worst} | {r['kl']:.4f} | {r['top1_pct']:.1f} | {agree} | "
+                     f"{dnll} | {r2} | "
                      f"{r['map_params']:,} | {front} |")
     for basis in ("all_attention", "decoder_attention"):
         lines += ["", f"Where sharing (alone or with FP4) beats FP4 alone ({', '.join(FP4_ALONE)}), by budget on the "
@@ -406,6 +478,10 @@ def main() -> None:
     # Every domain's records before any training or scoring: a missing or short domain file fails in seconds.
     ids = eval_ids(params, tok, Path("."))
     domain_ids = {d.name: eval_ids(params, tok, Path("."), d.name) for d in params.data.domains}
+    cfg = params.eval_generation
+    gen.check_window(model.config, cfg.prompt_tokens, cfg.new_tokens)
+    prompts = gen.prompt_ids(read_records(EVAL_JSONL), EVAL_JSONL, tok, cfg.prompts, cfg.prompt_tokens, params.seed,
+                             EVAL_SAMPLE_STREAM).to(next(model.parameters()).device)
     maps_of, train_seconds = {"ridge": parts}, {}
     for t in study.trained:
         t_train = time.perf_counter()
@@ -429,6 +505,20 @@ def main() -> None:
                                            tok.pad_token_id, extra=runtimes)
     arms = {pipeline_name(g): (0, [g], [plan], "ridge") for g in study.pipeline_groups}
     arms |= {arm_name(k, arm, o): (k, arm, plans[k], o) for k, arm, o in families}
+    # Generation through the real caches: the pipeline's groups (the baseline, the reference, among them), each arm
+    t_gen = time.perf_counter()
+    decodable = [g for g in study.pipeline_groups if gen.cache_refusal(g) is None]
+    runs = gen.run_groups(model, plan, decodable, pipeline_parts, prompts, cfg.new_tokens, params.kv_format).runs
+    for k, arm, o in Progress(families, desc="generation", unit="arm"):
+        name = arm_name(k, arm, o)
+        run = arm_generation(model, geo, name, arm, plans[k], maps_of[o], prompts, cfg.new_tokens, params.kv_format,
+                             fp4_group)
+        if run is not None:
+            runs[name] = run
+    generated = gen.generation_rows(model, prompts, runs, seed=params.seed, batch_size=cfg.batch_size)
+    gen_seconds = round(time.perf_counter() - t_gen, 1)
+    log.info("%d rows decoded through their caches (%d prompts x %d tokens) in %.1f s", len(runs), len(prompts),
+             cfg.new_tokens, gen_seconds)
     rows, scored_as = [], {name: arm[0] if k == 0 else name for name, (k, arm, _, _) in arms.items()}
     for name, (k, arm, ps, objective) in arms.items():
         s = scores[scored_as[name]]
@@ -458,13 +548,15 @@ def main() -> None:
             r[f"front_{basis}"] = r["arm"] in front
     for r in rows:  # after the in-domain columns, which keep their places
         r |= domain_columns({d: s[scored_as[r["arm"]]] for d, s in domain_scores.items()})
+        r |= generation_columns(generated.get(scored_as[r["arm"]]))
     seconds = time.perf_counter() - t0
     write_tsv(OUT / "sharing.tsv", rows)
     atomic_write_text(OUT / "sharing.md", table(rows, params, study, len(ids), rows[0]["tokens"], rows[0]["dtype"],
-                                                seconds, train_seconds, domain_ids))
+                                                seconds, train_seconds, domain_ids, len(prompts)))
     plot(rows, OUT / "frontier.png", params.model.name)
     write_json(TIMINGS / "study_sharing.json", {"seconds": round(time.perf_counter() - t0, 1),
-                                                "train_seconds": train_seconds, "threads": torch.get_num_threads()})
+                                                "train_seconds": train_seconds, "generation_seconds": gen_seconds,
+                                                "threads": torch.get_num_threads()})
 
 
 if __name__ == "__main__":

@@ -209,3 +209,20 @@ def test_sparse_sub_plan_stores_read_as_each_sparse_cache_alone_and_as_the_dense
     sparse = decoded(model, SubPlansSharedKVCache(model, plans, "csa2", by_plan, reads=reads), x, 4)
     assert not torch.allclose(sparse, dense, atol=1e-3)  # the readers read their selections, not every entry
     assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_rotated_fp4_stores_decode_as_each_rotated_shared_cache_alone(llama):
+    """``rotate``: each Full layer's FP4 store rotated by its own layer's rotation -- one sub-plan is the rotated
+    ``SharedKVCache`` itself (csa2_fp4_rot's cache), bit for bit; two differ from the unrotated stores."""
+    model, geo, plans, parts, x = llama
+    by_plan = dict(zip(plans, parts))
+    one = plans[:1]
+    rotated = SubPlansSharedKVCache(model, one, "csa2", by_plan, "nvfp4", rotate=True)
+    alone = SharedKVCache(model, one[0], "csa2", parts[0], "nvfp4", rotate=True)
+    assert torch.equal(decoded(model, rotated, x, 4), decoded(model, alone, x, 4))
+    assert cache_bytes(rotated).used == cache_bytes(alone).used
+    both = decoded(model, SubPlansSharedKVCache(model, plans, "csa2", by_plan, "nvfp4", rotate=True), x, 4)
+    plain = decoded(model, SubPlansSharedKVCache(model, plans, "csa2", by_plan, "nvfp4"), x, 4)
+    assert not torch.equal(both, plain)  # FP4(R x) read back as Rᵀ dequant(.): another rounding
+    with pytest.raises(ValueError, match=r"^SubPlansSharedKVCache: the sparse stores \(reads\) keep no rotated"):
+        SubPlansSharedKVCache(model, plans, "csa2", by_plan, "nvfp4", rotate=True, reads=SparseDecode(k=3, window=2))

@@ -18,10 +18,13 @@ import sharing as study_mod  # noqa: E402
 from ced_csa2.assets import fetch_member  # noqa: E402
 from ced_csa2.config import load_params  # noqa: E402
 from ced_csa2.data import corpus  # noqa: E402
-from ced_csa2.eval.perplexity import eval_ids, groups_ppl  # noqa: E402
+from ced_csa2.eval import generation as gen  # noqa: E402
+from ced_csa2.eval.perplexity import EVAL_SAMPLE_STREAM, eval_ids, groups_ppl  # noqa: E402
+from ced_csa2.kv.formats import FP4_FORMATS  # noqa: E402
+from ced_csa2.pipeline.paths import EVAL_JSONL  # noqa: E402
 from ced_csa2.model_utils import geometry, load_model_and_tokenizer, load_tokenizer  # noqa: E402
 from ced_csa2.plan import LayerPlan, load_plan  # noqa: E402
-from ced_csa2.data.records import batches  # noqa: E402
+from ced_csa2.data.records import batches, read_records  # noqa: E402
 from ced_csa2.stages import dump, ridge  # noqa: E402
 from ced_csa2.train.objectives import TeacherCache, attn_out_loss, online_records  # noqa: E402
 from ced_csa2.train.tuning import ridge_served, train_branch  # noqa: E402
@@ -147,8 +150,26 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
         for a, (b, d) in pts.items():
             beaten = any(q != (b, d) and q[0] <= b and q[1] <= d for q in pts.values())
             assert rows[a][f"front_{basis}"] == str(not beaten), (basis, a)
+    # generation through the real caches: every arm without an every-layer FP4 group around it decodes through one
+    # SubPlansSharedKVCache (its bytes checked to the byte by the study); k = 1 is the pipeline's plan, so its csa2
+    # arm's continuations are those of the pipeline's csa2 through its SharedKVCache, figure for figure (the tiny
+    # random model's greedy continuations hardly depend on the cache: the tokens themselves are compared below)
+    gen_columns = ("gen_agreement", "gen_agreement_ci_low", "gen_agreement_ci_high", "gen_dnll", "gen_dnll_ci_low",
+                   "gen_dnll_ci_high")
+    for a, r in rows.items():
+        if "baseline_fp4_rot+" in a:
+            assert r["gen_cache"] == "–" and all(r[c] == "None" for c in gen_columns), a
+        elif a.startswith("k"):
+            assert r["gen_cache"].startswith(f"SubPlansSharedKVCache({a[1]} stores, bf16"), a
+            assert 0 <= float(r["gen_agreement_ci_low"]) <= float(r["gen_agreement"]) <= 1, a
+    assert rows["pipeline:baseline"]["gen_cache"] == "DynamicCache" and rows["pipeline:baseline"]["gen_agreement"] == "1"
+    assert rows["pipeline:baseline_fp4_rot"]["gen_cache"] == "FP4KVCache(rotated)"
+    assert [rows["k1/csa2"][c] for c in gen_columns] == [rows["pipeline:csa2@ridge"][c] for c in gen_columns]
     md = (in_tiny_folder / "studies" / "sharing" / "sharing.md").read_text()
     assert f"over {len(eval_ids(params, tok, in_tiny_folder))} held-out" in md
+    k1 = rows["k1/csa2"]
+    assert (f"| {float(k1['gen_agreement']):.3f} [{float(k1['gen_agreement_ci_low']):.3f}, "
+            f"{float(k1['gen_agreement_ci_high']):.3f}] | {float(k1['gen_dnll']):+.3f} [") in md
     fewest = min(float(r["bytes_all_attention"]) for r in rows.values() if r["family"] == "sharing")
     assert f"- from {fewest:,.0f} B/token up to " in md  # the budget answer starts where the first sharing row fits
     assert "`@attn_out` rows (k ∈ {2})" in md and "`@distill` rows (k ∈ {1})" in md
@@ -156,6 +177,23 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
     assert (f"| {float(worst['worst_domain_dppl_pct']):+.2f} [{float(worst['worst_domain_dppl_ci_low']):+.2f}, "
             f"{float(worst['worst_domain_dppl_ci_high']):+.2f}] ({worst['worst_domain']}) |") in md
     assert (in_tiny_folder / "studies" / "sharing" / "frontier.png").stat().st_size > 0
+
+    # The k = 1 arm's continuations are the pipeline csa2's through its SharedKVCache, token for token; an arm with
+    # an every-layer FP4 group around the sub-plans has no cache
+    cfg = params.eval_generation
+    prompts = gen.prompt_ids(read_records(in_tiny_folder / EVAL_JSONL), EVAL_JSONL, tok, cfg.prompts,
+                             cfg.prompt_tokens, params.seed, EVAL_SAMPLE_STREAM)
+    fp4_group = FP4_FORMATS[params.kv_format]().group
+    served = ridge_served(params, plan, geo, in_tiny_folder)
+    one = study_mod.study_plans(geo, plan.split, study_mod.load_study())[1]
+    with tempfile.TemporaryDirectory() as scratch:
+        k1_maps, _ = study_mod.fit_sub_plans(params, one, geo, in_tiny_folder, Path(scratch))
+    arm = study_mod.arm_generation(model, geo, "k1/csa2", ["csa2"], one, k1_maps, prompts, cfg.new_tokens,
+                                   params.kv_format, fp4_group)
+    ref_run = gen.generate(model, plan, "csa2", served["csa2"], prompts, cfg.new_tokens, params.kv_format)
+    assert torch.equal(arm.tokens, ref_run.tokens) and arm.bytes.used == ref_run.bytes.used == arm.accounted
+    assert study_mod.arm_generation(model, geo, "k1/fp4", ["baseline_fp4_rot", "csa2"], one, k1_maps, prompts,
+                                    cfg.new_tokens, params.kv_format, fp4_group) is None
 
     # The trained maps themselves: the readers' adapters moved off their ridge start (which stays as it was) and
     # the attn_out loss of every sub-plan's readers fell on the records they were trained on.

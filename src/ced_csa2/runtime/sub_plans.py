@@ -161,25 +161,30 @@ class SubPlansSharedKVCache(DynamicCache):
         The HF causal LM the cache is used with.
     plans
         The sub-plans (:func:`sub_plans`): one split, no layer in two of them.
-    group, storage
-        As for :class:`~ced_csa2.runtime.shared_kv.SharedKVCache`, the same for every sub-plan.
+    group, storage, rotate
+        As for :class:`~ced_csa2.runtime.shared_kv.SharedKVCache`, the same for every sub-plan (``rotate``:
+        each Full layer's FP4 entries rotated by its own layer's rotation, as ``csa2_fp4_rot`` stores its source's).
     parts
         ``{plan: CEDParts}``: each sub-plan's maps.
     reads
         Each sub-plan's store a :class:`~ced_csa2.runtime.sparse_decode.SparseSharedKVCache` with these reads
         (the oracle: each Full layer ranks its older entries by its own logits); ``None``: every reader reads
-        every entry.  The sparse caches' attention routes nest (each passes the others' layers on).
+        every entry.  The sparse caches' attention routes nest (each passes the others' layers on).  The sparse
+        stores keep no rotated entries: ``reads`` with ``rotate`` is refused.
     """
 
     def __init__(self, model: nn.Module, plans: Sequence[LayerPlan], group: str, parts: Mapping[LayerPlan, CEDParts],
-                 storage: str = "bf16", *, reads: SparseDecode | None = None):
+                 storage: str = "bf16", *, rotate: bool = False, reads: SparseDecode | None = None):
         layers = [la for p in plans for la in p.kv_layers]
         if len({p.split for p in plans}) != 1 or len(set(layers)) != len(layers):
             raise PlanError(f"SubPlansSharedKVCache: the sub-plans must share one split and no layer, got "
                             f"{[(p.split, p.source, list(p.targets)) for p in plans]}")
+        if rotate and reads is not None:
+            raise ValueError("SubPlansSharedKVCache: the sparse stores (reads) keep no rotated entries; give rotate "
+                             "or reads, not both")
         super().__init__(config=model.config)
         self.plans = list(plans)
-        self.caches = [SharedKVCache(model, p, group, parts[p], storage) if reads is None else
+        self.caches = [SharedKVCache(model, p, group, parts[p], storage, rotate=rotate) if reads is None else
                        SparseSharedKVCache(model, p, group, parts[p], storage, reads=reads) for p in plans]
         for plan, cache in zip(self.plans, self.caches):
             for layer in plan.kv_layers:
