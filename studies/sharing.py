@@ -26,8 +26,8 @@ maps trained from those ridge maps by the pipeline's own ``tune@<objective>`` br
 (:func:`~ced_csa2.train.tuning.train_branch`, ``train.online``'s budget and records) through the
 phases the arms serve -- ``csa2`` (the readers' adapters, true source K/V) and, for a ``ced_csa2``
 arm, ``ced_csa2`` (its own projector and adapters jointly) -- each objective on its own ``k`` (``trained``;
-rows ``k{k}/<arm>@<objective>``, beside the ridge rows): ``attn_out`` on every ``k``, ``distill`` (a pass to the
-final hidden state per step) on ``k`` = 1 and 2 only, the one or two Full layers of the issue's goal, for time.
+rows ``k{k}/<arm>@<objective>``, beside the ridge rows): ``attn_out`` and ``distill`` (a pass to the final hidden
+state per step) on every ``k``.
 Each sub-plan is trained alone, as the pipeline trains its one plan: under ``distill`` the other sub-plans'
 layers keep their true K/V (``attn_out`` re-runs each reader's attention on its true input whatever the other
 layers do).
