@@ -226,8 +226,7 @@ def train_sub_plans(objective: str, params: Params, plans: list[LayerPlan], ridg
     The frozen model's teacher passes are made once for all sub-plans (they read the same records): for the
     plan whose source is the lowest Full layer and whose targets are every other layer of ``plans``.
     """
-    phases = tuple(g for g in PHASE_GROUPS[1:] if g in {"ced_csa2" if GROUPS[x].projected_source else "csa2"
-                                                        for x in groups})
+    phases = tuple(g for g in PHASE_GROUPS[1:] if g in {map_pair(x) for x in groups})
     first = min(p.source for p in plans)
     union = LayerPlan(plans[0].split, first, tuple(sorted({la for p in plans for la in p.kv_layers} - {first})))
     teachers = new_teachers(objective, model, union)
@@ -243,6 +242,11 @@ def train_sub_plans(objective: str, params: Params, plans: list[LayerPlan], ridg
     return trained
 
 
+def map_pair(group: str) -> str:
+    """The maps a sharing group runs: ``ced_csa2``'s pair where it projects its source, else ``csa2``'s."""
+    return "ced_csa2" if GROUPS[group].projected_source else "csa2"
+
+
 def sub_plan_params(params: Params, plan: LayerPlan) -> Params:
     """``params`` with ``plan`` as its layer plan (what that sub-plan's ridge file is made for)."""
     cfg = PlanConfig(f"{params.plan.name}:s{plan.source}", plan.split, plan.source, list(plan.targets), [])
@@ -252,7 +256,7 @@ def sub_plan_params(params: Params, plan: LayerPlan) -> Params:
 def arm_runtime(model, arm: list[str], plans: list[LayerPlan], parts: dict, kv_format: str) -> NestedRuntimes:
     """The arm's runtimes nested: its every-layer FP4 group outside, its sharing group once per sub-plan."""
     *outer, group = arm
-    pair = "ced_csa2" if GROUPS[group].projected_source else "csa2"
+    pair = map_pair(group)
     return NestedRuntimes([CEDModeBRuntime(model, plans[0], g, kv_format=kv_format) for g in outer]
                           + [CEDModeBRuntime(model, p, group, parts[p][pair], kv_format=kv_format) for p in plans])
 
@@ -284,7 +288,7 @@ def arm_generation(model: nn.Module, geo: Geometry, name: str, arm: list[str], p
     if len(arm) > 1:
         return None
     spec = GROUPS[arm[0]]
-    pair = "ced_csa2" if spec.projected_source else "csa2"  # the dense twin: the store's group and the maps it runs
+    pair = map_pair(arm[0])  # the dense twin: the store's group and the maps it runs
     storage = kv_format if spec.is_fp4 else "bf16"
     cache = SubPlansSharedKVCache(model, plans, pair, {p: parts[p][pair] for p in plans}, storage, rotate=spec.rotate)
     decoder = gen.StepDecoder(model, cache, cache.feed)
