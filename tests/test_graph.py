@@ -168,3 +168,13 @@ def test_the_graph_cli_rewrites_nothing_and_restores_a_dropped_dep(tmp_path):
     broken.write_text(committed.replace(dropped, "", 1))
     assert graph.stale((broken,)) == [broken]
     assert graph.with_code_deps(broken.read_text()) == committed
+
+
+def test_the_graph_cli_gives_a_new_stage_its_code_deps_at_the_end_of_its_deps():
+    """A stage written without any ``src/`` dep (new, or all of them deleted) gets its command's closure after its last
+    dep, its comments kept in place; run again, nothing changes."""
+    text = ("stages:\n  new:\n    cmd: python -m ced_csa2.compose\n    deps:\n      - conf  # the configs\n"
+            "      # a comment inside the list\n      - params.yaml\n    outs:\n      - x\n")
+    closure = "".join(f"      - {d}\n" for d in sorted(code_closure("python -m ced_csa2.compose")))
+    assert closure and graph.with_code_deps(text) == text.replace("    outs:\n", closure + "    outs:\n")
+    assert graph.with_code_deps(graph.with_code_deps(text)) == graph.with_code_deps(text)

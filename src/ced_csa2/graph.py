@@ -93,16 +93,29 @@ def code_closure(cmd: str) -> set[str]:
 
 
 def with_code_deps(text: str) -> str:
-    """``text`` (a ``dvc.yaml``) with each stage's ``src/`` deps replaced by its command's closure, sorted."""
+    """``text`` (a ``dvc.yaml``) with each stage's ``src/`` deps replaced by its command's closure, sorted.
+
+    A stage whose ``deps:`` list names no ``src/`` file yet (a new stage) gets its closure at the list's end."""
     cmds = {name: spec.get("do", spec)["cmd"] for name, spec in yaml.safe_load(text)["stages"].items()}
     lines, out, stage = text.splitlines(keepends=True), [], None
+    deps_indent, has_src = None, False  # the open deps list's item indent, and whether it named src/ files
     i = 0
     while i < len(lines):
         line = lines[i]
+        stripped = line.lstrip()
+        indent = line[:len(line) - len(stripped)]
+        in_list = (stripped.startswith("- ") and indent == deps_indent) or stripped.startswith("#")
+        if deps_indent is not None and not in_list:
+            if not has_src and stage in cmds:  # the deps list ended without src/ files
+                out += [f"{deps_indent}- {d}\n" for d in sorted(code_closure(cmds[stage]))]
+            deps_indent = None
         if line.startswith("  ") and not line.startswith("   ") and line.rstrip().endswith(":"):
             stage = line.strip()[:-1]
-        if line.lstrip().startswith("- src/") and stage in cmds:
-            indent = line[:len(line) - len(line.lstrip())]
+        if stripped.rstrip() == "deps:" and i + 1 < len(lines):
+            nxt = lines[i + 1]
+            deps_indent, has_src = nxt[:len(nxt) - len(nxt.lstrip())], False
+        if stripped.startswith("- src/") and stage in cmds:
+            has_src = True
             while i < len(lines) and lines[i].lstrip().startswith("- src/"):
                 i += 1
             out += [f"{indent}- {d}\n" for d in sorted(code_closure(cmds[stage]))]
