@@ -17,9 +17,10 @@ with distance: the held-out R² below).
 
 Maps, one arm family per objective (``objectives``): the ``ridge`` objective's
 (:func:`~ced_csa2.train.tuning.ridge_served`: ridge-initialised adapters of ``train_adapters``' form,
-MLPs at their zero start), fitted on the ridge stage's train records of the pipeline's dump
-(``data/dump``, which holds every attention layer above the cut on the embedded default: its plan
-covers them for Mode A), all sub-plans in one streaming pass (:func:`~ced_csa2.maps.ridge.fit_maps`;
+MLPs at their zero start), fitted on the ridge stage's train records of the study's own dump of ``prepare``'s training records
+(the ``dump`` stage, once, in a scratch folder, so the study reads nothing made on another CPU; it holds
+every attention layer above the cut on the embedded default: its plan covers them for Mode A), all
+sub-plans in one streaming pass (:func:`~ced_csa2.maps.ridge.fit_maps`;
 a map from one source to one reader is the same map in every ``k``).  ``ced_csa2`` also projects
 every Full layer from ``H_split`` (its ridge projector).  ``attn_out`` / ``distill``: each sub-plan's
 maps trained from those ridge maps by the pipeline's own ``tune@<objective>`` branch
@@ -37,7 +38,7 @@ Arms (``arms``): the groups nested, outermost first: a sharing group run by ever
 other layer dense; ``ced_csa2``), optionally inside an every-layer FP4 group (``baseline_fp4``,
 ``baseline_fp4_rot``: every stored copy in FP4, the readers storing nothing).  Scored with the
 pipeline's ``pipeline_groups`` (the plan's own groups; those with maps at the ``ridge`` objective's,
-``models/ridge.pt``, like every arm here) in one :func:`~ced_csa2.eval.perplexity.groups_ppl`
+the ``ridge`` stage run on the study's dump, like every arm here) in one :func:`~ced_csa2.eval.perplexity.groups_ppl`
 call -- one baseline, paired bootstrap 95% intervals over the same records -- on the held-out
 records of ``data/corpus/eval.jsonl`` (``eval_ppl.records``), then once per other domain (``data.domains``:
 ``eval_ppl.domain_records`` seeded records of each, the records and scorer of eval_ppl's domain panel), every
@@ -63,9 +64,12 @@ time to ``timings/study_sharing.json``.  Params: ``studies/sharing.yaml`` and ``
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
+import json
 import logging
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -75,7 +79,7 @@ import torch
 import yaml
 from torch import nn
 
-from ced_csa2.ced_runtime import CEDModeBRuntime
+from ced_csa2.ced_runtime import CEDModeBRuntime, CEDParts
 from ced_csa2.config import TUNE_OBJECTIVES, Params, PlanConfig, check_provenance, from_dict, load_params, \
     provenance, to_dict
 from ced_csa2.csa2 import mlp_width
@@ -91,29 +95,37 @@ from ced_csa2.kv.kv_bytes import BASES, DTYPE_BYTES, StoredCopy, adapter_params_
 from ced_csa2.maps.ridge import MapGroup, adapter_map, evaluate_maps, fit_maps, map_groups, save_ridge
 from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json, write_tsv
+from ced_csa2.pipeline.checkpoint import SAVE_DTYPE
+from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.progress import Progress
-from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH, TIMINGS, TRAIN_JSONL, domain_jsonl
+from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH, TIMINGS, TRAIN_JSONL, domain_jsonl, \
+    provenance_path
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.groups import GROUPS
 from ced_csa2.runtime.shared_kv import cache_bytes
 from ced_csa2.runtime.sub_plans import NestedRuntimes, SubPlansSharedKVCache, nested_copies, spaced_full_layers, \
     sub_plans
-from ced_csa2.stages import ridge
+from ced_csa2.stages import dump, ridge
+from ced_csa2.train.adapter_training import adapter_heads, adapter_optimizer, load_pairs
 from ced_csa2.train.objectives import PHASE_GROUPS
+from ced_csa2.train.projector_training import train_projectors
+from ced_csa2.train.training import TensorBatches, build_adapters, fit, split_masks
 from ced_csa2.train.tuning import new_teachers, ridge_served, train_branch
 
 STUDY_PARAMS = Path("studies/sharing.yaml")
 OUT = Path("studies/sharing")
 BYTES = "bf16"  # the dtype the bytes are counted in: the report's frontier's
 FP4_ALONE = ("baseline_fp4", "baseline_fp4_rot")  # what sharing must beat
+SEED_RECIPE = "kv_mse"  # the pipeline's main branch (train_adapters, train_projector), as eval_objectives names it
+TRAINED = (SEED_RECIPE, *TUNE_OBJECTIVES[1:])  # what trains the ridge maps: the seed's recipe, the tune objectives
 log = logging.getLogger("sharing")
 
 
 @dataclass(frozen=True)
 class Training:
-    objective: str  # of TUNE_OBJECTIVES but ridge: trains the ridge maps through the model
+    objective: str  # of TRAINED: the seed's recipe on the dump's K/V, or a tune objective through the model
     full_layers: list[int]  # the k (of the study's full_layers) whose maps it trains
 
 
@@ -146,8 +158,8 @@ def load_study(path: Path = STUDY_PARAMS) -> Study:
             raise ValueError(f"{path}: arms entry {arm}: give a sharing group without FP4 of its own after at most "
                              f"one every-layer FP4 group (baseline_fp4, baseline_fp4_rot), or a sharing group alone")
     for i, t in enumerate(study.trained):
-        if t.objective not in TUNE_OBJECTIVES[1:] or study.objectives.index(t.objective) != i + 1:
-            raise ValueError(f"{path}: trained.{i}.objective must be one of {list(TUNE_OBJECTIVES[1:])}, each "
+        if t.objective not in TRAINED or study.objectives.index(t.objective) != i + 1:
+            raise ValueError(f"{path}: trained.{i}.objective must be one of {list(TRAINED)}, each "
                              f"once (ridge: the untrained maps, always scored); got {t.objective!r}")
         if not t.full_layers or not set(t.full_layers) <= set(study.full_layers):
             raise ValueError(f"{path}: trained.{i}.full_layers {t.full_layers} must be some of full_layers "
@@ -206,13 +218,51 @@ def fit_sub_plans(params: Params, plans: list[LayerPlan], geo: Geometry, workdir
         params_p = sub_plan_params(params, p)
         names = [n for g in map_groups(p) for n in g.maps]
         own = {n: maps[n if n.startswith("proj_") else f"{n}@{p.source}"] for n in names}
-        folder = scratch / f"s{p.source}_t{p.targets[0]}-{p.targets[-1]}"
+        folder = sub_plan_folder(scratch, p)
         save_ridge(folder / RIDGE_PATH, own, {"plan": to_dict(params_p.plan),
                                               "provenance": provenance(params_p, *ridge.PROVENANCE)})
         parts[p] = ridge_served(params_p, p, geo, folder)
         read = [f"{adapter_map(kind, t, params.train_adapters.input)}@{p.source}" for t in p.targets for kind in "kv"]
         r2[p] = sum(fits[n]["r2"] for n in read) / len(read)
     return parts, r2
+
+
+def sub_plan_folder(scratch: Path, plan: LayerPlan) -> Path:
+    """A sub-plan's folder under ``scratch``: its ridge file (:func:`fit_sub_plans`), and its seed-recipe maps."""
+    return scratch / f"s{plan.source}_t{plan.targets[0]}-{plan.targets[-1]}"
+
+
+def train_seed_recipe(params: Params, plans: list[LayerPlan], geo: Geometry, workdir: Path, scratch: Path) -> dict:
+    """Each sub-plan's maps trained by the seed's K/V-MSE recipe (``kv_mse``), the pipeline's main branch: the
+    adapters as stage ``train_adapters`` trains them (SGD from the ridge maps on the dump's sampled K/V pairs), the
+    projector as stage ``train_projector`` (AdamW), on ``workdir``'s dump, from each sub-plan's ridge file of
+    :func:`fit_sub_plans` (under ``scratch``).
+
+    The stages themselves cannot run here: the dump's record names the root plan, which each refuses for another;
+    so the rows are masked under the root params (the same records and rows) and the rest runs under the sub-plan's.
+    The maps are rounded to the files' precision (:data:`~ced_csa2.pipeline.checkpoint.SAVE_DTYPE`) as the main
+    branch's are: on the root plan itself they are its maps, figure for figure (``tests/studies``).
+    Returns ``{plan: {"csa2" | "ced_csa2": CEDParts}}``: like the pipeline's ``ced_csa2`` under ``kv_mse``, both
+    pairs run the same maps (the projector, and the adapters trained on the true source).
+    """
+    dump, kv, cfg, device = workdir / DUMP_PATH, geo.kv_dim, params.train_adapters, resolve_device("auto")
+    trained = {}
+    for p in plans:
+        params_p, ridge_file = sub_plan_params(params, p), sub_plan_folder(scratch, p) / RIDGE_PATH
+        log.info("kv_mse: Full layer %d, readers %s", p.source, list(p.targets))
+        train_mask, val_mask = split_masks(dump, params, p, geo, p.kv_layers, params.split.tokens_per_record)
+        adapters = build_adapters(params_p, p, kv, ridge_file).to(device)
+        train = TensorBatches(*load_pairs(dump, p, train_mask, kv), cfg.batch_size, shuffle=True, seed=params.seed)
+        val = TensorBatches(*load_pairs(dump, p, val_mask, kv), cfg.batch_size, shuffle=False, seed=params.seed)
+        fit(adapter_heads(adapters, kv), adapter_optimizer(adapters, params), train, val, epochs=cfg.epochs,
+            device=device, amp_dtype=cfg.amp_dtype, keep=cfg.keep, desc=f"kv_mse adapters of {p.source}")
+        masks = split_masks(dump, params, p, geo, [p.source], tokens_per_record=0)
+        projector = train_projectors(params_p, dump, (p.source,), geo, *masks, desc=f"kv_mse projector {p.source}",
+                                     ridge=ridge_file).projectors[p.source]
+        # in the precision the main branch's files hold them (what its groups run)
+        served = CEDParts(*(m.cpu().eval().to(SAVE_DTYPE).float() for m in (projector, adapters)))
+        trained[p] = {"csa2": served, "ced_csa2": served}
+    return trained
 
 
 def train_sub_plans(objective: str, params: Params, plans: list[LayerPlan], ridge_parts: dict, groups: set[str],
@@ -367,21 +417,31 @@ def budget_answer(rows: list[dict], basis: str) -> list[str]:
     return [f"- from {b:,.0f} B/token up to {end}: {what}" for (b, what), end in zip(segments, ends)]
 
 
-def table(rows: list[dict], params: Params, study: Study, n: int, tokens: int, dtype: str, seconds: float,
-          train_seconds: dict[str, float], domain_ids: dict[str, list[list[int]]], prompts: int) -> str:
-    """``sharing.md``: the protocol, one row per arm, the Pareto fronts and the byte-budget answer."""
-    online = params.train.online
+def table(rows: list[dict], params: Params, study: Study, part: dict, seconds: float,
+          train_seconds: dict[str, float]) -> str:
+    """``sharing.md``: the protocol, one row per arm, the Pareto fronts and the byte-budget answer.
+
+    ``part`` is the first part's record (:func:`run_part`: ``records``, ``tokens``, ``dtype``, ``domain_records``,
+    ``prompts``; every part scores the same records), ``seconds`` the parts' wall times summed.
+    """
+    n, tokens, dtype, prompts = part["records"], part["tokens"], part["dtype"], part["prompts"]
+    online, sgd = params.train.online, params.train_adapters
+    how = {SEED_RECIPE: "the seed's K/V-MSE recipe, the pipeline's main branch (stage train_adapters' SGD on the "
+                        f"dump's K/V pairs, {sgd.epochs} epochs, batch {sgd.batch_size}; stage train_projector's "
+                        "AdamW) on the study's dump, each sub-plan as the pipeline trains its plan"}
     trained = "".join(
-        f" `@{t.objective}` rows (k ∈ {{{', '.join(map(str, t.full_layers))}}}): the same maps trained by the "
-        f"pipeline's `{t.objective}` objective (tune@{t.objective}'s phases of the groups the arms run; "
-        f"{online.records} train records of {online.seq_len} tokens, {online.epochs} epoch(s), batch "
-        f"{online.batch_size}, adapters lr {online.adapters_lr:g}; {train_seconds[t.objective] / 60:.1f} min)."
-        for t in study.trained)
-    domains = ", ".join(f"{d} ({len(ids)} records)" for d, ids in domain_ids.items())
+        f" `@{t.objective}` rows (k ∈ {{{', '.join(map(str, t.full_layers))}}}): the same maps trained by "
+        + how.get(t.objective, f"the pipeline's `{t.objective}` objective (tune@{t.objective}'s phases of the groups "
+                               f"the arms run; {online.records} train records of {online.seq_len} tokens, "
+                               f"{online.epochs} epoch(s), batch {online.batch_size}, adapters lr "
+                               f"{online.adapters_lr:g})")
+        + f"; {train_seconds[t.objective] / 60:.1f} min." for t in study.trained)
+    domains = ", ".join(f"{d} ({count} records)" for d, count in part["domain_records"].items())
     protocol = (
         f"Cross-layer sharing on {params.model.name} ({dtype}), cut after layer {params.plan.split}: k Full layers "
         "above the cut (evenly spaced from the first), every other attention layer above the cut a reader of the "
-        "Full layer below it; ridge maps (the `ridge` objective, untrained) fitted on the pipeline's dump."
+        "Full layer below it; ridge maps (the `ridge` objective, untrained) fitted on the study's own dump of "
+        "prepare's training records (the pipeline's dump and ridge stages, run in a scratch folder)."
         f"{trained} "
         f"ΔPPL %, KL and top-1 against the baseline with paired bootstrap 95% intervals over {n} held-out "
         f"{params.data.name} records ({tokens:,} scored tokens, teacher-forced, eval_ppl.records), in domain; "
@@ -391,7 +451,8 @@ def table(rows: list[dict], params: Params, study: Study, n: int, tokens: int, d
         "and the decoder basis (attention layers above the cut); compression against the baseline's. Map "
         "parameters are weights, not per-token bytes. `pipeline:` rows are the pipeline's own groups (plan "
         f"source {params.plan.source}, readers {list(params.plan.targets)}; `@ridge`: the ridge stage's maps), "
-        "scored in the same run. "
+        f"scored in the same run as the k = {part['k']} arms. Each k is its own run (`sharing_part@<k>` of "
+        "studies/dvc.yaml: its own dump, maps and baseline, the same records), paired with its own baseline. "
         f"Generation: {prompts} held-out prompts of {params.eval_generation.prompt_tokens} tokens (eval_generation's), "
         f"{params.eval_generation.new_tokens} greedy tokens through the cache that holds the row's bytes (an arm's: one "
         "store per Full layer, the readers nothing; used bytes checked against the accounting), against the "
@@ -399,7 +460,7 @@ def table(rows: list[dict], params: Params, study: Study, n: int, tokens: int, d
         "plain model's NLL per token of the continuation minus the baseline's, nats), bootstrap 95% intervals over "
         "prompts, paired; `–` where no cache composes the arm (an every-layer FP4 group around sub-plans). "
         "Embedded default, not a Qwen3.5-4B result. "
-        f"Study wall time {seconds / 60:.1f} min.")
+        f"Study wall time {seconds / 60:.1f} min (the parts' summed).")
     lines = [protocol, "",
              "| arm | Full layers | readers | B/token whole | × whole | B/token decoder | × decoder | "
              "ΔPPL % [95% CI] | ΔPPL % worst other domain [95% CI] | KL | top-1 % | agreement [95% CI] | "
@@ -456,27 +517,60 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
     write_png(fig, path)
 
 
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+PART_PROVENANCE = ("seed", "model", "plan", "dump", "split", "ridge", "kv_format", "train_adapters", "train_projector",
+                   "train.ced_csa2_start", "train.online", "data.name", "data.max_tokens", "data.domains", "eval_ppl",
+                   "eval_generation.prompts", "eval_generation.prompt_tokens", "eval_generation.new_tokens",
+                   "eval_generation.batch_size")  # the root params of studies/dvc.yaml's sharing_part and sharing
+
+
+def part_path(k: int) -> Path:
+    """Where the part of ``k`` Full layers writes its rows: ``studies/sharing/parts/k<k>/part.json``."""
+    return OUT / "parts" / f"k{k}" / "part.json"
+
+
+def study_key(study: Study) -> dict:
+    """What a part was made for besides its ``k``: the study's params but ``full_layers`` (the parts' list)."""
+    return {key: value for key, value in to_dict(study).items() if key != "full_layers"}
+
+
+def run_part(k: int) -> None:
+    """The arm family of ``k`` Full layers: its maps fitted (and trained) on the study's own dump, every arm of ``k``
+    and the pipeline's groups scored in domain and on every other domain, decoded through their caches.
+
+    Writes :func:`part_path` (``{"k", "study", "provenance", "records", "tokens", "dtype", "domain_records",
+    "prompts", "train_seconds", "seconds", "columns", "rows"}``; the rows without the columns only every part
+    together gives: compression against the baseline and the Pareto fronts) and ``timings/study_sharing_k<k>.json``.
+    """
     t0 = time.perf_counter()
     params = load_params(Path("params.yaml"))
     # before anything else is read, as every study: a corpus made for other params
-    check_prepared(params, Path("."), EVAL_JSONL)
+    check_prepared(params, Path("."), EVAL_JSONL, TRAIN_JSONL)
     study = load_study()
-    if study.trained:  # the trained rows read the train records too
-        check_prepared(params, Path("."), TRAIN_JSONL)
+    if k not in study.full_layers:
+        raise ValueError(f"{STUDY_PARAMS}: full_layers {study.full_layers} has no k = {k}: run the part of one of them")
     check_prepared(params, Path("."), *(domain_jsonl(d.name) for d in params.data.domains))
     plan, geo = load_plan(params.plan, params.model)
-    plans = study_plans(geo, plan.split, study)  # refuses a k that leaves a Full layer without readers
+    plans = study_plans(geo, plan.split, study)[k]  # refuses a k that leaves a Full layer without readers
     if any(GROUPS[a[-1]].projected_source for a in study.arms) and params.train.ced_csa2_start != "csa2":
         raise ValueError(f"{STUDY_PARAMS}: a ced_csa2 arm reads csa2's ridge adapters (train.ced_csa2_start: csa2); "
                          f"params.yaml has train.ced_csa2_start: {params.train.ced_csa2_start}")
     fp4_group = FP4_FORMATS[params.kv_format]().group
-    # The maps first (checked against params.yaml, fitted in seconds), then the model.
-    pipeline_parts = ridge_served(params, plan, geo, Path("."))  # the pipeline's ridge objective: models/ridge.pt
-    distinct = list(dict.fromkeys(p for ps in plans.values() for p in ps))
+    trains = [t.objective for t in study.trained if k in t.full_layers]
+    maps_of, train_seconds = {}, {}
+    # The maps first, on the study's own dump (the pipeline's stages in a scratch folder), then the model.
     with tempfile.TemporaryDirectory(prefix="sharing_") as scratch:
-        parts, r2 = fit_sub_plans(params, distinct, geo, Path("."), Path(scratch))
+        workdir = Path(scratch)
+        for file in (TRAIN_JSONL, provenance_path(TRAIN_JSONL)):  # prepare's records and what vouches for them
+            (workdir / file).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(file, workdir / file)
+        dump.run(params, workdir)
+        ridge.run(params, workdir)
+        pipeline_parts = ridge_served(params, plan, geo, workdir)  # the pipeline's ridge objective on this dump
+        maps_of["ridge"], r2 = fit_sub_plans(params, plans, geo, workdir, workdir / "sub_plans")
+        if SEED_RECIPE in trains:  # the dump's K/V pairs, before the scratch folder goes
+            t_train = time.perf_counter()
+            maps_of[SEED_RECIPE] = train_seed_recipe(params, plans, geo, workdir, workdir / "sub_plans")
+            train_seconds[SEED_RECIPE] = round(time.perf_counter() - t_train, 1)
     model, tok = load_model_and_tokenizer(params.model, device=resolve_device(params.eval_ppl.device))
     model.requires_grad_(False)
     # Every domain's records before any training or scoring: a missing or short domain file fails in seconds.
@@ -486,20 +580,17 @@ def main() -> None:
     gen.check_window(model.config, cfg.prompt_tokens, cfg.new_tokens)
     prompts = gen.prompt_ids(read_records(EVAL_JSONL), EVAL_JSONL, tok, cfg.prompts, cfg.prompt_tokens, params.seed,
                              EVAL_SAMPLE_STREAM).to(next(model.parameters()).device)
-    maps_of, train_seconds = {"ridge": parts}, {}
-    for t in study.trained:
-        t_train = time.perf_counter()
-        trained_plans = list(dict.fromkeys(p for k in t.full_layers for p in plans[k]))
-        maps_of[t.objective] = train_sub_plans(t.objective, params, trained_plans, parts,
-                                               {a[-1] for a in study.arms}, model, tok, Path("."))
-        train_seconds[t.objective] = round(time.perf_counter() - t_train, 1)
-    # (k, arm, objective) of every study row: a ridge row, then its trained twins
-    families = [(k, arm, objective) for k in plans for arm in study.arms for objective in study.objectives
-                if study.trains(objective, k)]
-    runtimes = {arm_name(k, arm, o): arm_runtime(model, arm, plans[k], maps_of[o], params.kv_format)
-                for k, arm, o in families}
-    log.info("scoring %d arms and %d pipeline groups on %d records", len(runtimes), len(study.pipeline_groups),
-             len(ids))
+    for objective in trains:
+        if objective != SEED_RECIPE:
+            t_train = time.perf_counter()
+            maps_of[objective] = train_sub_plans(objective, params, plans, maps_of["ridge"],
+                                                 {a[-1] for a in study.arms}, model, tok, Path("."))
+            train_seconds[objective] = round(time.perf_counter() - t_train, 1)
+    families = [(arm, o) for arm in study.arms for o in study.objectives if study.trains(o, k)]  # ridge row first
+    runtimes = {arm_name(k, arm, o): arm_runtime(model, arm, plans, maps_of[o], params.kv_format)
+                for arm, o in families}
+    log.info("k = %d: scoring %d arms and %d pipeline groups on %d records", k, len(runtimes),
+             len(study.pipeline_groups), len(ids))
     scores = groups_ppl(model, plan, study.pipeline_groups, pipeline_parts, ids, params, tok.pad_token_id,
                         extra=runtimes)
     domain_scores = {}
@@ -508,60 +599,109 @@ def main() -> None:
         domain_scores[domain] = groups_ppl(model, plan, study.pipeline_groups, pipeline_parts, d_ids, params,
                                            tok.pad_token_id, extra=runtimes)
     arms = {pipeline_name(g): (0, [g], [plan], "ridge") for g in study.pipeline_groups}
-    arms |= {arm_name(k, arm, o): (k, arm, plans[k], o) for k, arm, o in families}
+    arms |= {arm_name(k, arm, o): (k, arm, plans, o) for arm, o in families}
     # Generation through the real caches: the pipeline's groups (the baseline, the reference, among them), each arm
     t_gen = time.perf_counter()
     decodable = [g for g in study.pipeline_groups if gen.cache_refusal(g) is None]
     runs = gen.run_groups(model, plan, decodable, pipeline_parts, prompts, cfg.new_tokens, params.kv_format).runs
-    for k, arm, o in Progress(families, desc="generation", unit="arm"):
+    for arm, o in Progress(families, desc="generation", unit="arm"):
         name = arm_name(k, arm, o)
-        run = arm_generation(model, geo, name, arm, plans[k], maps_of[o], prompts, cfg.new_tokens, params.kv_format,
+        run = arm_generation(model, geo, name, arm, plans, maps_of[o], prompts, cfg.new_tokens, params.kv_format,
                              fp4_group)
         if run is not None:
             runs[name] = run
     generated = gen.generation_rows(model, prompts, runs, seed=params.seed, batch_size=cfg.batch_size)
-    gen_seconds = round(time.perf_counter() - t_gen, 1)
     log.info("%d rows decoded through their caches (%d prompts x %d tokens) in %.1f s", len(runs), len(prompts),
-             cfg.new_tokens, gen_seconds)
-    rows, scored_as = [], {name: arm[0] if k == 0 else name for name, (k, arm, _, _) in arms.items()}
-    for name, (k, arm, ps, objective) in arms.items():
+             cfg.new_tokens, time.perf_counter() - t_gen)
+    rows, scored_as = [], {name: arm[0] if k_ == 0 else name for name, (k_, arm, _, _) in arms.items()}
+    for name, (k_, arm, ps, objective) in arms.items():
         s = scores[scored_as[name]]
         shares = GROUPS[arm[-1]].shares_source_kv
-        row = {"arm": name, "k": k, "objective": objective if GROUPS[arm[-1]].uses_maps else "–",
+        row = {"arm": name, "k": k_, "objective": objective if GROUPS[arm[-1]].uses_maps else "–",
                "full_layers": " ".join(str(p.source) for p in ps) if shares else "–",
                "readers": sum(len(p.targets) for p in ps) if shares else 0,
-               "family": "fp4_alone" if k == 0 and arm[0] in FP4_ALONE else
+               "family": "fp4_alone" if k_ == 0 and arm[0] in FP4_ALONE else
                ("sharing" if shares else "baseline")}
         for basis in BASES:
             row[f"bytes_{basis}"] = arm_bytes(geo, arm, ps, basis, fp4_group)
         row |= {"dppl_pct": s.get("delta_pct", 0.0), "dppl_ci_low": s.get("delta_pct_ci95", (0.0, 0.0))[0],
                 "dppl_ci_high": s.get("delta_pct_ci95", (0.0, 0.0))[1], "kl": s.get("kl", 0.0),
                 "top1_pct": s.get("top1_pct", 100.0), "ppl": s["ppl"],
-                "ridge_r2": round(sum(r2[p] for p in ps) / len(ps), 4) if k else None,
+                "ridge_r2": round(sum(r2[p] for p in ps) / len(ps), 4) if k_ else None,
                 "map_params": map_params(geo, params, arm[-1], ps) if GROUPS[arm[-1]].uses_maps else 0,
                 "records": len(ids), "tokens": s["tokens"], "dtype": str(model.dtype).removeprefix("torch."),
                 "kv_format": params.kv_format}
+        row |= domain_columns({d: ds[scored_as[name]] for d, ds in domain_scores.items()})
+        row |= generation_columns(generated.get(scored_as[name]))
         rows.append(row)
+    seconds = round(time.perf_counter() - t0, 1)
+    write_json(part_path(k), {"k": k, "study": study_key(study), "provenance": provenance(params, *PART_PROVENANCE),
+                              "records": len(ids), "tokens": rows[0]["tokens"], "dtype": rows[0]["dtype"],
+                              "domain_records": {d: len(d_ids) for d, d_ids in domain_ids.items()},
+                              "prompts": len(prompts), "train_seconds": train_seconds, "seconds": seconds,
+                              "columns": list(rows[0]), "rows": [[r[c] for c in rows[0]] for r in rows]})
+    write_json(TIMINGS / f"study_sharing_k{k}.json", {"seconds": seconds, "train_seconds": train_seconds,
+                                                      "threads": torch.get_num_threads()})
+
+
+def load_part(k: int, study: Study, params: Params) -> dict:
+    """The part of ``k`` (:func:`run_part`), refused in one line naming its file when missing or made for other
+    params; its ``rows`` as dicts."""
+    path = part_path(k)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing: run `dvc repro studies/dvc.yaml:sharing_part@{k}` (or `python "
+                                f"studies/sharing.py --k {k}`) before combining the parts")
+    part = json.loads(path.read_text())
+    if part["k"] != k or part["study"] != study_key(study):
+        raise ValueError(f"{path}: was made for k = {part['k']} and study params {part['study']}, "
+                         f"{STUDY_PARAMS} asks for k = {k} with {study_key(study)}: run that part again")
+    check_provenance(path, part["provenance"], params)
+    return part | {"rows": [dict(zip(part["columns"], values)) for values in part["rows"]]}
+
+
+def combine() -> None:
+    """Every part of ``full_layers`` in one table: the pipeline's rows (the first part's), then each ``k``'s arms;
+    compression against the baseline and the Pareto fronts over them all; ``sharing.tsv``, ``sharing.md`` and
+    ``frontier.png``."""
+    params = load_params(Path("params.yaml"))
+    study = load_study()
+    parts = [load_part(k, study, params) for k in study.full_layers]  # every part checked before anything is written
+    rows = [r for r in parts[0]["rows"] if r["k"] == 0] + [r for p in parts for r in p["rows"] if r["k"] != 0]
     base = {basis: next(r for r in rows if r["arm"] == "pipeline:baseline")[f"bytes_{basis}"] for basis in BASES}
+    fronts = {}
     for basis in BASES:
         points = frontier({r["arm"]: {"kv_bytes": r[f"bytes_{basis}"], "kv_compression": 1.0,
                                       "dppl_pct": r["dppl_pct"]} for r in rows})
-        front = {p["name"] for p in points if p["front"]}
-        for r in rows:
-            r[f"x_{basis}"] = base[basis] / r[f"bytes_{basis}"]
-            r[f"front_{basis}"] = r["arm"] in front
-    for r in rows:  # after the in-domain columns, which keep their places
-        r |= domain_columns({d: s[scored_as[r["arm"]]] for d, s in domain_scores.items()})
-        r |= generation_columns(generated.get(scored_as[r["arm"]]))
-    seconds = time.perf_counter() - t0
+        fronts[basis] = {p["name"] for p in points if p["front"]}
+    columns = list(rows[0])
+    at = columns.index("kv_format") + 1  # after the in-domain columns, which keep their places
+    rows = [{**{c: r[c] for c in columns[:at]},
+             **{f"x_{basis}": base[basis] / r[f"bytes_{basis}"] for basis in BASES},
+             **{f"front_{basis}": r["arm"] in fronts[basis] for basis in BASES},
+             **{c: r[c] for c in columns[at:]}} for r in rows]
+    train_seconds = {t.objective: sum(p["train_seconds"].get(t.objective, 0.0) for p in parts) for t in study.trained}
+    first = parts[0]
     write_tsv(OUT / "sharing.tsv", rows)
-    atomic_write_text(OUT / "sharing.md", table(rows, params, study, len(ids), rows[0]["tokens"], rows[0]["dtype"],
-                                                seconds, train_seconds, domain_ids, len(prompts)))
+    atomic_write_text(OUT / "sharing.md", table(rows, params, study, first, sum(p["seconds"] for p in parts),
+                                                train_seconds))
     plot(rows, OUT / "frontier.png", params.model.name)
-    write_json(TIMINGS / "study_sharing.json", {"seconds": round(time.perf_counter() - t0, 1),
-                                                "train_seconds": train_seconds, "generation_seconds": gen_seconds,
-                                                "threads": torch.get_num_threads()})
+
+
+def arguments() -> ArgumentParser:
+    ap = ArgumentParser(prog="python studies/sharing.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--k", type=int, default=None,
+                    help="run the part of k Full layers (one of full_layers in studies/sharing.yaml) into "
+                         "studies/sharing/parts/k<k>/; without it, combine every part into the tables and the plot")
+    return ap
+
+
+def main(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.k is None:
+        combine()
+    else:
+        run_part(args.k)
 
 
 if __name__ == "__main__":
-    run_study(main)
+    run_study(main, arguments())

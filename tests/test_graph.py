@@ -80,6 +80,7 @@ def test_study_code_deps_are_exactly_the_import_closure():
     """studies/dvc.yaml (outside the default target) declares what its scripts import, as the stages do."""
     stages = yaml.safe_load((ROOT / "studies" / "dvc.yaml").read_text())["stages"]
     for name, spec in stages.items():
+        spec = spec.get("do", spec)  # a foreach stage's template
         script = spec["cmd"].split()[1]
         assert script in spec["deps"], f"studies/dvc.yaml stage '{name}' must declare its script {script}"
         declared = {d for d in spec["deps"] if d.startswith("src/")}

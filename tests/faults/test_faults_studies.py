@@ -19,7 +19,7 @@ from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.stages import prepare
 
 STUDIES = sorted((ROOT / "studies").glob("*.py"))
-ARGS = {"sizing": ["--workdir", "."]}  # the one study with a required argument
+ARGS = {"sizing": ["--workdir", "."], "sharing": ["--k", "1"]}  # sizing's is required; sharing's part reads the corpus
 
 
 @pytest.fixture(scope="module")

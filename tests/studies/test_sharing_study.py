@@ -2,8 +2,10 @@
 whose one-Full-layer arm is the pipeline's own csa2 at the ridge maps and whose bytes are counted layer by layer."""
 
 import copy
+import json
 import sys
 import tempfile
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -25,13 +27,16 @@ from ced_csa2.pipeline.paths import EVAL_JSONL  # noqa: E402
 from ced_csa2.model_utils import geometry, load_model_and_tokenizer, load_tokenizer  # noqa: E402
 from ced_csa2.plan import LayerPlan, load_plan  # noqa: E402
 from ced_csa2.data.records import batches, read_records  # noqa: E402
-from ced_csa2.stages import dump, ridge  # noqa: E402
+from ced_csa2.ced_runtime import load_parts  # noqa: E402
+from ced_csa2.pipeline.map_roles import MAIN  # noqa: E402
+from ced_csa2.stages import dump, ridge, train_adapters, train_projector  # noqa: E402
 from ced_csa2.train.objectives import TeacherCache, attn_out_loss, online_records  # noqa: E402
 from ced_csa2.train.tuning import ridge_served, train_branch  # noqa: E402
 
 TINY_STUDY = {"full_layers": [1, 2], "arms": [["csa2"], ["baseline_fp4_rot", "csa2"], ["ced_csa2"]],
               "pipeline_groups": ["baseline", "baseline_fp4_rot", "csa2"],
-              "trained": [{"objective": "attn_out", "full_layers": [2]}, {"objective": "distill", "full_layers": [1]}]}
+              "trained": [{"objective": "attn_out", "full_layers": [2]}, {"objective": "distill", "full_layers": [1]},
+                          {"objective": "kv_mse", "full_layers": [1]}]}
 
 
 def test_the_committed_study_params_load_and_plan_the_embedded_default():
@@ -58,7 +63,7 @@ def test_the_committed_study_params_load_and_plan_the_embedded_default():
     ({"pipeline_groups": ["csa2"]}, "baseline among them"),
     ({"full_layers": []}, "full_layers and arms must each list at least one entry"),
     ({"trained": [{"objective": "sgd", "full_layers": [1]}]},
-     r"trained.0.objective must be one of \['attn_out', 'distill'\], each once"),
+     r"trained.0.objective must be one of \['kv_mse', 'attn_out', 'distill'\], each once"),
     ({"trained": [{"objective": "ridge", "full_layers": [1]}]}, "trained.0.objective must be one of"),
     ({"trained": [{"objective": "distill", "full_layers": [1]}, {"objective": "distill", "full_layers": [2]}]},
      "trained.1.objective must be one of"),
@@ -77,9 +82,9 @@ def test_an_unknown_objective_is_refused_before_any_data_or_model_is_read(in_tin
     corpus.prepare(params, load_tokenizer(params.model), in_tiny_folder)
     (in_tiny_folder / "studies").mkdir()
     (in_tiny_folder / "studies" / "sharing.yaml").write_text(yaml.safe_dump(
-        {**TINY_STUDY, "trained": [{"objective": "kv_mse", "full_layers": [1]}]}))
+        {**TINY_STUDY, "trained": [{"objective": "kv_l1", "full_layers": [1]}]}))
     with pytest.raises(ValueError, match=r"studies/sharing.yaml: trained.0.objective must be one of") as err:
-        study_mod.main()
+        study_mod.main(Namespace(k=1))
     assert "\n" not in str(err.value)
 
 
@@ -91,25 +96,36 @@ def read_tsv(path):
 def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
     params = load_params(in_tiny_folder / "params.yaml")
     corpus.prepare(params, load_tokenizer(params.model), in_tiny_folder)
-    dump.run(params, in_tiny_folder)  # the tiny plan's dump holds every attention layer above the cut (20..32)
-    ridge.run(params, in_tiny_folder)  # models/ridge.pt: the pipeline's csa2 row runs its maps
     (in_tiny_folder / "studies").mkdir()
     (in_tiny_folder / "studies" / "sharing.yaml").write_text(yaml.safe_dump(TINY_STUDY))
-    study_mod.main()
+    with pytest.raises(ValueError, match=r"^studies/sharing.yaml: full_layers \[1, 2\] has no k = 3: ") as err:
+        study_mod.main(Namespace(k=3))  # before any dump
+    for k in (1, 2):  # the parts, as `dvc repro studies/dvc.yaml:sharing_part@<k>` runs them, from prepare's files
+        study_mod.main(Namespace(k=k))
+    assert not (in_tiny_folder / "data" / "dump").exists() and not (in_tiny_folder / "models").exists()  # scratch
+    study_mod.main(Namespace(k=None))  # the table of every part
+    # the references: the pipeline's own stages here (the same records and code, so the same maps)
+    dump.run(params, in_tiny_folder)  # the tiny plan's dump holds every attention layer above the cut (20..32)
+    ridge.run(params, in_tiny_folder)  # models/ridge.pt: the pipeline's csa2 row runs its maps
 
     rows = read_tsv(in_tiny_folder / "studies" / "sharing" / "sharing.tsv")
     arms = ("csa2", "baseline_fp4_rot+csa2", "ced_csa2")
     assert list(rows) == ["pipeline:baseline", "pipeline:baseline_fp4_rot", "pipeline:csa2@ridge",
-                          *(f"k1/{arm}{o}" for arm in arms for o in ("", "@distill")),
+                          *(f"k1/{arm}{o}" for arm in arms for o in ("", "@distill", "@kv_mse")),
                           *(f"k2/{arm}{o}" for arm in arms for o in ("", "@attn_out"))]
-    for k, objective, arm in [(2, "attn_out", a) for a in arms] + [(1, "distill", a) for a in arms]:
+    exact = {}  # the parts' rows at full precision (the tiny model's K/V-MSE SGD moves ΔPPL below the TSV's 6 digits)
+    for k in (1, 2):
+        part = json.loads((in_tiny_folder / "studies" / "sharing" / "parts" / f"k{k}" / "part.json").read_text())
+        exact |= {values[0]: dict(zip(part["columns"], values)) for values in part["rows"]}
+    for k, objective, arm in [(2, "attn_out", a) for a in arms] + [(1, o, a) for a in arms for o in ("distill", "kv_mse")]:
         # trained maps: the ridge row's bytes and parameters, another ΔPPL, in domain and on every other domain
         ridge_row, trained_row = rows[f"k{k}/{arm}"], rows[f"k{k}/{arm}@{objective}"]
         assert (ridge_row["objective"], trained_row["objective"]) == ("ridge", objective)
         for key in ("bytes_all_attention", "bytes_decoder_attention", "map_params", "full_layers", "readers"):
             assert trained_row[key] == ridge_row[key], (arm, key)
         for key in ["dppl_pct"] + [f"{d.name}_dppl_pct" for d in params.data.domains]:
-            assert trained_row[key] != ridge_row[key], (arm, objective, key)
+            assert exact[f"k{k}/{arm}@{objective}"][key] != exact[f"k{k}/{arm}"][key], (arm, objective, key)
+            assert trained_row[key] == f"{exact[f'k{k}/{arm}@{objective}'][key]:.6g}", (arm, objective, key)
     assert rows["k2/csa2"]["full_layers"] == "20 28" and rows["k2/csa2"]["readers"] == "2"
     # bf16 bytes, layer by layer: 8 attention layers of K and V, 2 x 16 channels each (2 B dense; FP4: 16 + 2)
     dense, fp4 = 2 * 32 * 2, 2 * (16 + 2)
@@ -130,6 +146,14 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
     assert (rows["k1/csa2"]["ppl"], rows["k1/csa2"]["dppl_pct"]) == (f"{ref['ppl']:.6g}", f"{ref['delta_pct']:.6g}")
     assert rows["pipeline:csa2@ridge"]["dppl_pct"] == rows["k1/csa2"]["dppl_pct"]
     assert rows["k2/csa2"]["dppl_pct"] != f"{ref['delta_pct']:.6g}"  # another plan
+    # and its kv_mse arm the pipeline's main branch: stages train_adapters and train_projector on the same dump
+    train_adapters.run(params, in_tiny_folder)
+    train_projector.run(params, in_tiny_folder)
+    main_maps = load_parts(in_tiny_folder / "models", params, plan, geo, role=MAIN)
+    ref_main = groups_ppl(model, plan, ["baseline", "csa2", "ced_csa2"], main_maps, eval_ids(params, tok, in_tiny_folder),
+                          params, tok.pad_token_id)
+    for arm in ("csa2", "ced_csa2"):
+        assert rows[f"k1/{arm}@kv_mse"]["dppl_pct"] == f"{ref_main[arm]['delta_pct']:.6g}", arm
     # every other domain: the same maps scored the same way on that domain's records (eval_ppl's domain panel), and
     # the worst of them the row's largest
     domains = [d.name for d in params.data.domains]
@@ -222,3 +246,24 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
                  phases=("csa2",))
     for a, b in zip(alone["csa2"].adapters.state_dict().values(), trained[upper]["csa2"].adapters.state_dict().values()):
         assert torch.equal(a, b)
+
+    # Combining refuses, before it writes anything, in one line naming the part's file: a part made for other study
+    # params, for other root params, or a missing one
+    study_file, table_file = in_tiny_folder / "studies" / "sharing.yaml", in_tiny_folder / "studies/sharing/sharing.md"
+    written = table_file.read_bytes()
+    for study, params_edit, error, message in [
+            ({**TINY_STUDY, "pipeline_groups": ["baseline", "csa2"]}, None, ValueError,
+             r"studies/sharing/parts/k1/part.json: was made for k = 1 and study params "),
+            (TINY_STUDY, ("kv_format: nvfp4\n", "kv_format: mxfp4\n"), ValueError,
+             r"studies/sharing/parts/k1/part.json: was made with kv_format = 'nvfp4', params.yaml has 'mxfp4'"),
+            ({**TINY_STUDY, "full_layers": [1, 2, 3]}, None, FileNotFoundError,
+             r"studies/sharing/parts/k3/part.json: missing: run `dvc repro studies/dvc.yaml:sharing_part@3`")]:
+        study_file.write_text(yaml.safe_dump(study))
+        original = (in_tiny_folder / "params.yaml").read_text()
+        if params_edit:
+            assert original.count(params_edit[0]) == 1
+            (in_tiny_folder / "params.yaml").write_text(original.replace(*params_edit))
+        with pytest.raises(error, match=f"^{message}") as err:
+            study_mod.main(Namespace(k=None))
+        assert "\n" not in str(err.value) and table_file.read_bytes() == written
+        (in_tiny_folder / "params.yaml").write_text(original)
