@@ -1,6 +1,7 @@
 """How far retrofitted adapters push cross-layer sharing: k Full layers above the cut, every other layer a reader.
 
-    dvc repro studies/dvc.yaml:sharing       # runs: python studies/sharing.py
+    dvc repro studies/dvc.yaml:sharing_part@1  # runs: python studies/sharing.py --k 1 (one part per k)
+    dvc repro studies/dvc.yaml:sharing         # every part not yet run, then: python studies/sharing.py
 
 The default plan shares 4 of the embedded model's 30 attention layers (source 18, readers
 22/26/30): the cache shrinks by 10% and rotated FP4 on every layer is the whole Pareto front.
@@ -17,10 +18,10 @@ with distance: the held-out R² below).
 
 Maps, one arm family per objective (``objectives``): the ``ridge`` objective's
 (:func:`~ced_csa2.train.tuning.ridge_served`: ridge-initialised adapters of ``train_adapters``' form,
-MLPs at their zero start), fitted on the ridge stage's train records of the study's own dump of ``prepare``'s training records
-(the ``dump`` stage, once, in a scratch folder, so the study reads nothing made on another CPU; it holds
-every attention layer above the cut on the embedded default: its plan covers them for Mode A), all
-sub-plans in one streaming pass (:func:`~ced_csa2.maps.ridge.fit_maps`;
+MLPs at their zero start), fitted on the ridge stage's train records of the study's own dump of
+``prepare``'s training records (the ``dump`` stage, once per part, in a scratch folder, so the study reads
+nothing made on another CPU; it holds every attention layer above the cut on the embedded default: its
+plan covers them for Mode A), all of a part's sub-plans in one streaming pass (:func:`~ced_csa2.maps.ridge.fit_maps`;
 a map from one source to one reader is the same map in every ``k``).  ``ced_csa2`` also projects
 every Full layer from ``H_split`` (its ridge projector).  ``attn_out`` / ``distill``: each sub-plan's
 maps trained from those ridge maps by the pipeline's own ``tune@<objective>`` branch
@@ -57,9 +58,12 @@ to the byte, and is compared with the baseline's continuation as ``eval_generati
 token of the continuation minus the baseline's, paired bootstrap 95% intervals over prompts).  An
 arm with an every-layer FP4 group around its sub-plans has none (``–``): no cache composes the two.
 
-Writes ``studies/sharing/sharing.tsv`` (one row per arm), ``sharing.md`` (the table, the Pareto
-fronts and the byte budgets at which sharing beats FP4 alone) and ``frontier.png``; the wall
-time to ``timings/study_sharing.json``.  Params: ``studies/sharing.yaml`` and ``params.yaml``.
+One part per ``k`` (``--k``: its own dump, maps, baseline and scoring; sized so that one part fits a
+sitting on a 2-core CPU) writes ``studies/sharing/parts/k<k>/part.json`` and its wall time to
+``timings/study_sharing_k<k>.json``; without ``--k`` the parts of every ``full_layers`` entry are combined
+into ``studies/sharing/sharing.tsv`` (one row per arm), ``sharing.md`` (the table, the Pareto fronts and
+the byte budgets at which sharing beats FP4 alone) and ``frontier.png``.  Params:
+``studies/sharing.yaml`` and ``params.yaml``.
 """
 
 from __future__ import annotations

@@ -32,16 +32,18 @@ def test_the_committed_study_params_load():
     assert study.groups and study.controls
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"groups": ["baseline_fp4_rot"]}, r"groups must list groups that run the projector or adapters \(ced, "),
-    ({"groups": ["xkv"]}, "groups must list groups that run the projector or adapters"),  # low-rank bases, no map
-    ({"controls": ["csa2"]}, r"controls must list groups other than baseline that fit no map"),
-    ({"controls": ["baseline"]}, "controls must list groups other than baseline"),
-    ({"n_boot": 10}, "n_boot must be at least 100"),
-    ({"group": ["ced"]}, "group"),
+@pytest.mark.parametrize("study,message", [
+    ({**TINY_STUDY, "groups": ["baseline_fp4_rot"]},
+     r"groups must list groups that run the projector or adapters \(ced, "),
+    ({**TINY_STUDY, "groups": ["xkv"]},  # low-rank bases, no map
+     "groups must list groups that run the projector or adapters"),
+    ({**TINY_STUDY, "controls": ["csa2"]}, r"controls must list groups other than baseline that fit no map"),
+    ({**TINY_STUDY, "controls": ["baseline"]}, "controls must list groups other than baseline"),
+    ({**TINY_STUDY, "n_boot": 10}, "n_boot must be at least 100"),
+    ({"group": ["ced"]}, "group"),  # a misspelt key alone
 ])
-def test_bad_study_params_are_refused_in_one_line(tmp_path, change, message):
-    path, err = refused(study_mod, tmp_path, {**TINY_STUDY, **change} if "group" not in change else change, message)
+def test_bad_study_params_are_refused_in_one_line(tmp_path, study, message):
+    path, err = refused(study_mod, tmp_path, study, message)
     assert str(err).startswith(str(path)) and "\n" not in str(err)
 
 

@@ -117,7 +117,8 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
     for k in (1, 2):
         part = json.loads((in_tiny_folder / "studies" / "sharing" / "parts" / f"k{k}" / "part.json").read_text())
         exact |= {values[0]: dict(zip(part["columns"], values)) for values in part["rows"]}
-    for k, objective, arm in [(2, "attn_out", a) for a in arms] + [(1, o, a) for a in arms for o in ("distill", "kv_mse")]:
+    trained_rows = [(2, "attn_out", a) for a in arms] + [(1, o, a) for a in arms for o in ("distill", "kv_mse")]
+    for k, objective, arm in trained_rows:
         # trained maps: the ridge row's bytes and parameters, another ΔPPL, in domain and on every other domain
         ridge_row, trained_row = rows[f"k{k}/{arm}"], rows[f"k{k}/{arm}@{objective}"]
         assert (ridge_row["objective"], trained_row["objective"]) == ("ridge", objective)
@@ -150,8 +151,8 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
     train_adapters.run(params, in_tiny_folder)
     train_projector.run(params, in_tiny_folder)
     main_maps = load_parts(in_tiny_folder / "models", params, plan, geo, role=MAIN)
-    ref_main = groups_ppl(model, plan, ["baseline", "csa2", "ced_csa2"], main_maps, eval_ids(params, tok, in_tiny_folder),
-                          params, tok.pad_token_id)
+    ref_main = groups_ppl(model, plan, ["baseline", "csa2", "ced_csa2"], main_maps,
+                          eval_ids(params, tok, in_tiny_folder), params, tok.pad_token_id)
     for arm in ("csa2", "ced_csa2"):
         assert rows[f"k1/{arm}@kv_mse"]["dppl_pct"] == f"{ref_main[arm]['delta_pct']:.6g}", arm
     # every other domain: the same maps scored the same way on that domain's records (eval_ppl's domain panel), and
