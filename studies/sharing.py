@@ -58,8 +58,8 @@ to the byte, and is compared with the baseline's continuation as ``eval_generati
 token of the continuation minus the baseline's, paired bootstrap 95% intervals over prompts).  An
 arm with an every-layer FP4 group around its sub-plans has none (``–``): no cache composes the two.
 
-One part per ``k`` (``--k``: its own dump, maps, baseline and scoring; sized so that one part fits a
-sitting on a 2-core CPU) writes ``studies/sharing/parts/k<k>/part.json`` and its wall time to
+One part per ``k`` (``--k``: its own dump, maps, baseline and scoring, so that the study can run a part at
+a time, each its own lock entry) writes ``studies/sharing/parts/k<k>/part.json`` and its wall time to
 ``timings/study_sharing_k<k>.json``; without ``--k`` the parts of every ``full_layers`` entry are combined
 into ``studies/sharing/sharing.tsv`` (one row per arm), ``sharing.md`` (the table, the Pareto fronts and
 the byte budgets at which sharing beats FP4 alone) and ``frontier.png``.  Params:
