@@ -67,8 +67,10 @@ def python_comments_and_docstrings(path):
 
 
 def quoted_figures():
-    """``(file, line, text quoted)`` for every measured-looking figure in conf comments and library docstrings/comments."""
-    sources = [(p, conf_comments) for p in sorted((ROOT / "conf").rglob("*.yaml"))]
+    """``(file, line, text quoted)`` for every measured-looking figure in conf comments (``conf/``, the studies' params,
+    both ``dvc.yaml`` files) and library docstrings/comments."""
+    confs = sorted((ROOT / "conf").rglob("*.yaml")) + sorted((ROOT / "studies").glob("*.yaml")) + [ROOT / "dvc.yaml"]
+    sources = [(p, conf_comments) for p in confs]  # studies/*.yaml: the studies' params and studies/dvc.yaml
     sources += [(p, python_comments_and_docstrings) for p in sorted((ROOT / "src/ced_csa2").rglob("*.py"))]
     for path, texts in sources:
         for number, text in texts(path):
