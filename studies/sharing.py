@@ -527,6 +527,10 @@ PART_PROVENANCE = ("seed", "model", "plan", "dump", "split", "ridge", "kv_format
                    "eval_generation.batch_size")  # the root params of studies/dvc.yaml's sharing_part and sharing
 
 
+PART_KEYS = {"k", "study", "provenance", "records", "tokens", "dtype", "domain_records", "prompts", "train_seconds",
+             "seconds", "columns", "rows"}  # what run_part writes
+
+
 def part_path(k: int) -> Path:
     """Where the part of ``k`` Full layers writes its rows: ``studies/sharing/parts/k<k>/part.json``."""
     return OUT / "parts" / f"k{k}" / "part.json"
@@ -639,11 +643,13 @@ def run_part(k: int) -> None:
         row |= generation_columns(generated.get(scored_as[name]))
         rows.append(row)
     seconds = round(time.perf_counter() - t0, 1)
-    write_json(part_path(k), {"k": k, "study": study_key(study), "provenance": provenance(params, *PART_PROVENANCE),
-                              "records": len(ids), "tokens": rows[0]["tokens"], "dtype": rows[0]["dtype"],
-                              "domain_records": {d: len(d_ids) for d, d_ids in domain_ids.items()},
-                              "prompts": len(prompts), "train_seconds": train_seconds, "seconds": seconds,
-                              "columns": list(rows[0]), "rows": [[r[c] for c in rows[0]] for r in rows]})
+    part = {"k": k, "study": study_key(study), "provenance": provenance(params, *PART_PROVENANCE),
+            "records": len(ids), "tokens": rows[0]["tokens"], "dtype": rows[0]["dtype"],
+            "domain_records": {d: len(d_ids) for d, d_ids in domain_ids.items()}, "prompts": len(prompts),
+            "train_seconds": train_seconds, "seconds": seconds, "columns": list(rows[0]),
+            "rows": [[r[c] for c in rows[0]] for r in rows]}
+    assert set(part) == PART_KEYS  # what load_part checks a file for
+    write_json(part_path(k), part)
     write_json(TIMINGS / f"study_sharing_k{k}.json", {"seconds": seconds, "train_seconds": train_seconds,
                                                       "threads": torch.get_num_threads()})
 
@@ -655,7 +661,14 @@ def load_part(k: int, study: Study, params: Params) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing: run `dvc repro studies/dvc.yaml:sharing_part@{k}` (or `python "
                                 f"studies/sharing.py --k {k}`) before combining the parts")
-    part = json.loads(path.read_text())
+    again = f"run `python studies/sharing.py --k {k}` again"
+    try:
+        part = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON ({exc}): {again}") from None
+    missing = PART_KEYS - set(part) if isinstance(part, dict) else PART_KEYS
+    if missing:
+        raise ValueError(f"{path}: not a part of this study (no {', '.join(sorted(missing))}): {again}")
     if part["k"] != k or part["study"] != study_key(study):
         raise ValueError(f"{path}: was made for k = {part['k']} and study params {part['study']}, "
                          f"{STUDY_PARAMS} asks for k = {k} with {study_key(study)}: run that part again")

@@ -249,22 +249,34 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
         assert torch.equal(a, b)
 
     # Combining refuses, before it writes anything, in one line naming the part's file: a part made for other study
-    # params, for other root params, or a missing one
-    study_file, table_file = in_tiny_folder / "studies" / "sharing.yaml", in_tiny_folder / "studies/sharing/sharing.md"
+    # params or other root params, a missing one, one whose rows are gone, one cut mid-write
+    folder = in_tiny_folder
+    params_file, part2 = folder / "params.yaml", folder / "studies/sharing/parts/k2/part.json"
+    table_file, kept = folder / "studies/sharing/sharing.md", {f: f.read_text() for f in (params_file, part2)}
     written = table_file.read_bytes()
-    for study, params_edit, error, message in [
+
+    def params_edited():
+        assert kept[params_file].count("kv_format: nvfp4\n") == 1
+        params_file.write_text(kept[params_file].replace("kv_format: nvfp4\n", "kv_format: mxfp4\n"))
+
+    def without_rows():
+        part2.write_text(json.dumps({key: v for key, v in json.loads(kept[part2]).items() if key != "rows"}))
+
+    part = r"studies/sharing/parts/k{}/part.json"
+    for study, edit, error, message in [
             ({**TINY_STUDY, "pipeline_groups": ["baseline", "csa2"]}, None, ValueError,
-             r"studies/sharing/parts/k1/part.json: was made for k = 1 and study params "),
-            (TINY_STUDY, ("kv_format: nvfp4\n", "kv_format: mxfp4\n"), ValueError,
-             r"studies/sharing/parts/k1/part.json: was made with kv_format = 'nvfp4', params.yaml has 'mxfp4'"),
+             f"{part.format(1)}: was made for k = 1 and study params "),
+            (TINY_STUDY, params_edited, ValueError,
+             f"{part.format(1)}: was made with kv_format = 'nvfp4', params.yaml has 'mxfp4'"),
             ({**TINY_STUDY, "full_layers": [1, 2, 3]}, None, FileNotFoundError,
-             r"studies/sharing/parts/k3/part.json: missing: run `dvc repro studies/dvc.yaml:sharing_part@3`")]:
-        study_file.write_text(yaml.safe_dump(study))
-        original = (in_tiny_folder / "params.yaml").read_text()
-        if params_edit:
-            assert original.count(params_edit[0]) == 1
-            (in_tiny_folder / "params.yaml").write_text(original.replace(*params_edit))
+             f"{part.format(3)}: missing: run `dvc repro studies/dvc.yaml:sharing_part@3`"),
+            (TINY_STUDY, without_rows, ValueError, rf"{part.format(2)}: not a part of this study \(no rows\)"),
+            (TINY_STUDY, lambda: part2.write_text(kept[part2][:100]), ValueError, rf"{part.format(2)}: not JSON \(")]:
+        (folder / "studies" / "sharing.yaml").write_text(yaml.safe_dump(study))
+        if edit:
+            edit()
         with pytest.raises(error, match=f"^{message}") as err:
             study_mod.main(Namespace(k=None))
         assert "\n" not in str(err.value) and table_file.read_bytes() == written
-        (in_tiny_folder / "params.yaml").write_text(original)
+        for f, text in kept.items():
+            f.write_text(text)
