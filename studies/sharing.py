@@ -39,7 +39,8 @@ Arms (``arms``): the groups nested, outermost first: a sharing group run by ever
 other layer dense; ``ced_csa2``), optionally inside an every-layer FP4 group (``baseline_fp4``,
 ``baseline_fp4_rot``: every stored copy in FP4, the readers storing nothing).  Scored with the
 pipeline's ``pipeline_groups`` (the plan's own groups; those with maps at the ``ridge`` objective's,
-the ``ridge`` stage run on the study's dump, like every arm here) in one :func:`~ced_csa2.eval.perplexity.groups_ppl`
+the ``ridge`` stage run on the study's dump, like every arm here; ``xkv`` at the ``fit_xkv`` stage's bases on
+that dump) in one :func:`~ced_csa2.eval.perplexity.groups_ppl`
 call -- one baseline, paired bootstrap 95% intervals over the same records -- on the held-out
 records of ``data/corpus/eval.jsonl`` (``eval_ppl.records``), then once per other domain (``data.domains``:
 ``eval_ppl.domain_records`` seeded records of each, the records and scorer of eval_ppl's domain panel), every
@@ -97,13 +98,15 @@ from ced_csa2.kv.formats import FP4_FORMATS
 from ced_csa2.kv.kv_bytes import BASES, DTYPE_BYTES, StoredCopy, adapter_params_per_target, bytes_per_token, \
     kv_copies, projector_params
 from ced_csa2.maps.ridge import MapGroup, adapter_map, evaluate_maps, fit_maps, map_groups, save_ridge
+from ced_csa2.maps.xkv import load_xkv
 from ced_csa2.model_utils import Geometry, load_model_and_tokenizer, resolve_device
 from ced_csa2.pipeline.atomic_files import atomic_write_text, write_json, write_tsv
-from ced_csa2.pipeline.checkpoint import SAVE_DTYPE
+from ced_csa2.pipeline.checkpoint import SAVE_DTYPE, check_meta_provenance, expected_meta
+from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.progress import Progress
-from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH, TIMINGS, TRAIN_JSONL, domain_jsonl, \
+from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH, TIMINGS, TRAIN_JSONL, XKV_PATH, domain_jsonl, \
     provenance_path
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import LayerPlan, load_plan
@@ -111,7 +114,7 @@ from ced_csa2.groups import GROUPS
 from ced_csa2.runtime.shared_kv import cache_bytes
 from ced_csa2.runtime.sub_plans import NestedRuntimes, SubPlansSharedKVCache, nested_copies, spaced_full_layers, \
     sub_plans
-from ced_csa2.stages import dump, ridge
+from ced_csa2.stages import dump, fit_xkv, ridge
 from ced_csa2.train.adapter_training import adapter_heads, adapter_optimizer, load_pairs
 from ced_csa2.train.objectives import PHASE_GROUPS
 from ced_csa2.train.projector_training import train_projectors
@@ -454,7 +457,8 @@ def table(rows: list[dict], params: Params, study: Study, part: dict, seconds: f
         f"Bytes per token counted in {BYTES} (FP4: {params.kv_format}), on the whole cache (all attention layers) "
         "and the decoder basis (attention layers above the cut); compression against the baseline's. Map "
         "parameters are weights, not per-token bytes. `pipeline:` rows are the pipeline's own groups (plan "
-        f"source {params.plan.source}, readers {list(params.plan.targets)}; `@ridge`: the ridge stage's maps), "
+        f"source {params.plan.source}, readers {list(params.plan.targets)}; `@ridge`: the ridge stage's maps; `xkv`: the "
+        "fit_xkv stage's bases), "
         f"scored in the same run as the k = {part['k']} arms. Each k is its own run (`sharing_part@<k>` of "
         "studies/dvc.yaml: its own dump, maps and baseline, the same records), paired with its own baseline. "
         f"Generation: {prompts} held-out prompts of {params.eval_generation.prompt_tokens} tokens (eval_generation's), "
@@ -521,8 +525,8 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
     write_png(fig, path)
 
 
-PART_PROVENANCE = ("seed", "model", "plan", "dump", "split", "ridge", "kv_format", "train_adapters", "train_projector",
-                   "train.ced_csa2_start", "train.online", "data.name", "data.max_tokens", "data.domains", "eval_ppl",
+PART_PROVENANCE = ("seed", "model", "plan", "dump", "split", "ridge", "xkv", "kv_format", "train_adapters",
+                   "train_projector", "train.ced_csa2_start", "train.online", "data.name", "data.max_tokens", "data.domains", "eval_ppl",
                    "eval_generation.prompts", "eval_generation.prompt_tokens", "eval_generation.new_tokens",
                    "eval_generation.batch_size")  # the root params of studies/dvc.yaml's sharing_part and sharing
 
@@ -574,6 +578,11 @@ def run_part(k: int) -> None:
         dump.run(params, workdir)
         ridge.run(params, workdir)
         pipeline_parts = ridge_served(params, plan, geo, workdir)  # the pipeline's ridge objective on this dump
+        if any(GROUPS[g].low_rank for g in study.pipeline_groups):  # xkv: the fit_xkv stage's bases, as eval_ppl's
+            fit_xkv.run(params, workdir)
+            xkv = load_xkv(workdir / XKV_PATH, role=MAIN, expect=expected_meta(params, plan, geo)["xkv"])
+            check_meta_provenance(workdir / XKV_PATH, xkv.meta, params, MAIN)
+            pipeline_parts |= {g: CEDParts(xkv=xkv) for g in study.pipeline_groups if GROUPS[g].low_rank}
         maps_of["ridge"], r2 = fit_sub_plans(params, plans, geo, workdir, workdir / "sub_plans")
         if SEED_RECIPE in trains:  # the dump's K/V pairs, before the scratch folder goes
             t_train = time.perf_counter()
@@ -629,7 +638,7 @@ def run_part(k: int) -> None:
                "full_layers": " ".join(str(p.source) for p in ps) if shares else "–",
                "readers": sum(len(p.targets) for p in ps) if shares else 0,
                "family": "fp4_alone" if k_ == 0 and arm[0] in FP4_ALONE else
-               ("sharing" if shares else "baseline")}
+               ("sharing" if shares else "low_rank" if GROUPS[arm[0]].low_rank else "baseline")}
         for basis in BASES:
             row[f"bytes_{basis}"] = arm_bytes(geo, arm, ps, basis, fp4_group)
         row |= {"dppl_pct": s.get("delta_pct", 0.0), "dppl_ci_low": s.get("delta_pct_ci95", (0.0, 0.0))[0],

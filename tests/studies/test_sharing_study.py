@@ -29,12 +29,12 @@ from ced_csa2.plan import LayerPlan, load_plan  # noqa: E402
 from ced_csa2.data.records import batches, read_records  # noqa: E402
 from ced_csa2.ced_runtime import load_parts  # noqa: E402
 from ced_csa2.pipeline.map_roles import MAIN  # noqa: E402
-from ced_csa2.stages import dump, ridge, train_adapters, train_projector  # noqa: E402
+from ced_csa2.stages import dump, fit_xkv, ridge, train_adapters, train_projector  # noqa: E402
 from ced_csa2.train.objectives import TeacherCache, attn_out_loss, online_records  # noqa: E402
 from ced_csa2.train.tuning import ridge_served, train_branch  # noqa: E402
 
 TINY_STUDY = {"full_layers": [1, 2], "arms": [["csa2"], ["baseline_fp4_rot", "csa2"], ["ced_csa2"]],
-              "pipeline_groups": ["baseline", "baseline_fp4_rot", "csa2"],
+              "pipeline_groups": ["baseline", "baseline_fp4_rot", "csa2", "xkv"],
               "trained": [{"objective": "attn_out", "full_layers": [2]}, {"objective": "distill", "full_layers": [1]},
                           {"objective": "kv_mse", "full_layers": [1]}]}
 
@@ -110,7 +110,7 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
 
     rows = read_tsv(in_tiny_folder / "studies" / "sharing" / "sharing.tsv")
     arms = ("csa2", "baseline_fp4_rot+csa2", "ced_csa2")
-    assert list(rows) == ["pipeline:baseline", "pipeline:baseline_fp4_rot", "pipeline:csa2@ridge",
+    assert list(rows) == ["pipeline:baseline", "pipeline:baseline_fp4_rot", "pipeline:csa2@ridge", "pipeline:xkv",
                           *(f"k1/{arm}{o}" for arm in arms for o in ("", "@distill", "@kv_mse")),
                           *(f"k2/{arm}{o}" for arm in arms for o in ("", "@attn_out"))]
     exact = {}  # the parts' rows at full precision (the tiny model's K/V-MSE SGD moves ΔPPL below the TSV's 6 digits)
@@ -147,14 +147,18 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
     assert (rows["k1/csa2"]["ppl"], rows["k1/csa2"]["dppl_pct"]) == (f"{ref['ppl']:.6g}", f"{ref['delta_pct']:.6g}")
     assert rows["pipeline:csa2@ridge"]["dppl_pct"] == rows["k1/csa2"]["dppl_pct"]
     assert rows["k2/csa2"]["dppl_pct"] != f"{ref['delta_pct']:.6g}"  # another plan
-    # and its kv_mse arm the pipeline's main branch: stages train_adapters and train_projector on the same dump
+    # and its kv_mse arm the pipeline's main branch: stages train_adapters and train_projector on the same dump; the
+    # xkv row the fit_xkv stage's bases
     train_adapters.run(params, in_tiny_folder)
     train_projector.run(params, in_tiny_folder)
-    main_maps = load_parts(in_tiny_folder / "models", params, plan, geo, role=MAIN)
-    ref_main = groups_ppl(model, plan, ["baseline", "csa2", "ced_csa2"], main_maps,
+    fit_xkv.run(params, in_tiny_folder)
+    main_maps = load_parts(in_tiny_folder / "models", params, plan, geo, role=MAIN, low_rank=True)
+    ref_main = groups_ppl(model, plan, ["baseline", "csa2", "ced_csa2", "xkv"], main_maps,
                           eval_ids(params, tok, in_tiny_folder), params, tok.pad_token_id)
     for arm in ("csa2", "ced_csa2"):
         assert rows[f"k1/{arm}@kv_mse"]["dppl_pct"] == f"{ref_main[arm]['delta_pct']:.6g}", arm
+    assert rows["pipeline:xkv"]["dppl_pct"] == f"{ref_main['xkv']['delta_pct']:.6g}"
+    assert rows["pipeline:xkv"]["family"] == "low_rank" and rows["pipeline:xkv"]["gen_agreement"] != "None"
     # every other domain: the same maps scored the same way on that domain's records (eval_ppl's domain panel), and
     # the worst of them the row's largest
     domains = [d.name for d in params.data.domains]
