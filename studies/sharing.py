@@ -74,7 +74,6 @@ import copy
 import dataclasses
 import json
 import logging
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -106,8 +105,8 @@ from ced_csa2.pipeline.map_roles import MAIN
 from ced_csa2.pipeline.cli import ArgumentParser
 from ced_csa2.pipeline.figures import write_png
 from ced_csa2.pipeline.progress import Progress
-from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH, TIMINGS, TRAIN_JSONL, XKV_PATH, domain_jsonl, \
-    provenance_path
+from ced_csa2.pipeline.paths import DUMP_PATH, EVAL_JSONL, RIDGE_PATH, TIMINGS, TRAIN_JSONL, XKV_PATH, domain_jsonl
+from ced_csa2.pipeline.scratch import copy_prepared
 from ced_csa2.pipeline.study_runner import run_study
 from ced_csa2.plan import LayerPlan, load_plan
 from ced_csa2.groups import GROUPS
@@ -572,9 +571,7 @@ def run_part(k: int) -> None:
     # The maps first, on the study's own dump (the pipeline's stages in a scratch folder), then the model.
     with tempfile.TemporaryDirectory(prefix="sharing_") as scratch:
         workdir = Path(scratch)
-        for file in (TRAIN_JSONL, provenance_path(TRAIN_JSONL)):  # prepare's records and what vouches for them
-            (workdir / file).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(file, workdir / file)
+        copy_prepared(workdir, TRAIN_JSONL)
         dump.run(params, workdir)
         ridge.run(params, workdir)
         pipeline_parts = ridge_served(params, plan, geo, workdir)  # the pipeline's ridge objective on this dump
