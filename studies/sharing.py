@@ -456,8 +456,8 @@ def table(rows: list[dict], params: Params, study: Study, part: dict, seconds: f
         f"Bytes per token counted in {BYTES} (FP4: {params.kv_format}), on the whole cache (all attention layers) "
         "and the decoder basis (attention layers above the cut); compression against the baseline's. Map "
         "parameters are weights, not per-token bytes. `pipeline:` rows are the pipeline's own groups (plan "
-        f"source {params.plan.source}, readers {list(params.plan.targets)}; `@ridge`: the ridge stage's maps; `xkv`: the "
-        "fit_xkv stage's bases), "
+        f"source {params.plan.source}, readers {list(params.plan.targets)}; `@ridge`: the ridge stage's maps; "
+        "`xkv`: the fit_xkv stage's bases), "
         f"scored in the same run as the k = {part['k']} arms. Each k is its own run (`sharing_part@<k>` of "
         "studies/dvc.yaml: its own dump, maps and baseline, the same records), paired with its own baseline. "
         f"Generation: {prompts} held-out prompts of {params.eval_generation.prompt_tokens} tokens (eval_generation's), "
@@ -525,8 +525,8 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
 
 
 PART_PROVENANCE = ("seed", "model", "plan", "dump", "split", "ridge", "xkv", "kv_format", "train_adapters",
-                   "train_projector", "train.ced_csa2_start", "train.online", "data.name", "data.max_tokens", "data.domains", "eval_ppl",
-                   "eval_generation.prompts", "eval_generation.prompt_tokens", "eval_generation.new_tokens",
+                   "train_projector", "train.ced_csa2_start", "train.online", "data.name", "data.max_tokens",
+                   "data.domains", "eval_ppl", "eval_generation.prompts", "eval_generation.prompt_tokens", "eval_generation.new_tokens",
                    "eval_generation.batch_size")  # the root params of studies/dvc.yaml's sharing_part and sharing
 
 
