@@ -303,9 +303,9 @@ def test_a_model_folder_without_tokenizer_files_is_refused_before_the_work(tmp_p
 
     line = one_error_line(run_module(tmp_path, "prepare"))
 
-    assert line == (f"error: model 'tiny_qwen3_5' (local): the folder my_model has no tokenizer (none of "
-                    f"tokenizer.json, tokenizer.model, vocab.json + merges.txt is there): copy the model's tokenizer "
-                    f"files into it and pin its new digest"), line
+    assert line == ("error: model 'tiny_qwen3_5' (local): the folder my_model has no tokenizer (none of "
+                    "tokenizer.json, tokenizer.model, vocab.json + merges.txt is there): copy the model's tokenizer "
+                    "files into it and pin its new digest"), line
     assert snapshot(tmp_path) == before  # refused before the corpus was written
 
 

@@ -10,7 +10,6 @@ import importlib
 import inspect
 
 import pytest
-import torch
 from conftest import ROOT
 from tiny_maps import QWEN_PLAN, random_parts
 

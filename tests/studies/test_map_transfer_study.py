@@ -6,19 +6,16 @@ import sys
 import numpy as np
 import pytest
 import torch
-import yaml
 from conftest import FLOAT32_RTOL, ROOT
-from study_params import refused
+from study_params import prepared_study, refused, tsv_rows
 
 sys.path.insert(0, str(ROOT / "studies"))
 import map_transfer as study_mod  # noqa: E402
 
 from ced_csa2 import kv_hooks  # noqa: E402
-from ced_csa2.config import load_params  # noqa: E402
-from ced_csa2.data import corpus  # noqa: E402
 from ced_csa2.eval.perplexity import eval_ids, groups_ppl  # noqa: E402
 from ced_csa2.maps.ridge import load_ridge  # noqa: E402
-from ced_csa2.model_utils import load_model_and_tokenizer, load_tokenizer  # noqa: E402
+from ced_csa2.model_utils import load_model_and_tokenizer  # noqa: E402
 from ced_csa2.pipeline.paths import RIDGE_PATH  # noqa: E402
 from ced_csa2.plan import load_plan  # noqa: E402
 from ced_csa2.stages import dump, ridge  # noqa: E402
@@ -63,16 +60,11 @@ def relative_error(model, plan, maps, ids) -> dict[str, float]:
 
 
 def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
-    params = load_params(in_tiny_folder / "params.yaml")
-    corpus.prepare(params, load_tokenizer(params.model), in_tiny_folder)
-    (in_tiny_folder / "studies").mkdir()
-    (in_tiny_folder / "studies" / "map_transfer.yaml").write_text(yaml.safe_dump(TINY_STUDY))
+    params = prepared_study(in_tiny_folder, "map_transfer", TINY_STUDY)
     study_mod.main()
     assert not (in_tiny_folder / "data" / "dump").exists()  # its dump stayed in its scratch folder
 
-    lines = [line.split("\t") for line in (in_tiny_folder / "studies" / "map_transfer" / "transfer.tsv")
-             .read_text().splitlines()]
-    rows = [dict(zip(lines[0], r)) for r in lines[1:]]
+    rows = tsv_rows(in_tiny_folder / "studies" / "map_transfer" / "transfer.tsv")
     home, domains = params.data.name, [params.data.name, *(d.name for d in params.data.domains)]
     maps = ["projector/k", "projector/v", "projector@sink/k", "projector@sink/v", "csa2_adapters/k",
             "csa2_adapters/v", "ced_csa2_adapters/k", "ced_csa2_adapters/v"]

@@ -6,15 +6,14 @@ import sys
 import pytest
 import yaml
 from conftest import ROOT
-from study_params import refused
+from study_params import prepared_study, refused, tsv_rows
 
 sys.path.insert(0, str(ROOT / "studies"))
 import ridge_lambda as study_mod  # noqa: E402
 
 from ced_csa2.config import load_params  # noqa: E402
-from ced_csa2.data import corpus  # noqa: E402
 from ced_csa2.eval.perplexity import eval_ids, groups_ppl  # noqa: E402
-from ced_csa2.model_utils import load_model_and_tokenizer, load_tokenizer  # noqa: E402
+from ced_csa2.model_utils import load_model_and_tokenizer  # noqa: E402
 from ced_csa2.pipeline.atomic_files import read_json  # noqa: E402
 from ced_csa2.plan import load_plan  # noqa: E402
 from ced_csa2.stages import dump, ridge  # noqa: E402
@@ -49,17 +48,12 @@ def test_a_study_without_the_pipelines_lambda_is_refused_naming_it(tmp_path):
 
 
 def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
-    params = load_params(in_tiny_folder / "params.yaml")
+    params = prepared_study(in_tiny_folder, "ridge_lambda", TINY_STUDY)
     assert params.ridge.lam == 1.0
-    corpus.prepare(params, load_tokenizer(params.model), in_tiny_folder)
-    (in_tiny_folder / "studies").mkdir()
-    (in_tiny_folder / "studies" / "ridge_lambda.yaml").write_text(yaml.safe_dump(TINY_STUDY))
     study_mod.main()
     assert not (in_tiny_folder / "data" / "dump").exists()  # its dump stayed in its scratch folder
 
-    lines = [line.split("\t") for line in (in_tiny_folder / "studies" / "ridge_lambda" / "lambda.tsv")
-             .read_text().splitlines()]
-    rows = [dict(zip(lines[0], r)) for r in lines[1:]]
+    rows = tsv_rows(in_tiny_folder / "studies" / "ridge_lambda" / "lambda.tsv")
     domains = [params.data.name, *(d.name for d in params.data.domains)]
     assert [(r["arm"], r["group"], r["domain"]) for r in rows] == [
         (f"lambda={lam:g}", g, d) for d in domains for lam in TINY_STUDY["lambdas"] for g in study_mod.GROUPS]

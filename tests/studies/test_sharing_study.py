@@ -12,19 +12,18 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT
-from study_params import refused
+from study_params import prepared_study, refused, tsv_rows
 
 sys.path.insert(0, str(ROOT / "studies"))
 import sharing as study_mod  # noqa: E402
 
 from ced_csa2.assets import fetch_member  # noqa: E402
 from ced_csa2.config import load_params  # noqa: E402
-from ced_csa2.data import corpus  # noqa: E402
 from ced_csa2.eval import generation as gen  # noqa: E402
 from ced_csa2.eval.perplexity import EVAL_SAMPLE_STREAM, eval_ids, groups_ppl  # noqa: E402
 from ced_csa2.kv.formats import FP4_FORMATS  # noqa: E402
 from ced_csa2.pipeline.paths import EVAL_JSONL  # noqa: E402
-from ced_csa2.model_utils import geometry, load_model_and_tokenizer, load_tokenizer  # noqa: E402
+from ced_csa2.model_utils import geometry, load_model_and_tokenizer  # noqa: E402
 from ced_csa2.plan import LayerPlan, load_plan  # noqa: E402
 from ced_csa2.data.records import batches, read_records  # noqa: E402
 from ced_csa2.ced_runtime import load_parts  # noqa: E402
@@ -78,26 +77,18 @@ def test_bad_study_params_are_refused_in_one_line(tmp_path, change, message):
 
 def test_an_unknown_objective_is_refused_before_any_data_or_model_is_read(in_tiny_folder):
     # the folder has a corpus (every study checks it first) but no dump or maps: the next check is its own params
-    params = load_params(in_tiny_folder / "params.yaml")
-    corpus.prepare(params, load_tokenizer(params.model), in_tiny_folder)
-    (in_tiny_folder / "studies").mkdir()
-    (in_tiny_folder / "studies" / "sharing.yaml").write_text(yaml.safe_dump(
-        {**TINY_STUDY, "trained": [{"objective": "kv_l1", "full_layers": [1]}]}))
+    prepared_study(in_tiny_folder, "sharing", {**TINY_STUDY, "trained": [{"objective": "kv_l1", "full_layers": [1]}]})
     with pytest.raises(ValueError, match=r"studies/sharing.yaml: trained.0.objective must be one of") as err:
         study_mod.main(Namespace(k=1))
     assert "\n" not in str(err.value)
 
 
 def read_tsv(path):
-    lines = [line.split("\t") for line in path.read_text().splitlines()]
-    return {r[0]: dict(zip(lines[0], r)) for r in lines[1:]}
+    return {r["arm"]: r for r in tsv_rows(path)}
 
 
 def test_the_study_runs_on_the_tiny_profile(in_tiny_folder):
-    params = load_params(in_tiny_folder / "params.yaml")
-    corpus.prepare(params, load_tokenizer(params.model), in_tiny_folder)
-    (in_tiny_folder / "studies").mkdir()
-    (in_tiny_folder / "studies" / "sharing.yaml").write_text(yaml.safe_dump(TINY_STUDY))
+    params = prepared_study(in_tiny_folder, "sharing", TINY_STUDY)
     with pytest.raises(ValueError, match=r"^studies/sharing.yaml: full_layers \[1, 2\] has no k = 3: ") as err:
         study_mod.main(Namespace(k=3))  # before any dump
     for k in (1, 2):  # the parts, as `dvc repro studies/dvc.yaml:sharing_part@<k>` runs them, from prepare's files

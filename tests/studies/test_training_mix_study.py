@@ -6,14 +6,12 @@ import sys
 import pytest
 import yaml
 from conftest import ROOT, tiny_params
-from study_params import refused
+from study_params import prepared_study, refused, tsv_rows
 
 sys.path.insert(0, str(ROOT / "studies"))
 import training_mix as study_mod  # noqa: E402
 
 from ced_csa2.config import ParamsError, load_params  # noqa: E402
-from ced_csa2.data import corpus  # noqa: E402
-from ced_csa2.model_utils import load_tokenizer  # noqa: E402
 from ced_csa2.pipeline.atomic_files import read_json  # noqa: E402
 from ced_csa2.stages import gold_pairs  # noqa: E402
 
@@ -91,18 +89,14 @@ def test_the_choice_judges_a_trained_domain_by_its_leave_one_out_arm_within_the_
 
 
 def test_the_study_runs_on_the_tiny_profile(in_tiny_folder, monkeypatch):
-    params = load_params(in_tiny_folder / "params.yaml")
-    corpus.prepare(params, load_tokenizer(params.model), in_tiny_folder)  # the evaluation records
+    params = prepared_study(in_tiny_folder, "training_mix", TINY_STUDY)  # the evaluation records
     pairs = gold_pairs.run(params, in_tiny_folder)
-    (in_tiny_folder / "studies").mkdir()
-    (in_tiny_folder / "studies" / "training_mix.yaml").write_text(yaml.safe_dump(TINY_STUDY))
     study_mod.main()
 
     out = read_json(in_tiny_folder / "studies" / "training_mix" / "mix.json")
     assert out["rows_by_arm"] == {"wiki": {"tiny": 1500}, "uniform": {"tiny": 750, "reports_a": 750},
                                   "without_tiny": {"reports_a": 1500}, "without_reports_a": {"tiny": 1500}}
-    rows = [line.split("\t") for line in (in_tiny_folder / "studies" / "training_mix" / "mix.tsv").read_text().splitlines()]
-    header, rows = rows[0], [dict(zip(rows[0], r)) for r in rows[1:]]
+    rows = tsv_rows(in_tiny_folder / "studies" / "training_mix" / "mix.tsv")
     domains = ["tiny", *(d.name for d in tiny_params().data.domains)]
     assert len(rows) == 4 * 3 * len(domains)  # every arm, group and domain
     # the same maps from the same rows: the arm trained on tiny alone twice gives the same figures
@@ -117,4 +111,4 @@ def test_the_study_runs_on_the_tiny_profile(in_tiny_folder, monkeypatch):
     assert (gold["math_set"], gold["problems"]) == (params.data.math_label(), len(pairs))
     assert {a: set(g) for a, g in gold["arms"].items()} == {a: set(study_mod.GROUPS) for a in out["rows_by_arm"]}
     assert gold["arms"]["wiki"] == gold["arms"]["without_reports_a"]
-    assert "trained_on" in header
+    assert "trained_on" in rows[0]
