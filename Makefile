@@ -25,5 +25,7 @@ baseline: $(VENV)/.installed
 
 # Two test workers, one torch thread each: the tiny models gain little from a second intra-op
 # thread, and two workers of two threads oversubscribe two cores (about twice as slow, measured).
+# Whole files to a worker, in the order tests/conftest.py collects them (longest first):
+# pytest-xdist would otherwise hand out first the files with the most tests.
 test: $(VENV)/.installed
-	OMP_NUM_THREADS=1 python -m pytest -q -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
