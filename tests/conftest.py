@@ -289,10 +289,12 @@ def project_copy(dst: Path) -> Path:
     return dst
 
 
-# The longest files first (measured: the e2e pipeline ~5 min, the dump's faults and kills ~4,
-# the torchrun stages ~3.5): `make test` hands whole files (--dist loadfile) to its two workers
-# in collection order, so a long file collected last would run alone at the end.
-LONGEST_FIRST = ("test_pipeline_e2e.py", "test_faults_dump.py", "test_distributed.py", "test_faults.py")
+# The longest files first (measured on a 2-core AVX2 EPYC: the e2e pipeline ~9 min, the torchrun
+# stages ~3, the dump's faults and kills ~2.5, the sharing study ~2, the other faults ~1.2):
+# `make test` hands whole files (--dist loadfile) to its two workers in collection order
+# (--no-loadscope-reorder), so a long file collected last would run alone at the end.
+LONGEST_FIRST = ("test_pipeline_e2e.py", "test_distributed.py", "test_faults_dump.py", "test_sharing_study.py",
+                 "test_faults.py")
 
 
 def pytest_collection_modifyitems(items):
